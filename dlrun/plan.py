@@ -1,0 +1,171 @@
+"""The rank plan: which process runs where, with which rank numbers, roles and ports.
+
+Pure: ``make_plan`` maps an ``Inventory`` (plus the network address each host is reached at)
+to a ``Plan`` of ``RankSpec`` records. Ranks are assigned host by host in inventory order,
+exactly as Horovod does it (``horovod/runner/common/util/hosts.py``):
+
+- ``local_rank`` counts within a host, ``local_size`` is the host's process count;
+- ``cross_rank`` is the host's position among the hosts that have that local rank, and
+  ``cross_size`` is their number (so hosts with different slot counts work).
+
+Ports: one per rank, ``base_port + local_rank``. Hosts on a loopback address all share this
+machine, so there every rank gets ``base_port + rank`` instead, to avoid collisions.
+
+Roles (ParameterServerStrategy): every slot of a host with a role is a task of that type,
+indexed in rank order among tasks of its type. Without roles every rank is a ``worker``
+and worker 0 is the chief; with a ``chief`` host, that host's rank is the chief.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dlrun.errors import PlanError
+from dlrun.inventory import Host, Inventory
+
+FRAMEWORKS = ("tf", "tf-ps", "horovod", "torch", "none")
+DEFAULT_BASE_PORT = 23456
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One process of the job."""
+
+    rank: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    host_index: int  # position of the host among the hosts the job uses
+    host: Host
+    address: str  # where the other ranks reach this one
+    port: int
+    task_type: str  # chief | worker | ps | evaluator
+    task_index: int
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{host}:{self.port}"
+
+    @property
+    def is_chief(self) -> bool:
+        return self.task_type == "chief"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every rank of a job, in rank order, and the job-wide facts renderers need."""
+
+    job_id: str
+    framework: str
+    ranks: tuple[RankSpec, ...]
+    uses_roles: bool
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def hosts(self) -> tuple[Host, ...]:
+        seen: dict[str, Host] = {}
+        for spec in self.ranks:
+            seen.setdefault(spec.host.name, spec.host)
+        return tuple(seen.values())
+
+    def ranks_on(self, host_name: str) -> tuple[RankSpec, ...]:
+        return tuple(r for r in self.ranks if r.host.name == host_name)
+
+    @property
+    def chief(self) -> RankSpec:
+        for spec in self.ranks:
+            if spec.task_type == "chief":
+                return spec
+        return self.ranks[0]
+
+
+def is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def make_plan(
+    inventory: Inventory,
+    *,
+    job_id: str,
+    np: int | None = None,
+    base_port: int = DEFAULT_BASE_PORT,
+    framework: str = "tf",
+    addresses: Mapping[str, str] | None = None,
+) -> Plan:
+    """Assign ranks host by host. ``addresses`` maps host name → address the ranks use."""
+    if framework not in FRAMEWORKS:
+        raise PlanError(f"unknown framework {framework!r} (expected one of {', '.join(FRAMEWORKS)})")
+    total = inventory.total_slots
+    if np is None:
+        np = total
+    if np < 1:
+        raise PlanError(f"--np must be at least 1, not {np}")
+    if np > total:
+        raise PlanError(
+            f"--np {np} needs {np} slots but the inventory ({inventory.source}) has {total}",
+            hint="add hosts or slots, or lower --np",
+        )
+    addresses = addresses or {}
+    # slots actually used per host: fill host by host
+    used: list[tuple[Host, int]] = []
+    left = np
+    for host in inventory.hosts:
+        if left == 0:
+            break
+        take = min(host.effective_slots, left)
+        used.append((host, take))
+        left -= take
+
+    uses_roles = framework == "tf-ps" or any(h.role for h, _ in used)
+    if framework == "tf-ps":
+        kinds = {h.role for h, _ in used}
+        if "chief" not in kinds or "ps" not in kinds:
+            raise PlanError(
+                "--framework tf-ps needs a host with role = 'chief' and at least one with role = 'ps'"
+                f" (roles used: {', '.join(sorted(k or 'none' for k in kinds))})",
+                hint="set role in hosts.toml; see hosts.example.toml",
+            )
+    ranks: list[RankSpec] = []
+    rank = 0
+    type_counts: dict[str, int] = {}
+    for host_index, (host, count) in enumerate(used):
+        address = addresses.get(host.name, host.address)
+        if host.is_local and address in ("localhost", "::1"):
+            address = "127.0.0.1"
+        task_type = host.role or "worker"
+        for local_rank in range(count):
+            hosts_with = [i for i, (_, c) in enumerate(used) if c > local_rank]
+            port = base_port + (rank if is_loopback(address) else local_rank)
+            if port > 65535:
+                raise PlanError(f"port {port} for rank {rank} is out of range; lower --base-port")
+            index = type_counts.get(task_type, 0)
+            type_counts[task_type] = index + 1
+            ranks.append(
+                RankSpec(
+                    rank=rank,
+                    local_rank=local_rank,
+                    local_size=count,
+                    cross_rank=hosts_with.index(host_index),
+                    cross_size=len(hosts_with),
+                    host_index=host_index,
+                    host=host,
+                    address=address,
+                    port=port,
+                    task_type=task_type,
+                    task_index=index,
+                )
+            )
+            rank += 1
+    return Plan(job_id=job_id, framework=framework, ranks=tuple(ranks), uses_roles=uses_roles)

@@ -1,0 +1,192 @@
+"""Renderers: what each rank receives — its environment and its argv.
+
+Pure functions named for what they return: ``tf_config`` (the TF_CONFIG dict),
+``dlrun_env``, ``horovod_env``, ``torch_env``, ``framework_env``, ``worker_argv`` and
+``worker_commands`` (all ranks as ``WorkerCommand`` records). Also ``mask_env``, which every
+printed output goes through so that secrets are never shown.
+
+Commands are argv lists, never shell strings: TF_CONFIG is JSON and travels byte-exact to the
+agent that starts the rank (see ``dlrun.agent``), so no shell ever sees it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dlrun.plan import Plan, RankSpec
+
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|KEY", re.IGNORECASE)
+MASK = "****"
+
+
+@dataclass(frozen=True)
+class WorkerCommand:
+    """Everything needed to start one rank: where, what, with which env (additions only)."""
+
+    spec: RankSpec
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    @property
+    def host_name(self) -> str:
+        return self.spec.host.name
+
+
+def tf_config(plan: Plan, spec: RankSpec) -> dict[str, Any]:
+    """TF_CONFIG for MultiWorkerMirroredStrategy, or the ParameterServerStrategy layout."""
+    cluster: dict[str, list[str]] = {}
+    for other in plan.ranks:
+        cluster.setdefault(other.task_type, []).append(other.endpoint)
+    ordered = {kind: cluster[kind] for kind in ("chief", "worker", "ps", "evaluator") if kind in cluster}
+    return {"cluster": ordered, "task": {"type": spec.task_type, "index": spec.task_index}}
+
+
+def dlrun_env(plan: Plan, spec: RankSpec) -> dict[str, str]:
+    """The DLRUN_* variables every rank gets, whatever the framework."""
+    return {
+        "DLRUN_RANK": str(spec.rank),
+        "DLRUN_LOCAL_RANK": str(spec.local_rank),
+        "DLRUN_WORLD_SIZE": str(plan.world_size),
+        "DLRUN_LOCAL_WORLD_SIZE": str(spec.local_size),
+        "DLRUN_HOST": spec.host.name,
+        "DLRUN_JOB_ID": plan.job_id,
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def horovod_env(
+    plan: Plan, spec: RankSpec, *, rendezvous: tuple[str, int], iface: str | None = None
+) -> dict[str, str]:
+    """Horovod's gloo rank environment, pointing at dlrun's rendezvous server."""
+    env = {
+        "HOROVOD_RANK": str(spec.rank),
+        "HOROVOD_SIZE": str(plan.world_size),
+        "HOROVOD_LOCAL_RANK": str(spec.local_rank),
+        "HOROVOD_LOCAL_SIZE": str(spec.local_size),
+        "HOROVOD_CROSS_RANK": str(spec.cross_rank),
+        "HOROVOD_CROSS_SIZE": str(spec.cross_size),
+        "HOROVOD_HOSTNAME": spec.host.name,
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous[0],
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous[1]),
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+    }
+    if iface:
+        env["HOROVOD_GLOO_IFACE"] = iface
+        env["NCCL_SOCKET_IFNAME"] = iface
+    return env
+
+
+def torch_env(plan: Plan, spec: RankSpec, *, master_port: int | None = None) -> dict[str, str]:
+    """torch.distributed's env:// variables (what torchrun sets)."""
+    master = plan.ranks[0]
+    env = {
+        "MASTER_ADDR": master.address,
+        "MASTER_PORT": str(master_port if master_port is not None else master.port),
+        "RANK": str(spec.rank),
+        "WORLD_SIZE": str(plan.world_size),
+        "LOCAL_RANK": str(spec.local_rank),
+        "LOCAL_WORLD_SIZE": str(spec.local_size),
+        "GROUP_RANK": str(spec.host_index),
+    }
+    return env
+
+
+def framework_env(
+    plan: Plan,
+    spec: RankSpec,
+    *,
+    rendezvous: tuple[str, int] | None = None,
+    iface: str | None = None,
+) -> dict[str, str]:
+    """The framework part of a rank's env (``plan.framework`` picks which)."""
+    if plan.framework in ("tf", "tf-ps"):
+        return {"TF_CONFIG": json.dumps(tf_config(plan, spec), separators=(",", ":"))}
+    if plan.framework == "horovod":
+        if rendezvous is None:
+            raise ValueError("horovod_env needs the rendezvous address")
+        return horovod_env(plan, spec, rendezvous=rendezvous, iface=iface)
+    if plan.framework == "torch":
+        return torch_env(plan, spec)
+    return {}
+
+
+def worker_argv(script: str, args: Sequence[str], python: Sequence[str]) -> tuple[str, ...]:
+    """A ``.py`` script runs with the host's python; anything else runs as given."""
+    if script.endswith(".py"):
+        return (*python, script, *args)
+    return (script, *args)
+
+
+def worker_commands(
+    plan: Plan,
+    script: str,
+    args: Sequence[str],
+    *,
+    python_for: Mapping[str, Sequence[str]],
+    cwd_for: Mapping[str, str | None] | None = None,
+    extra_env: Mapping[str, str] | None = None,
+    rendezvous: tuple[str, int] | None = None,
+    iface: str | None = None,
+) -> tuple[WorkerCommand, ...]:
+    """Render every rank: env = inventory env (host over defaults) < extra < dlrun < framework.
+
+    ``python_for`` maps host name → the python argv prefix on that host.
+    """
+    commands = []
+    for spec in plan.ranks:
+        env: dict[str, str] = {}
+        env.update(spec.host.env)
+        env.update(extra_env or {})
+        env.update(dlrun_env(plan, spec))
+        env.update(framework_env(plan, spec, rendezvous=rendezvous, iface=iface))
+        if plan.framework == "torch" and spec.local_size > 1 and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = "1"
+        commands.append(
+            WorkerCommand(
+                spec=spec,
+                argv=worker_argv(script, args, python_for[spec.host.name]),
+                env=env,
+                cwd=(cwd_for or {}).get(spec.host.name),
+            )
+        )
+    return tuple(commands)
+
+
+def mask_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Hide the values of variables whose names contain TOKEN, SECRET, PASSWORD or KEY."""
+    return {name: (MASK if SECRET_NAME.search(name) else value) for name, value in env.items()}
+
+
+def plan_to_json(commands: Sequence[WorkerCommand]) -> dict[str, Any]:
+    """The ``--dry-run --json`` document (secrets masked)."""
+    return {
+        "world_size": len(commands),
+        "job_id": commands[0].env.get("DLRUN_JOB_ID") if commands else None,
+        "ranks": [
+            {
+                "rank": c.spec.rank,
+                "host": c.spec.host.name,
+                "address": c.spec.address,
+                "local_rank": c.spec.local_rank,
+                "local_size": c.spec.local_size,
+                "cross_rank": c.spec.cross_rank,
+                "cross_size": c.spec.cross_size,
+                "task": {"type": c.spec.task_type, "index": c.spec.task_index},
+                "port": c.spec.port,
+                "argv": list(c.argv),
+                "cwd": c.cwd,
+                "env": mask_env(c.env),
+            }
+            for c in commands
+        ],
+    }
