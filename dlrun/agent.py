@@ -1,0 +1,408 @@
+"""The host agent: starts one host's ranks, streams their output back, and is their watchdog.
+
+This module runs on the worker host, as ``python3 -c <this file's source>`` — over one SSH
+exec channel, or as a local subprocess for localhost ranks — so it imports only the standard
+library and runs on Python >= 3.8. It owns the lifecycle of every process of the job on its
+host:
+
+* **Input (stdin)**: newline-delimited JSON. The first message is the spec
+  ``{"job_id", "ranks": [{"rank", "argv", "env", "cwd"}], "eof_grace"}``; later ones are
+  ``{"op": "stop", "grace": s}`` (SIGTERM every rank's process group, SIGKILL after ``s``) and
+  ``{"op": "kill"}``. Env and argv travel inside JSON, so no shell ever parses them.
+* **Output (stdout)**: binary frames ``>BiI`` (kind, rank, length) + payload: HELLO (JSON facts),
+  STARTED (JSON pid), STDOUT/STDERR (raw chunks up to 64 KiB), EXIT (JSON code), ERROR (text),
+  DONE. The controller splits lines itself.
+* **Watchdog**: when stdin reaches EOF (dlrun killed, Ctrl-C, SSH connection dropped) every
+  rank's process group is terminated, then killed. Each rank runs in its own session and
+  process group; every process carries ``DLRUN_JOB_ID`` in its environment, which is how a
+  final sweep finds children that escaped with ``setsid`` — only this job's, never another's.
+* **PID namespace**: started with ``--pidns``, the agent re-executes itself under
+  ``unshare --pid --fork --kill-child`` (with ``--user --map-current-user`` when not root) if
+  that works for the login user; then it is PID 1 of the namespace and the kernel kills every
+  process of the job when it exits. Where unshare is refused, the sweep is the fallback.
+
+Exit codes: a rank killed by signal N reports 128 + N, as shells do; a command that cannot be
+started reports 127 (not found) or 126 (not executable) with an ERROR frame naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from typing import IO, Any
+
+HEADER = struct.Struct(">BiI")
+HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE = range(1, 8)
+CHUNK = 65536
+AGENT_RANK = -1
+
+
+def frame(kind: int, rank: int, payload: bytes) -> bytes:
+    return HEADER.pack(kind, rank, len(payload)) + payload
+
+
+class FrameDecoder:
+    """Incremental decoder of the agent's output (used by the controller)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
+        self._buf += data
+        frames = []
+        view = self._buf
+        pos = 0
+        size = HEADER.size
+        while len(view) - pos >= size:
+            kind, rank, length = HEADER.unpack_from(view, pos)
+            if len(view) - pos - size < length:
+                break
+            start = pos + size
+            frames.append((kind, rank, bytes(view[start : start + length])))
+            pos = start + length
+        del self._buf[:pos]
+        return frames
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+
+# ----------------------------------------------------------------------------- agent side
+
+
+def _unshare_argv() -> list[str] | None:
+    """The unshare prefix that works for this user here, or None."""
+    candidates = [["unshare", "--pid", "--fork", "--kill-child"]] if os.geteuid() == 0 else []
+    candidates += [
+        ["unshare", "--user", "--map-current-user", "--pid", "--fork", "--kill-child"],
+        ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child"],
+    ]
+    for prefix in candidates:
+        try:
+            probe = subprocess.run(
+                [*prefix, "true"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=5,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if probe.returncode == 0:
+            return prefix
+    return None
+
+
+class Agent:
+    def __init__(self, out: IO[bytes], in_namespace: bool) -> None:
+        self.out_fd = out.fileno()
+        self.in_namespace = in_namespace
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.open_streams: dict[int, int] = {}  # rank -> number of open pipes
+        self.exited: dict[int, int] = {}
+        self.kill_at: float | None = None
+        self.job_id = ""
+        self.out_broken = False
+        self.sel = selectors.DefaultSelector()
+        self.pending = bytearray()
+
+    # output -------------------------------------------------------------------------
+    def emit(self, kind: int, rank: int, payload: bytes) -> None:
+        self.pending += frame(kind, rank, payload)
+
+    def flush(self) -> None:
+        if self.out_broken:
+            self.pending.clear()
+            return
+        data = bytes(self.pending)
+        self.pending.clear()
+        while data:
+            try:
+                written = os.write(self.out_fd, data)
+            except BlockingIOError:
+                time.sleep(0.001)
+                continue
+            except OSError:
+                self.out_broken = True
+                return
+            data = data[written:]
+
+    # ranks --------------------------------------------------------------------------
+    def start(self, spec: dict[str, Any]) -> None:
+        self.job_id = str(spec.get("job_id", ""))
+        for item in spec["ranks"]:
+            rank = int(item["rank"])
+            env = dict(os.environ)
+            env.update({str(k): str(v) for k, v in item.get("env", {}).items()})
+            env["DLRUN_JOB_ID"] = self.job_id
+            argv = [str(a) for a in item["argv"]]
+            cwd = item.get("cwd") or None
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd=cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
+            except FileNotFoundError as exc:
+                missing = cwd if cwd and not os.path.isdir(cwd) else argv[0]
+                what = "working directory" if missing == cwd else "command"
+                self.emit(ERROR, rank, f"{what} not found: {missing} ({exc.strerror})".encode())
+                self.emit(EXIT, rank, json.dumps({"code": 127}).encode())
+                self.exited[rank] = 127
+                continue
+            except OSError as exc:
+                self.emit(ERROR, rank, f"cannot start {argv[0]}: {exc}".encode())
+                self.emit(EXIT, rank, json.dumps({"code": 126}).encode())
+                self.exited[rank] = 126
+                continue
+            self.procs[rank] = proc
+            self.open_streams[rank] = 2
+            assert proc.stdout is not None and proc.stderr is not None
+            for stream, kind in ((proc.stdout, STDOUT), (proc.stderr, STDERR)):
+                os.set_blocking(stream.fileno(), False)
+                self.sel.register(stream, selectors.EVENT_READ, (rank, kind))
+            self.emit(STARTED, rank, json.dumps({"pid": proc.pid}).encode())
+        self.flush()
+
+    def signal_all(self, sig: int) -> None:
+        for rank, proc in self.procs.items():
+            if rank not in self.exited:
+                try:
+                    os.killpg(proc.pid, sig)
+                except OSError:
+                    pass
+
+    def stop(self, grace: float) -> None:
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + max(grace, 0.0)
+        self.kill_at = deadline if self.kill_at is None else min(self.kill_at, deadline)
+
+    def read_ready(self, timeout: float) -> None:
+        for key, _ in self.sel.select(timeout):
+            if key.data == "control":
+                continue
+            rank, kind = key.data
+            self.drain(key.fileobj, rank, kind)  # type: ignore[arg-type]
+
+    def drain(self, stream: IO[bytes], rank: int, kind: int) -> None:
+        try:
+            data = os.read(stream.fileno(), CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.emit(kind, rank, data)
+        else:
+            self.sel.unregister(stream)
+            stream.close()
+            self.open_streams[rank] -= 1
+
+    def reap(self) -> None:
+        for rank, proc in self.procs.items():
+            if rank in self.exited:
+                continue
+            code = proc.poll()
+            if code is None:
+                continue
+            # collect what the rank wrote before it exited (a grandchild may keep the pipe open)
+            for stream, kind in ((proc.stdout, STDOUT), (proc.stderr, STDERR)):
+                if stream is not None and not stream.closed:
+                    for _ in range(64):
+                        before = self.open_streams[rank]
+                        self.drain(stream, rank, kind)
+                        if stream.closed or self.open_streams[rank] != before:
+                            break
+                        if not self._readable(stream):
+                            break
+            code = 128 - code if code < 0 else code
+            self.exited[rank] = code
+            try:  # whatever the rank left in its group goes with it
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None and not stream.closed:
+                    self.sel.unregister(stream)
+                    stream.close()
+            self.emit(EXIT, rank, json.dumps({"code": code}).encode())
+        if self.in_namespace:  # as PID 1 we also reap orphans
+            while True:
+                try:
+                    pid, _ = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+
+    @staticmethod
+    def _readable(stream: IO[bytes]) -> bool:
+        sel = selectors.DefaultSelector()
+        sel.register(stream, selectors.EVENT_READ)
+        ready = bool(sel.select(0))
+        sel.close()
+        return ready
+
+    def sweep(self) -> None:
+        """Kill every process of this user tagged with this job id (catches setsid escapes)."""
+        if not self.job_id or self.in_namespace:
+            return
+        tag = ("DLRUN_JOB_ID=" + self.job_id).encode()
+        me = os.getpid()
+        uid = os.getuid()
+        for _ in range(3):
+            found = False
+            for entry in os.listdir("/proc"):
+                if not entry.isdigit() or int(entry) == me:
+                    continue
+                try:
+                    if os.stat("/proc/" + entry).st_uid != uid:
+                        continue
+                    with open("/proc/" + entry + "/environ", "rb") as fh:
+                        environ = fh.read().split(b"\0")
+                except OSError:
+                    continue
+                if tag in environ:
+                    found = True
+                    try:
+                        os.kill(int(entry), signal.SIGKILL)
+                    except OSError:
+                        pass
+            if not found:
+                return
+            time.sleep(0.05)
+
+    def all_exited(self) -> bool:
+        return all(rank in self.exited for rank in self.procs)
+
+
+def _reexec_in_pidns() -> None:
+    """Run this same command line again as PID 1 of a new PID namespace, if allowed here."""
+    prefix = _unshare_argv()
+    if prefix is None:
+        return
+    try:  # our own argv, ``-c`` source included (Python does not keep it elsewhere)
+        with open("/proc/self/cmdline", "rb") as fh:
+            cmdline = [a.decode() for a in fh.read().split(b"\0")[:-1]]
+    except OSError:
+        return
+    cmdline = [a for a in cmdline if a != "--pidns"] + ["--in-pidns"]
+    sys.stdout.flush()
+    os.execvp(prefix[0], [*prefix, *cmdline])
+
+
+def _run_agent(argv: list[str]) -> int:
+    in_namespace = "--in-pidns" in argv
+    if "--pidns" in argv and not in_namespace and not os.environ.get("DLRUN_NO_PIDNS"):
+        _reexec_in_pidns()
+    stdin_fd = sys.stdin.fileno()
+    os.set_blocking(stdin_fd, False)
+    agent = Agent(sys.stdout.buffer, in_namespace)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: _on_signal(agent, signum))
+    agent.emit(
+        HELLO,
+        AGENT_RANK,
+        json.dumps(
+            {
+                "hostname": socket.gethostname(),
+                "pid": os.getpid(),
+                "pidns": in_namespace,
+                "python": sys.version.split()[0],
+            }
+        ).encode(),
+    )
+    agent.flush()
+    agent.sel.register(stdin_fd, selectors.EVENT_READ, "control")
+    control = bytearray()
+    started = False
+    eof_grace = 2.0
+    while True:
+        agent.read_ready(0.05)
+        # control channel
+        stdin_closed = False
+        while True:
+            try:
+                data = os.read(stdin_fd, CHUNK)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:
+                stdin_closed = True
+                break
+            control += data
+        while b"\n" in control:
+            line, _, rest = bytes(control).partition(b"\n")
+            control[:] = rest
+            if not line.strip():
+                continue
+            message = json.loads(line)
+            if not started:
+                started = True
+                eof_grace = float(message.get("eof_grace", eof_grace))
+                agent.start(message)
+            elif message.get("op") == "stop":
+                agent.stop(float(message.get("grace", 10)))
+            elif message.get("op") == "kill":
+                agent.stop(0)
+        if stdin_closed:
+            agent.sel.unregister(stdin_fd)
+            agent.stop(eof_grace)  # the controller is gone: nobody will read us any more
+            return _finish(agent)
+        agent.reap()
+        if agent.kill_at is not None and time.monotonic() >= agent.kill_at:
+            agent.signal_all(signal.SIGKILL)
+        agent.flush()
+        if started and agent.all_exited():
+            agent.sweep()
+            agent.emit(DONE, AGENT_RANK, b"")
+            agent.flush()
+            return 0
+
+
+def _finish(agent: Agent) -> int:
+    """stdin closed: stop every rank (TERM, grace, KILL), sweep, report what we can, exit."""
+    give_up = time.monotonic() + 60
+    while not agent.all_exited() and time.monotonic() < give_up:
+        agent.read_ready(0.02)
+        agent.reap()
+        if agent.kill_at is not None and time.monotonic() >= agent.kill_at:
+            agent.signal_all(signal.SIGKILL)
+        agent.flush()
+    agent.sweep()
+    agent.emit(DONE, AGENT_RANK, b"")
+    agent.flush()
+    return 0
+
+
+def _on_signal(agent: Agent, signum: int) -> None:
+    agent.signal_all(signal.SIGKILL)
+    agent.sweep()
+    os._exit(128 + signum)
+
+
+def main() -> None:
+    sys.exit(_run_agent(sys.argv[1:]))
+
+
+def agent_source() -> str:
+    """This file's source: the controller runs it on a host as ``python3 -c <source>``."""
+    with open(__file__, encoding="utf-8") as fh:
+        return fh.read()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The ``dlrun`` command line: thin click wiring over ``dlrun.launch`` and friends.
+
+Each command parses its options into a config record and calls domain code. Every
+``DlrunError`` becomes one ``dlrun: error: …`` message on stderr and its exit code, never a
+traceback. Heavy imports (paramiko, TensorFlow, pyspark) happen only inside the command
+that needs them, so ``dlrun --help`` stays fast.
+
+Exit codes: 0 success; a failed rank's own exit code; 1 topo/preflight error findings;
+2 usage or inventory error; 130/143 interrupted (SIGINT/SIGTERM); 255 a host unreachable
+or lost (as ssh does).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Any, TypeVar
+
+import click
+
+from dlrun import __version__
+from dlrun.errors import DlrunError
+from dlrun.plan import DEFAULT_BASE_PORT, FRAMEWORKS
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _reports_errors(func: F) -> F:
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except DlrunError as exc:
+            click.echo(f"dlrun: error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("dlrun: interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise click.BadParameter(f"expected NAME=VALUE, got {pair!r}", param_hint="--env")
+        env[name] = value
+    return env
+
+
+def _parse_ranks(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected rank numbers like 0,2, got {text!r}", param_hint="--ranks") from None
+
+
+ssh_options = [
+    click.option("--ssh-config", type=click.Path(dir_okay=False), help="OpenSSH config file (default ~/.ssh/config)."),
+    click.option("--known-hosts", type=click.Path(dir_okay=False), help="known_hosts file (default from ssh config)."),
+    click.option("--accept-new-host-keys", is_flag=True, help="Add unknown host keys to known_hosts (never changed ones)."),
+    click.option("--connect-timeout", type=float, default=10.0, show_default=True, help="Seconds to reach each host."),
+]
+
+
+def _with_ssh_options(func: F) -> F:
+    for option in reversed(ssh_options):
+        func = option(func)
+    return func
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="dlrun")
+def main() -> None:
+    """Launch distributed deep-learning jobs on localhost workers, SSH hosts or Spark."""
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("script")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: localhost).")
+@click.option("--np", "-n", "np_", type=int, help="Number of ranks (default: every slot; 2 on localhost).")
+@click.option("--framework", type=click.Choice(FRAMEWORKS), default="tf", show_default=True)
+@click.option("--base-port", type=int, default=DEFAULT_BASE_PORT, show_default=True, help="Port of local rank 0.")
+@click.option("--dry-run", is_flag=True, help="Print each rank's host, env and argv; start nothing.")
+@click.option("--json", "json_output", is_flag=True, help="With --dry-run: print the plan as JSON.")
+@click.option("--log-dir", type=click.Path(file_okay=False), help="Where rank-N.log files go (default dlrun-logs/).")
+@click.option("--grace", type=float, default=10.0, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
+@click.option("--ranks", "ranks_text", help="Show only these ranks on screen, e.g. 0,2 (files keep all).")
+@click.option("--env", "-e", "env_pairs", multiple=True, help="NAME=VALUE for every rank (repeatable).")
+@click.option("--iface", help="Network interface for gloo/NCCL (Horovod).")
+@click.option("--plain", is_flag=True, help="Plain prefixed lines even on a terminal.")
+@click.option("--no-pidns", is_flag=True, help="Do not run each host's ranks in a PID namespace.")
+@_with_ssh_options
+@_reports_errors
+def launch(
+    script: str,
+    args: tuple[str, ...],
+    hosts: str | None,
+    np_: int | None,
+    framework: str,
+    base_port: int,
+    dry_run: bool,
+    json_output: bool,
+    log_dir: str | None,
+    grace: float,
+    ranks_text: str | None,
+    env_pairs: tuple[str, ...],
+    iface: str | None,
+    plain: bool,
+    no_pidns: bool,
+    ssh_config: str | None,
+    known_hosts: str | None,
+    accept_new_host_keys: bool,
+    connect_timeout: float,
+) -> None:
+    """Run SCRIPT [ARGS]... on every rank: `dlrun launch train.py --hosts hosts.toml`."""
+    from dlrun.launch import LaunchConfig, SSHOptions, launch as run_launch  # noqa: PLC0415
+
+    if json_output and not dry_run:
+        raise click.UsageError("--json goes with --dry-run")
+    config = LaunchConfig(
+        script=script,
+        args=args,
+        hosts=hosts,
+        np=np_,
+        base_port=base_port,
+        framework=framework,
+        dry_run=dry_run,
+        json_output=json_output,
+        log_dir=log_dir,
+        grace=grace,
+        ranks_shown=_parse_ranks(ranks_text),
+        env=_parse_env(env_pairs),
+        iface=iface,
+        plain=plain,
+        pidns=not no_pidns,
+        ssh=SSHOptions(
+            config_file=ssh_config,
+            accept_new_host_keys=accept_new_host_keys,
+            connect_timeout=connect_timeout,
+            known_hosts=known_hosts,
+        ),
+    )
+    sys.exit(run_launch(config))

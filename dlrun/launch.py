@@ -1,0 +1,208 @@
+"""``dlrun launch``: the job pipeline from options to exit code.
+
+``LaunchConfig`` holds what the user asked for; ``launch`` walks the layers once:
+inventory → connect → plan → render → (push) → supervise → exit code. ``--dry-run`` stops
+after render. The CLI module only parses options into a ``LaunchConfig`` and calls this.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from types import FrameType
+
+from dlrun.errors import UsageError
+from dlrun.inventory import Inventory, load_inventory, localhost_inventory
+from dlrun.plan import DEFAULT_BASE_PORT, Plan, make_plan
+from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
+from dlrun.supervisor import RunResult, Supervisor
+from dlrun.transport import HostRouter, Transport, default_python
+from dlrun.view import make_view
+
+
+@dataclass(frozen=True)
+class SSHOptions:
+    config_file: str | None = None
+    accept_new_host_keys: bool = False
+    connect_timeout: float = 10.0
+    known_hosts: str | None = None
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    script: str
+    args: tuple[str, ...] = ()
+    hosts: str | None = None
+    np: int | None = None
+    base_port: int = DEFAULT_BASE_PORT
+    framework: str = "tf"
+    dry_run: bool = False
+    json_output: bool = False
+    log_dir: str | None = None
+    grace: float = 10.0
+    ranks_shown: tuple[int, ...] | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    ssh: SSHOptions = field(default_factory=SSHOptions)
+    pidns: bool = True
+    plain: bool = False
+    iface: str | None = None
+
+
+def new_job_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def resolve_inventory(hosts: str | None, np: int | None) -> Inventory:
+    if hosts is None:
+        return localhost_inventory(2 if np is None else np)
+    return load_inventory(hosts)
+
+
+def make_transport(inventory: Inventory, ssh: SSHOptions) -> Transport:
+    """Local hosts need no SSH (and dlrun does not import paramiko for them)."""
+    if inventory.all_local:
+        return HostRouter(remote=None)
+    from dlrun.ssh import SSHTransport  # noqa: PLC0415 - paramiko only when a host needs it
+
+    return HostRouter(
+        remote=SSHTransport(
+            config_file=ssh.config_file,
+            accept_new_host_keys=ssh.accept_new_host_keys,
+            connect_timeout=ssh.connect_timeout,
+            known_hosts=ssh.known_hosts,
+        )
+    )
+
+
+def render_commands(
+    config: LaunchConfig,
+    inventory: Inventory,
+    job_id: str,
+    addresses: Mapping[str, str] | None = None,
+    cwd_for: Mapping[str, str | None] | None = None,
+    rendezvous: tuple[str, int] | None = None,
+) -> tuple[Plan, tuple[WorkerCommand, ...]]:
+    plan = make_plan(
+        inventory,
+        job_id=job_id,
+        np=config.np,
+        base_port=config.base_port,
+        framework=config.framework,
+        addresses=addresses,
+    )
+    if cwd_for is None:
+        cwd_for = {h.name: (os.getcwd() if h.is_local else h.workdir) for h in plan.hosts}
+    commands = worker_commands(
+        plan,
+        config.script,
+        config.args,
+        python_for={h.name: default_python(h) for h in plan.hosts},
+        cwd_for=cwd_for,
+        extra_env=config.env,
+        rendezvous=rendezvous or (("127.0.0.1", 0) if config.framework == "horovod" else None),
+        iface=config.iface,
+    )
+    return plan, commands
+
+
+def keras_warning(config: LaunchConfig, inventory: Inventory) -> str | None:
+    """Keras 3 cannot model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585)."""
+    if config.framework not in ("tf", "tf-ps"):
+        return None
+    if "TF_USE_LEGACY_KERAS" in config.env or "TF_USE_LEGACY_KERAS" in os.environ:
+        return None
+    if all("TF_USE_LEGACY_KERAS" in h.env for h in inventory.hosts):
+        return None
+    try:
+        version = metadata.version("keras")
+    except metadata.PackageNotFoundError:
+        return None
+    if not version.startswith("3."):
+        return None
+    return (
+        f"Keras {version} is installed and TF_USE_LEGACY_KERAS is unset: Keras 3 cannot model.fit under "
+        "MultiWorkerMirroredStrategy (keras-team/keras#20585). Install tf_keras and pass "
+        "--env TF_USE_LEGACY_KERAS=1, or use a custom training loop."
+    )
+
+
+def dry_run_text(commands: Sequence[WorkerCommand]) -> str:
+    lines = []
+    for c in commands:
+        s = c.spec
+        lines.append(
+            f"rank {s.rank}: host {s.host.name} ({s.address}) local_rank {s.local_rank}/{s.local_size} "
+            f"cross_rank {s.cross_rank}/{s.cross_size} task {s.task_type}:{s.task_index} port {s.port}"
+        )
+        lines.append(f"  argv: {json.dumps(list(c.argv))}")
+        if c.cwd:
+            lines.append(f"  cwd:  {c.cwd}")
+        for name, value in sorted(mask_env(c.env).items()):
+            lines.append(f"  env:  {name}={value}")
+    return "\n".join(lines)
+
+
+@contextmanager
+def forward_signals(supervisor: Supervisor) -> Iterator[None]:
+    """SIGINT/SIGTERM to dlrun → the supervisor stops every rank (no process is left)."""
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        supervisor.interrupt(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run the whole pipeline; return the exit code for the shell."""
+    if config.hosts is None and config.np is not None and config.np < 1:
+        raise UsageError("--np must be at least 1")
+    inventory = resolve_inventory(config.hosts, config.np)
+    job_id = new_job_id()
+    warning = keras_warning(config, inventory)
+    if config.dry_run:
+        _, commands = render_commands(config, inventory, job_id)
+        if config.json_output:
+            print(json.dumps(plan_to_json(commands), indent=2))
+        else:
+            if warning:
+                print(f"dlrun: warning: {warning}", file=sys.stderr)
+            print(dry_run_text(commands))
+        return 0
+    if warning:
+        print(f"dlrun: warning: {warning}", file=sys.stderr)
+    transport = make_transport(inventory, config.ssh)
+    try:
+        _, trial = render_commands(config, inventory, job_id)
+        used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
+        addresses = transport.connect(used_hosts)
+        _, commands = render_commands(config, inventory, job_id, addresses=addresses)
+        log_dir = Path(config.log_dir or "dlrun-logs") / job_id
+        view = make_view(config.ranks_shown, force_plain=config.plain)
+        supervisor = Supervisor(
+            transport,
+            commands,
+            view,
+            log_dir=log_dir,
+            grace=config.grace,
+            pidns=config.pidns,
+            ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None,
+        )
+        with forward_signals(supervisor):
+            result: RunResult = supervisor.run()
+        return result.exit_code
+    finally:
+        transport.close()

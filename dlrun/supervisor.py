@@ -1,0 +1,444 @@
+"""The supervisor: runs a job's ranks on their hosts and decides when and how it ends.
+
+Mechanism sits below (``dlrun.agent`` starts and kills processes on each host; a
+``Transport`` carries the bytes); policy sits here:
+
+* one agent per host, all started in parallel, each fed the spec of its host's ranks;
+* every output chunk is split into lines (on ``\\n`` and ``\\r``, so progress bars are lines),
+  written to ``<log_dir>/rank-<N>.log`` and handed to the view;
+* **fail fast**: the earliest rank to exit non-zero is the root cause; every agent is told to
+  stop (SIGTERM, then SIGKILL after ``grace``); the job's exit code is that rank's;
+* a dropped connection is a failure of every rank on that host (exit 255, host named);
+* ``interrupt(signum)`` (Ctrl-C, SIGTERM) stops every rank the same way; exit 128 + signum.
+  A second interrupt kills at once.
+
+Rank lifecycle (``RankState``): PENDING → RUNNING → SUCCEEDED | FAILED | STOPPED | LOST.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import queue
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Protocol
+
+from dlrun import agent
+from dlrun.errors import DlrunError
+from dlrun.inventory import Host
+from dlrun.render import WorkerCommand
+from dlrun.transport import Channel, Transport, default_python
+
+TAIL_LINES = 20
+MAX_LINE = 1 << 20
+
+
+class RankState(enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"  # ended because dlrun stopped it
+    LOST = "lost"  # its host's connection dropped before it reported an exit
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int
+    host: str
+    state: RankState
+    exit_code: int | None
+    duration: float | None
+    tail: tuple[str, ...] = ()
+    error: str | None = None  # agent's words when the rank could not start
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How a job ended: per-rank results, the root cause and the exit code for the shell."""
+
+    ranks: tuple[RankResult, ...]
+    exit_code: int
+    root_cause: RankResult | None = None
+    interrupted_by: int | None = None
+    log_dir: Path | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class View(Protocol):
+    """What the supervisor tells the screen (see ``dlrun.view``)."""
+
+    def start(self, commands: Sequence[WorkerCommand], log_dir: Path | None) -> None: ...
+    def line(self, rank: int, text: str, stream: str) -> None: ...
+    def state(self, rank: int, state: RankState, exit_code: int | None) -> None: ...
+    def notice(self, text: str) -> None: ...
+    def flush(self) -> None: ...
+    def finish(self, result: RunResult) -> None: ...
+
+
+class LineSplitter:
+    """Splits a byte stream into lines on ``\\n``, ``\\r\\n`` and ``\\r``."""
+
+    _SEP = re.compile(rb"\r\n|\r|\n")
+
+    def __init__(self) -> None:
+        self.buf = b""
+
+    def feed(self, data: bytes) -> list[str]:
+        buf = self.buf + data
+        hold = b""
+        if buf.endswith(b"\r"):  # maybe the first half of \r\n
+            buf, hold = buf[:-1], b"\r"
+        lines: list[str] = []
+        pos = 0
+        for match in self._SEP.finditer(buf):
+            piece = buf[pos : match.start()]
+            if piece or match.group() != b"\r":
+                lines.append(piece.decode("utf-8", errors="replace"))
+            pos = match.end()
+        rest = buf[pos:]
+        if len(rest) > MAX_LINE:
+            lines.append(rest.decode("utf-8", errors="replace"))
+            rest = b""
+        self.buf = rest + hold
+        return lines
+
+    def flush(self) -> list[str]:
+        rest, self.buf = self.buf.rstrip(b"\r"), b""
+        return [rest.decode("utf-8", errors="replace")] if rest else []
+
+
+@dataclass
+class _Rank:
+    command: WorkerCommand
+    state: RankState = RankState.PENDING
+    exit_code: int | None = None
+    started: float | None = None
+    ended: float | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    splitters: dict[int, LineSplitter] = field(default_factory=dict)
+    log: IO[str] | None = None
+    error: str | None = None
+
+
+@dataclass
+class _HostLink:
+    host: Host
+    ranks: list[int]
+    channel: Channel | None = None
+    closed: bool = False
+    done: bool = False
+
+
+def agent_argv(host: Host, *, pidns: bool = True) -> list[str]:
+    """How a host's agent is started: its python running the agent's source."""
+    argv = [*default_python(host), "-c", agent.agent_source()]
+    if pidns:
+        argv.append("--pidns")
+    return argv
+
+
+class Supervisor:
+    """Runs ``commands`` (already rendered) through ``transport`` and returns a RunResult."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        commands: Sequence[WorkerCommand],
+        view: View,
+        *,
+        log_dir: Path | None,
+        grace: float = 10.0,
+        pidns: bool = True,
+        ends_job: Callable[[WorkerCommand], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.transport = transport
+        self.view = view
+        self.log_dir = log_dir
+        self.grace = grace
+        self.pidns = pidns
+        # tf-ps: the chief's exit ends the job; by default every rank must finish
+        self.ends_job = ends_job
+        self.clock = clock
+        self.ranks = {c.rank: _Rank(c) for c in commands}
+        self.links: dict[str, _HostLink] = {}
+        for c in commands:
+            link = self.links.setdefault(c.host_name, _HostLink(c.spec.host, []))
+            link.ranks.append(c.rank)
+        self.events: queue.Queue[tuple[object, ...]] = queue.Queue()
+        self.stopping = False
+        self.stop_deadline: float | None = None
+        self.root_cause: int | None = None
+        self.lost_host: str | None = None
+        self.interrupted_by: int | None = None
+        self._lock = threading.Lock()
+
+    # --------------------------------------------------------------------- public
+    def interrupt(self, signum: int) -> None:
+        """Thread- and signal-safe: ask the job to stop (Ctrl-C / SIGTERM)."""
+        self.events.put(("interrupt", signum))
+
+    def run(self) -> RunResult:
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            for number, rank in self.ranks.items():
+                rank.log = open(self.log_dir / f"rank-{number}.log", "w", encoding="utf-8")  # noqa: SIM115
+        self.view.start([r.command for r in self.ranks.values()], self.log_dir)
+        try:
+            self._start_all()
+            self._loop()
+        finally:
+            for link in self.links.values():
+                if link.channel is not None:
+                    link.channel.close()
+            for rank in self.ranks.values():
+                if rank.log is not None:
+                    rank.log.close()
+        result = self._result()
+        self.view.finish(result)
+        return result
+
+    # --------------------------------------------------------------------- start
+    def _start_all(self) -> None:
+        with ThreadPoolExecutor(max_workers=min(32, len(self.links))) as pool:
+            for name, error in zip(self.links, pool.map(self._start_host, self.links.values()), strict=True):
+                if error is not None:
+                    self._host_failed(name, error)
+
+    def _start_host(self, link: _HostLink) -> str | None:
+        spec = {
+            "job_id": self._job_id(),
+            "eof_grace": min(self.grace, 2.0),
+            "ranks": [
+                {
+                    "rank": r,
+                    "argv": list(self.ranks[r].command.argv),
+                    "env": dict(self.ranks[r].command.env),
+                    "cwd": self.ranks[r].command.cwd,
+                }
+                for r in link.ranks
+            ],
+        }
+        try:
+            channel = self.transport.open(link.host, agent_argv(link.host, pidns=self.pidns))
+            channel.send(json.dumps(spec).encode() + b"\n")
+        except DlrunError as exc:
+            return str(exc.message)
+        link.channel = channel
+        threading.Thread(target=self._reader, args=(link.host.name, channel), daemon=True).start()
+        return None
+
+    def _job_id(self) -> str:
+        first = next(iter(self.ranks.values()))
+        return first.command.env.get("DLRUN_JOB_ID", "")
+
+    def _reader(self, host: str, channel: Channel) -> None:
+        decoder = agent.FrameDecoder()
+        while True:
+            data = channel.recv(65536)
+            if not data:
+                break
+            frames = decoder.feed(data)
+            if frames:
+                self.events.put(("frames", host, frames))
+        code = channel.wait(5)
+        self.events.put(("closed", host, code, channel.stderr_text()))
+
+    # --------------------------------------------------------------------- loop
+    def _loop(self) -> None:
+        while not all(link.closed for link in self.links.values()):
+            try:
+                event = self.events.get(timeout=0.2)
+            except queue.Empty:
+                event = ("tick",)
+            self._handle(event)
+            # drain what is queued before touching files and screen again
+            while True:
+                try:
+                    self._handle(self.events.get_nowait())
+                except queue.Empty:
+                    break
+            for rank in self.ranks.values():
+                if rank.log is not None:
+                    rank.log.flush()
+            self.view.flush()
+            if self.stop_deadline is not None and self.clock() > self.stop_deadline:
+                # agents did not finish in time: drop the channels, their watchdogs kill all
+                for link in self.links.values():
+                    if link.channel is not None and not link.closed:
+                        link.channel.close()
+                self.stop_deadline = self.clock() + 30
+
+    def _handle(self, event: tuple[object, ...]) -> None:
+        kind = event[0]
+        if kind == "frames":
+            host = str(event[1])
+            for frame_kind, rank, payload in event[2]:  # type: ignore[attr-defined]
+                self._frame(host, frame_kind, rank, payload)
+        elif kind == "closed":
+            self._closed(str(event[1]), event[2], str(event[3]))  # type: ignore[arg-type]
+        elif kind == "interrupt":
+            signum = int(event[1])  # type: ignore[call-overload]
+            if self.interrupted_by is None:
+                self.interrupted_by = signum
+                self.view.notice(f"signal {signum}: stopping every rank (again to kill at once)")
+                self._stop_all(self.grace)
+            else:
+                self._stop_all(0, kill=True)
+
+    def _frame(self, host: str, kind: int, rank_no: int, payload: bytes) -> None:
+        if kind == agent.DONE:
+            self.links[host].done = True
+            return
+        if kind == agent.HELLO:
+            return
+        rank = self.ranks.get(rank_no)
+        if rank is None:
+            return
+        if kind in (agent.STDOUT, agent.STDERR):
+            stream = "stdout" if kind == agent.STDOUT else "stderr"
+            splitter = rank.splitters.setdefault(kind, LineSplitter())
+            for text in splitter.feed(payload):
+                self._line(rank_no, rank, text, stream)
+        elif kind == agent.STARTED:
+            rank.state = RankState.RUNNING
+            rank.started = self.clock()
+            self.view.state(rank_no, rank.state, None)
+        elif kind == agent.ERROR:
+            rank.error = payload.decode(errors="replace")
+            self._line(rank_no, rank, f"dlrun: {rank.error}", "stderr")
+        elif kind == agent.EXIT:
+            code = int(json.loads(payload)["code"])
+            for kind_, splitter in rank.splitters.items():
+                for text in splitter.flush():
+                    self._line(rank_no, rank, text, "stdout" if kind_ == agent.STDOUT else "stderr")
+            self._exited(rank_no, rank, code)
+
+    def _line(self, rank_no: int, rank: _Rank, text: str, stream: str) -> None:
+        rank.tail.append(text)
+        if rank.log is not None:
+            rank.log.write(text + "\n")
+        self.view.line(rank_no, text, stream)
+
+    def _exited(self, rank_no: int, rank: _Rank, code: int) -> None:
+        rank.exit_code = code
+        rank.ended = self.clock()
+        if rank.started is None:
+            rank.started = rank.ended
+        if code == 0:
+            rank.state = RankState.SUCCEEDED
+        elif self.stopping:
+            rank.state = RankState.STOPPED
+        else:
+            rank.state = RankState.FAILED
+        self.view.state(rank_no, rank.state, code)
+        if self.stopping:
+            return
+        if code != 0:
+            self.root_cause = rank_no
+            self.view.notice(
+                f"rank {rank_no} on {rank.command.host_name} exited with code {code}: stopping every rank"
+            )
+            self._stop_all(self.grace)
+        elif self.ends_job is not None and self.ends_job(rank.command):
+            self.view.notice(f"rank {rank_no} ({rank.command.spec.task_type}) finished: stopping the servers")
+            self._stop_all(self.grace)
+
+    def _closed(self, host: str, code: int | None, stderr: str) -> None:
+        link = self.links[host]
+        link.closed = True
+        missing = [r for r in link.ranks if self.ranks[r].exit_code is None]
+        if not missing:
+            return
+        reason = "connection to the host was lost" if link.channel is not None else "could not start"
+        detail = stderr.strip().splitlines()[-3:]
+        self._host_failed(host, reason + (": " + " / ".join(detail) if detail else "")
+                          + ("" if code is None else f" (agent exit {code})"))
+
+    def _host_failed(self, host: str, message: str) -> None:
+        link = self.links[host]
+        link.closed = True
+        self.view.notice(f"{host}: {message}")
+        for rank_no in link.ranks:
+            rank = self.ranks[rank_no]
+            if rank.exit_code is not None:
+                continue
+            rank.exit_code = 255
+            rank.error = message
+            rank.ended = self.clock()
+            rank.state = RankState.STOPPED if self.stopping else RankState.LOST
+            self.view.state(rank_no, rank.state, 255)
+            if not self.stopping and self.root_cause is None:
+                self.root_cause = rank_no
+                self.lost_host = host
+        if not self.stopping:
+            self._stop_all(self.grace)
+
+    def _stop_all(self, grace: float, *, kill: bool = False) -> None:
+        self.stopping = True
+        message = json.dumps({"op": "kill"} if kill else {"op": "stop", "grace": grace}).encode() + b"\n"
+        for link in self.links.values():
+            if link.channel is not None and not link.closed:
+                try:
+                    link.channel.send(message)
+                except DlrunError:
+                    pass
+        deadline = self.clock() + grace + 15
+        self.stop_deadline = deadline if self.stop_deadline is None else min(self.stop_deadline, deadline)
+
+    # --------------------------------------------------------------------- result
+    def _result(self) -> RunResult:
+        results = []
+        for number, rank in sorted(self.ranks.items()):
+            duration = None
+            if rank.started is not None and rank.ended is not None:
+                duration = rank.ended - rank.started
+            state = rank.state
+            if state in (RankState.PENDING, RankState.RUNNING):
+                state = RankState.STOPPED if self.stopping else RankState.LOST
+            results.append(
+                RankResult(
+                    rank=number,
+                    host=rank.command.host_name,
+                    state=state,
+                    exit_code=rank.exit_code,
+                    duration=duration,
+                    tail=tuple(rank.tail),
+                    error=rank.error,
+                )
+            )
+        root = results[self.root_cause] if self.root_cause is not None else None
+        if root is not None:
+            exit_code = root.exit_code if root.exit_code else 1
+        elif self.interrupted_by is not None:
+            exit_code = 128 + self.interrupted_by
+        elif all(r.exit_code == 0 for r in results):
+            exit_code = 0
+        elif self.ends_job is not None:
+            # the job's end was decided by the ranks that end it (tf-ps chief)
+            enders = [r for r, c in zip(results, self.ranks.values(), strict=True) if self.ends_job(c.command)]
+            exit_code = next((r.exit_code or 0 for r in enders), 0)
+        else:
+            exit_code = next((r.exit_code for r in results if r.exit_code), 1) or 1
+        return RunResult(
+            ranks=tuple(results),
+            exit_code=exit_code,
+            root_cause=root,
+            interrupted_by=self.interrupted_by,
+            log_dir=self.log_dir,
+        )
+
+
+def hosts_of(commands: Sequence[WorkerCommand]) -> Mapping[str, Host]:
+    return {c.host_name: c.spec.host for c in commands}
