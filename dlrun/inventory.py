@@ -193,7 +193,7 @@ def parse_toml_inventory(text: str, *, source: str = "hosts.toml") -> Inventory:
             )
         )
     inv = Inventory(hosts=tuple(hosts), source=source, defaults_env=dict(defaults.get("env", {})))
-    _check_inventory(inv, lambda i, k: locate.host(i, k))
+    _check_inventory(inv, lambda i, k: locate.host(i, k, fallback=False) or locate.host(i, ""))
     return inv
 
 
@@ -299,7 +299,7 @@ class _Locator:
                 return self._key_in(start, end, key) or start + 1
         return None
 
-    def host(self, index: int, key: str) -> int | None:
+    def host(self, index: int, key: str, *, fallback: bool = True) -> int | None:
         seen = -1
         for i, (name, _) in enumerate(self.sections):
             if name == "hosts":
@@ -311,7 +311,7 @@ class _Locator:
                     while j < len(self.sections) and self.sections[j][0].startswith("hosts."):
                         end = self._span(j)[1]
                         j += 1
-                    return (self._key_in(start, end, key) if key else None) or start + 1
+                    return (self._key_in(start, end, key) if key else None) or (start + 1 if fallback else None)
         return None
 
 
@@ -441,11 +441,12 @@ def _check_inventory(inv: Inventory, line_of: Any) -> None:
     seen_targets: dict[tuple[str, int | None, str | None], int] = {}
     for index, host in enumerate(inv.hosts):
         if host.name in seen_names:
+            key = "name" if host.name != host.address else "address"
             raise InventoryError(
                 f"duplicate host {host.name!r} (also hosts[{seen_names[host.name]}])",
                 source=inv.source,
-                line=line_of(index, "name") or line_of(index, "address"),
-                key=f"hosts[{index}].name",
+                line=line_of(index, key),
+                key=f"hosts[{index}].{key}",
                 hint="list a host once and give it slots = N",
             )
         seen_names[host.name] = index

@@ -122,6 +122,11 @@ def keras_warning(config: LaunchConfig, inventory: Inventory) -> str | None:
         return None
     if all("TF_USE_LEGACY_KERAS" in h.env for h in inventory.hosts):
         return None
+    try:  # a script that opts in itself (as examples/train_digits.py does) needs no warning
+        if "TF_USE_LEGACY_KERAS" in Path(config.script).read_text(encoding="utf-8", errors="replace"):
+            return None
+    except OSError:
+        pass
     try:
         version = metadata.version("keras")
     except metadata.PackageNotFoundError:
@@ -184,9 +189,9 @@ def launch(config: LaunchConfig) -> int:
         return 0
     if warning:
         print(f"dlrun: warning: {warning}", file=sys.stderr)
+    _, trial = render_commands(config, inventory, job_id)  # validates the plan before any connection
     transport = make_transport(inventory, config.ssh)
     try:
-        _, trial = render_commands(config, inventory, job_id)
         used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
         addresses = transport.connect(used_hosts)
         _, commands = render_commands(config, inventory, job_id, addresses=addresses)

@@ -162,6 +162,7 @@ class Supervisor:
         pidns: bool = True,
         ends_job: Callable[[WorkerCommand], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        stop_margin: float = 15.0,
     ) -> None:
         self.transport = transport
         self.view = view
@@ -171,6 +172,7 @@ class Supervisor:
         # tf-ps: the chief's exit ends the job; by default every rank must finish
         self.ends_job = ends_job
         self.clock = clock
+        self.stop_margin = stop_margin  # how long past grace an agent may take to report
         self.ranks = {c.rank: _Rank(c) for c in commands}
         self.links: dict[str, _HostLink] = {}
         for c in commands:
@@ -394,7 +396,7 @@ class Supervisor:
                     link.channel.send(message)
                 except DlrunError:
                     pass
-        deadline = self.clock() + grace + 15
+        deadline = self.clock() + grace + self.stop_margin
         self.stop_deadline = deadline if self.stop_deadline is None else min(self.stop_deadline, deadline)
 
     # --------------------------------------------------------------------- result

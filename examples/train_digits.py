@@ -1,0 +1,105 @@
+"""Train a small classifier on scikit-learn's digits with MultiWorkerMirroredStrategy.
+
+Run it with dlrun, which gives every worker its TF_CONFIG:
+
+    dlrun launch examples/train_digits.py                      # 2 workers on localhost
+    dlrun launch examples/train_digits.py --hosts hosts.toml   # one worker per slot
+
+The data ships inside scikit-learn (no download). Each worker reads its own shard of the
+training set (tf.data auto-sharding by DATA); the global batch is the per-replica batch times
+the number of workers. Every worker prints its per-epoch loss; at the end each prints the
+test accuracy, and only the chief (task 0) keeps the saved model.
+
+Keras 3 cannot ``model.fit`` under MultiWorkerMirroredStrategy (keras-team/keras#20585), so
+this script opts into legacy Keras (the ``tf_keras`` package) for its own process by setting
+``TF_USE_LEGACY_KERAS=1`` before TensorFlow is imported. Other jobs are not affected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+from sklearn.model_selection import train_test_split  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--batch-per-replica", type=int, default=32)
+    parser.add_argument("--learning-rate", type=float, default=0.01)
+    parser.add_argument("--model-dir", default="dlrun-model")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {"type": "worker", "index": 0})
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    workers = strategy.num_replicas_in_sync
+    is_chief = task["type"] == "chief" or (task["type"] == "worker" and task["index"] == 0)
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype("float32")
+    y = digits.target.astype("int64")
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+
+    global_batch = args.batch_per_replica * workers
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    train = (
+        tf.data.Dataset.from_tensor_slices((x_train, y_train))
+        .shuffle(len(x_train), seed=0, reshuffle_each_iteration=True)
+        .batch(global_batch)
+        .with_options(options)
+    )
+    print(f"worker {task['index']}: {workers} workers, global batch {global_batch}, {len(x_train)} training rows")
+
+    with strategy.scope():
+        model = tf.keras.Sequential(
+            [
+                tf.keras.layers.Input(shape=(64,)),
+                tf.keras.layers.Dense(128, activation="relu"),
+                tf.keras.layers.Dense(64, activation="relu"),
+                tf.keras.layers.Dense(10),
+            ]
+        )
+        model.compile(
+            optimizer=tf.keras.optimizers.Adam(args.learning_rate),
+            loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+
+    class EpochLog(tf.keras.callbacks.Callback):
+        def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+            logs = logs or {}
+            print(f"epoch {epoch + 1}/{args.epochs}: loss {logs.get('loss', float('nan')):.4f} "
+                  f"accuracy {logs.get('accuracy', float('nan')):.4f}")
+
+    model.fit(train, epochs=args.epochs, verbose=0, callbacks=[EpochLog()])
+
+    logits = model(x_test, training=False)
+    accuracy = float(np.mean(np.argmax(logits.numpy(), axis=1) == y_test))
+    print(f"test accuracy: {accuracy:.4f}")
+
+    # Every worker must take part in saving; only the chief's copy is kept.
+    target = args.model_dir if is_chief else tempfile.mkdtemp(prefix="dlrun-model-")
+    os.makedirs(target, exist_ok=True)
+    model.save(os.path.join(target, "digits.keras"))
+    if is_chief:
+        print(f"model saved to {os.path.join(target, 'digits.keras')}")
+    else:
+        shutil.rmtree(target, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

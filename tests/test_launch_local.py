@@ -1,0 +1,189 @@
+"""`dlrun launch` as a real subprocess with real local workers (no sshd needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, dlrun_argv, job_processes, run_dlrun
+
+SLEEPER = """
+import os, subprocess, sys, time
+print("ready", os.getpid(), flush=True)
+if "--fork" in sys.argv:
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+time.sleep(600)
+"""
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def start_job(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], str, list[int]]:
+    """Start dlrun, wait until every rank printed 'ready', return the process, job id and job pids."""
+    proc = subprocess.Popen(dlrun_argv("launch", "--plain", "--grace", "2", *args), cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout is not None
+    job_id, ready, lines = None, 0, []
+    deadline = time.monotonic() + 60
+    while ready < 2 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        match = re.search(r"logs in dlrun-logs/([\w-]+)/", line)
+        if match:
+            job_id = match.group(1)
+        if "] ready" in line:
+            ready += 1
+    assert job_id and ready == 2, "".join(lines)
+    time.sleep(0.5)  # let forked children start
+    return proc, job_id, job_processes(job_id)
+
+
+def wait_gone(pids: list[int], job_id: str, timeout: float = 10) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if os.path.exists(f"/proc/{p}")] + job_processes(job_id)
+        if not left:
+            return []
+        time.sleep(0.1)
+    return left
+
+
+def test_rank_exit_code_is_dlruns_and_others_are_stopped(tmp_path: Path) -> None:
+    script = write(tmp_path / "fail.py", "import os, sys, time\n"
+                   "r = int(os.environ['DLRUN_RANK'])\nprint('rank', r, 'up', flush=True)\n"
+                   "if r == 1:\n    print('about to fail', flush=True); sys.exit(7)\ntime.sleep(600)\n")
+    out = run_dlrun("launch", "--plain", "--np", "3", "--grace", "2", str(script), cwd=tmp_path, timeout=60)
+    assert out.returncode == 7, out.stdout + out.stderr
+    assert "dlrun: root cause: rank 1 on host localhost exited with code 7" in out.stdout
+    assert "    | about to fail" in out.stdout
+    assert re.search(r"^\s+0\s+localhost\s+143\s+stopped", out.stdout, re.M)
+    logs = list((tmp_path / "dlrun-logs").glob("*/rank-1.log"))
+    assert logs and "about to fail" in logs[0].read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_dlrun_leaves_no_process(tmp_path: Path, sig: signal.Signals) -> None:
+    script = write(tmp_path / "sleep.py", SLEEPER)
+    proc, job_id, pids = start_job(tmp_path, str(script))
+    assert len(pids) >= 2
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + sig, out
+    assert wait_gone(pids, job_id) == []
+
+
+def test_grandchildren_and_setsid_children_die_with_the_job(tmp_path: Path) -> None:
+    script = write(tmp_path / "fork.py", SLEEPER)
+    proc, job_id, pids = start_job(tmp_path, str(script), "--fork")
+    assert len(pids) >= 6  # 2 ranks + 2 children each
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=30)
+    assert wait_gone(pids, job_id) == []
+
+
+@pytest.mark.parametrize("pidns", [True, False])
+def test_sigkill_of_dlrun_leaves_no_process(tmp_path: Path, pidns: bool) -> None:
+    script = write(tmp_path / "fork.py", SLEEPER)
+    extra = [] if pidns else ["--no-pidns"]
+    proc, job_id, pids = start_job(tmp_path, *extra, str(script), "--fork")
+    proc.kill()
+    proc.wait()
+    assert wait_gone(pids, job_id) == []
+
+
+def test_hostile_arguments_and_env_arrive_verbatim(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    script = write(tmp_path / "echo args.py", "import json, os, sys\n"
+                   "print(json.dumps({'argv': sys.argv[1:], 'v': os.environ['HOSTILE']}))\n")
+    hostile = f"'; touch {marker}; echo '"
+    value = "$(id) `id` \"q\" 'q' ; \n second line"
+    out = run_dlrun("launch", "--plain", "--np", "1", "-e", f"HOSTILE={value}", str(script), hostile, "a b",
+                    cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("[0 localhost] {"))
+    got = json.loads(line.removeprefix("[0 localhost] "))
+    assert got == {"argv": [hostile, "a b"], "v": value}
+    assert not marker.exists()
+
+
+def test_dry_run_text_and_json_mask_secrets(tmp_path: Path) -> None:
+    hosts = write(tmp_path / "hosts.toml", '[defaults]\nenv = { HF_TOKEN = "hunter2" }\n'
+                  '[[hosts]]\naddress = "gpu1"\nslots = 2\n[[hosts]]\naddress = "gpu2"\nslots = 1\n')
+    out = run_dlrun("launch", "--dry-run", "--hosts", str(hosts), "train.py", "--lr", "1", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "rank 2: host gpu2" in out.stdout and "HF_TOKEN=****" in out.stdout and "hunter2" not in out.stdout
+    out = run_dlrun("launch", "--dry-run", "--json", "--hosts", str(hosts), "train.py", cwd=tmp_path)
+    doc = json.loads(out.stdout)
+    assert doc["world_size"] == 3
+    tf_config = json.loads(doc["ranks"][2]["env"]["TF_CONFIG"])
+    assert tf_config == {"cluster": {"worker": ["gpu1:23456", "gpu1:23457", "gpu2:23456"]},
+                         "task": {"type": "worker", "index": 2}}
+    assert doc["ranks"][0]["env"]["HF_TOKEN"] == "****"
+    assert "hunter2" not in out.stdout
+
+
+def test_bad_inventory_exits_2_without_traceback(tmp_path: Path) -> None:
+    hosts = write(tmp_path / "hosts.toml", '[[hosts]]\naddress = "a"\nslots = -1\n')
+    out = run_dlrun("launch", "--hosts", str(hosts), "train.py", cwd=tmp_path)
+    assert out.returncode == 2
+    assert f"{hosts}:3: key 'hosts[0].slots': must be at least 1" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = run_dlrun("launch", "--hosts", "a:2", "--np", "5", "train.py", cwd=tmp_path)
+    assert out.returncode == 2 and "--np 5 needs 5 slots" in out.stderr
+
+
+def test_missing_script_is_reported_as_rank_failure(tmp_path: Path) -> None:
+    out = run_dlrun("launch", "--plain", "--np", "1", "no-such-command-xyz", cwd=tmp_path, timeout=60)
+    assert out.returncode == 127
+    assert "command not found: no-such-command-xyz" in out.stdout
+
+
+def test_help_does_not_import_heavy_modules() -> None:
+    code = ("import sys; from click.testing import CliRunner; from dlrun.cli import main;"
+            "r = CliRunner().invoke(main, ['launch', '--help']); assert r.exit_code == 0, r.output;"
+            "print([m for m in ('tensorflow', 'paramiko', 'fabric', 'pyspark', 'torch') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_keras3_warning_only_when_needed(tmp_path: Path) -> None:
+    pytest.importorskip("keras")
+    plain = write(tmp_path / "plain.py", "print('hi')\n")
+    out = run_dlrun("launch", "--dry-run", str(plain), cwd=tmp_path)
+    from importlib.metadata import version
+
+    if version("keras").startswith("3."):
+        assert "TF_USE_LEGACY_KERAS is unset" in out.stderr
+    out = run_dlrun("launch", "--dry-run", "-e", "TF_USE_LEGACY_KERAS=1", str(plain), cwd=tmp_path)
+    assert "TF_USE_LEGACY_KERAS" not in out.stderr
+    out = run_dlrun("launch", "--dry-run", "--framework", "torch", str(plain), cwd=tmp_path)
+    assert "TF_USE_LEGACY_KERAS" not in out.stderr
+
+
+@pytest.mark.slow
+def test_tf_example_trains_on_two_local_workers(tmp_path: Path) -> None:
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("tf_keras")
+    out = run_dlrun("launch", "--plain", str(REPO / "examples" / "train_digits.py"), "--epochs", "12",
+                    cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    accuracies = [float(m) for m in re.findall(r"\] test accuracy: ([0-9.]+)", out.stdout)]
+    assert len(accuracies) == 2 and min(accuracies) >= 0.90
+    assert re.search(r"\[0 localhost\] epoch 1/12: loss", out.stdout)
+    assert re.search(r"\[1 localhost\] epoch 12/12: loss", out.stdout)
+    assert (tmp_path / "dlrun-model" / "digits.keras").exists()
+    assert "all 2 ranks succeeded" in out.stdout

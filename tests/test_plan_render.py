@@ -1,0 +1,138 @@
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from dlrun.errors import PlanError
+from dlrun.inventory import Host, Inventory, parse_inline, parse_toml_inventory
+from dlrun.plan import make_plan
+from dlrun.render import dlrun_env, mask_env, plan_to_json, tf_config, torch_env, worker_argv, worker_commands
+
+
+def plan_for(spec: str, **kw: object):  # type: ignore[no-untyped-def]
+    return make_plan(parse_inline(spec), job_id="job1", **kw)  # type: ignore[arg-type]
+
+
+def test_ranks_host_by_host_with_horovod_cross_ranks() -> None:
+    plan = plan_for("a:3,b:1,c:2")
+    got = [(r.rank, r.host.name, r.local_rank, r.local_size, r.cross_rank, r.cross_size) for r in plan.ranks]
+    assert got == [
+        (0, "a", 0, 3, 0, 3),
+        (1, "a", 1, 3, 0, 2),
+        (2, "a", 2, 3, 0, 1),
+        (3, "b", 0, 1, 1, 3),
+        (4, "c", 0, 2, 2, 3),
+        (5, "c", 1, 2, 1, 2),
+    ]
+
+
+def test_np_uses_first_slots_and_rejects_too_many() -> None:
+    plan = plan_for("a:2,b:2", np=3)
+    assert [(r.host.name, r.local_rank) for r in plan.ranks] == [("a", 0), ("a", 1), ("b", 0)]
+    assert plan.ranks[2].local_size == 1
+    with pytest.raises(PlanError, match="--np 5 needs 5 slots"):
+        plan_for("a:2,b:2", np=5)
+
+
+def test_ports_per_local_rank_and_unique_on_loopback() -> None:
+    plan = plan_for("a:2,b:2", base_port=30000)
+    assert [r.port for r in plan.ranks] == [30000, 30001, 30000, 30001]
+    loop = make_plan(parse_inline("127.0.0.2:2,127.0.0.3:2"), job_id="j", base_port=30000)
+    assert [r.port for r in loop.ranks] == [30000, 30001, 30002, 30003]
+
+
+def test_tf_config_for_multiworker_mirrored() -> None:
+    plan = plan_for("a:2,b:1", addresses={"a": "10.0.0.1", "b": "10.0.0.2"})
+    cfg = tf_config(plan, plan.ranks[2])
+    assert cfg == {"cluster": {"worker": ["10.0.0.1:23456", "10.0.0.1:23457", "10.0.0.2:23456"]},
+                   "task": {"type": "worker", "index": 2}}
+    assert isinstance(cfg["task"]["index"], int)
+
+
+def roles_inventory() -> Inventory:
+    return parse_toml_inventory(
+        '[[hosts]]\naddress = "c"\nrole = "chief"\n'
+        '[[hosts]]\naddress = "w"\nrole = "worker"\nslots = 2\n'
+        '[[hosts]]\naddress = "p"\nrole = "ps"\n'
+        '[[hosts]]\naddress = "e"\nrole = "evaluator"\n'
+    )
+
+
+def test_tf_config_parameter_server_layout() -> None:
+    plan = make_plan(roles_inventory(), job_id="j", framework="tf-ps")
+    cfg = tf_config(plan, plan.ranks[2])
+    assert cfg["cluster"] == {"chief": ["c:23456"], "worker": ["w:23456", "w:23457"], "ps": ["p:23456"],
+                              "evaluator": ["e:23456"]}
+    assert cfg["task"] == {"type": "worker", "index": 1}
+    assert plan.chief.host.name == "c"
+    with pytest.raises(PlanError, match="role = 'chief'"):
+        make_plan(parse_inline("a:2"), job_id="j", framework="tf-ps")
+
+
+def test_tf_config_is_accepted_by_tensorflows_resolver(monkeypatch: pytest.MonkeyPatch) -> None:
+    tf = pytest.importorskip("tensorflow")
+    resolver_cls = tf.distribute.cluster_resolver.TFConfigClusterResolver
+    plan = make_plan(roles_inventory(), job_id="j", framework="tf-ps")
+    for spec in plan.ranks:
+        env = worker_commands(plan, "t.py", [], python_for={h.name: ["python3"] for h in plan.hosts})[spec.rank].env
+        monkeypatch.setenv("TF_CONFIG", env["TF_CONFIG"])
+        resolver = resolver_cls()
+        assert resolver.task_type == spec.task_type
+        assert resolver.task_id == spec.task_index
+        cluster = resolver.cluster_spec().as_dict()
+        assert cluster["worker"] == ["w:23456", "w:23457"] and cluster["ps"] == ["p:23456"]
+    mwms = plan_for("a:2,b:2")
+    monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config(mwms, mwms.ranks[3])))
+    resolver = resolver_cls()
+    assert (resolver.task_type, resolver.task_id) == ("worker", 3)
+    assert resolver.cluster_spec().num_tasks("worker") == 4
+
+
+def test_env_layers_and_dlrun_variables() -> None:
+    inv = parse_toml_inventory('[defaults]\nenv = { A = "d", B = "d" }\n[[hosts]]\naddress = "h"\nenv = { B = "h" }\n')
+    plan = make_plan(inv, job_id="J")
+    (cmd,) = worker_commands(plan, "train.py", ["--x", "1"], python_for={"h": ["/venv/bin/python"]},
+                             extra_env={"C": "x"})
+    assert cmd.argv == ("/venv/bin/python", "train.py", "--x", "1")
+    assert cmd.env["A"] == "d" and cmd.env["B"] == "h" and cmd.env["C"] == "x"
+    assert dlrun_env(plan, plan.ranks[0]) == {
+        "DLRUN_RANK": "0", "DLRUN_LOCAL_RANK": "0", "DLRUN_WORLD_SIZE": "1", "DLRUN_LOCAL_WORLD_SIZE": "1",
+        "DLRUN_HOST": "h", "DLRUN_JOB_ID": "J", "PYTHONUNBUFFERED": "1"}
+    assert json.loads(cmd.env["TF_CONFIG"])["task"] == {"type": "worker", "index": 0}
+
+
+def test_non_python_commands_run_as_given() -> None:
+    assert worker_argv("./run.sh", ["a b"], ["python3"]) == ("./run.sh", "a b")
+    assert worker_argv("bash", ["-c", "echo hi"], ["python3"]) == ("bash", "-c", "echo hi")
+
+
+def test_torch_env() -> None:
+    plan = make_plan(parse_inline("a:2,b:2"), job_id="j", framework="torch", addresses={"a": "10.1.1.1"})
+    env = torch_env(plan, plan.ranks[3])
+    assert env == {"MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "23456", "RANK": "3", "WORLD_SIZE": "4",
+                   "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+    cmds = worker_commands(plan, "t.py", [], python_for={"a": ["p"], "b": ["p"]})
+    assert cmds[0].env["OMP_NUM_THREADS"] == "1"
+
+
+def test_secrets_masked_everywhere() -> None:
+    env = {"WANDB_API_KEY": "abc", "HF_TOKEN": "t", "DB_PASSWORD": "p", "MY_SECRET": "s", "PLAIN": "v"}
+    assert mask_env(env) == {"WANDB_API_KEY": "****", "HF_TOKEN": "****", "DB_PASSWORD": "****",
+                             "MY_SECRET": "****", "PLAIN": "v"}
+    plan = make_plan(Inventory(hosts=(Host(address="h", name="h", env={"HF_TOKEN": "hunter2"}),)), job_id="j")
+    doc = plan_to_json(worker_commands(plan, "t.py", [], python_for={"h": ["python3"]}))
+    assert "hunter2" not in json.dumps(doc)
+
+
+def test_pure_modules_import_no_outside_world() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; import dlrun.inventory, dlrun.plan, dlrun.render;"
+            "bad = [m for m in ('subprocess', 'paramiko', 'fabric', 'rich', 'tensorflow', 'socket') if m in sys.modules];"
+            "print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.stdout.strip() == "[]"

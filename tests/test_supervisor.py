@@ -1,0 +1,107 @@
+"""Policy tests of the supervisor over the scripted FakeTransport (real processes: test_launch_local)."""
+
+from __future__ import annotations
+
+import io
+import threading
+from pathlib import Path
+
+from dlrun.inventory import parse_inline
+from dlrun.plan import make_plan
+from dlrun.render import worker_commands
+from dlrun.supervisor import LineSplitter, RankState, Supervisor
+from dlrun.testing import FakeRank, FakeTransport
+from dlrun.view import PlainView
+
+
+def commands(spec: str = "a:2,b:2", framework: str = "tf"):  # type: ignore[no-untyped-def]
+    plan = make_plan(parse_inline(spec), job_id="job", framework=framework)
+    return worker_commands(plan, "t.py", [], python_for={h.name: ["python3"] for h in plan.hosts})
+
+
+def run(transport: FakeTransport, tmp_path: Path, spec: str = "a:2,b:2", **kw: object):  # type: ignore[no-untyped-def]
+    out = io.StringIO()
+    sup = Supervisor(transport, commands(spec), PlainView(out), log_dir=tmp_path / "logs", grace=0.2, **kw)  # type: ignore[arg-type]
+    return sup, sup.run(), out.getvalue()
+
+
+def test_all_succeed(tmp_path: Path) -> None:
+    _, result, out = run(FakeTransport({0: FakeRank(["hello"]), 3: FakeRank(["bye"])}), tmp_path)
+    assert result.exit_code == 0 and result.root_cause is None
+    assert [r.state for r in result.ranks] == [RankState.SUCCEEDED] * 4
+    assert "[0 a] hello" in out and "[3 b] bye" in out
+    assert (tmp_path / "logs" / "rank-3.log").read_text() == "bye\n"
+    assert "all 4 ranks succeeded" in out
+
+
+def test_first_failure_is_root_cause_and_stops_everyone(tmp_path: Path) -> None:
+    transport = FakeTransport({0: FakeRank(code=None), 1: FakeRank(code=None), 2: FakeRank(["boom"], code=7),
+                               3: FakeRank(code=None)})
+    _, result, out = run(transport, tmp_path)
+    assert result.exit_code == 7
+    assert result.root_cause is not None and result.root_cause.rank == 2 and result.root_cause.host == "b"
+    assert result.root_cause.tail == ("boom",)
+    assert {r.rank: r.state for r in result.ranks} == {0: RankState.STOPPED, 1: RankState.STOPPED,
+                                                       2: RankState.FAILED, 3: RankState.STOPPED}
+    assert all(any(m.get("op") == "stop" for m in ch.sent) for ch in transport.channels.values())
+    assert out.index("root cause: rank 2 on host b exited with code 7") < out.index("rank  host")
+
+
+def test_rank_ignoring_term_is_killed_after_grace(tmp_path: Path) -> None:
+    transport = FakeTransport({0: FakeRank(code=3), 1: FakeRank(code=None, ignores_term=True)})
+    _, result, _ = run(transport, tmp_path, spec="a:2", stop_margin=0.3)
+    assert result.exit_code == 3
+    # the supervisor drops the channel after grace + margin; the agent then kills
+    assert result.ranks[1].state == RankState.STOPPED
+
+
+def test_lost_host_is_root_cause_with_255(tmp_path: Path) -> None:
+    transport = FakeTransport({r: FakeRank(code=None) for r in range(4)}, drop={"b": 0.05})
+    _, result, out = run(transport, tmp_path)
+    assert result.exit_code == 255
+    assert result.root_cause is not None and result.root_cause.host == "b"
+    assert result.root_cause.state == RankState.LOST
+    assert "connection to the host was lost" in out
+
+
+def test_unreachable_host_at_start(tmp_path: Path) -> None:
+    _, result, out = run(FakeTransport({0: FakeRank(code=None)}, unreachable=["b"]), tmp_path)
+    assert result.exit_code == 255 and result.root_cause is not None and result.root_cause.host == "b"
+    assert "b: connection refused" in out
+
+
+def test_interrupt_stops_all_and_exits_130(tmp_path: Path) -> None:
+    transport = FakeTransport({r: FakeRank(code=None, delay=0.01) for r in range(4)})
+    out = io.StringIO()
+    sup = Supervisor(transport, commands(), PlainView(out), log_dir=None, grace=0.2)
+    threading.Timer(0.2, sup.interrupt, args=(2,)).start()
+    result = sup.run()
+    assert result.exit_code == 130 and result.interrupted_by == 2 and result.root_cause is None
+    assert all(r.state == RankState.STOPPED for r in result.ranks)
+
+
+def test_chief_exit_ends_tf_ps_job(tmp_path: Path) -> None:
+    transport = FakeTransport({0: FakeRank(["done"], code=0), 1: FakeRank(code=None)})
+    _, result, _ = run(transport, tmp_path, spec="a:2", ends_job=lambda c: c.rank == 0)
+    assert result.exit_code == 0
+    assert result.ranks[1].state == RankState.STOPPED
+
+
+def test_ranks_filter_hides_lines_but_files_keep_them(tmp_path: Path) -> None:
+    out = io.StringIO()
+    sup = Supervisor(FakeTransport({0: FakeRank(["zero"]), 1: FakeRank(["one"])}), commands("a:2"),
+                     PlainView(out, ranks=[1]), log_dir=tmp_path)
+    sup.run()
+    assert "[1 a] one" in out.getvalue() and "zero" not in out.getvalue()
+    assert (tmp_path / "rank-0.log").read_text() == "zero\n"
+
+
+def test_line_splitter_handles_cr_crlf_and_chunks() -> None:
+    s = LineSplitter()
+    assert s.feed(b"a\nb") == ["a"]
+    assert s.feed(b"c\r") == []
+    assert s.feed(b"\nprogress 1\rprogress 2\r") == ["bc", "progress 1"]
+    assert s.feed(b"progress 3\n\n") == ["progress 2", "progress 3", ""]
+    assert s.feed("é".encode()[:1]) == []
+    assert s.feed("é\n".encode()[1:]) == ["é"]
+    assert s.feed(b"tail") == [] and s.flush() == ["tail"]

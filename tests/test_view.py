@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from dlrun.inventory import parse_inline
+from dlrun.plan import make_plan
+from dlrun.render import worker_commands
+from dlrun.supervisor import RankResult, RankState, RunResult
+from dlrun.view import LiveView, PlainView, root_cause_lines, summary_lines
+
+
+def cmds():  # type: ignore[no-untyped-def]
+    plan = make_plan(parse_inline("gpu-a:1,gpu-b:1"), job_id="j")
+    return worker_commands(plan, "train.py", ["--lr", "0.1"], python_for={"gpu-a": ["python3"], "gpu-b": ["python3"]})
+
+
+FAILED = RunResult(
+    ranks=(RankResult(0, "gpu-a", RankState.STOPPED, 143, 3.0),
+           RankResult(1, "gpu-b", RankState.FAILED, 7, 2.5, tail=("step 1", "Traceback: boom"))),
+    exit_code=7,
+    root_cause=RankResult(1, "gpu-b", RankState.FAILED, 7, 2.5, tail=("step 1", "Traceback: boom")),
+)
+
+
+def test_root_cause_and_summary_text() -> None:
+    lines = root_cause_lines(FAILED, cmds())
+    assert lines[0] == "dlrun: root cause: rank 1 on host gpu-b exited with code 7"
+    assert lines[1] == "  command: python3 train.py --lr 0.1"
+    assert lines[-1] == "    | Traceback: boom"
+    summary = summary_lines(FAILED)
+    assert summary[0].split() == ["rank", "host", "exit", "state", "duration"]
+    assert summary[2].split() == ["1", "gpu-b", "7", "failed", "2.5s"]
+    assert summary[-1] == "dlrun: job failed (0/2 ranks succeeded); exit code 7"
+
+
+def test_plain_view_prefixes_every_line() -> None:
+    out = io.StringIO()
+    view = PlainView(out)
+    view.start(cmds(), None)
+    view.line(1, "hello world", "stdout")
+    view.finish(FAILED)
+    text = out.getvalue()
+    assert "[1 gpu-b] hello world\n" in text
+    assert "dlrun: root cause: rank 1 on host gpu-b" in text
+
+
+def test_live_view_renders_status_table_and_colored_prefixes() -> None:
+    buf = io.StringIO()
+    console = Console(file=buf, width=100, force_terminal=True, color_system="standard")
+    now = [100.0]
+    view = LiveView(console, clock=lambda: now[0])
+    view.start(cmds(), None)
+    view.state(0, RankState.RUNNING, None)
+    view.line(0, "epoch 1/3: loss 0.5", "stdout")
+    now[0] = 112.0
+    plain = Console(file=io.StringIO(), width=100, color_system=None)
+    with plain.capture() as cap:
+        plain.print(view.status_table())
+    table = cap.get()
+    assert "running" in table and "12.0s" in table and "epoch 1/3: loss 0.5" in table and "pending" in table
+    view.finish(FAILED)
+    out = buf.getvalue()
+    assert "[0 gpu-a] " in out and "\x1b[" in out  # colored prefix
+    assert "root cause" in out
