@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -43,3 +44,43 @@ def job_processes(job_id: str) -> list[int]:
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+# --------------------------------------------------------------------------- sshd cluster
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Four real sshd hosts (host0..host3 on 127.0.0.2..5) and a bastion, for the session."""
+    from sshd_cluster import find_sshd, start_cluster
+
+    if find_sshd() is None:
+        pytest.skip("no sshd on this machine (install openssh-server; .ci/run does)")
+    base = tmp_path_factory.mktemp("cluster")
+    c = start_cluster(4, base, bastion=True, python=sys.executable)
+    scripts = c.root / "scripts"
+    scripts.mkdir(exist_ok=True)
+    scripts.chmod(0o755)
+    c.scripts = scripts  # type: ignore[attr-defined]
+    try:
+        yield c
+    finally:
+        c.stop(remove=True)
+
+
+def shared_script(cluster, name: str, text: str) -> Path:  # type: ignore[no-untyped-def]
+    """A script every test host's login user can read."""
+    path = cluster.scripts / name
+    path.write_text(text)
+    path.chmod(0o644)
+    return path
+
+
+def hosts_toml(cluster, path: Path, n: int, slots: int = 1, extra: str = "",  # type: ignore[no-untyped-def]
+               names: list[str] | None = None, python: str | None = None) -> Path:
+    lines = [f'[defaults]\npython = "{python or cluster.python}"\n{extra}']
+    for i, h in enumerate(cluster.hosts[:n]):
+        name = f"\nname = {json.dumps(names[i])}" if names else ""
+        lines.append(f'[[hosts]]\naddress = "{h.name}"{name}\nslots = {slots}\nworkdir = {json.dumps(str(h.workdir))}\n')
+    path.write_text("\n".join(lines))
+    return path

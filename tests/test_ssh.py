@@ -1,0 +1,224 @@
+"""dlrun over real sshd hosts (tests/sshd_cluster.py): start, fail fast, cleanup, hostile input, keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+from sshd_cluster import count_job_processes, wait_job_processes_gone
+
+pytestmark = pytest.mark.ssh
+
+SLEEPER = """
+import os, subprocess, sys, time
+print("ready", flush=True)
+if "--setsid" in sys.argv:
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+time.sleep(600)
+"""
+
+
+def ssh_args(cluster) -> list[str]:  # type: ignore[no-untyped-def]
+    return ["--ssh-config", str(cluster.ssh_config)]
+
+
+def start_job(cluster, tmp_path: Path, n: int, *script: str, ready: int) -> tuple[subprocess.Popen[str], str]:  # type: ignore[no-untyped-def]
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", n)
+    proc = subprocess.Popen(dlrun_argv("launch", "--plain", "--grace", "2", "--hosts", str(hosts), *ssh_args(cluster),
+                                       *script), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout is not None
+    job_id, seen, lines = None, 0, []
+    deadline = time.monotonic() + 60
+    while seen < ready and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if match := re.search(r"logs in dlrun-logs/([\w-]+)/", line):
+            job_id = match.group(1)
+        seen += "] ready" in line
+    assert job_id and seen == ready, "".join(lines)
+    time.sleep(0.5)
+    return proc, job_id
+
+
+def test_hello_across_hosts_uses_each_hosts_env(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "env.py", "import json, os, socket\n"
+                           "print(json.dumps({k: os.environ.get(k) for k in ('DLRUN_RANK', 'DLRUN_HOST', 'USER',"
+                           " 'DLRUN_LOCAL_RANK', 'TF_CONFIG')}), os.getcwd())\n")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2, slots=2)
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), str(script), cwd=tmp_path,
+                    timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {}
+    for line in out.stdout.splitlines():
+        if m := re.match(r"\[(\d) (host\d)\] (\{.*\}) (.*)$", line):
+            rows[int(m.group(1))] = (m.group(2), json.loads(m.group(3)), m.group(4))
+    assert sorted(rows) == [0, 1, 2, 3]
+    host, env, cwd = rows[3]
+    assert host == "host1" and env["DLRUN_HOST"] == "host1" and env["DLRUN_LOCAL_RANK"] == "1"
+    assert env["USER"] == cluster.user and cwd == str(cluster.hosts[1].workdir)
+    tf = json.loads(env["TF_CONFIG"])
+    # ssh_config aliases are resolved to their HostName for the other ranks
+    assert tf["cluster"]["worker"][2].startswith(cluster.hosts[1].address + ":")
+
+
+def test_failing_rank_stops_every_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "fail2.py", "import os, sys, time\nprint('ready', flush=True)\n"
+                           "time.sleep(1.5)\nsys.exit(7) if os.environ['DLRUN_RANK'] == '2' else time.sleep(600)\n")
+    proc, job_id = start_job(cluster, tmp_path, 4, str(script), ready=4)
+    assert len(count_job_processes(job_id)) >= 4
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 7, out
+    assert "root cause: rank 2 on host host2 exited with code 7" in out
+    assert wait_job_processes_gone(job_id, timeout=5) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_dlrun_killed_leaves_nothing_on_any_host(cluster, tmp_path: Path, sig: signal.Signals) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleep.py", SLEEPER)
+    proc, job_id = start_job(cluster, tmp_path, 3, str(script), ready=3)
+    assert len(count_job_processes(job_id)) >= 3
+    proc.send_signal(sig)
+    proc.communicate(timeout=60)
+    if sig != signal.SIGKILL:
+        assert proc.returncode == 128 + sig
+    assert wait_job_processes_gone(job_id, timeout=10) == []
+
+
+def test_dropped_ssh_session_kills_that_hosts_ranks_and_fails_the_job(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleep.py", SLEEPER)
+    proc, job_id = start_job(cluster, tmp_path, 2, str(script), ready=2)
+    cluster.kill_sessions(1)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 255, out
+    assert "host host1 (rank 1)" in out and "connection to the host was lost" in out
+    assert wait_job_processes_gone(job_id, timeout=10) == []
+
+
+def test_setsid_child_dies_in_pid_namespace(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    probe = cluster.run(0, "unshare --user --map-current-user --pid --fork --kill-child true")
+    if probe.returncode != 0:
+        pytest.skip(f"unprivileged PID namespaces are refused here: {probe.stderr.strip()}")
+    script = shared_script(cluster, "sleep.py", SLEEPER)
+    proc, job_id = start_job(cluster, tmp_path, 2, str(script), "--setsid", ready=2)
+    assert len(count_job_processes(job_id)) >= 4
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert wait_job_processes_gone(job_id, timeout=10) == []
+
+
+def test_hostile_values_arrive_verbatim(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    marker = Path("/tmp/pwned-by-dlrun-test")
+    marker.unlink(missing_ok=True)
+    spaced = cluster.scripts / "dir with spaces"
+    spaced.mkdir(exist_ok=True)
+    spaced.chmod(0o755)
+    script = spaced / "show args.py"
+    script.write_text("import json, os, sys\nprint('ARGS', json.dumps({'argv': sys.argv[1:], 'v': os.environ['EVIL'],"
+                      " 'w': os.environ['WEIRD'], 'host': os.environ['DLRUN_HOST']}))\n")
+    script.chmod(0o644)
+    names = ["my host 'one' \"x\"", "$(touch /tmp/pwned-by-dlrun-test)"]
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2, names=names,
+                       extra='env = { WEIRD = "a; touch /tmp/pwned-by-dlrun-test #" }')
+    value = "$(id) `id` \"dq\" 'sq' ; touch /tmp/pwned-by-dlrun-test\nline two"
+    arg = "'; touch /tmp/pwned-by-dlrun-test"
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "-e", f"EVIL={value}",
+                    str(script), arg, "two words", cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = [json.loads(line.split("ARGS ", 1)[1]) for line in out.stdout.splitlines() if "ARGS " in line]
+    assert len(got) == 2
+    for item in got:
+        assert item["argv"] == [arg, "two words"]
+        assert item["v"] == value and item["w"] == "a; touch /tmp/pwned-by-dlrun-test #"
+    assert sorted(item["host"] for item in got) == sorted(names)
+    assert not marker.exists()
+
+
+def test_job_through_a_proxyjump_bastion(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "hi.py", "import os\nprint('hi from', os.environ['DLRUN_RANK'])\n")
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[defaults]\npython = "{cluster.python}"\n'
+                     f'[[hosts]]\naddress = "{cluster.jump_alias(0)}"\n[[hosts]]\naddress = "{cluster.jump_alias(1)}"\n')
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), str(script), cwd=tmp_path,
+                    timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "hi from 0" in out.stdout and "hi from 1" in out.stdout
+
+
+def test_unknown_host_key_refused_then_accepted_on_request(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "hi.py", "print('hi')\n")
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
+    base = ["launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "--known-hosts", str(empty)]
+    out = run_dlrun(*base, str(script), cwd=tmp_path, timeout=60)
+    assert out.returncode == 255
+    assert "host0: unknown host key" in out.stderr and "--accept-new-host-keys" in out.stderr
+    assert "ssh-keyscan -p 2222" in out.stderr or "ssh-keyscan -p" in out.stderr
+    out = run_dlrun(*base, "--accept-new-host-keys", str(script), cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert cluster.hosts[0].address in empty.read_text()
+    out = run_dlrun(*base, str(script), cwd=tmp_path, timeout=60)  # now known
+    assert out.returncode == 0, out.stderr
+
+
+def test_changed_host_key_always_refused(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    known = tmp_path / "known_hosts"
+    other = cluster.hosts[1].public_key
+    known.write_text(f"{cluster.hosts[0].known_hosts_name} {other}\n")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
+    script = shared_script(cluster, "hi.py", "print('hi')\n")
+    for extra in ([], ["--accept-new-host-keys"]):
+        out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "--known-hosts", str(known),
+                        *extra, str(script), cwd=tmp_path, timeout=60)
+        assert out.returncode == 255
+        assert "HOST KEY CHANGED" in out.stderr
+
+
+def test_unreachable_host_named_quickly_and_nothing_started(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    marker = cluster.hosts[0].workdir / "started-marker"
+    script = shared_script(cluster, "mark.py", f"open({str(marker)!r}, 'w').write('x')\n")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
+    with hosts.open("a") as fh:
+        fh.write('[[hosts]]\naddress = "127.0.0.9"\nport = 2299\n[[hosts]]\naddress = "no-such-host.invalid"\nport = 22\n')
+    start = time.monotonic()
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "--connect-timeout", "3",
+                    str(script), cwd=tmp_path, timeout=60)
+    assert out.returncode == 255
+    assert time.monotonic() - start < 30
+    assert "2 hosts cannot be reached; no rank was started" in out.stderr
+    assert "127.0.0.9: connection refused by 127.0.0.9:2299" in out.stderr
+    assert "no-such-host.invalid: cannot resolve host name" in out.stderr
+    assert not marker.exists()
+
+
+def test_wrong_key_is_an_authentication_error(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    key = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1, extra=f'identity_file = "{key}"')
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "hi.py", cwd=tmp_path, timeout=60)
+    assert out.returncode == 255
+    assert "host0: authentication failed for user" in out.stderr
+
+
+@pytest.mark.slow
+def test_tf_example_across_two_ssh_hosts(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("tf_keras")
+    script = shared_script(cluster, "train_digits.py", (REPO / "examples" / "train_digits.py").read_text())
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), str(script), "--epochs", "12",
+                    cwd=tmp_path, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    accuracies = [float(m) for m in re.findall(r"\] test accuracy: ([0-9.]+)", out.stdout)]
+    assert len(accuracies) == 2 and min(accuracies) >= 0.90
+    assert (cluster.hosts[0].workdir / "dlrun-model" / "digits.keras").exists()
