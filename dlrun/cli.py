@@ -63,7 +63,9 @@ def _parse_ranks(text: str | None) -> tuple[int, ...] | None:
 ssh_options = [
     click.option("--ssh-config", type=click.Path(dir_okay=False), help="OpenSSH config file (default ~/.ssh/config)."),
     click.option("--known-hosts", type=click.Path(dir_okay=False), help="known_hosts file (default from ssh config)."),
-    click.option("--accept-new-host-keys", is_flag=True, help="Add unknown host keys to known_hosts (never changed ones)."),
+    click.option(
+        "--accept-new-host-keys", is_flag=True, help="Add unknown host keys to known_hosts (never changed ones)."
+    ),
     click.option("--connect-timeout", type=float, default=10.0, show_default=True, help="Seconds to reach each host."),
 ]
 
@@ -120,7 +122,8 @@ def launch(
     connect_timeout: float,
 ) -> None:
     """Run SCRIPT [ARGS]... on every rank: `dlrun launch train.py --hosts hosts.toml`."""
-    from dlrun.launch import LaunchConfig, SSHOptions, launch as run_launch  # noqa: PLC0415
+    from dlrun.launch import LaunchConfig, SSHOptions
+    from dlrun.launch import launch as run_launch
 
     if json_output and not dry_run:
         raise click.UsageError("--json goes with --dry-run")

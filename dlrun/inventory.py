@@ -355,7 +355,9 @@ def expand_range(pattern: str, *, source: str = "<inline>", line: int | None = N
 
 def _split_top_level(text: str) -> list[str]:
     """Split on commas that are not inside ``[...]``."""
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in text:
         if char == "[":
             depth += 1

@@ -67,7 +67,7 @@ class _AcceptNew(paramiko.MissingHostKeyPolicy):
         with self.lock:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(entry.to_line())
+                fh.write(entry.to_line() or "")
         client.get_host_keys().add(hostname, key.get_name(), key)
 
 
@@ -202,9 +202,7 @@ class SSHTransport(Transport):
         errors: list[TransportError] = []
         if todo:
             with ThreadPoolExecutor(max_workers=min(64, len(todo))) as pool:
-                for host, error in zip(todo, pool.map(self._connect_one, todo), strict=True):
-                    if error is not None:
-                        errors.append(error)
+                errors = [e for e in pool.map(self._connect_one, todo) if e is not None]
         if errors:
             if len(errors) == 1:
                 raise errors[0]
@@ -310,10 +308,10 @@ class SSHTransport(Transport):
                 target.hostname,
                 port=target.port,
                 username=target.user,
-                key_filename=list(target.identity_files) or None,
+                key_filename=list(target.identity_files) or None,  # type: ignore[arg-type]
                 look_for_keys=not target.identity_files,
                 allow_agent=True,
-                sock=sock,  # type: ignore[arg-type]
+                sock=sock,
                 timeout=self.timeout,
                 banner_timeout=self.timeout,
                 auth_timeout=self.timeout,

@@ -66,7 +66,7 @@ class FakeChannel(Channel):
     def _play(self, spec: dict[str, object]) -> None:
         put = self.out.put
         put(agent.frame(agent.HELLO, agent.AGENT_RANK, b"{}"))
-        numbers = [int(r["rank"]) for r in spec["ranks"]]  # type: ignore[attr-defined, index]
+        numbers = [int(r["rank"]) for r in spec["ranks"]]  # type: ignore[attr-defined]
         for n in numbers:
             put(agent.frame(agent.STARTED, n, b'{"pid": 0}'))
         start = time.monotonic()

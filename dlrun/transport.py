@@ -118,7 +118,7 @@ class Transport(ABC):
         channel.close()
         return result
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook; local subprocesses need nothing
         """Close every connection."""
 
 
@@ -153,8 +153,9 @@ class LocalChannel(Channel):
 
     def _read_stderr(self) -> None:
         assert self.proc.stderr is not None
+        stream = self.proc.stderr
         while True:
-            data = self.proc.stderr.read1(65536)
+            data = os.read(stream.fileno(), 65536)
             if not data:
                 return
             self._stderr += data
@@ -171,7 +172,7 @@ class LocalChannel(Channel):
     def recv(self, max_bytes: int = 65536) -> bytes:
         assert self.proc.stdout is not None
         try:
-            return self.proc.stdout.read1(max_bytes)
+            return os.read(self.proc.stdout.fileno(), max_bytes)
         except (OSError, ValueError):
             return b""
 

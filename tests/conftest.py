@@ -81,6 +81,7 @@ def hosts_toml(cluster, path: Path, n: int, slots: int = 1, extra: str = "",  # 
     lines = [f'[defaults]\npython = "{python or cluster.python}"\n{extra}']
     for i, h in enumerate(cluster.hosts[:n]):
         name = f"\nname = {json.dumps(names[i])}" if names else ""
-        lines.append(f'[[hosts]]\naddress = "{h.name}"{name}\nslots = {slots}\nworkdir = {json.dumps(str(h.workdir))}\n')
+        workdir = json.dumps(str(h.workdir))
+        lines.append(f'[[hosts]]\naddress = "{h.name}"{name}\nslots = {slots}\nworkdir = {workdir}\n')
     path.write_text("\n".join(lines))
     return path

@@ -48,7 +48,9 @@ def test_slots_unset_is_none_and_counts_one() -> None:
 
 
 def test_localhost_without_port_or_user_is_local() -> None:
-    inv = parse_toml_inventory('[[hosts]]\naddress = "localhost"\nslots = 2\n[[hosts]]\naddress = "127.0.0.1"\nport = 22\n')
+    inv = parse_toml_inventory(
+        '[[hosts]]\naddress = "localhost"\nslots = 2\n[[hosts]]\naddress = "127.0.0.1"\nport = 22\n'
+    )
     assert inv.hosts[0].is_local and not inv.hosts[1].is_local
 
 
@@ -60,7 +62,8 @@ def test_localhost_without_port_or_user_is_local() -> None:
         ('[[hosts]]\naddress = "a"\nslots = 0\n', 3, "hosts[0].slots", "at least 1"),
         ('[[hosts]]\naddress = "a"\nrole = "boss"\n', 3, "hosts[0].role", "unknown role"),
         ('[[hosts]]\naddress = "a"\n[[hosts]]\naddress = "a"\n', 4, "hosts[1].address", "duplicate"),
-        ('[[hosts]]\naddress = "a"\nname = "x"\n[[hosts]]\naddress = "b"\nname = "x"\n', 6, "hosts[1].name", "duplicate"),
+        ('[[hosts]]\naddress = "a"\nname = "x"\n[[hosts]]\naddress = "b"\nname = "x"\n', 6, "hosts[1].name",
+         "duplicate"),
         ('[[hosts]]\naddress = "a"\nrole = "chief"\n[[hosts]]\naddress = "b"\nrole = "chief"\n', 6,
          "hosts[1].role", "more than one chief"),
         ('[[hosts]]\naddress = "a"\nrole = "evaluator"\nslots = 2\n', 3, "hosts[0].role", "more than one evaluator"),

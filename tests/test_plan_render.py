@@ -91,7 +91,9 @@ def test_tf_config_is_accepted_by_tensorflows_resolver(monkeypatch: pytest.Monke
 
 
 def test_env_layers_and_dlrun_variables() -> None:
-    inv = parse_toml_inventory('[defaults]\nenv = { A = "d", B = "d" }\n[[hosts]]\naddress = "h"\nenv = { B = "h" }\n')
+    inv = parse_toml_inventory(
+        '[defaults]\nenv = { A = "d", B = "d" }\n[[hosts]]\naddress = "h"\nenv = { B = "h" }\n'
+    )
     plan = make_plan(inv, job_id="J")
     (cmd,) = worker_commands(plan, "train.py", ["--x", "1"], python_for={"h": ["/venv/bin/python"]},
                              extra_env={"C": "x"})
@@ -131,7 +133,8 @@ def test_pure_modules_import_no_outside_world() -> None:
     import sys
 
     code = ("import sys; import dlrun.inventory, dlrun.plan, dlrun.render;"
-            "bad = [m for m in ('subprocess', 'paramiko', 'fabric', 'rich', 'tensorflow', 'socket') if m in sys.modules];"
+            "mods = ('subprocess', 'paramiko', 'fabric', 'rich', 'tensorflow', 'socket');"
+            "bad = [m for m in mods if m in sys.modules];"
             "print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
 from sshd_cluster import count_job_processes, wait_job_processes_gone
 
@@ -148,7 +147,8 @@ def test_job_through_a_proxyjump_bastion(cluster, tmp_path: Path) -> None:  # ty
     script = shared_script(cluster, "hi.py", "import os\nprint('hi from', os.environ['DLRUN_RANK'])\n")
     hosts = tmp_path / "hosts.toml"
     hosts.write_text(f'[defaults]\npython = "{cluster.python}"\n'
-                     f'[[hosts]]\naddress = "{cluster.jump_alias(0)}"\n[[hosts]]\naddress = "{cluster.jump_alias(1)}"\n')
+                     f'[[hosts]]\naddress = "{cluster.jump_alias(0)}"\n'
+                     f'[[hosts]]\naddress = "{cluster.jump_alias(1)}"\n')
     out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), str(script), cwd=tmp_path,
                     timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -190,7 +190,8 @@ def test_unreachable_host_named_quickly_and_nothing_started(cluster, tmp_path: P
     script = shared_script(cluster, "mark.py", f"open({str(marker)!r}, 'w').write('x')\n")
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
     with hosts.open("a") as fh:
-        fh.write('[[hosts]]\naddress = "127.0.0.9"\nport = 2299\n[[hosts]]\naddress = "no-such-host.invalid"\nport = 22\n')
+        fh.write('[[hosts]]\naddress = "127.0.0.9"\nport = 2299\n'
+                 '[[hosts]]\naddress = "no-such-host.invalid"\nport = 22\n')
     start = time.monotonic()
     out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "--connect-timeout", "3",
                     str(script), cwd=tmp_path, timeout=60)
