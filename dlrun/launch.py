@@ -71,7 +71,7 @@ def make_transport(inventory: Inventory, ssh: SSHOptions) -> Transport:
     """Local hosts need no SSH (and dlrun does not import paramiko for them)."""
     if inventory.all_local:
         return HostRouter(remote=None)
-    from dlrun.ssh import SSHTransport  # noqa: PLC0415 - paramiko only when a host needs it
+    from dlrun.ssh import SSHTransport
 
     return HostRouter(
         remote=SSHTransport(
