@@ -103,8 +103,10 @@ def make_plan(
     base_port: int = DEFAULT_BASE_PORT,
     framework: str = "tf",
     addresses: Mapping[str, str] | None = None,
+    ports: Mapping[int, int] | None = None,
 ) -> Plan:
-    """Assign ranks host by host. ``addresses`` maps host name → address the ranks use."""
+    """Assign ranks host by host. ``addresses`` maps host name → address the ranks use;
+    ``ports`` (rank → port) overrides the port rule where the ranks picked their own (Spark)."""
     if framework not in FRAMEWORKS:
         raise PlanError(f"unknown framework {framework!r} (expected one of {', '.join(FRAMEWORKS)})")
     total = inventory.total_slots
@@ -148,6 +150,8 @@ def make_plan(
         for local_rank in range(count):
             hosts_with = [i for i, (_, c) in enumerate(used) if c > local_rank]
             port = base_port + (rank if is_loopback(address) else local_rank)
+            if ports is not None and rank in ports:
+                port = ports[rank]
             if port > 65535:
                 raise PlanError(f"port {port} for rank {rank} is out of range; lower --base-port")
             index = type_counts.get(task_type, 0)
