@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -22,7 +22,7 @@ from types import FrameType
 
 from dlrun.errors import UsageError
 from dlrun.inventory import Inventory, load_inventory, localhost_inventory
-from dlrun.plan import DEFAULT_BASE_PORT, Plan, make_plan
+from dlrun.plan import DEFAULT_BASE_PORT, Plan, is_loopback, make_plan
 from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
 from dlrun.supervisor import RunResult, Supervisor
 from dlrun.transport import HostRouter, Transport, default_python
@@ -99,6 +99,9 @@ def render_commands(
         framework=config.framework,
         addresses=addresses,
     )
+    iface = config.iface
+    if iface is None and plan.framework == "horovod" and all(is_loopback(r.address) for r in plan.ranks):
+        iface = "lo"  # every rank on this machine: gloo must not pick an interface the others miss
     if cwd_for is None:
         cwd_for = {h.name: (os.getcwd() if h.is_local else h.workdir) for h in plan.hosts}
     commands = worker_commands(
@@ -109,7 +112,7 @@ def render_commands(
         cwd_for=cwd_for,
         extra_env=config.env,
         rendezvous=rendezvous or (("127.0.0.1", 0) if config.framework == "horovod" else None),
-        iface=config.iface,
+        iface=iface,
     )
     return plan, commands
 
@@ -138,6 +141,36 @@ def keras_warning(config: LaunchConfig, inventory: Inventory) -> str | None:
         "MultiWorkerMirroredStrategy (keras-team/keras#20585). Install tf_keras and pass "
         "--env TF_USE_LEGACY_KERAS=1, or use a custom training loop."
     )
+
+
+def facing_address(addresses: Sequence[str]) -> str:
+    """This machine's address on the route to the hosts (127.0.0.1 when they are all local)."""
+    import socket  # noqa: PLC0415
+
+    remote = [a for a in addresses if not is_loopback(a)]
+    if not remote:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((remote[0], 9))  # UDP: no packet is sent, the kernel picks the route
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "0.0.0.0"
+
+
+@contextmanager
+def horovod_rendezvous(plan: Plan) -> Iterator[tuple[str, int]]:
+    """dlrun's Horovod rendezvous server for this plan, stopped when the job ends."""
+    from dlrun.rendezvous import RendezvousServer, scope_sizes  # noqa: PLC0415
+
+    server = RendezvousServer(
+        scope_sizes([(r.address, r.local_rank) for r in plan.ranks]),
+        host=facing_address([r.address for r in plan.ranks]),
+    )
+    with server:
+        address = server.address
+        assert address is not None
+        yield address
 
 
 def dry_run_text(commands: Sequence[WorkerCommand]) -> str:
@@ -194,20 +227,29 @@ def launch(config: LaunchConfig) -> int:
     try:
         used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
         addresses = transport.connect(used_hosts)
-        _, commands = render_commands(config, inventory, job_id, addresses=addresses)
-        log_dir = Path(config.log_dir or "dlrun-logs") / job_id
-        view = make_view(config.ranks_shown, force_plain=config.plain)
-        supervisor = Supervisor(
-            transport,
-            commands,
-            view,
-            log_dir=log_dir,
-            grace=config.grace,
-            pidns=config.pidns,
-            ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None,
-        )
-        with forward_signals(supervisor):
-            result: RunResult = supervisor.run()
-        return result.exit_code
+        plan, commands = render_commands(config, inventory, job_id, addresses=addresses)
+        with ExitStack() as stack:
+            if config.framework == "horovod":
+                rendezvous = stack.enter_context(horovod_rendezvous(plan))
+                _, commands = render_commands(config, inventory, job_id, addresses=addresses, rendezvous=rendezvous)
+            return _supervise(config, transport, commands, job_id)
     finally:
         transport.close()
+
+
+def _supervise(config: LaunchConfig, transport: Transport, commands: Sequence[WorkerCommand], job_id: str) -> int:
+    """Run the rendered ranks under the supervisor with the right view; the job's exit code."""
+    log_dir = Path(config.log_dir or "dlrun-logs") / job_id
+    view = make_view(config.ranks_shown, force_plain=config.plain)
+    supervisor = Supervisor(
+        transport,
+        commands,
+        view,
+        log_dir=log_dir,
+        grace=config.grace,
+        pidns=config.pidns,
+        ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None,
+    )
+    with forward_signals(supervisor):
+        result: RunResult = supervisor.run()
+    return result.exit_code

@@ -74,7 +74,8 @@ def horovod_env(
         "HOROVOD_LOCAL_SIZE": str(spec.local_size),
         "HOROVOD_CROSS_RANK": str(spec.cross_rank),
         "HOROVOD_CROSS_SIZE": str(spec.cross_size),
-        "HOROVOD_HOSTNAME": spec.host.name,
+        # the rank's network address: gloo resolves it when no interface is named
+        "HOROVOD_HOSTNAME": spec.address,
         "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous[0],
         "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous[1]),
         "HOROVOD_CONTROLLER": "gloo",
