@@ -25,6 +25,7 @@ from dlrun.inventory import Inventory, load_inventory, localhost_inventory
 from dlrun.plan import DEFAULT_BASE_PORT, Plan, is_loopback, make_plan
 from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
 from dlrun.supervisor import RunResult, Supervisor
+from dlrun.tf_server import server_source
 from dlrun.transport import HostRouter, Transport, default_python
 from dlrun.view import make_view
 
@@ -113,6 +114,7 @@ def render_commands(
         extra_env=config.env,
         rendezvous=rendezvous or (("127.0.0.1", 0) if config.framework == "horovod" else None),
         iface=iface,
+        server_argv=["-c", server_source()] if config.framework == "tf-ps" else None,
     )
     return plan, commands
 

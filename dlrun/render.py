@@ -138,10 +138,13 @@ def worker_commands(
     extra_env: Mapping[str, str] | None = None,
     rendezvous: tuple[str, int] | None = None,
     iface: str | None = None,
+    server_argv: Sequence[str] | None = None,
 ) -> tuple[WorkerCommand, ...]:
     """Render every rank: env = inventory env (host over defaults) < extra < dlrun < framework.
 
-    ``python_for`` maps host name → the python argv prefix on that host.
+    ``python_for`` maps host name → the python argv prefix on that host. With ``tf-ps``,
+    ps and worker ranks run ``server_argv`` after that prefix (dlrun's tf_server); the chief
+    and the evaluator run the script.
     """
     commands = []
     for spec in plan.ranks:
@@ -152,10 +155,13 @@ def worker_commands(
         env.update(framework_env(plan, spec, rendezvous=rendezvous, iface=iface))
         if plan.framework == "torch" and spec.local_size > 1 and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = "1"
+        argv = worker_argv(script, args, python_for[spec.host.name])
+        if plan.framework == "tf-ps" and spec.task_type in ("ps", "worker") and server_argv is not None:
+            argv = (*python_for[spec.host.name], *server_argv)
         commands.append(
             WorkerCommand(
                 spec=spec,
-                argv=worker_argv(script, args, python_for[spec.host.name]),
+                argv=argv,
                 env=env,
                 cwd=(cwd_for or {}).get(spec.host.name),
             )
