@@ -147,7 +147,7 @@ def keras_warning(config: LaunchConfig, inventory: Inventory) -> str | None:
 
 def facing_address(addresses: Sequence[str]) -> str:
     """This machine's address on the route to the hosts (127.0.0.1 when they are all local)."""
-    import socket  # noqa: PLC0415
+    import socket
 
     remote = [a for a in addresses if not is_loopback(a)]
     if not remote:
@@ -163,7 +163,7 @@ def facing_address(addresses: Sequence[str]) -> str:
 @contextmanager
 def horovod_rendezvous(plan: Plan) -> Iterator[tuple[str, int]]:
     """dlrun's Horovod rendezvous server for this plan, stopped when the job ends."""
-    from dlrun.rendezvous import RendezvousServer, scope_sizes  # noqa: PLC0415
+    from dlrun.rendezvous import RendezvousServer, scope_sizes
 
     server = RendezvousServer(
         scope_sizes([(r.address, r.local_rank) for r in plan.ranks]),

@@ -20,7 +20,7 @@ def main() -> None:
     task = config.get("task", {})
     if task.get("type") not in ("ps", "worker"):
         sys.exit(f"dlrun.tf_server: TF_CONFIG task must be ps or worker, got {task!r}")
-    import tensorflow as tf  # noqa: PLC0415 - only on the host that serves
+    import tensorflow as tf  # type: ignore[import-untyped]
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     server = tf.distribute.Server(

@@ -33,7 +33,8 @@ def main() -> None:
     y = digits.target.astype("int64")
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
     # this rank's shard of the training set
-    x_shard, y_shard = torch.from_numpy(x_train[hvd.rank()::hvd.size()]), torch.from_numpy(y_train[hvd.rank()::hvd.size()])
+    x_shard = torch.from_numpy(x_train[hvd.rank() :: hvd.size()])
+    y_shard = torch.from_numpy(y_train[hvd.rank() :: hvd.size()])
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr * hvd.size())

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, hosts_toml, run_dlrun, shared_script
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
