@@ -98,6 +98,7 @@ def main() -> None:
 @click.option("--iface", help="Network interface for gloo/NCCL (Horovod).")
 @click.option("--plain", is_flag=True, help="Plain prefixed lines even on a terminal.")
 @click.option("--no-pidns", is_flag=True, help="Do not run each host's ranks in a PID namespace.")
+@click.option("--no-preflight", is_flag=True, help="Skip the topology probe (slots, GPUs, error findings).")
 @_with_ssh_options
 @_reports_errors
 def launch(
@@ -116,6 +117,7 @@ def launch(
     iface: str | None,
     plain: bool,
     no_pidns: bool,
+    no_preflight: bool,
     ssh_config: str | None,
     known_hosts: str | None,
     accept_new_host_keys: bool,
@@ -143,6 +145,7 @@ def launch(
         iface=iface,
         plain=plain,
         pidns=not no_pidns,
+        preflight=not no_preflight,
         ssh=SSHOptions(
             config_file=ssh_config,
             accept_new_host_keys=accept_new_host_keys,
@@ -151,3 +154,53 @@ def launch(
         ),
     )
     sys.exit(run_launch(config))
+
+
+@main.command()
+@click.option("--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: this machine).")
+@click.option("--json", "json_output", is_flag=True, help="Print the report as JSON.")
+@_with_ssh_options
+@_reports_errors
+def topo(
+    hosts: str | None,
+    json_output: bool,
+    ssh_config: str | None,
+    known_hosts: str | None,
+    accept_new_host_keys: bool,
+    connect_timeout: float,
+) -> None:
+    """Probe GPUs, NVLink/PCIe links and InfiniBand/RoCE NICs on every host; exit 1 on errors."""
+    import json
+
+    from rich.console import Console
+
+    from dlrun.findings import analyse, exit_code, suggested_env, topo_document
+    from dlrun.inventory import load_inventory
+    from dlrun.launch import SSHOptions, make_transport
+    from dlrun.preflight import probe_hosts
+    from dlrun.probe import probe_local
+    from dlrun.topo_report import render_topo
+    from dlrun.topology import HostReport
+
+    reports: tuple[HostReport, ...]
+    if hosts is None:
+        reports = (probe_local(),)
+        slots = None
+    else:
+        inventory = load_inventory(hosts)
+        transport = make_transport(
+            inventory,
+            SSHOptions(ssh_config, accept_new_host_keys, connect_timeout, known_hosts),
+        )
+        try:
+            reports = probe_hosts(transport, inventory.hosts)
+        finally:
+            transport.close()
+        slots = {h.name: h.slots for h in inventory.hosts if h.slots is not None}
+    findings = analyse(reports, slots)
+    env = suggested_env(reports)
+    if json_output:
+        click.echo(json.dumps(topo_document(reports, findings, env), indent=2))
+    else:
+        Console().print(render_topo(reports, findings, env))
+    sys.exit(exit_code(findings))

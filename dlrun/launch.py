@@ -23,6 +23,7 @@ from types import FrameType
 from dlrun.errors import UsageError
 from dlrun.inventory import Inventory, load_inventory, localhost_inventory
 from dlrun.plan import DEFAULT_BASE_PORT, Plan, is_loopback, make_plan
+from dlrun.preflight import run_preflight
 from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
 from dlrun.supervisor import RunResult, Supervisor
 from dlrun.tf_server import server_source
@@ -56,6 +57,7 @@ class LaunchConfig:
     pidns: bool = True
     plain: bool = False
     iface: str | None = None
+    preflight: bool = True
 
 
 def new_job_id() -> str:
@@ -91,6 +93,7 @@ def render_commands(
     addresses: Mapping[str, str] | None = None,
     cwd_for: Mapping[str, str | None] | None = None,
     rendezvous: tuple[str, int] | None = None,
+    gpus_for: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[Plan, tuple[WorkerCommand, ...]]:
     plan = make_plan(
         inventory,
@@ -115,6 +118,7 @@ def render_commands(
         rendezvous=rendezvous or (("127.0.0.1", 0) if config.framework == "horovod" else None),
         iface=iface,
         server_argv=["-c", server_source()] if config.framework == "tf-ps" else None,
+        gpus_for=gpus_for,
     )
     return plan, commands
 
@@ -224,16 +228,31 @@ def launch(config: LaunchConfig) -> int:
         return 0
     if warning:
         print(f"dlrun: warning: {warning}", file=sys.stderr)
-    _, trial = render_commands(config, inventory, job_id)  # validates the plan before any connection
+    slots_from_gpus = config.preflight and any(h.slots is None for h in inventory.hosts)
+    if slots_from_gpus:  # slots come from the probe: every host may be used
+        used_hosts = inventory.hosts
+    else:  # validate the plan before any connection
+        _, trial = render_commands(config, inventory, job_id)
+        used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
     transport = make_transport(inventory, config.ssh)
     try:
-        used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
         addresses = transport.connect(used_hosts)
-        plan, commands = render_commands(config, inventory, job_id, addresses=addresses)
+        gpus: Mapping[str, Sequence[str]] = {}
+        if config.preflight:
+            preflight = run_preflight(transport, inventory, used_hosts)
+            for finding in preflight.findings:
+                if finding.severity == "warning":
+                    where = f"{finding.host}: " if finding.host else ""
+                    print(f"dlrun: preflight warning: {where}{finding.message}", file=sys.stderr)
+            inventory = inventory.with_slots(preflight.gpu_slots())
+            gpus = preflight.devices()
+        plan, commands = render_commands(config, inventory, job_id, addresses=addresses, gpus_for=gpus)
         with ExitStack() as stack:
             if config.framework == "horovod":
                 rendezvous = stack.enter_context(horovod_rendezvous(plan))
-                _, commands = render_commands(config, inventory, job_id, addresses=addresses, rendezvous=rendezvous)
+                _, commands = render_commands(
+                    config, inventory, job_id, addresses=addresses, rendezvous=rendezvous, gpus_for=gpus
+                )
             return _supervise(config, transport, commands, job_id)
     finally:
         transport.close()

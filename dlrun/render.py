@@ -139,12 +139,14 @@ def worker_commands(
     rendezvous: tuple[str, int] | None = None,
     iface: str | None = None,
     server_argv: Sequence[str] | None = None,
+    gpus_for: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[WorkerCommand, ...]:
     """Render every rank: env = inventory env (host over defaults) < extra < dlrun < framework.
 
     ``python_for`` maps host name → the python argv prefix on that host. With ``tf-ps``,
     ps and worker ranks run ``server_argv`` after that prefix (dlrun's tf_server); the chief
-    and the evaluator run the script.
+    and the evaluator run the script. ``gpus_for`` maps host name → one CUDA_VISIBLE_DEVICES
+    value per local rank (from the preflight probe); a value the user set is kept.
     """
     commands = []
     for spec in plan.ranks:
@@ -153,6 +155,9 @@ def worker_commands(
         env.update(extra_env or {})
         env.update(dlrun_env(plan, spec))
         env.update(framework_env(plan, spec, rendezvous=rendezvous, iface=iface))
+        devices = (gpus_for or {}).get(spec.host.name, ())
+        if spec.local_rank < len(devices) and "CUDA_VISIBLE_DEVICES" not in env:
+            env["CUDA_VISIBLE_DEVICES"] = devices[spec.local_rank]
         if plan.framework == "torch" and spec.local_size > 1 and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = "1"
         argv = worker_argv(script, args, python_for[spec.host.name])

@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 from rich.console import Console
-from topo_fixtures import fixture, needs_fixtures, sysfs_tree
 
 from dlrun.findings import (
     Finding,
@@ -30,6 +29,8 @@ from dlrun.topology import (
     parse_sysfs_ib,
     parse_topo_matrix,
 )
+
+from topo_fixtures import fixture, needs_fixtures, sysfs_tree
 
 pytestmark = needs_fixtures
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO, hosts_toml, run_dlrun, shared_script
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO, dlrun_argv, job_processes, run_dlrun
 
 SLEEPER = """

@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from topo_fixtures import FIXTURES, env_with_path, needs_fixtures, write_fake_tool
 
 from dlrun.probe import PROBE_SOURCE, parse_probe_output, probe_local
+
+from topo_fixtures import FIXTURES, env_with_path, needs_fixtures, write_fake_tool
 
 SYSFS_H100 = FIXTURES / "sysfs-ib" / "gpud-h100-testdata"
 SMI_REPLIES = {

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
 from sshd_cluster import count_job_processes, wait_job_processes_gone
 

@@ -7,14 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from topo_fixtures import (
-    FIXTURES,
-    all_fixture_files,
-    fixture,
-    needs_fixtures,
-    sysfs_root_of,
-    sysfs_tree,
-)
 
 from dlrun import topology
 from dlrun.topology import (
@@ -47,6 +39,15 @@ from dlrun.topology import (
     parse_sysfs_pci_numa,
     parse_topo_matrix,
     parse_topo_p2p,
+)
+
+from topo_fixtures import (
+    FIXTURES,
+    all_fixture_files,
+    fixture,
+    needs_fixtures,
+    sysfs_root_of,
+    sysfs_tree,
 )
 
 pytestmark = needs_fixtures
