@@ -204,3 +204,20 @@ def topo(
     else:
         Console().print(render_topo(reports, findings, env))
     sys.exit(exit_code(findings))
+
+
+@main.command()
+@click.argument("directory", default=".", type=click.Path(file_okay=False))
+@click.option("--framework", type=click.Choice(["tf", "tf-ps", "horovod", "torch"]), default="tf", show_default=True)
+@click.option("--force", is_flag=True, help="Overwrite existing files.")
+@_reports_errors
+def init(directory: str, framework: str, force: bool) -> None:
+    """Write hosts.toml (every key commented) and a train.py for FRAMEWORK into DIRECTORY."""
+    from pathlib import Path
+
+    from dlrun.scaffold import write_project
+
+    for path in write_project(Path(directory), framework, force=force):
+        click.echo(f"wrote {path}")
+    flag = "" if framework == "tf" else f" --framework {framework}"
+    click.echo(f"next: edit hosts.toml, then: dlrun launch{flag} --hosts hosts.toml train.py")

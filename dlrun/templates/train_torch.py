@@ -1,0 +1,33 @@
+"""A PyTorch DDP training script: `dlrun launch --framework torch train.py --hosts hosts.toml`.
+
+dlrun sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and
+GROUP_RANK as torchrun would. Use "nccl" and the LOCAL_RANK device on GPUs.
+"""
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+def main() -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=2))
+    torch.manual_seed(dist.get_rank())  # TODO: your data; DistributedSampler shards a Dataset
+    x = torch.randn(1024, 16)
+    y = (x.sum(dim=1) > 0).long()
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                                        torch.nn.Linear(32, 2)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for epoch in range(3):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if dist.get_rank() == 0:
+            print(f"epoch {epoch + 1}: loss {float(loss):.4f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
