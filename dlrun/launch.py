@@ -187,7 +187,8 @@ def dry_run_text(commands: Sequence[WorkerCommand]) -> str:
             f"rank {s.rank}: host {s.host.name} ({s.address}) local_rank {s.local_rank}/{s.local_size} "
             f"cross_rank {s.cross_rank}/{s.cross_size} task {s.task_type}:{s.task_index} port {s.port}"
         )
-        lines.append(f"  argv: {json.dumps(list(c.argv))}")
+        shown = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in c.argv]
+        lines.append(f"  argv: {json.dumps(shown)}")
         if c.cwd:
             lines.append(f"  cwd:  {c.cwd}")
         for name, value in sorted(mask_env(c.env).items()):
