@@ -1,0 +1,307 @@
+"""dlrun.sync.push over real sshd hosts (tests/sshd_cluster.py): sync, shards, kills, space, permissions."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pwd
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dlrun.errors import SyncError
+from dlrun.inventory import Host
+from dlrun.ssh import SSHTransport
+from dlrun.sync import SHARD_FILE, SHARD_POLICIES, push, shard_env
+from dlrun.transport import HostRouter
+
+from conftest import REPO
+
+pytestmark = pytest.mark.ssh
+
+PART = ".dlrun-part-"
+
+
+@pytest.fixture(scope="module")
+def transport(cluster) -> Iterator[HostRouter]:  # type: ignore[no-untyped-def]
+    router = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
+    yield router
+    router.close()
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def hosts_in(cluster, n: int, sub: str) -> list[Host]:  # type: ignore[no-untyped-def]
+    """The first n cluster hosts, each with its own fresh workdir ``<host workdir>/<sub>``."""
+    return [Host(address=h.name, name=h.name, workdir=str(h.workdir / sub), python=cluster.python)
+            for h in cluster.hosts[:n]]
+
+
+def login_ids(cluster) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    pw = pwd.getpwnam(cluster.user)
+    return pw.pw_uid, pw.pw_gid
+
+
+def write(root: Path, files: dict[str, bytes | str]) -> None:
+    for rel, content in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+
+
+def tree(root: Path) -> dict[str, bytes | str]:
+    """Relative path → content (or "-> target" for links) of everything under root."""
+    out: dict[str, bytes | str] = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            out[rel] = "-> " + os.readlink(path)
+        elif path.is_file():
+            out[rel] = path.read_bytes()
+    return out
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --------------------------------------------------------------------------- code sync
+
+
+def test_push_then_change_one_file_then_delete_one(cluster, transport, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    src = tmp_path / "proj"
+    write(src, {"train.py": "print('hi')\n", "pkg/__init__.py": "", "pkg/model.py": "W = 1\n",
+                ".gitignore": "*.log\n", "debug.log": "ignored\n", ".git/HEAD": "ignored\n",
+                "pkg/__pycache__/model.cpython-311.pyc": "ignored", "run.sh": "#!/bin/sh\necho run\n"})
+    (src / "run.sh").chmod(0o755)
+    (src / "latest.py").symlink_to("train.py")
+    hosts = hosts_in(cluster, 2, "code")
+    first = push(transport, hosts, code_dir=src)
+    expected = {".gitignore": b"*.log\n", "latest.py": "-> train.py", "pkg/__init__.py": b"",
+                "pkg/model.py": b"W = 1\n", "run.sh": b"#!/bin/sh\necho run\n", "train.py": b"print('hi')\n"}
+    for summary, h in zip(first, cluster.hosts[:2], strict=True):
+        remote = h.workdir / "code" / "proj"
+        assert summary.host == h.name
+        assert (summary.files_sent, summary.files_unchanged, summary.files_deleted) == (6, 0, 0)
+        assert summary.bytes_sent == sum(len(v) for v in expected.values() if isinstance(v, bytes))
+        assert summary.code_dir == str(remote)
+        assert {k: v for k, v in tree(remote).items() if k not in ("pkg",)} == expected
+        assert (remote / "run.sh").stat().st_mode & 0o777 == 0o755
+        assert (remote / "train.py").stat().st_mode & 0o777 == 0o644
+
+    again = push(transport, hosts, code_dir=src)
+    assert [(s.files_sent, s.bytes_sent, s.files_unchanged) for s in again] == [(0, 0, 6)] * 2
+
+    (src / "pkg" / "model.py").write_text("W = 2\n")
+    changed = push(transport, hosts, code_dir=src)
+    assert [(s.files_sent, s.bytes_sent, s.files_unchanged) for s in changed] == [(1, 6, 5)] * 2
+    assert (cluster.hosts[1].workdir / "code" / "proj" / "pkg" / "model.py").read_text() == "W = 2\n"
+
+    # a job's output in the pushed directory is not ours to delete; a file removed locally is
+    output = cluster.hosts[0].workdir / "code" / "proj" / "pkg" / "checkpoint.pt"
+    assert cluster.run(0, f"echo weights > {output}").returncode == 0
+    (src / "pkg" / "model.py").unlink()
+    deleted = push(transport, hosts, code_dir=src)
+    assert [(s.files_sent, s.files_unchanged, s.files_deleted) for s in deleted] == [(0, 5, 1)] * 2
+    for h in cluster.hosts[:2]:
+        assert not (h.workdir / "code" / "proj" / "pkg" / "model.py").exists()
+    assert output.read_text() == "weights\n"
+    assert not list((cluster.hosts[0].workdir / "code").rglob(PART + "*"))
+
+
+def test_local_host_goes_through_the_local_transport(tmp_path: Path) -> None:
+    src = tmp_path / "app"
+    write(src, {"main.py": "print(1)\n", "data/readme.txt": "x\n"})
+    host = Host(address="localhost", name="localhost", workdir=str(tmp_path / "dst"))
+    (summary,) = push(HostRouter(remote=None), [host], code_dir=src, project="renamed")
+    assert summary.files_sent == 2
+    assert tree(tmp_path / "dst" / "renamed") == {"data/readme.txt": b"x\n", "main.py": b"print(1)\n"}
+
+
+# --------------------------------------------------------------------------- data shards
+
+
+def test_shards_for_every_policy_land_disjoint_and_complete_on_three_hosts(  # type: ignore[no-untyped-def]
+    cluster, transport, tmp_path: Path
+) -> None:
+    data = tmp_path / "dataset"
+    files = {f"part/{i:02d}.npy": os.urandom(100 + 37 * i) for i in range(10)}
+    write(data, files)
+    hosts = hosts_in(cluster, 3, "shards")
+    for policy in SHARD_POLICIES:  # the same data dir each time: stale shard files must go
+        summaries = push(transport, hosts, code_dir=None, data_dir=data, shard=policy)
+        seen: list[str] = []
+        for index, (summary, h) in enumerate(zip(summaries, cluster.hosts[:3], strict=True)):
+            remote = h.workdir / "shards" / "data"
+            assert summary.data_dir == str(remote)
+            got = tree(remote)
+            doc = json.loads(got.pop(SHARD_FILE))
+            assert (doc["policy"], doc["index"], doc["count"]) == (policy, index, 3)
+            assert [f["path"] for f in doc["files"]] == sorted(got) == [k for k in got if k.startswith("part/")]
+            for item in doc["files"]:
+                assert item["sha256"] == sha(got[item["path"]]) == sha(files[item["path"]])  # type: ignore[arg-type]
+            seen += list(got)
+            env = shard_env(index, 3, hosts[index], data_dir=summary.data_dir)
+            assert env == {"DLRUN_DATA_DIR": str(remote), "DLRUN_SHARD_INDEX": str(index),
+                           "DLRUN_SHARD_COUNT": "3"}
+        if policy == "replicate":
+            assert sorted(seen) == sorted(list(files) * 3)
+        else:
+            assert sorted(seen) == sorted(files)  # complete and pairwise disjoint
+
+
+def test_split_lines_with_code_in_one_push(cluster, transport, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    body = "".join(f"{i},{i % 7}\n" for i in range(2000)).encode()
+    write(tmp_path, {"train.csv": b"x,label\n" + body, "code/train.py": "pass\n"})
+    hosts = hosts_in(cluster, 3, "split")
+    summaries = push(transport, hosts, code_dir=tmp_path / "code", data_dir=tmp_path / "train.csv",
+                     split_lines=True)
+    parts = []
+    for index, (summary, h) in enumerate(zip(summaries, cluster.hosts[:3], strict=True)):
+        assert summary.files_sent == 3  # train.py, the part, shard.json
+        got = tree(h.workdir / "split" / "data")
+        part = got[f"train.part-{index}-of-3.csv"]
+        assert isinstance(part, bytes) and part.startswith(b"x,label\n")
+        parts.append(part[len(b"x,label\n"):])
+        assert json.loads(got[SHARD_FILE])["split_lines"]["source"] == "train.csv"
+        assert (h.workdir / "split" / "code" / "train.py").read_text() == "pass\n"
+    assert b"".join(parts) == body
+    assert max(map(len, parts)) - min(map(len, parts)) < 64
+
+
+# --------------------------------------------------------------------------- interruption
+
+KILLED_PUSH = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from dlrun.inventory import Host
+from dlrun.ssh import SSHTransport
+from dlrun.sync import push
+from dlrun.transport import HostRouter
+
+def stall(host, done, total):
+    if done >= {threshold}:
+        print("stalled", flush=True)
+        time.sleep(600)
+
+host = Host(address={name!r}, name={name!r}, workdir={workdir!r}, python={python!r})
+push(HostRouter(remote=SSHTransport(config_file={config!r})), [host], code_dir=Path({src!r}), progress=stall)
+"""
+
+
+def wait_for(predicate, timeout: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())
+
+
+def test_killed_push_leaves_no_partial_file_and_the_next_push_resumes(  # type: ignore[no-untyped-def]
+    cluster, transport, tmp_path: Path
+) -> None:
+    src = tmp_path / "big"
+    size = 512 * 1024
+    files = {f"f{i}.bin": os.urandom(size) for i in range(8)}
+    write(src, files)
+    h = cluster.hosts[0]
+    remote = h.workdir / "killed" / "big"
+    script = KILLED_PUSH.format(repo=str(REPO), threshold=3 * size + 200 * 1024, name=h.name,
+                                workdir=str(h.workdir / "killed"), python=cluster.python,
+                                config=str(cluster.ssh_config), src=str(src))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "stalled", proc.stderr.read() if proc.stderr else ""
+        # three files are in place and the fourth is being written under a temporary name
+        assert wait_for(lambda: len([p for p in remote.glob("f*.bin")]) == 3 and list(remote.glob(PART + "*")))
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert wait_for(lambda: not list(remote.glob(PART + "*"))), "the helper left its partial file behind"
+    landed = tree(remote)
+    assert landed == {f"f{i}.bin": files[f"f{i}.bin"] for i in range(3)}  # nothing partial under a final name
+
+    (summary,) = push(transport, hosts_in(cluster, 1, "killed"), code_dir=src)
+    assert (summary.files_sent, summary.files_unchanged, summary.bytes_sent) == (5, 3, 5 * size)
+    assert tree(remote) == files
+
+
+# --------------------------------------------------------------------------- space and permissions
+
+
+def test_not_enough_space_is_refused_before_anything_is_written(  # type: ignore[no-untyped-def]
+    cluster, transport, tmp_path: Path
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (the check itself: test_sync.py)")
+    small = cluster.hosts[0].workdir / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(small)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        os.chown(small, *login_ids(cluster))
+        src = tmp_path / "proj"
+        write(src, {f"w{i}.bin": os.urandom(1024 * 1024) for i in range(3)})
+        host = Host(address="host0", name="host0", workdir=str(small), python=cluster.python)
+        with pytest.raises(SyncError) as info:
+            push(transport, [host], code_dir=src)
+        assert info.value.host == "host0"
+        assert "3145728 bytes needed" in str(info.value) and "nothing was written" in str(info.value)
+        assert list(small.iterdir()) == []
+        (src / "w1.bin").unlink()
+        (src / "w2.bin").unlink()
+        (summary,) = push(transport, [host], code_dir=src)
+        assert summary.files_sent == 1
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_permission_denied_names_host_and_path(cluster, transport, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    if cluster.user == "root":
+        pytest.skip("the hosts log in as root, who may write anywhere")
+    uid, gid = login_ids(cluster)
+    src = tmp_path / "proj"
+    write(src, {"top.py": "1\n", "pkg/new.py": "2\n"})
+
+    # a workdir the login user cannot write into, on two hosts: one error lists both
+    for h in cluster.hosts[:2]:
+        ro = h.workdir / "readonly"
+        ro.mkdir()
+        os.chown(ro, uid, gid)
+        ro.chmod(0o555)
+    with pytest.raises(SyncError) as info:
+        push(transport, hosts_in(cluster, 2, "readonly"), code_dir=src)
+    text = str(info.value)
+    assert "push failed on 2 of 2 hosts" in text
+    for h in cluster.hosts[:2]:
+        assert f"{h.name}: permission denied" in text and str(h.workdir / "readonly") in text
+    assert list((cluster.hosts[0].workdir / "readonly").iterdir()) == []
+
+    # a read-only directory inside the target: the file there fails by name, the others land
+    locked = cluster.hosts[0].workdir / "partly" / "proj" / "pkg"
+    locked.mkdir(parents=True)
+    for path in (locked, locked.parent, locked.parent.parent):
+        os.chown(path, uid, gid)
+    locked.chmod(0o555)
+    with pytest.raises(SyncError) as info:
+        push(transport, hosts_in(cluster, 1, "partly"), code_dir=src)
+    assert info.value.host == "host0"
+    assert str(locked / "new.py") in str(info.value) and "Permission denied" in str(info.value)
+    assert (locked.parent / "top.py").read_text() == "1\n"
+    assert list(locked.iterdir()) == []
