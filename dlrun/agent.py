@@ -110,6 +110,7 @@ class Agent:
         self.exited: dict[int, int] = {}
         self.kill_at: float | None = None
         self.job_id = ""
+        self.tag = ""
         self.out_broken = False
         self.sel = selectors.DefaultSelector()
         self.pending = bytearray()
@@ -138,13 +139,15 @@ class Agent:
     # ranks --------------------------------------------------------------------------
     def start(self, spec: dict[str, Any]) -> None:
         self.job_id = str(spec.get("job_id", ""))
+        self.tag = str(spec.get("tag") or self.job_id)
         for item in spec["ranks"]:
             rank = int(item["rank"])
             env = dict(os.environ)
             env.update({str(k): str(v) for k, v in item.get("env", {}).items()})
             env["DLRUN_JOB_ID"] = self.job_id
+            env["DLRUN_AGENT_TAG"] = self.tag
             argv = [str(a) for a in item["argv"]]
-            cwd = item.get("cwd") or None
+            cwd = os.path.expanduser(item["cwd"]) if item.get("cwd") else None
             try:
                 proc = subprocess.Popen(
                     argv,
@@ -256,10 +259,14 @@ class Agent:
         return ready
 
     def sweep(self) -> None:
-        """Kill every process of this user tagged with this job id (catches setsid escapes)."""
+        """Kill every process of this user tagged by this agent (catches setsid escapes).
+
+        The tag is job id + host name: several inventory hosts may be one machine (aliases,
+        loopback test hosts), and one agent must never kill another agent's ranks.
+        """
         if not self.job_id or self.in_namespace:
             return
-        tag = ("DLRUN_JOB_ID=" + self.job_id).encode()
+        tag = ("DLRUN_AGENT_TAG=" + self.tag).encode()
         me = os.getpid()
         uid = os.getuid()
         for _ in range(3):

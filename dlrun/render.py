@@ -59,7 +59,6 @@ def dlrun_env(plan: Plan, spec: RankSpec) -> dict[str, str]:
         "DLRUN_LOCAL_WORLD_SIZE": str(spec.local_size),
         "DLRUN_HOST": spec.host.name,
         "DLRUN_JOB_ID": plan.job_id,
-        "PYTHONUNBUFFERED": "1",
     }
 
 
@@ -150,7 +149,7 @@ def worker_commands(
     """
     commands = []
     for spec in plan.ranks:
-        env: dict[str, str] = {}
+        env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}  # live logs by default; env tables may say otherwise
         env.update(spec.host.env)
         env.update(extra_env or {})
         env.update(dlrun_env(plan, spec))

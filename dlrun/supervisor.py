@@ -221,6 +221,7 @@ class Supervisor:
     def _start_host(self, link: _HostLink) -> str | None:
         spec = {
             "job_id": self._job_id(),
+            "tag": f"{self._job_id()}:{link.host.name}",
             "eof_grace": min(self.grace, 2.0),
             "ranks": [
                 {

@@ -105,6 +105,27 @@ def test_dropped_ssh_session_kills_that_hosts_ranks_and_fails_the_job(cluster, t
     assert wait_job_processes_gone(job_id, timeout=10) == []
 
 
+def test_without_pid_namespaces_hosts_on_one_machine_do_not_kill_each_other(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # every test host is this machine: one agent's final sweep must not touch another host's ranks
+    script = shared_script(cluster, "staggered.py", "import os, time\n"
+                           "time.sleep(0.2 + 1.0 * int(os.environ['DLRUN_RANK']))\nprint('finished')\n")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 3)
+    out = run_dlrun("launch", "--plain", "--no-pidns", "--hosts", str(hosts), *ssh_args(cluster), str(script),
+                    cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("] finished") == 3
+
+
+def test_workdir_with_tilde_is_expanded_on_the_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "cwd.py", "import os\nprint('CWD', os.getcwd())\n")
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[[hosts]]\naddress = "host0"\npython = "{cluster.python}"\nworkdir = "~"\n')
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), str(script), cwd=tmp_path,
+                    timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "CWD /" in out.stdout and "~" not in out.stdout.split("CWD", 1)[1].splitlines()[0]
+
+
 def test_setsid_child_dies_in_pid_namespace(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     probe = cluster.run(0, "unshare --user --map-current-user --pid --fork --kill-child true")
     if probe.returncode != 0:
