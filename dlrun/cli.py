@@ -23,6 +23,8 @@ from dlrun import __version__
 from dlrun.errors import DlrunError
 from dlrun.plan import DEFAULT_BASE_PORT, FRAMEWORKS
 
+SHARD_POLICIES = ("files", "contiguous", "size", "replicate")  # dlrun.sync.SHARD_POLICIES, without its import
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -99,6 +101,11 @@ def main() -> None:
 @click.option("--plain", is_flag=True, help="Plain prefixed lines even on a terminal.")
 @click.option("--no-pidns", is_flag=True, help="Do not run each host's ranks in a PID namespace.")
 @click.option("--no-preflight", is_flag=True, help="Skip the topology probe (slots, GPUs, error findings).")
+@click.option("--push/--no-push", default=True, show_default=True,
+              help="Push the script's directory to <workdir>/<dir name> on remote hosts and run there.")
+@click.option("--data", type=click.Path(exists=True), help="Dataset directory (or file): each host gets its shard.")
+@click.option("--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True)
+@click.option("--split-lines", is_flag=True, help="Split a single text/CSV dataset file into per-host parts.")
 @_with_ssh_options
 @_reports_errors
 def launch(
@@ -118,6 +125,10 @@ def launch(
     plain: bool,
     no_pidns: bool,
     no_preflight: bool,
+    push: bool,
+    data: str | None,
+    shard: str,
+    split_lines: bool,
     ssh_config: str | None,
     known_hosts: str | None,
     accept_new_host_keys: bool,
@@ -146,6 +157,10 @@ def launch(
         plain=plain,
         pidns=not no_pidns,
         preflight=not no_preflight,
+        push=push,
+        data=data,
+        shard=shard,
+        split_lines=split_lines,
         ssh=SSHOptions(
             config_file=ssh_config,
             accept_new_host_keys=accept_new_host_keys,
@@ -221,3 +236,65 @@ def init(directory: str, framework: str, force: bool) -> None:
         click.echo(f"wrote {path}")
     flag = "" if framework == "tf" else f" --framework {framework}"
     click.echo(f"next: edit hosts.toml, then: dlrun launch{flag} --hosts hosts.toml train.py")
+
+
+@main.command("push")
+@click.option("--hosts", "-H", required=True, help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4'.")
+@click.option("--code", "code_dir", type=click.Path(exists=True, file_okay=False), help="Code directory to push.")
+@click.option("--data", type=click.Path(exists=True), help="Dataset directory (or file): each host gets its shard.")
+@click.option("--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True)
+@click.option("--split-lines", is_flag=True, help="Split a single text/CSV dataset file into per-host parts.")
+@click.option("--project", help="Remote directory name under workdir (default: the code directory's name).")
+@click.option("--no-delete", is_flag=True, help="Keep remote files that were deleted locally.")
+@click.option("--json", "json_output", is_flag=True, help="Print the per-host summary as JSON.")
+@_with_ssh_options
+@_reports_errors
+def push_command(
+    hosts: str,
+    code_dir: str | None,
+    data: str | None,
+    shard: str,
+    split_lines: bool,
+    project: str | None,
+    no_delete: bool,
+    json_output: bool,
+    ssh_config: str | None,
+    known_hosts: str | None,
+    accept_new_host_keys: bool,
+    connect_timeout: float,
+) -> None:
+    """Push code (only what changed) and each host's data shard, verified and atomic."""
+    import json
+    from pathlib import Path
+
+    from dlrun.errors import UsageError
+    from dlrun.inventory import load_inventory
+    from dlrun.launch import SSHOptions, make_transport
+    from dlrun.push_view import PushView, summary_json
+    from dlrun.sync import push
+
+    if code_dir is None and data is None:
+        raise UsageError("nothing to push: give --code DIR and/or --data DIR")
+    inventory = load_inventory(hosts)
+    transport = make_transport(inventory, SSHOptions(ssh_config, accept_new_host_keys, connect_timeout, known_hosts))
+    try:
+        transport.connect(inventory.hosts)
+        with PushView([h.name for h in inventory.hosts], live=None if not json_output else False) as view:
+            summaries = push(
+                transport,
+                inventory.hosts,
+                code_dir=Path(code_dir) if code_dir else None,
+                data_dir=Path(data) if data else None,
+                shard=shard,
+                split_lines=split_lines,
+                project=project,
+                delete=not no_delete,
+                progress=view.progress,
+                file_progress=view.files,
+            )
+            if not json_output:
+                view.finish(summaries)
+    finally:
+        transport.close()
+    if json_output:
+        click.echo(json.dumps(summary_json(summaries), indent=2))

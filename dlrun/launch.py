@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from types import FrameType
@@ -58,6 +58,10 @@ class LaunchConfig:
     plain: bool = False
     iface: str | None = None
     preflight: bool = True
+    push: bool = True
+    data: str | None = None
+    shard: str = "files"
+    split_lines: bool = False
 
 
 def new_job_id() -> str:
@@ -147,6 +151,50 @@ def keras_warning(config: LaunchConfig, inventory: Inventory) -> str | None:
         "MultiWorkerMirroredStrategy (keras-team/keras#20585). Install tf_keras and pass "
         "--env TF_USE_LEGACY_KERAS=1, or use a custom training loop."
     )
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """What the push changed for the launch: env per host, where ranks run, the script path."""
+
+    inventory: Inventory
+    cwd_for: Mapping[str, str | None] | None = None
+    script: str | None = None
+
+
+def push_for_launch(config: LaunchConfig, transport: Transport, inventory: Inventory, plan: Plan) -> Pushed:
+    """Push each host's data shard (``--data``) and the script's directory (remote hosts).
+
+    With code pushed, every rank runs in ``<workdir>/<script dir name>`` on its host and the
+    script is named relative to it; local hosts run in the script's directory for the same
+    relative name.
+    """
+    from dlrun.push_view import PushView
+    from dlrun.sync import push, shard_env
+
+    hosts = plan.hosts
+    env_for: dict[str, dict[str, str]] = {}
+    if config.data:
+        with PushView([h.name for h in hosts]) as view:
+            summaries = push(transport, hosts, code_dir=None, data_dir=Path(config.data), shard=config.shard,
+                             split_lines=config.split_lines, progress=view.progress, file_progress=view.files)
+            view.finish(summaries)
+        for index, (host, summary) in enumerate(zip(hosts, summaries, strict=True)):
+            env_for[host.name] = shard_env(index, len(hosts), host, data_dir=summary.data_dir)
+    script = Path(config.script)
+    remote = [h for h in hosts if not h.is_local]
+    cwd_for: dict[str, str | None] | None = None
+    new_script = None
+    if config.push and remote and script.is_file():
+        code_dir = script.resolve().parent
+        with PushView([h.name for h in remote]) as view:
+            summaries = push(transport, remote, code_dir=code_dir, progress=view.progress, file_progress=view.files)
+            view.finish(summaries)
+        cwd_for = {h.name: str(code_dir) for h in hosts if h.is_local}
+        cwd_for.update({h.name: s.code_dir for h, s in zip(remote, summaries, strict=True)})
+        new_script = script.name
+    hosts_env = tuple(replace(h, env={**h.env, **env_for.get(h.name, {})}) for h in inventory.hosts)
+    return Pushed(replace(inventory, hosts=hosts_env), cwd_for, new_script)
 
 
 def facing_address(addresses: Sequence[str]) -> str:
@@ -247,13 +295,16 @@ def launch(config: LaunchConfig) -> int:
                     print(f"dlrun: preflight warning: {where}{finding.message}", file=sys.stderr)
             inventory = inventory.with_slots(preflight.gpu_slots())
             gpus = preflight.devices()
-        plan, commands = render_commands(config, inventory, job_id, addresses=addresses, gpus_for=gpus)
+        plan, _ = render_commands(config, inventory, job_id, addresses=addresses, gpus_for=gpus)
+        pushed = push_for_launch(config, transport, inventory, plan)
+        if pushed.script is not None:
+            config = replace(config, script=pushed.script)
         with ExitStack() as stack:
-            if config.framework == "horovod":
-                rendezvous = stack.enter_context(horovod_rendezvous(plan))
-                _, commands = render_commands(
-                    config, inventory, job_id, addresses=addresses, rendezvous=rendezvous, gpus_for=gpus
-                )
+            rendezvous = stack.enter_context(horovod_rendezvous(plan)) if config.framework == "horovod" else None
+            plan, commands = render_commands(
+                config, pushed.inventory, job_id, addresses=addresses, cwd_for=pushed.cwd_for,
+                rendezvous=rendezvous, gpus_for=gpus,
+            )
             return _supervise(config, transport, commands, job_id)
     finally:
         transport.close()

@@ -305,3 +305,23 @@ def test_permission_denied_names_host_and_path(cluster, transport, tmp_path: Pat
     assert str(locked / "new.py") in str(info.value) and "Permission denied" in str(info.value)
     assert (locked.parent / "top.py").read_text() == "1\n"
     assert list(locked.iterdir()) == []
+
+
+def test_launch_with_data_gives_each_rank_its_shard(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from conftest import hosts_toml, run_dlrun, shared_script
+
+    data = tmp_path / "dataset"
+    data.mkdir()
+    for i in range(6):
+        (data / f"part-{i}.csv").write_text(f"row,{i}\n")
+    script = shared_script(cluster, "shard.py", "import json, os\nd = os.environ['DLRUN_DATA_DIR']\n"
+                           "print('SHARD', os.environ['DLRUN_SHARD_INDEX'], os.environ['DLRUN_SHARD_COUNT'],"
+                           " sorted(f for f in os.listdir(d) if f.endswith('.csv')),"
+                           " json.load(open(os.path.join(d, 'shard.json')))['policy'])\n")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 3)
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
+                    "--data", str(data), "--shard", "files", str(script), cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = sorted(line.split("SHARD ", 1)[1] for line in out.stdout.splitlines() if "SHARD " in line)
+    assert lines == ["0 3 ['part-0.csv', 'part-3.csv'] files", "1 3 ['part-1.csv', 'part-4.csv'] files",
+                     "2 3 ['part-2.csv', 'part-5.csv'] files"]

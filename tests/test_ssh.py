@@ -66,7 +66,9 @@ def test_hello_across_hosts_uses_each_hosts_env(cluster, tmp_path: Path) -> None
     assert sorted(rows) == [0, 1, 2, 3]
     host, env, cwd = rows[3]
     assert host == "host1" and env["DLRUN_HOST"] == "host1" and env["DLRUN_LOCAL_RANK"] == "1"
-    assert env["USER"] == cluster.user and cwd == str(cluster.hosts[1].workdir)
+    # the script's directory was pushed to <workdir>/<dir name> and the rank ran there
+    assert env["USER"] == cluster.user and cwd == str(cluster.hosts[1].workdir / "scripts")
+    assert (cluster.hosts[1].workdir / "scripts" / "env.py").read_text() == script.read_text()
     tf = json.loads(env["TF_CONFIG"])
     # ssh_config aliases are resolved to their HostName for the other ranks
     assert tf["cluster"]["worker"][2].startswith(cluster.hosts[1].address + ":")
@@ -244,4 +246,4 @@ def test_tf_example_across_two_ssh_hosts(cluster, tmp_path: Path) -> None:  # ty
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     accuracies = [float(m) for m in re.findall(r"\] test accuracy: ([0-9.]+)", out.stdout)]
     assert len(accuracies) == 2 and min(accuracies) >= 0.90
-    assert (cluster.hosts[0].workdir / "dlrun-model" / "digits.keras").exists()
+    assert (cluster.hosts[0].workdir / "scripts" / "dlrun-model" / "digits.keras").exists()
