@@ -43,12 +43,12 @@ def _reports_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
+def _parse_env(pairs: tuple[str, ...], option: str = "--env") -> dict[str, str]:
     env = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name:
-            raise click.BadParameter(f"expected NAME=VALUE, got {pair!r}", param_hint="--env")
+            raise click.BadParameter(f"expected NAME=VALUE, got {pair!r}", param_hint=option)
         env[name] = value
     return env
 
@@ -106,6 +106,14 @@ def main() -> None:
 @click.option("--data", type=click.Path(exists=True), help="Dataset directory (or file): each host gets its shard.")
 @click.option("--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True)
 @click.option("--split-lines", is_flag=True, help="Split a single text/CSV dataset file into per-host parts.")
+@click.option("--backend", type=click.Choice(["ssh", "spark"]), default="ssh", show_default=True,
+              help="ssh: the inventory's hosts (or localhost); spark: a barrier stage of --np tasks.")
+@click.option("--master", help="Spark master URL (with --backend spark), e.g. spark://head:7077 or local[4].")
+@click.option("--cores-per-worker", type=int, default=1, show_default=True, help="Spark: CPUs per task.")
+@click.option("--gpus-per-worker", type=int, default=0, show_default=True, help="Spark: GPUs per task.")
+@click.option("--conf", "conf_pairs", multiple=True, help="Spark: k=v configuration (repeatable).")
+@click.option("--max-restarts", type=int, default=0, show_default=True,
+              help="Spark: relaunch the barrier stage (fresh ports) this many times after a failure.")
 @_with_ssh_options
 @_reports_errors
 def launch(
@@ -129,6 +137,12 @@ def launch(
     data: str | None,
     shard: str,
     split_lines: bool,
+    backend: str,
+    master: str | None,
+    cores_per_worker: int,
+    gpus_per_worker: int,
+    conf_pairs: tuple[str, ...],
+    max_restarts: int,
     ssh_config: str | None,
     known_hosts: str | None,
     accept_new_host_keys: bool,
@@ -168,6 +182,24 @@ def launch(
             known_hosts=known_hosts,
         ),
     )
+    if backend == "spark":
+        from dlrun.spark import SparkConfig, run_spark
+
+        if master is None:
+            raise click.UsageError("--backend spark needs --master URL")
+        if hosts is not None:
+            raise click.UsageError("--backend spark takes its workers from Spark: drop --hosts")
+        spark = SparkConfig(
+            master=master,
+            num_workers=2 if np_ is None else np_,
+            cores_per_worker=cores_per_worker,
+            gpus_per_worker=gpus_per_worker,
+            conf=_parse_env(conf_pairs, "--conf"),
+            max_restarts=max_restarts,
+        )
+        sys.exit(run_spark(config, spark))
+    if master is not None:
+        raise click.UsageError("--master goes with --backend spark")
     sys.exit(run_launch(config))
 
 
