@@ -80,6 +80,7 @@ class View(Protocol):
 
     def start(self, commands: Sequence[WorkerCommand], log_dir: Path | None) -> None: ...
     def line(self, rank: int, text: str, stream: str) -> None: ...
+    def lines(self, rank: int, texts: Sequence[str], stream: str) -> None: ...
     def state(self, rank: int, state: RankState, exit_code: int | None) -> None: ...
     def notice(self, text: str) -> None: ...
     def flush(self) -> None: ...
@@ -312,8 +313,12 @@ class Supervisor:
         if kind in (agent.STDOUT, agent.STDERR):
             stream = "stdout" if kind == agent.STDOUT else "stderr"
             splitter = rank.splitters.setdefault(kind, LineSplitter())
-            for text in splitter.feed(payload):
-                self._line(rank_no, rank, text, stream)
+            texts = splitter.feed(payload)
+            if texts:  # a chunk's lines go to the tail, the file and the screen in one step each
+                rank.tail.extend(texts[-TAIL_LINES:])
+                if rank.log is not None:
+                    rank.log.write("\n".join(texts) + "\n")
+                self.view.lines(rank_no, texts, stream)
         elif kind == agent.STARTED:
             rank.state = RankState.RUNNING
             rank.started = self.clock()

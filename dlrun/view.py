@@ -109,6 +109,11 @@ class PlainView:
         if self.show is None or rank in self.show:
             self.out.write(self.prefix[rank] + text + "\n")
 
+    def lines(self, rank: int, texts: Sequence[str], stream: str) -> None:
+        if self.show is None or rank in self.show:
+            prefix = self.prefix[rank]
+            self.out.write(prefix + ("\n" + prefix).join(texts) + "\n")
+
     def state(self, rank: int, state: RankState, exit_code: int | None) -> None:
         if state in (RankState.FAILED, RankState.LOST):
             self.notice(f"rank {rank} {state.value} (exit code {exit_code})")
@@ -187,6 +192,10 @@ class LiveView:
         prefix = Text(f"[{rank} {host}] ", style=COLORS[rank % len(COLORS)])
         body = Text(text, style="red" if stream == "stderr" else "")
         self.console.print(prefix + body, soft_wrap=True, highlight=False, markup=False)
+
+    def lines(self, rank: int, texts: Sequence[str], stream: str) -> None:
+        for text in texts:
+            self.line(rank, text, stream)
 
     def state(self, rank: int, state: RankState, exit_code: int | None) -> None:
         self.states[rank] = state
