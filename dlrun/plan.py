@@ -50,10 +50,6 @@ class RankSpec:
         host = f"[{self.address}]" if ":" in self.address else self.address
         return f"{host}:{self.port}"
 
-    @property
-    def is_chief(self) -> bool:
-        return self.task_type == "chief"
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -74,9 +70,6 @@ class Plan:
         for spec in self.ranks:
             seen.setdefault(spec.host.name, spec.host)
         return tuple(seen.values())
-
-    def ranks_on(self, host_name: str) -> tuple[RankSpec, ...]:
-        return tuple(r for r in self.ranks if r.host.name == host_name)
 
     @property
     def chief(self) -> RankSpec:

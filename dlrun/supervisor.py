@@ -24,7 +24,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -446,7 +446,3 @@ class Supervisor:
             interrupted_by=self.interrupted_by,
             log_dir=self.log_dir,
         )
-
-
-def hosts_of(commands: Sequence[WorkerCommand]) -> Mapping[str, Host]:
-    return {c.host_name: c.spec.host for c in commands}

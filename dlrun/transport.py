@@ -260,7 +260,3 @@ class HostRouter(Transport):
         self.local.close()
         if self.remote is not None:
             self.remote.close()
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
