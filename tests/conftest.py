@@ -25,22 +25,6 @@ def run_dlrun(*args: str, cwd: Path | None = None, timeout: float = 300, env: di
                           env=full_env)
 
 
-def job_processes(job_id: str) -> list[int]:
-    """Pids of every process on this machine whose environment carries DLRUN_JOB_ID=job_id."""
-    tag = f"DLRUN_JOB_ID={job_id}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                if tag in fh.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
-
-
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path

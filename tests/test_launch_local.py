@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, job_processes, run_dlrun
+from conftest import REPO, dlrun_argv, run_dlrun
+from sshd_cluster import count_job_processes as job_processes
 
 SLEEPER = """
 import os, subprocess, sys, time

@@ -41,7 +41,8 @@ from dlrun.spark import (
 )
 from dlrun.view import PlainView
 
-from conftest import REPO, job_processes
+from conftest import REPO
+from sshd_cluster import count_job_processes as job_processes
 
 pytestmark = pytest.mark.spark
 
