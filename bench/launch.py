@@ -368,17 +368,35 @@ def wrap(owner, name, label, host_arg=False):
             mark("< " + label, host)
     setattr(owner, name, wrapper)
 wrap(launch_mod, "keras_warning", "keras check")
-wrap(launch_mod, "run_preflight", "preflight")
+wrap(sup.HostAgents, "start", "agents start")
+wrap(sup.HostAgents, "probe_answers", "preflight")
+wrap(launch_mod, "push_for_launch", "push")
 wrap(ssh_mod.SSHTransport, "connect", "connect")
 wrap(ssh_mod.SSHTransport, "_client", "handshake", host_arg=True)
 wrap(ssh_mod.SSHTransport, "open", "open channel", host_arg=True)
 wrap(ssh_mod.SSHTransport, "close", "transport close")
 wrap(sup.Supervisor, "_start_all", "start all")
 wrap(sup.Supervisor, "_loop", "supervise loop")
-NAMES = {1: "HELLO", 2: "STARTED", 3: "STDOUT", 4: "STDERR", 5: "EXIT", 6: "ERROR", 7: "DONE"}
+NAMES = {1: "HELLO", 2: "STARTED", 3: "STDOUT", 4: "STDERR", 5: "EXIT", 6: "ERROR", 7: "DONE", 8: "PROBE"}
+def reader(self, host, channel):  # HostAgents._reader, marking HELLO and PROBE as they arrive
+    decoder = sup.agent.FrameDecoder()
+    while True:
+        data = channel.recv(65536)
+        if not data:
+            break
+        frames = decoder.feed(data)
+        for kind, _rank, _payload in frames:
+            if kind in (1, 8):
+                mark(NAMES[kind], host)
+        if frames:
+            self.events.put(("frames", host, frames))
+    code = channel.wait(5)
+    self.events.put(("closed", host, code, channel.stderr_text()))
+sup.HostAgents._reader = reader
 _frame = sup.Supervisor._frame
 def frame(self, host, kind, rank, payload):
-    mark(NAMES.get(kind, str(kind)), host)
+    if kind not in (1, 8):
+        mark(NAMES.get(kind, str(kind)), host)
     _frame(self, host, kind, rank, payload)
 sup.Supervisor._frame = frame
 _closed = sup.Supervisor._closed
@@ -455,13 +473,17 @@ def summarize_trace(trace: dict[str, Any]) -> list[tuple[str, float]]:
         ("inventory, keras check, plan, render", first("> connect") - first("import dlrun.ssh")),
         ("connect: all hosts (parallel)", first("< connect") - first("> connect")),
         ("  one handshake, median", per_host("> handshake", "< handshake")),
-        ("preflight probe round trip (parallel)", first("< preflight") - first("> preflight")),
-        ("preflight end → start of agents", first("> start all") - first("< preflight")),
-        ("open channels + send spec (parallel)", first("< start all") - first("> start all")),
-        ("  one open (agent channel), median", per_host("> open channel", "< open channel", nth=-1)),
-        ("agents: start all → first HELLO", first("HELLO") - first("> start all")),
-        ("agents: start all → last HELLO", last("HELLO") - first("> start all")),
-        ("  HELLO → STARTED, median per host", per_host("HELLO", "STARTED")),
+        ("start agents: open channels + send probe request (parallel)",
+         first("< agents start") - first("> agents start")),
+        ("  one open (agent channel), median", per_host("> open channel", "< open channel", nth=0)),
+        ("agents start → first HELLO", first("HELLO") - first("> agents start")),
+        ("agents start → last HELLO", last("HELLO") - first("> agents start")),
+        ("agents start → last PROBE answer", last("PROBE") - first("> agents start")),
+        ("  HELLO → PROBE, median per host", per_host("HELLO", "PROBE")),
+        ("preflight: wait for answers + checks", first("> push") - first("> preflight")),
+        ("push (manifest round trip; nothing changed)", first("< push") - first("> push")),
+        ("push end → spec sent to every agent", first("< start all") - first("< push")),
+        ("start all → last STARTED", last("STARTED") - first("> start all")),
         ("  STARTED → EXIT (rank runs trivial.py), median", per_host("STARTED", "EXIT")),
         ("  EXIT → channel closed, median", per_host("EXIT", "closed")),
         ("last HELLO → last closed", last("closed") - last("HELLO")),
@@ -479,6 +501,7 @@ PY = sys.argv[1]
 N = int(sys.argv[2])
 SRC = open(os.path.join(HERE, "agent_src.py")).read()
 SRC_MIN = open(os.path.join(HERE, "agent_min.py")).read()
+WRAPPER = open(os.path.join(HERE, "pidns_wrapper.sh")).read()
 TRIVIAL = os.path.join(HERE, "trivial.py")
 SPEC = json.dumps({"job_id": "bench", "eof_grace": 2.0, "ranks": [
     {"rank": 0, "argv": [PY, TRIVIAL], "env": {"DLRUN_RANK": "0"}, "cwd": HERE}]}).encode() + b"\n"
@@ -522,10 +545,12 @@ CASES = [
      [PY, "-c", "import json, os, selectors, signal, socket, struct, subprocess, sys, time"]),
     ("compile(agent source) x1", plain_run, [PY, "-c", "compile(open(%r).read(), '<s>', 'exec')" %
                                              os.path.join(HERE, "agent_src.py")]),
-    ("dlrun today: python -c SRC --pidns (+trivial.py)", agent_run, [PY, "-c", SRC, "--pidns"]),
+    ("dlrun: sh wrapper -> unshare -> python -c SRC --in-pidns (+trivial.py)", agent_run,
+     ["sh", "-c", WRAPPER, "dlrun-agent", PY, "-c", SRC]),
     ("--no-pidns: python -c SRC (+trivial.py)", agent_run, [PY, "-c", SRC]),
-    ("proto A: unshare ... python -c SRC --in-pidns", agent_run, [*US, PY, "-c", SRC, "--in-pidns"]),
-    ("proto B: A + python -S + docstring-free source", agent_run, [*US, PY, "-S", "-c", SRC_MIN, "--in-pidns"]),
+    ("self re-exec (Spark's way): python -c SRC --pidns", agent_run, [PY, "-c", SRC, "--pidns"]),
+    ("unshare ... python -S -c <docstring-free SRC> --in-pidns", agent_run,
+     [*US, PY, "-S", "-c", SRC_MIN, "--in-pidns"]),
 ]
 for fname in sorted(os.listdir(HERE)):
     if fname.startswith("agent_proto_") and fname.endswith(".py"):
@@ -576,6 +601,7 @@ def agent_costs(bench: Bench, repeat: int) -> list[dict[str, Any]]:
     source = agent.agent_source()
     write_script(d, "agent_src.py", source)
     write_script(d, "agent_min.py", minify_source(source))
+    write_script(d, "pidns_wrapper.sh", agent.PIDNS_WRAPPER)
     try:
         from dlrun.probe import PROBE_SOURCE
     except ImportError:

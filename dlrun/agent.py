@@ -5,21 +5,31 @@ exec channel, or as a local subprocess for localhost ranks — so it imports onl
 library and runs on Python >= 3.8. It owns the lifecycle of every process of the job on its
 host:
 
-* **Input (stdin)**: newline-delimited JSON. The first message is the spec
-  ``{"job_id", "ranks": [{"rank", "argv", "env", "cwd"}], "eof_grace"}``; later ones are
+* **Input (stdin)**: newline-delimited JSON messages. ``{"op": "probe", "source", "options"}``
+  (optional, before the spec) runs a probe program (``dlrun.probe.PROBE_SOURCE``) inside this
+  process and answers with a PROBE frame holding what it printed: the launch preflight costs
+  no extra round trip and no extra interpreter. The spec ``{"job_id", "ranks": [{"rank",
+  "argv", "env", "cwd"}], "eof_grace"}`` (``"op": "start"`` or no op) starts the ranks; later
   ``{"op": "stop", "grace": s}`` (SIGTERM every rank's process group, SIGKILL after ``s``) and
   ``{"op": "kill"}``. Env and argv travel inside JSON, so no shell ever parses them.
 * **Output (stdout)**: binary frames ``>BiI`` (kind, rank, length) + payload: HELLO (JSON facts),
   STARTED (JSON pid), STDOUT/STDERR (raw chunks up to 64 KiB), EXIT (JSON code), ERROR (text),
-  DONE. The controller splits lines itself.
+  DONE, PROBE (the probe's stdout). The controller splits lines itself. Output is coalesced: a
+  rank that writes tiny pieces (``PYTHONUNBUFFERED``) is forwarded every few milliseconds or
+  every 64 KiB, not write by write; lifecycle frames go out at once.
 * **Watchdog**: when stdin reaches EOF (dlrun killed, Ctrl-C, SSH connection dropped) every
   rank's process group is terminated, then killed. Each rank runs in its own session and
   process group; every process carries ``DLRUN_JOB_ID`` in its environment, which is how a
   final sweep finds children that escaped with ``setsid`` — only this job's, never another's.
-* **PID namespace**: started with ``--pidns``, the agent re-executes itself under
-  ``unshare --pid --fork --kill-child`` (with ``--user --map-current-user`` when not root) if
-  that works for the login user; then it is PID 1 of the namespace and the kernel kills every
-  process of the job when it exits. Where unshare is refused, the sweep is the fallback.
+* **PID namespace**: the controller starts the agent through :func:`pidns_argv`, a ``sh``
+  wrapper that execs it under ``unshare --pid --fork --kill-child`` (with ``--user
+  --map-current-user`` when not root) if that works for the login user, and plainly
+  otherwise: one interpreter either way. Then the agent is PID 1 of the namespace and the
+  kernel kills every process of the job when it exits. Started with ``--pidns`` instead (the
+  Spark backend), it re-executes itself the same way. Where unshare is refused, the sweep is
+  the fallback.
+* **Wake-ups**: SIGCHLD reaches the selector through ``signal.set_wakeup_fd``, so a rank's
+  exit is reported as soon as it happens, not at the next poll.
 
 Exit codes: a rank killed by signal N reports 128 + N, as shells do; a command that cannot be
 started reports 127 (not found) or 126 (not executable) with an ERROR frame naming it.
@@ -39,8 +49,10 @@ import time
 from typing import IO, Any
 
 HEADER = struct.Struct(">BiI")
-HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE = range(1, 8)
+HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE = range(1, 9)
 CHUNK = 65536
+COALESCE_S = 0.005  # output frames wait at most this long for more output
+SMALL_READ = 4096  # a read this small means a trickle: let it pile up for a moment
 AGENT_RANK = -1
 
 
@@ -114,12 +126,33 @@ class Agent:
         self.out_broken = False
         self.sel = selectors.DefaultSelector()
         self.pending = bytearray()
+        self.urgent = False  # a lifecycle frame is pending: flush without waiting
+        self.held_since: float | None = None  # when the oldest unflushed output arrived
 
     # output -------------------------------------------------------------------------
     def emit(self, kind: int, rank: int, payload: bytes) -> None:
         self.pending += frame(kind, rank, payload)
+        if kind != STDOUT and kind != STDERR:
+            self.urgent = True
+        elif self.held_since is None:
+            self.held_since = time.monotonic()
+
+    def flush_due(self, now: float) -> float | None:
+        """Flush if it is time; else how long the pending output may still wait (None: nothing pending)."""
+        if not self.pending:
+            return None
+        if self.urgent or len(self.pending) >= CHUNK or self.held_since is None:
+            self.flush()
+            return None
+        wait = self.held_since + COALESCE_S - now
+        if wait <= 0:
+            self.flush()
+            return None
+        return wait
 
     def flush(self) -> None:
+        self.urgent = False
+        self.held_since = None
         if self.out_broken:
             self.pending.clear()
             return
@@ -192,18 +225,27 @@ class Agent:
         deadline = time.monotonic() + max(grace, 0.0)
         self.kill_at = deadline if self.kill_at is None else min(self.kill_at, deadline)
 
-    def read_ready(self, timeout: float) -> None:
+    def read_ready(self, timeout: float) -> int:
+        """Wait up to ``timeout`` for output or a wake-up; the number of output bytes read."""
+        total = 0
         for key, _ in self.sel.select(timeout):
             if key.data == "control":
                 continue
+            if key.data == "wake":  # SIGCHLD: the caller reaps next
+                try:
+                    os.read(key.fd, 4096)
+                except OSError:
+                    pass
+                continue
             rank, kind = key.data
-            self.drain(key.fileobj, rank, kind)  # type: ignore[arg-type]
+            total += self.drain(key.fileobj, rank, kind)  # type: ignore[arg-type]
+        return total
 
-    def drain(self, stream: IO[bytes], rank: int, kind: int) -> None:
+    def drain(self, stream: IO[bytes], rank: int, kind: int) -> int:
         try:
             data = os.read(stream.fileno(), CHUNK)
         except BlockingIOError:
-            return
+            return 0
         except OSError:
             data = b""
         if data:
@@ -212,6 +254,22 @@ class Agent:
             self.sel.unregister(stream)
             stream.close()
             self.open_streams[rank] -= 1
+        return len(data)
+
+    def probe(self, message: dict[str, Any]) -> None:
+        """Run a probe program here (``dlrun.probe.PROBE_SOURCE``) and send what it printed."""
+        import io
+
+        captured = io.StringIO()
+        namespace = {"__name__": "__dlrun_probe__", "OPTIONS": message.get("options") or {}}
+        saved, sys.stdout = sys.stdout, captured
+        try:
+            exec(compile(str(message.get("source", "")), "<dlrun-probe>", "exec"), namespace)
+        except BaseException as exc:  # the controller must get an answer, whatever the probe did
+            captured.write(f"\nprobe failed in the agent: {type(exc).__name__}: {exc}\n")
+        finally:
+            sys.stdout = saved
+        self.emit(PROBE, AGENT_RANK, captured.getvalue().encode("utf-8", "replace"))
 
     def reap(self) -> None:
         for rank, proc in self.procs.items():
@@ -295,6 +353,25 @@ class Agent:
         return all(rank in self.exited for rank in self.procs)
 
 
+#: Starts ``"$@"`` (the agent's argv) as PID 1 of a new PID namespace when this login user may
+#: create one, else plainly: no extra interpreter, about a millisecond for the ``true`` test.
+PIDNS_WRAPPER = """\
+if [ -z "${DLRUN_NO_PIDNS:-}" ]; then
+  for o in "--pid" "--user --map-current-user --pid" "--user --map-root-user --pid"; do
+    if unshare $o --fork --kill-child true </dev/null >/dev/null 2>&1; then
+      exec unshare $o --fork --kill-child "$@" --in-pidns
+    fi
+  done
+fi
+exec "$@"
+"""
+
+
+def pidns_argv(agent_argv: list[str]) -> list[str]:
+    """``agent_argv`` wrapped so that it runs in a PID namespace where one can be made."""
+    return ["sh", "-c", PIDNS_WRAPPER, "dlrun-agent", *agent_argv]
+
+
 def _reexec_in_pidns() -> None:
     """Run this same command line again as PID 1 of a new PID namespace, if allowed here."""
     prefix = _unshare_argv()
@@ -319,6 +396,12 @@ def _run_agent(argv: list[str]) -> int:
     agent = Agent(sys.stdout.buffer, in_namespace)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: _on_signal(agent, signum))
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda _signum, _frame: None)
+    agent.sel.register(wake_r, selectors.EVENT_READ, "wake")
     agent.emit(
         HELLO,
         AGENT_RANK,
@@ -336,8 +419,11 @@ def _run_agent(argv: list[str]) -> int:
     control = bytearray()
     started = False
     eof_grace = 2.0
+    timeout = 0.05
     while True:
-        agent.read_ready(0.05)
+        got = agent.read_ready(timeout)
+        if 0 < got < SMALL_READ and not agent.urgent:
+            time.sleep(0.002)  # a trickle of tiny writes: let it pile up into one frame
         # control channel
         stdin_closed = False
         while True:
@@ -357,7 +443,10 @@ def _run_agent(argv: list[str]) -> int:
             if not line.strip():
                 continue
             message = json.loads(line)
-            if not started:
+            op = message.get("op", "start")
+            if op == "probe":
+                agent.probe(message)
+            elif op == "start" and not started:
                 started = True
                 eof_grace = float(message.get("eof_grace", eof_grace))
                 agent.start(message)
@@ -370,10 +459,13 @@ def _run_agent(argv: list[str]) -> int:
             agent.stop(eof_grace)  # the controller is gone: nobody will read us any more
             return _finish(agent)
         agent.reap()
-        if agent.kill_at is not None and time.monotonic() >= agent.kill_at:
+        now = time.monotonic()
+        if agent.kill_at is not None and now >= agent.kill_at:
             agent.signal_all(signal.SIGKILL)
-        agent.flush()
+        wait = agent.flush_due(now)
+        timeout = 0.05 if wait is None else min(wait, 0.05)
         if started and agent.all_exited():
+            agent.flush()
             agent.sweep()
             agent.emit(DONE, AGENT_RANK, b"")
             agent.flush()

@@ -1,8 +1,11 @@
 """``dlrun launch``: the job pipeline from options to exit code.
 
 ``LaunchConfig`` holds what the user asked for; ``launch`` walks the layers once:
-inventory → connect → plan → render → (push) → supervise → exit code. ``--dry-run`` stops
-after render. The CLI module only parses options into a ``LaunchConfig`` and calls this.
+inventory → connect → start agents (each runs the preflight probe) → plan → push → render →
+supervise → exit code. ``--dry-run`` stops after render. The agents start before the plan so
+that the probe costs no extra round trip or interpreter per host: the ranks' spec goes to the
+same agents once the plan is known, and an error finding closes them before anything starts.
+The CLI module only parses options into a ``LaunchConfig`` and calls this.
 """
 
 from __future__ import annotations
@@ -16,16 +19,14 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
-from importlib import metadata
 from pathlib import Path
 from types import FrameType
 
 from dlrun.errors import UsageError
 from dlrun.inventory import Inventory, load_inventory, localhost_inventory
 from dlrun.plan import DEFAULT_BASE_PORT, Plan, is_loopback, make_plan
-from dlrun.preflight import run_preflight
 from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
-from dlrun.supervisor import RunResult, Supervisor
+from dlrun.supervisor import HostAgents, RunResult, Supervisor
 from dlrun.tf_server import server_source
 from dlrun.transport import HostRouter, Transport, default_python
 from dlrun.view import make_view
@@ -140,6 +141,8 @@ def keras_warning(config: LaunchConfig, inventory: Inventory) -> str | None:
             return None
     except OSError:
         pass
+    from importlib import metadata
+
     try:
         version = metadata.version("keras")
     except metadata.PackageNotFoundError:
@@ -259,6 +262,12 @@ def forward_signals(supervisor: Supervisor) -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def _probe_source() -> str:
+    from dlrun.probe import PROBE_SOURCE
+
+    return PROBE_SOURCE
+
+
 def launch(config: LaunchConfig) -> int:
     """Run the whole pipeline; return the exit code for the shell."""
     if config.hosts is None and config.np is not None and config.np < 1:
@@ -284,11 +293,17 @@ def launch(config: LaunchConfig) -> int:
         _, trial = render_commands(config, inventory, job_id)
         used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
     transport = make_transport(inventory, config.ssh)
+    agents = HostAgents(transport, used_hosts, pidns=config.pidns)
     try:
         addresses = transport.connect(used_hosts)
         gpus: Mapping[str, Sequence[str]] = {}
+        agents.start(probe=_probe_source() if config.preflight else None)  # they start while we plan and push
         if config.preflight:
-            preflight = run_preflight(transport, inventory, used_hosts)
+            from dlrun.preflight import PROBE_TIMEOUT, check_preflight, report_from_answer
+
+            answers = agents.probe_answers(PROBE_TIMEOUT).values()
+            reports = [report_from_answer(a.host, a.stdout, a.error) for a in answers]
+            preflight = check_preflight(inventory, used_hosts, reports)
             for finding in preflight.findings:
                 if finding.severity == "warning":
                     where = f"{finding.host}: " if finding.host else ""
@@ -305,12 +320,14 @@ def launch(config: LaunchConfig) -> int:
                 config, pushed.inventory, job_id, addresses=addresses, cwd_for=pushed.cwd_for,
                 rendezvous=rendezvous, gpus_for=gpus,
             )
-            return _supervise(config, transport, commands, job_id)
+            return _supervise(config, transport, commands, job_id, agents)
     finally:
+        agents.close()
         transport.close()
 
 
-def _supervise(config: LaunchConfig, transport: Transport, commands: Sequence[WorkerCommand], job_id: str) -> int:
+def _supervise(config: LaunchConfig, transport: Transport, commands: Sequence[WorkerCommand], job_id: str,
+               agents: HostAgents | None = None) -> int:
     """Run the rendered ranks under the supervisor with the right view; the job's exit code."""
     log_dir = Path(config.log_dir or "dlrun-logs") / job_id
     view = make_view(config.ranks_shown, force_plain=config.plain)
@@ -322,6 +339,7 @@ def _supervise(config: LaunchConfig, transport: Transport, commands: Sequence[Wo
         grace=config.grace,
         pidns=config.pidns,
         ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None,
+        agents=agents,
     )
     with forward_signals(supervisor):
         result: RunResult = supervisor.run()

@@ -1,8 +1,10 @@
 """Probing hosts over the transport: ``dlrun topo`` and the preflight of ``dlrun launch``.
 
-One round trip per host: the stdlib probe program (``dlrun.probe.PROBE_SOURCE``) runs as
-``python -c`` over the host's already-open connection (or locally), and its JSON is parsed
-by pure functions. A host that cannot be reached becomes an unreachable ``HostReport`` — a
+One round trip per host: for ``dlrun topo`` the stdlib probe program
+(``dlrun.probe.PROBE_SOURCE``) runs as ``python -c`` over the host's already-open connection
+(or locally); for ``dlrun launch`` the host's agent runs the same program inside itself before
+it is given any rank (``report_from_answer`` turns its answer into a report). Either way the
+JSON is parsed by pure functions. A host that cannot be reached becomes an unreachable ``HostReport`` — a
 finding, not an exception — so ``dlrun topo`` reports every host. The launch preflight turns
 the reports into slots (GPU count where the inventory left slots unset), per-rank
 ``CUDA_VISIBLE_DEVICES`` and, on error findings, a ``PreflightError`` before anything starts.
@@ -62,9 +64,21 @@ class Preflight:
         return {r.host: r.cuda_devices for r in self.reports if r.reachable and r.cuda_devices}
 
 
+def report_from_answer(host: str, stdout: str | None, error: str | None) -> HostReport:
+    """The report of a probe that a host's agent ran (``stdout``), or of why it could not."""
+    if stdout is None:
+        return HostReport.unreachable(host, error or "no probe answer")
+    return parse_probe_output(host, stdout)
+
+
 def run_preflight(transport: Transport, inventory: Inventory, hosts: Sequence[Host]) -> Preflight:
     """Probe ``hosts`` once and check them; raise PreflightError on error findings."""
-    reports = probe_hosts(transport, hosts)
+    return check_preflight(inventory, hosts, probe_hosts(transport, hosts))
+
+
+def check_preflight(inventory: Inventory, hosts: Sequence[Host], reports: Sequence[HostReport]) -> Preflight:
+    """Check the probe reports of ``hosts`` (in order); raise PreflightError on error findings."""
+    reports = tuple(reports)
     slots = {h.name: s for h, s in zip(hosts, _slots(inventory, reports), strict=True)}
     findings = analyse(reports, slots)
     if has_errors(findings):

@@ -3,7 +3,9 @@
 Mechanism sits below (``dlrun.agent`` starts and kills processes on each host; a
 ``Transport`` carries the bytes); policy sits here:
 
-* one agent per host, all started in parallel, each fed the spec of its host's ranks;
+* one agent per host, all started in parallel (``HostAgents``), each fed the spec of its
+  host's ranks. ``dlrun launch`` starts them before the ranks are rendered and asks each to
+  run the preflight probe first: the probe's facts come back on the agent's own channel;
 * every output chunk is split into lines (on ``\\n`` and ``\\r``, so progress bars are lines),
   written to ``<log_dir>/rank-<N>.log`` and handed to the view;
 * **fail fast**: the earliest rank to exit non-zero is the root cause; every agent is told to
@@ -135,18 +137,116 @@ class _Rank:
 @dataclass
 class _HostLink:
     host: Host
-    ranks: list[int]
+    ranks: list[int] = field(default_factory=list)
     channel: Channel | None = None
     closed: bool = False
     done: bool = False
+    error: str | None = None  # why the agent could not be started
 
 
 def agent_argv(host: Host, *, pidns: bool = True) -> list[str]:
-    """How a host's agent is started: its python running the agent's source."""
+    """How a host's agent is started: its python running the agent's source (in a PID namespace)."""
     argv = [*default_python(host), "-c", agent.agent_source()]
-    if pidns:
-        argv.append("--pidns")
-    return argv
+    return agent.pidns_argv(argv) if pidns else argv
+
+
+@dataclass(frozen=True)
+class ProbeAnswer:
+    """What one host's agent answered to the probe: its output, or why there is none."""
+
+    host: str
+    stdout: str | None
+    error: str | None = None
+
+
+class HostAgents:
+    """The job's agents, one per host, each on its own channel, with one event queue.
+
+    ``start`` opens every channel in parallel (and may ask each agent to run a probe first);
+    the ``Supervisor`` then sends the spec of each host's ranks on the same channels. Every
+    frame and every closed channel becomes an event on ``events``, in arrival order.
+    """
+
+    def __init__(self, transport: Transport, hosts: Sequence[Host], *, pidns: bool = True) -> None:
+        self.transport = transport
+        self.pidns = pidns
+        self.links = {h.name: _HostLink(h) for h in hosts}
+        self.events: queue.Queue[tuple[object, ...]] = queue.Queue()
+
+    def start(self, probe: str | None = None, options: dict[str, object] | None = None) -> None:
+        """Start every agent not started yet (in parallel); with ``probe``, each runs it first."""
+        request = None
+        if probe is not None:
+            request = json.dumps({"op": "probe", "source": probe, "options": options or {}}).encode() + b"\n"
+        links = [link for link in self.links.values() if link.channel is None and link.error is None]
+        if not links:
+            return
+        with ThreadPoolExecutor(max_workers=min(32, len(links))) as pool:
+            list(pool.map(lambda link: self._start(link, request), links))
+
+    def _start(self, link: _HostLink, request: bytes | None) -> None:
+        try:
+            channel = self.transport.open(link.host, agent_argv(link.host, pidns=self.pidns))
+            if request is not None:
+                channel.send(request)
+        except DlrunError as exc:
+            link.error = str(exc.message)
+            return
+        link.channel = channel
+        threading.Thread(target=self._reader, args=(link.host.name, channel), daemon=True).start()
+
+    def _reader(self, host: str, channel: Channel) -> None:
+        decoder = agent.FrameDecoder()
+        while True:
+            data = channel.recv(65536)
+            if not data:
+                break
+            frames = decoder.feed(data)
+            if frames:
+                self.events.put(("frames", host, frames))
+        code = channel.wait(5)
+        self.events.put(("closed", host, code, channel.stderr_text()))
+
+    def probe_answers(self, timeout: float) -> dict[str, ProbeAnswer]:
+        """Wait for every started agent's probe answer (or its end); other events stay queued."""
+        answers: dict[str, ProbeAnswer] = {
+            name: ProbeAnswer(name, None, f"agent not started: {link.error}")
+            for name, link in self.links.items() if link.error is not None
+        }
+        held: list[tuple[object, ...]] = []
+        deadline = time.monotonic() + timeout
+        while len(answers) < len(self.links):
+            try:
+                event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            held.append(event)
+            host = str(event[1])
+            if event[0] == "frames":
+                for kind, _rank, payload in event[2]:  # type: ignore[attr-defined]
+                    if kind == agent.PROBE:
+                        answers[host] = ProbeAnswer(host, payload.decode("utf-8", errors="replace"))
+            elif event[0] == "closed" and host not in answers:
+                detail = " / ".join(str(event[3]).strip().splitlines()[-3:])
+                answers[host] = ProbeAnswer(host, None, f"the agent ended (exit {event[2]}) before answering"
+                                            + (f": {detail}" if detail else ""))
+        for name in self.links:
+            answers.setdefault(name, ProbeAnswer(name, None, f"no probe answer within {timeout:g} s"))
+        for event in held:  # the supervisor sees every event, in order
+            self.events.put(event)
+        return {name: answers[name] for name in self.links}
+
+    def release(self, names: Sequence[str]) -> None:
+        """Close these hosts' channels: their agents exit without starting anything."""
+        for name in names:
+            link = self.links.pop(name, None)
+            if link is not None and link.channel is not None:
+                link.channel.close()
+
+    def close(self) -> None:
+        for link in self.links.values():
+            if link.channel is not None:
+                link.channel.close()
 
 
 class Supervisor:
@@ -164,6 +264,7 @@ class Supervisor:
         ends_job: Callable[[WorkerCommand], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
         stop_margin: float = 15.0,
+        agents: HostAgents | None = None,
     ) -> None:
         self.transport = transport
         self.view = view
@@ -175,11 +276,17 @@ class Supervisor:
         self.clock = clock
         self.stop_margin = stop_margin  # how long past grace an agent may take to report
         self.ranks = {c.rank: _Rank(c) for c in commands}
-        self.links: dict[str, _HostLink] = {}
+        hosts = {c.host_name: c.spec.host for c in commands}
+        if agents is None:
+            agents = HostAgents(transport, tuple(hosts.values()), pidns=pidns)
+        else:  # agents started earlier (dlrun launch): hosts the plan does not use end now
+            agents.release([name for name in agents.links if name not in hosts])
+            agents.links.update({h.name: _HostLink(h) for name, h in hosts.items() if name not in agents.links})
+        self.agents = agents
+        self.links = agents.links
         for c in commands:
-            link = self.links.setdefault(c.host_name, _HostLink(c.spec.host, []))
-            link.ranks.append(c.rank)
-        self.events: queue.Queue[tuple[object, ...]] = queue.Queue()
+            self.links[c.host_name].ranks.append(c.rank)
+        self.events = agents.events
         self.stopping = False
         self.stop_deadline: float | None = None
         self.root_cause: int | None = None
@@ -214,12 +321,14 @@ class Supervisor:
 
     # --------------------------------------------------------------------- start
     def _start_all(self) -> None:
-        with ThreadPoolExecutor(max_workers=min(32, len(self.links))) as pool:
-            for name, error in zip(self.links, pool.map(self._start_host, self.links.values()), strict=True):
-                if error is not None:
-                    self._host_failed(name, error)
+        self.agents.start()  # the agents not started yet: now, in parallel
+        for name, link in self.links.items():
+            error = link.error if link.channel is None else self._send_spec(link)
+            if error is not None:
+                self._host_failed(name, error)
 
-    def _start_host(self, link: _HostLink) -> str | None:
+    def _send_spec(self, link: _HostLink) -> str | None:
+        assert link.channel is not None
         spec = {
             "job_id": self._job_id(),
             "tag": f"{self._job_id()}:{link.host.name}",
@@ -235,29 +344,14 @@ class Supervisor:
             ],
         }
         try:
-            channel = self.transport.open(link.host, agent_argv(link.host, pidns=self.pidns))
-            channel.send(json.dumps(spec).encode() + b"\n")
+            link.channel.send(json.dumps(spec).encode() + b"\n")
         except DlrunError as exc:
             return str(exc.message)
-        link.channel = channel
-        threading.Thread(target=self._reader, args=(link.host.name, channel), daemon=True).start()
         return None
 
     def _job_id(self) -> str:
         first = next(iter(self.ranks.values()))
         return first.command.env.get("DLRUN_JOB_ID", "")
-
-    def _reader(self, host: str, channel: Channel) -> None:
-        decoder = agent.FrameDecoder()
-        while True:
-            data = channel.recv(65536)
-            if not data:
-                break
-            frames = decoder.feed(data)
-            if frames:
-                self.events.put(("frames", host, frames))
-        code = channel.wait(5)
-        self.events.put(("closed", host, code, channel.stderr_text()))
 
     # --------------------------------------------------------------------- loop
     def _loop(self) -> None:
@@ -286,6 +380,8 @@ class Supervisor:
 
     def _handle(self, event: tuple[object, ...]) -> None:
         kind = event[0]
+        if kind in ("frames", "closed") and event[1] not in self.links:
+            return  # an agent released before the start (its host is not in the plan)
         if kind == "frames":
             host = str(event[1])
             for frame_kind, rank, payload in event[2]:  # type: ignore[attr-defined]

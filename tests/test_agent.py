@@ -1,0 +1,128 @@
+"""The host agent's protocol, run for real as a local subprocess: probe, start, PID namespace, output.
+
+These talk to ``python -c <agent source>`` exactly as the controller does (JSON lines in,
+frames out); the SSH tests run the same program over sshd.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from dlrun import agent
+from dlrun.inventory import Host
+from dlrun.launch import LaunchConfig, launch
+from dlrun.probe import PROBE_SOURCE, parse_probe_output
+from dlrun.transport import Channel, HostRouter, LocalTransport
+
+
+def talk(argv: Sequence[str], messages: Sequence[dict[str, object]], env: dict[str, str] | None = None,
+         timeout: float = 60) -> list[tuple[int, int, bytes]]:
+    """Send the messages, close stdin once the agent is done, return every frame it sent."""
+    proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in messages))
+    proc.stdin.flush()
+    decoder = agent.FrameDecoder()
+    frames: list[tuple[int, int, bytes]] = []
+    starts = any(m.get("op", "start") == "start" for m in messages)
+    while True:
+        data = proc.stdout.read1(65536)
+        if not data:
+            break
+        frames += decoder.feed(data)
+        kinds = {k for k, _, _ in frames}
+        if agent.DONE in kinds or (not starts and agent.PROBE in kinds):
+            proc.stdin.close()
+    proc.wait(timeout)
+    return frames
+
+
+def agent_cmd(*extra: str) -> list[str]:
+    return [sys.executable, "-c", agent.agent_source(), *extra]
+
+
+def hello(frames: list[tuple[int, int, bytes]]) -> dict[str, object]:
+    return dict(json.loads(next(p for k, _, p in frames if k == agent.HELLO)))
+
+
+def test_probe_runs_inside_the_agent_before_the_spec() -> None:
+    spec = {"job_id": "j1", "ranks": [{"rank": 0, "argv": [sys.executable, "-c", "print('hi')"], "env": {}}]}
+    frames = talk(agent_cmd(), [{"op": "probe", "source": PROBE_SOURCE}, spec])
+    kinds = [k for k, _, _ in frames]
+    assert kinds.index(agent.PROBE) < kinds.index(agent.STARTED)
+    report = parse_probe_output("here", next(p for k, _, p in frames if k == agent.PROBE).decode())
+    assert report.ok and report.error is None and report.cpu_count == os.cpu_count()
+    assert b"".join(p for k, r, p in frames if k == agent.STDOUT and r == 0) == b"hi\n"
+    assert json.loads(next(p for k, _, p in frames if k == agent.EXIT)) == {"code": 0}
+
+
+def test_a_broken_probe_still_gets_an_answer() -> None:
+    frames = talk(agent_cmd(), [{"op": "probe", "source": "raise SystemExit(3)"}])
+    answer = next(p for k, _, p in frames if k == agent.PROBE).decode()
+    assert "probe failed in the agent: SystemExit" in answer
+    assert parse_probe_output("h", answer).error
+
+
+def test_tiny_unbuffered_writes_arrive_whole_in_fewer_frames() -> None:
+    script = "import sys\nfor i in range(3000):\n    sys.stdout.write(f'{i}\\n'); sys.stdout.flush()\n"
+    spec = {"job_id": "j2", "ranks": [{"rank": 0, "argv": [sys.executable, "-c", script], "env": {}}]}
+    frames = talk(agent_cmd(), [spec])
+    out = [p for k, _, p in frames if k == agent.STDOUT]
+    assert b"".join(out).decode().split() == [str(i) for i in range(3000)]
+    assert len(out) < 1500  # coalesced: never a frame per write
+
+
+def unshare_works() -> bool:
+    probe = subprocess.run(agent.pidns_argv(["sh", "-c", 'case "$*" in *--in-pidns*) exit 0;; esac; exit 1', "x"]),
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not shutil.which("unshare"), reason="no unshare(1) here")
+def test_wrapper_runs_the_agent_as_pid_1_of_a_namespace() -> None:
+    if not unshare_works():
+        pytest.skip("this user may not create PID namespaces here")
+    frames = talk(agent.pidns_argv(agent_cmd()), [{"op": "probe", "source": "print('{}')"}])
+    facts = hello(frames)
+    assert facts["pidns"] is True and facts["pid"] == 1
+
+
+def test_wrapper_falls_back_without_unshare_and_on_request(tmp_path: Path) -> None:
+    fake = tmp_path / "unshare"
+    fake.write_text("#!/bin/sh\necho 'unshare: operation not permitted' >&2\nexit 1\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    probe = [{"op": "probe", "source": "print('{}')"}]
+    assert hello(talk(agent.pidns_argv(agent_cmd()), probe, env=env))["pidns"] is False
+    env = {**os.environ, "DLRUN_NO_PIDNS": "1"}
+    assert hello(talk(agent.pidns_argv(agent_cmd()), probe, env=env))["pidns"] is False
+
+
+class CountingTransport(LocalTransport):
+    def __init__(self) -> None:
+        self.opened: list[tuple[str, ...]] = []
+
+    def open(self, host: Host, argv: Sequence[str]) -> Channel:
+        self.opened.append(tuple(argv))
+        return super().open(host, argv)
+
+
+def test_launch_preflight_costs_no_extra_process_per_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("import os\nprint('rank', os.environ['DLRUN_RANK'])\n")
+    counting = CountingTransport()
+    monkeypatch.setattr("dlrun.launch.make_transport", lambda inventory, ssh: HostRouter(None, counting))
+    monkeypatch.chdir(tmp_path)
+    code = launch(LaunchConfig(script=str(script), hosts="localhost:1,127.0.0.1:1", plain=True, framework="torch"))
+    assert code == 0
+    assert len(counting.opened) == 2  # one agent per host, which also ran the probe; nothing else
+    assert all("-c" in argv and agent.agent_source() in argv for argv in counting.opened)
