@@ -208,6 +208,16 @@ def test_tensorflow_version_from_metadata_only(tmp_path: Path) -> None:
     assert report.tensorflow == expected
 
 
+def test_tensorflow_version_is_the_first_on_sys_path(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    (site / "tensorflow_cpu-9.9.9.dist-info").mkdir(parents=True)
+    (site / "tensorflow-8.8.8.dist-info").mkdir()
+    (site / "tf_keras-9.9.9.dist-info").mkdir()
+    env = env_with_path(None, PATH=str(tmp_path), DLRUN_SYSFS_ROOT=str(tmp_path), PYTHONPATH=str(site))
+    report = parse_probe_output("h", run_probe(env).stdout)
+    assert report.tensorflow == "8.8.8"  # "tensorflow" before "tensorflow-cpu", as importlib.metadata orders
+
+
 def test_probe_local_runs_without_ssh() -> None:
     report = probe_local()
     assert report.host == "localhost" and report.reachable
