@@ -34,12 +34,36 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import paramiko
 
 from dlrun.errors import AuthenticationFailed, HostKeyError, HostUnreachable, TransportError
 from dlrun.inventory import Host
 from dlrun.transport import Channel, Transport
+
+# Tried first, then the rest of paramiko's list (what a server lacks is skipped, nothing is
+# dropped). paramiko encrypts and authenticates in Python, once per packet: AES-GCM does both in
+# one call to OpenSSL, where aes128-ctr adds a separate HMAC per packet (push of 200 MB to 4
+# loopback hosts: client CPU 5.8 -> 4.2 s, docs/benchmarks.md "Push after AES-GCM ..."). EtM MACs only
+# matter for a server without GCM.
+PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "aes128-ctr")
+PREFERRED_MACS = ("hmac-sha2-256-etm@openssh.com", "hmac-sha2-512-etm@openssh.com")
+
+
+def _preferred_first(available: Sequence[str], preferred: Sequence[str]) -> tuple[str, ...]:
+    first = tuple(name for name in preferred if name in available)
+    return first + tuple(name for name in available if name not in first)
+
+
+class _FastTransport(paramiko.Transport):
+    """paramiko's Transport with the cheapest secure cipher and MAC offered first."""
+
+    def __init__(self, sock: Any, **options: Any) -> None:
+        super().__init__(sock, **options)
+        security = self.get_security_options()
+        security.ciphers = _preferred_first(security.ciphers, PREFERRED_CIPHERS)
+        security.digests = _preferred_first(security.digests, PREFERRED_MACS)
 
 
 @dataclass(frozen=True)
@@ -316,6 +340,7 @@ class SSHTransport(Transport):
                 banner_timeout=self.timeout,
                 auth_timeout=self.timeout,
                 channel_timeout=self.timeout,
+                transport_factory=_FastTransport,
             )
         except _UnknownHostKey as exc:
             client.close()

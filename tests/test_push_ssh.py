@@ -118,6 +118,17 @@ def test_push_then_change_one_file_then_delete_one(cluster, transport, tmp_path:
     assert not list((cluster.hosts[0].workdir / "code").rglob(PART + "*"))
 
 
+def test_push_channels_use_aes_gcm(cluster, transport) -> None:  # type: ignore[no-untyped-def]
+    """paramiko encrypts per packet in Python: AES-GCM (one OpenSSL call, no separate HMAC) is what
+    keeps a push's client CPU near rsync's (docs/benchmarks.md); OpenSSH offers it by default."""
+    channel = transport.open(hosts_in(cluster, 1, "cipher")[0], ["true"])
+    try:
+        session = channel.channel.get_transport()
+        assert (session.local_cipher, session.remote_cipher) == ("aes128-gcm@openssh.com",) * 2
+    finally:
+        channel.close()
+
+
 def test_local_host_goes_through_the_local_transport(tmp_path: Path) -> None:
     src = tmp_path / "app"
     write(src, {"main.py": "print(1)\n", "data/readme.txt": "x\n"})
