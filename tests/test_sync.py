@@ -17,6 +17,7 @@ from dlrun.errors import SyncError, UsageError
 from dlrun.inventory import Host
 from dlrun.push_view import PushView, summary_json, summary_line
 from dlrun.sync import (
+    SEND_CHUNK,
     SHARD_FILE,
     SHARD_POLICIES,
     FileEntry,
@@ -26,7 +27,10 @@ from dlrun.sync import (
     Manifest,
     RemoteEntry,
     RemoteTree,
+    Source,
     TransferPlan,
+    _file_body,
+    _Pieces,
     bytes_needed,
     check_space,
     diff_manifests,
@@ -407,6 +411,47 @@ def test_remote_dirs_and_worker_env() -> None:
     for bad in ("", "..", "a/b"):
         with pytest.raises(UsageError):
             remote_code_dir(host, bad)
+
+
+# --------------------------------------------------------------------------- the stream
+
+
+def body(entry: FileEntry) -> tuple[bytes, list[int]]:
+    """What the tar stream carries for ``entry`` (sent in pieces) and the progress steps."""
+    sent: list[bytes] = []
+    steps: list[int] = []
+    pieces = _Pieces(sent.append)
+    _file_body(entry, pieces, steps.append)
+    pieces.flush()
+    return b"".join(sent), steps
+
+
+def test_stream_goes_out_in_whole_ssh_packets_and_carries_every_byte(tmp_path: Path) -> None:
+    data = os.urandom(SEND_CHUNK * 19 + 1234)
+    (tmp_path / "f").write_bytes(data)
+    entry = FileEntry("f", len(data), 0o644, hashlib.sha256(data).hexdigest(), source=Source(file=str(tmp_path / "f")))
+    sent: list[bytes] = []
+    steps: list[int] = []
+    pieces = _Pieces(sent.append)
+    pieces.add(b"H" * 512)
+    _file_body(entry, pieces, steps.append)
+    pieces.zeros(-len(data) % 512 + 1024)
+    pieces.flush()
+    assert b"".join(sent) == b"H" * 512 + data + bytes(-len(data) % 512 + 1024)
+    assert [len(p) for p in sent[:-1]] == [SEND_CHUNK] * (len(sent) - 1)  # one SSH packet each
+    assert 0 < len(sent[-1]) <= SEND_CHUNK
+    assert sum(steps) == len(data)
+    assert all(isinstance(p, bytes) for p in sent)  # a copy: the read buffer is reused
+
+
+def test_stream_sends_a_range_after_its_prefix_and_zero_fills_a_file_that_shrank(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"0123456789")
+    part = FileEntry("p", 7, 0o644, "", source=Source(file=str(tmp_path / "f"), offset=2, prefix=b"HDR"))
+    assert body(part) == (b"HDR2345", [3, 4])
+    shrunk = FileEntry("s", 25, 0o644, "", source=Source(file=str(tmp_path / "f")))
+    assert body(shrunk) == (b"0123456789" + bytes(15), [10, 15])
+    generated = FileEntry("g", 3, 0o644, "", source=Source(content=b"abc"))
+    assert body(generated) == (b"abc", [3])
 
 
 # --------------------------------------------------------------------------- the view
