@@ -6,6 +6,8 @@ import hashlib
 import io
 import json
 import os
+import subprocess
+import sys
 import time
 from itertools import pairwise
 from pathlib import Path
@@ -17,6 +19,7 @@ from dlrun.errors import SyncError, UsageError
 from dlrun.inventory import Host
 from dlrun.push_view import PushView, summary_json, summary_line
 from dlrun.sync import (
+    HELPER_SOURCE,
     SEND_CHUNK,
     SHARD_FILE,
     SHARD_POLICIES,
@@ -452,6 +455,27 @@ def test_stream_sends_a_range_after_its_prefix_and_zero_fills_a_file_that_shrank
     assert body(shrunk) == (b"0123456789" + bytes(15), [10, 15])
     generated = FileEntry("g", 3, 0o644, "", source=Source(content=b"abc"))
     assert body(generated) == (b"abc", [3])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="F_SETPIPE_SZ is Linux's")
+def test_helper_widens_the_pipe_sshd_writes_into() -> None:
+    import fcntl
+
+    limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+    if limit < 1 << 20 and os.geteuid() != 0:
+        pytest.skip("pipe-max-size is below 1 MiB here")
+    proc = subprocess.Popen([sys.executable, "-c", HELPER_SOURCE], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        before = fcntl.fcntl(proc.stdin.fileno(), fcntl.F_GETPIPE_SZ)
+        proc.stdin.write(b'{"targets": []}\n')
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline()) == {"targets": []}
+        assert fcntl.fcntl(proc.stdin.fileno(), fcntl.F_GETPIPE_SZ) == 1 << 20 != before
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
+        proc.stdout.close()
 
 
 # --------------------------------------------------------------------------- the view
