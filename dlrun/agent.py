@@ -271,7 +271,29 @@ class Agent:
             sys.stdout = saved
         self.emit(PROBE, AGENT_RANK, captured.getvalue().encode("utf-8", "replace"))
 
+    def reap_orphans(self) -> None:
+        """As PID 1, reap every exited child: orphans, and ranks (their status kept for ``reap``).
+
+        A rank reaped here must keep its exit status: ``Popen.poll`` of an already reaped child
+        would report 0 (subprocess's answer to ECHILD), which once turned a killed rank into
+        "succeeded".
+        """
+        if not self.in_namespace:
+            return
+        ranks = {proc.pid: proc for proc in self.procs.values() if proc.returncode is None}
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            proc = ranks.get(pid)
+            if proc is not None:
+                proc.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
     def reap(self) -> None:
+        self.reap_orphans()
         for rank, proc in self.procs.items():
             if rank in self.exited:
                 continue
@@ -299,14 +321,6 @@ class Agent:
                     self.sel.unregister(stream)
                     stream.close()
             self.emit(EXIT, rank, json.dumps({"code": code}).encode())
-        if self.in_namespace:  # as PID 1 we also reap orphans
-            while True:
-                try:
-                    pid, _ = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
 
     @staticmethod
     def _readable(stream: IO[bytes]) -> bool:
@@ -494,7 +508,8 @@ def _on_signal(agent: Agent, signum: int) -> None:
 
 
 def main() -> None:
-    sys.exit(_run_agent(sys.argv[1:]))
+    code = _run_agent(sys.argv[1:])
+    os._exit(code)  # DONE is written; skip the interpreter's teardown
 
 
 def agent_source() -> str:

@@ -126,3 +126,28 @@ def test_launch_preflight_costs_no_extra_process_per_host(tmp_path: Path, monkey
     assert code == 0
     assert len(counting.opened) == 2  # one agent per host, which also ran the probe; nothing else
     assert all("-c" in argv and agent.agent_source() in argv for argv in counting.opened)
+
+
+REAPED_FIRST = r"""
+import json, os, sys, time
+from dlrun import agent
+r, w = os.pipe()
+out = os.fdopen(w, "wb")  # kept: the agent only holds its fd
+a = agent.Agent(out, in_namespace=True)
+a.start({"job_id": "j", "ranks": [{"rank": 0, "argv": [sys.executable, "-c", "raise SystemExit(7)"], "env": {}}]})
+pid = a.procs[0].pid
+while open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z":
+    time.sleep(0.01)
+a.reap_orphans()  # as PID 1 does for orphans: this reaps the rank too
+a.reap()
+a.flush()
+frames = agent.FrameDecoder().feed(os.read(r, 65536))
+print(json.dumps([json.loads(p) for k, _, p in frames if k == agent.EXIT]))
+"""
+
+
+def test_a_rank_reaped_with_the_orphans_keeps_its_exit_code() -> None:
+    out = subprocess.run([sys.executable, "-c", REAPED_FIRST], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [{"code": 7}]  # not 0: Popen.poll's answer for a child reaped elsewhere
