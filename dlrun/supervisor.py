@@ -355,7 +355,8 @@ class Supervisor:
 
     # --------------------------------------------------------------------- loop
     def _loop(self) -> None:
-        while not all(link.closed for link in self.links.values()):
+        # an agent's DONE is its last word: no need to wait for its channel to close
+        while not all(link.closed or link.done for link in self.links.values()):
             try:
                 event = self.events.get(timeout=0.2)
             except queue.Empty:

@@ -20,15 +20,15 @@ import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
-from typing import TextIO
-
-from rich.console import Console, Group
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, TextIO
 
 from dlrun.render import WorkerCommand
 from dlrun.supervisor import RankState, RunResult
+
+if TYPE_CHECKING:  # rich is imported only for the live view (~40 ms a job otherwise)
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
 
 COLORS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
 STATE_STYLE = {
@@ -161,10 +161,15 @@ class LiveView:
             f"[bold]dlrun[/]: starting {len(commands)} ranks"
             + (f"; logs in [underline]{log_dir}/[/]" if log_dir else "")
         )
+        from rich.live import Live
+
         self.live = Live(get_renderable=self.status_table, console=self.console, refresh_per_second=4)
         self.live.start()
 
     def status_table(self) -> Table:
+        from rich.table import Table
+        from rich.text import Text
+
         table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
         for column in ("rank", "host", "state", "runtime", "last line"):
             table.add_column(column, no_wrap=True, overflow="ellipsis")
@@ -188,6 +193,8 @@ class LiveView:
         self.last[rank] = text
         if self.show is not None and rank not in self.show:
             return
+        from rich.text import Text
+
         host = self.commands[rank].host_name if rank < len(self.commands) else "?"
         prefix = Text(f"[{rank} {host}] ", style=COLORS[rank % len(COLORS)])
         body = Text(text, style="red" if stream == "stderr" else "")
@@ -207,12 +214,17 @@ class LiveView:
             self.ended[rank] = now
 
     def notice(self, text: str) -> None:
+        from rich.text import Text
+
         self.console.print(Text("dlrun: " + text, style="bold"))
 
     def flush(self) -> None:
         pass
 
     def finish(self, result: RunResult) -> None:
+        from rich.console import Group
+        from rich.text import Text
+
         if self.live is not None:
             self.live.stop()
         root = root_cause_lines(result, self.commands)
@@ -223,7 +235,11 @@ class LiveView:
 
 def make_view(ranks: Collection[int] | None = None, *, force_plain: bool = False) -> PlainView | LiveView:
     """A LiveView on a terminal, a PlainView otherwise."""
+    if force_plain or not sys.stdout.isatty():
+        return PlainView(sys.stdout, ranks)
+    from rich.console import Console
+
     console = Console()
-    if console.is_terminal and not force_plain:
+    if console.is_terminal:
         return LiveView(console, ranks)
     return PlainView(sys.stdout, ranks)
