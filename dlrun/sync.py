@@ -1096,6 +1096,9 @@ if __name__ == "__main__":
 '''
 
 HELPER_NAME = "<dlrun push helper>"
+# The helper needs the standard library only: without ``site`` a virtual environment's .pth
+# files are not processed at start (47 -> 26 ms of host CPU per push in the dev venv).
+HELPER_FLAGS = ("-S",)
 
 
 # =============================================================================== the mechanism
@@ -1289,11 +1292,11 @@ class _HostPush:
         self.cancel = cancel
         self.channel: Channel | None = None
         self.python = default_python(host)
-        self.command = shlex.join([*self.python, "-c", HELPER_NAME])
+        self.command = shlex.join([*self.python, *HELPER_FLAGS, "-c", HELPER_NAME])
 
     def run(self) -> HostPushSummary:
         started = time.monotonic()
-        argv = [*self.python, "-c", HELPER_SOURCE]
+        argv = [*self.python, *HELPER_FLAGS, "-c", HELPER_SOURCE]
         channel = self.channel = self.transport.open(self.host, argv)
         try:
             replies = _Replies(channel)
