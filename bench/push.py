@@ -6,14 +6,22 @@ connection per push) and for four parallel ``rsync -a -e "ssh -F <ssh_config>"``
 3; prints a markdown table with the ratios to stdout. Uses tests/sshd_cluster.py (root: hosts
 on 127.0.0.2-5 as user dlrun-test).
 
+Client and host CPU are reported next to the times (they do not change what is timed): client
+= this process and its children (dlrun's threads; rsync and its ssh clients), hosts = the four
+sshd listeners and everything they start (sshd sessions, dlrun's helper, rsync's receiver), from
+a cpuacct cgroup the listeners are moved into ("n/a" where no cgroup can be made). Client and
+hosts share the same cores here, so host CPU costs wall time too.
+
     python bench/push.py [--runs 3] [--files 200] [--mb 200]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -55,6 +63,53 @@ def timed(action: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def client_cpu() -> float:
+    """CPU seconds of this process and its waited-for children (rsync, ssh)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class HostCPU:
+    """CPU seconds of the sshd listeners and all their descendants, via a cpuacct cgroup (root).
+
+    cgroup v1 (``/sys/fs/cgroup/cpuacct``) or v2 (``/sys/fs/cgroup/cgroup.procs``); ``seconds()``
+    is None where neither can be used.
+    """
+
+    def __init__(self, pids: list[int]) -> None:
+        self.path: Path | None = None
+        name = f"dlrun-bench-push-{os.getpid()}"
+        for base, usage in ((Path("/sys/fs/cgroup/cpuacct"), "cpuacct.usage"), (Path("/sys/fs/cgroup"), "cpu.stat")):
+            if not (base / "cgroup.procs").exists() or not os.access(base, os.W_OK):
+                continue
+            path = base / name
+            try:
+                path.mkdir(exist_ok=True)
+                for pid in pids:
+                    (path / "cgroup.procs").write_text(str(pid))
+            except OSError:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+                continue
+            self.path, self.usage = path, usage
+            return
+
+    def seconds(self) -> float | None:
+        if self.path is None:
+            return None
+        text = (self.path / self.usage).read_text()
+        if self.usage == "cpuacct.usage":
+            return int(text) / 1e9
+        fields = dict(line.split() for line in text.splitlines())
+        return int(fields["usage_usec"]) / 1e6
+
+    def close(self) -> None:
+        """Remove the cgroup (once the cluster has stopped, it is empty)."""
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -68,6 +123,19 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     base = Path(tempfile.mkdtemp(prefix="dlrun-bench-push-"))
     cluster = sshd_cluster.start_cluster(4, base / "cluster", python=sys.executable)
+    host_cpu = HostCPU([h.pid for h in cluster.hosts if h.pid is not None])
+    cpu: dict[str, list[tuple[float, float | None]]] = {}
+
+    def measured(key: str, action: Callable[[], object]) -> float:
+        """Wall seconds of ``action``; its client and host CPU go to ``cpu[key]``."""
+        client0, hosts0 = client_cpu(), host_cpu.seconds()
+        wall = timed(action)
+        time.sleep(0.2)  # let sshd reap the sessions so that their CPU is counted
+        hosts1 = host_cpu.seconds()
+        hosts = None if hosts0 is None or hosts1 is None else hosts1 - hosts0
+        cpu.setdefault(key, []).append((client_cpu() - client0, hosts))
+        return wall
+
     try:
         src = base / "src" / "dataset"
         make_source(src, args.files, args.mb * 1_000_000)
@@ -103,21 +171,24 @@ def main() -> None:
             order = ["dlrun", "rsync"] if run % 2 == 0 else ["rsync", "dlrun"]
             for tool in order:
                 if tool == "dlrun":
-                    results["dlrun first"].append(timed(lambda: dlrun_push(args.files)))
-                    results["dlrun again"].append(timed(lambda: dlrun_push(0)))
+                    results["dlrun first"].append(measured("dlrun first", lambda: dlrun_push(args.files)))
+                    results["dlrun again"].append(measured("dlrun again", lambda: dlrun_push(0)))
                 else:
-                    results["rsync first"].append(timed(rsync_push))
-                    results["rsync again"].append(timed(rsync_push))
+                    results["rsync first"].append(measured("rsync first", rsync_push))
+                    results["rsync again"].append(measured("rsync again", rsync_push))
         import_s = timed(lambda: subprocess.run([sys.executable, "-c", "import dlrun.sync, dlrun.ssh"],
                                                 cwd=REPO, check=True))
+        load_after = os.getloadavg()[0]
     finally:
         cluster.stop(remove=True)
+        host_cpu.close()
         shutil.rmtree(base, ignore_errors=True)
 
     med = {k: statistics.median(v) for k, v in results.items()}
     print(f"## dlrun push vs rsync -a: {args.files} files, {args.mb} MB, to 4 loopback sshd hosts\n")
-    print(f"{os.cpu_count()} CPUs, load average before: {load_before:.2f}; median of {args.runs} "
-          "runs, interleaved; each dlrun push opens its own SSH connections (in-process, no interpreter start)\n")
+    print(f"{os.cpu_count()} CPUs, load average before: {load_before:.2f}, after: {load_after:.2f}; median of "
+          f"{args.runs} runs, interleaved; each dlrun push opens its own SSH connections (in-process, no "
+          "interpreter start)\n")
     print("| case | dlrun (s) | rsync (s) | dlrun / rsync | dlrun runs | rsync runs |")
     print("|---|---:|---:|---:|---|---|")
     for case in ("first", "again"):
@@ -126,6 +197,18 @@ def main() -> None:
         print(f"| {label} | {med[f'dlrun {case}']:.2f} | {med[f'rsync {case}']:.2f} | "
               f"{med[f'dlrun {case}'] / med[f'rsync {case}']:.2f}x | "
               f"{', '.join(f'{x:.2f}' for x in d)} | {', '.join(f'{x:.2f}' for x in r)} |")
+    def cpu_median(key: str, which: int) -> str:
+        values = [v[which] for v in cpu[key]]
+        known = [v for v in values if v is not None]
+        return f"{statistics.median(known):.2f}" if len(known) == len(values) else "n/a"
+
+    print("\nCPU seconds, median (client: this process and its children; hosts: sshd and what it starts)\n")
+    print("| case | dlrun client | dlrun hosts | rsync client | rsync hosts |")
+    print("|---|---:|---:|---:|---:|")
+    for case in ("first", "again"):
+        label = "first push" if case == "first" else "no-change re-push"
+        print(f"| {label} | {cpu_median(f'dlrun {case}', 0)} | {cpu_median(f'dlrun {case}', 1)} | "
+              f"{cpu_median(f'rsync {case}', 0)} | {cpu_median(f'rsync {case}', 1)} |")
     print(f"\n`python -c 'import dlrun.sync, dlrun.ssh'` (a CLI would pay it once): {import_s:.2f} s")
 
 
