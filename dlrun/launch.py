@@ -5,6 +5,8 @@ inventory → connect → start agents (each runs the preflight probe) → plan 
 supervise → exit code. ``--dry-run`` stops after render. The agents start before the plan so
 that the probe costs no extra round trip or interpreter per host: the ranks' spec goes to the
 same agents once the plan is known, and an error finding closes them before anything starts.
+The code push needs no probe fact when the hosts are known, so it runs while they answer (an
+error finding then stops the launch with the code pushed but nothing started).
 The CLI module only parses options into a ``LaunchConfig`` and calls this.
 """
 
@@ -17,13 +19,14 @@ import signal
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 
-from dlrun.errors import UsageError
-from dlrun.inventory import Inventory, load_inventory, localhost_inventory
+from dlrun.errors import DlrunError, UsageError
+from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
 from dlrun.plan import DEFAULT_BASE_PORT, Plan, is_loopback, make_plan
 from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
 from dlrun.supervisor import HostAgents, RunResult, Supervisor
@@ -160,12 +163,17 @@ def keras_warning(config: LaunchConfig, inventory: Inventory) -> str | None:
 class Pushed:
     """What the push changed for the launch: env per host, where ranks run, the script path."""
 
-    inventory: Inventory
+    env_for: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     cwd_for: Mapping[str, str | None] | None = None
     script: str | None = None
 
+    def apply(self, inventory: Inventory) -> Inventory:
+        """The inventory with each host's shard env (``DLRUN_DATA_DIR`` …) added."""
+        hosts = tuple(replace(h, env={**h.env, **self.env_for.get(h.name, {})}) for h in inventory.hosts)
+        return replace(inventory, hosts=hosts)
 
-def push_for_launch(config: LaunchConfig, transport: Transport, inventory: Inventory, plan: Plan) -> Pushed:
+
+def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[Host]) -> Pushed:
     """Push each host's data shard (``--data``) and the script's directory (remote hosts).
 
     With code pushed, every rank runs in ``<workdir>/<script dir name>`` on its host and the
@@ -175,7 +183,6 @@ def push_for_launch(config: LaunchConfig, transport: Transport, inventory: Inven
     from dlrun.push_view import PushView
     from dlrun.sync import push, shard_env
 
-    hosts = plan.hosts
     env_for: dict[str, dict[str, str]] = {}
     if config.data:
         with PushView([h.name for h in hosts]) as view:
@@ -196,8 +203,7 @@ def push_for_launch(config: LaunchConfig, transport: Transport, inventory: Inven
         cwd_for = {h.name: str(code_dir) for h in hosts if h.is_local}
         cwd_for.update({h.name: s.code_dir for h, s in zip(remote, summaries, strict=True)})
         new_script = script.name
-    hosts_env = tuple(replace(h, env={**h.env, **env_for.get(h.name, {})}) for h in inventory.hosts)
-    return Pushed(replace(inventory, hosts=hosts_env), cwd_for, new_script)
+    return Pushed(env_for, cwd_for, new_script)
 
 
 def facing_address(addresses: Sequence[str]) -> str:
@@ -294,16 +300,26 @@ def launch(config: LaunchConfig) -> int:
         used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
     transport = make_transport(inventory, config.ssh)
     agents = HostAgents(transport, used_hosts, pidns=config.pidns)
+    pusher = ThreadPoolExecutor(1, thread_name_prefix="dlrun-push")
+    early_push: Future[Pushed] | None = None
     try:
         addresses = transport.connect(used_hosts)
         gpus: Mapping[str, Sequence[str]] = {}
         agents.start(probe=_probe_source() if config.preflight else None)  # they start while we plan and push
+        if config.preflight and not config.data and not (slots_from_gpus and config.np is not None):
+            # the code push needs no probe fact (its hosts are known): it runs while the hosts answer
+            early_push = pusher.submit(push_for_launch, config, transport, used_hosts)
         if config.preflight:
             from dlrun.preflight import PROBE_TIMEOUT, check_preflight, report_from_answer
 
             answers = agents.probe_answers(PROBE_TIMEOUT).values()
             reports = [report_from_answer(a.host, a.stdout, a.error) for a in answers]
-            preflight = check_preflight(inventory, used_hosts, reports)
+            try:
+                preflight = check_preflight(inventory, used_hosts, reports)
+            except DlrunError:
+                if early_push is not None:
+                    early_push.exception()  # let it end before the connections close under it
+                raise
             for finding in preflight.findings:
                 if finding.severity == "warning":
                     where = f"{finding.host}: " if finding.host else ""
@@ -311,17 +327,18 @@ def launch(config: LaunchConfig) -> int:
             inventory = inventory.with_slots(preflight.gpu_slots())
             gpus = preflight.devices()
         plan, _ = render_commands(config, inventory, job_id, addresses=addresses, gpus_for=gpus)
-        pushed = push_for_launch(config, transport, inventory, plan)
+        pushed = early_push.result() if early_push is not None else push_for_launch(config, transport, plan.hosts)
         if pushed.script is not None:
             config = replace(config, script=pushed.script)
         with ExitStack() as stack:
             rendezvous = stack.enter_context(horovod_rendezvous(plan)) if config.framework == "horovod" else None
             plan, commands = render_commands(
-                config, pushed.inventory, job_id, addresses=addresses, cwd_for=pushed.cwd_for,
+                config, pushed.apply(inventory), job_id, addresses=addresses, cwd_for=pushed.cwd_for,
                 rendezvous=rendezvous, gpus_for=gpus,
             )
             return _supervise(config, transport, commands, job_id, agents)
     finally:
+        pusher.shutdown(wait=False, cancel_futures=True)
         agents.close()
         transport.close()
 
