@@ -29,6 +29,7 @@ import getpass
 import os
 import shlex
 import socket
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,11 +37,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import paramiko
-
 from dlrun.errors import AuthenticationFailed, HostKeyError, HostUnreachable, TransportError
 from dlrun.inventory import Host
 from dlrun.transport import Channel, Transport
+
+# paramiko.config imports invoke (unittest.mock, asyncio, yaml: ~60 ms of every job) only to run
+# ``Match exec`` lines. It is kept out of the import and fetched the first time one is evaluated.
+_BLOCK_INVOKE = "invoke" not in sys.modules
+if _BLOCK_INVOKE:
+    sys.modules["invoke"] = None  # type: ignore[assignment]
+try:
+    import paramiko
+    import paramiko.config
+finally:
+    if _BLOCK_INVOKE:
+        sys.modules.pop("invoke", None)
+
+
+class _InvokeOnFirstUse:
+    """Stands in for the invoke module in paramiko.config until a ``Match exec`` needs it."""
+
+    def __getattr__(self, name: str) -> Any:
+        import invoke
+
+        paramiko.config.invoke = invoke  # type: ignore[attr-defined]
+        return getattr(invoke, name)
+
+
+if getattr(paramiko.config, "invoke", None) is None:
+    paramiko.config.invoke = _InvokeOnFirstUse()  # type: ignore[attr-defined]
 
 # Tried first, then the rest of paramiko's list (what a server lacks is skipped, nothing is
 # dropped). paramiko encrypts and authenticates in Python, once per packet: AES-GCM does both in

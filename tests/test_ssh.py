@@ -247,3 +247,14 @@ def test_tf_example_across_two_ssh_hosts(cluster, tmp_path: Path) -> None:  # ty
     accuracies = [float(m) for m in re.findall(r"\] test accuracy: ([0-9.]+)", out.stdout)]
     assert len(accuracies) == 2 and min(accuracies) >= 0.90
     assert (cluster.hosts[0].workdir / "scripts" / "dlrun-model" / "digits.keras").exists()
+
+
+def test_match_exec_in_ssh_config_works_though_invoke_is_imported_late(tmp_path: Path) -> None:
+    config = tmp_path / "config"
+    config.write_text('Match exec "test -n yes"\n  HostName 10.9.8.7\n  Port 2201\n')
+    code = ("import sys; from dlrun.ssh import SSHTransport; assert 'invoke' not in sys.modules; "
+            f"t = SSHTransport(config_file={str(config)!r}).target('nodeX'); print(t.hostname, t.port)")
+    out = subprocess.run([*dlrun_argv()[:1], "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["10.9.8.7", "2201"]
