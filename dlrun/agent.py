@@ -5,7 +5,7 @@ exec channel, or as a local subprocess for localhost ranks — so it imports onl
 library and runs on Python >= 3.8. It owns the lifecycle of every process of the job on its
 host:
 
-* **Input (stdin)**: newline-delimited JSON messages. ``{"op": "probe", "source", "options"}``
+* **Input (stdin)**: newline-delimited JSON messages. ``{"op": "probe", "source"}``
   (optional, before the spec) runs a probe program (``dlrun.probe.PROBE_SOURCE``) inside this
   process and answers with a PROBE frame holding what it printed: the launch preflight costs
   no extra round trip and no extra interpreter. The spec ``{"job_id", "ranks": [{"rank",
@@ -261,7 +261,7 @@ class Agent:
         import io
 
         captured = io.StringIO()
-        namespace = {"__name__": "__dlrun_probe__", "OPTIONS": message.get("options") or {}}
+        namespace = {"__name__": "__dlrun_probe__"}
         saved, sys.stdout = sys.stdout, captured
         try:
             exec(compile(str(message.get("source", "")), "<dlrun-probe>", "exec"), namespace)

@@ -173,11 +173,11 @@ class HostAgents:
         self.links = {h.name: _HostLink(h) for h in hosts}
         self.events: queue.Queue[tuple[object, ...]] = queue.Queue()
 
-    def start(self, probe: str | None = None, options: dict[str, object] | None = None) -> None:
+    def start(self, probe: str | None = None) -> None:
         """Start every agent not started yet (in parallel); with ``probe``, each runs it first."""
         request = None
         if probe is not None:
-            request = json.dumps({"op": "probe", "source": probe, "options": options or {}}).encode() + b"\n"
+            request = json.dumps({"op": "probe", "source": probe}).encode() + b"\n"
         links = [link for link in self.links.values() if link.channel is None and link.error is None]
         if not links:
             return
