@@ -99,6 +99,19 @@ class LineSplitter:
 
     def feed(self, data: bytes) -> list[str]:
         buf = self.buf + data
+        if b"\r" not in buf:  # the common case: one decode and one split, both in C
+            end = buf.rfind(b"\n")
+            if end < 0:
+                lines = []
+                rest = buf
+            else:
+                lines = buf[:end].decode("utf-8", errors="replace").split("\n")
+                rest = buf[end + 1 :]
+            if len(rest) > MAX_LINE:
+                lines.append(rest.decode("utf-8", errors="replace"))
+                rest = b""
+            self.buf = rest
+            return lines
         hold = b""
         if buf.endswith(b"\r"):  # maybe the first half of \r\n
             buf, hold = buf[:-1], b"\r"

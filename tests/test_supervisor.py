@@ -96,6 +96,30 @@ def test_ranks_filter_hides_lines_but_files_keep_them(tmp_path: Path) -> None:
     assert (tmp_path / "rank-0.log").read_text() == "zero\n"
 
 
+def test_line_splitter_gives_the_same_lines_however_the_stream_is_cut() -> None:
+    import random
+
+    rng = random.Random(7)
+    pieces = [b"ab", b"\n", b"\r", b"\r\n", "\u00e9".encode(), b"x" * 5]
+    for _ in range(300):
+        data = b"".join(rng.choice(pieces if rng.random() < 0.5 else pieces[:2] + pieces[4:]) for _ in range(40))
+        whole = LineSplitter()
+        expected = whole.feed(data) + whole.flush()
+        cut = LineSplitter()
+        got: list[str] = []
+        pos = 0
+        while pos < len(data):
+            step = rng.randint(1, 9)
+            got += cut.feed(data[pos : pos + step])
+            pos += step
+        assert got + cut.flush() == expected, data
+        if b"\r" not in data:  # plain newlines: exactly str.split, without the empty piece after a last \n
+            reference = data.decode().split("\n")
+            if reference[-1] == "":
+                reference.pop()
+            assert expected == reference
+
+
 def test_line_splitter_handles_cr_crlf_and_chunks() -> None:
     s = LineSplitter()
     assert s.feed(b"a\nb") == ["a"]
