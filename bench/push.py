@@ -1,10 +1,10 @@
 """Benchmark: dlrun push vs ``rsync -a`` — 200 files, 200 MB in all, to 4 loopback sshd hosts.
 
 Measures, in the same run and interleaved, the first push (empty hosts, cold local hash
-cache) and a no-change re-push, for dlrun (``dlrun.sync.push`` in this process, a fresh SSH
-connection per push) and for four parallel ``rsync -a -e "ssh -F <ssh_config>"``. Median of
-3; prints a markdown table with the ratios to stdout. Uses tests/sshd_cluster.py (root: hosts
-on 127.0.0.2-5 as user dlrun-test).
+cache, dirty pages written back before it) and a no-change re-push, for dlrun
+(``dlrun.sync.push`` in this process, a fresh SSH connection per push) and for four parallel
+``rsync -a -e "ssh -F <ssh_config>"``. Median of 3; prints a markdown table with the ratios to
+stdout. Uses tests/sshd_cluster.py (root: hosts on 127.0.0.2-5 as user dlrun-test).
 
 Client and host CPU are reported next to the times (they do not change what is timed): client
 = this process and its children (dlrun's threads; rsync and its ssh clients), hosts = the four
@@ -167,9 +167,13 @@ def main() -> None:
         results: dict[str, list[float]] = {k: [] for k in ("dlrun first", "dlrun again", "rsync first",
                                                             "rsync again")}
         for run in range(args.runs):
-            wipe()
             order = ["dlrun", "rsync"] if run % 2 == 0 else ["rsync", "dlrun"]
             for tool in order:
+                # Each tool's first push starts from empty hosts, a cold hash cache and no dirty
+                # pages: otherwise the second tool of a run pays for writing back the first one's
+                # 800 MB, and with an odd number of runs one tool is second more often.
+                wipe()
+                os.sync()
                 if tool == "dlrun":
                     results["dlrun first"].append(measured("dlrun first", lambda: dlrun_push(args.files)))
                     results["dlrun again"].append(measured("dlrun again", lambda: dlrun_push(0)))
