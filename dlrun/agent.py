@@ -41,7 +41,6 @@ import json
 import os
 import selectors
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -421,7 +420,7 @@ def _run_agent(argv: list[str]) -> int:
         AGENT_RANK,
         json.dumps(
             {
-                "hostname": socket.gethostname(),
+                "hostname": os.uname().nodename,
                 "pid": os.getpid(),
                 "pidns": in_namespace,
                 "python": sys.version.split()[0],
