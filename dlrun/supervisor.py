@@ -99,10 +99,10 @@ class LineSplitter:
 
     def feed(self, data: bytes) -> list[str]:
         buf = self.buf + data
+        lines: list[str] = []
         if b"\r" not in buf:  # the common case: one decode and one split, both in C
             end = buf.rfind(b"\n")
             if end < 0:
-                lines = []
                 rest = buf
             else:
                 lines = buf[:end].decode("utf-8", errors="replace").split("\n")
@@ -115,7 +115,6 @@ class LineSplitter:
         hold = b""
         if buf.endswith(b"\r"):  # maybe the first half of \r\n
             buf, hold = buf[:-1], b"\r"
-        lines: list[str] = []
         pos = 0
         for match in self._SEP.finditer(buf):
             piece = buf[pos : match.start()]
