@@ -59,7 +59,7 @@ PROBE_VERSION = 1
 
 #: The probe program. Keep it runnable on python3.8: no annotations, no 3.9+ library calls.
 PROBE_SOURCE = r"""
-import glob, json, os, platform, re, shutil, socket, subprocess, sys, threading, time
+import json, os, re, subprocess, sys, threading, time
 
 VERSION = 1
 ROOT = os.environ.get("DLRUN_SYSFS_ROOT") or "/"
@@ -83,9 +83,18 @@ def text(data):
     return data
 
 
+def which(name):
+    # shutil.which for a bare name, without importing shutil (the probe runs on every launch)
+    for folder in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        path = os.path.join(folder or ".", name)
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
 def run(argv, timeout):
     result = {"argv": list(argv), "missing": False, "timed_out": False}
-    path = shutil.which(argv[0])
+    path = which(argv[0])
     if path is None:
         result["missing"] = True
         return result
@@ -184,11 +193,9 @@ def collect_gpu_numa(sysfs, query_stdout):
 
 def numa_nodes():
     nodes = []
-    for path in glob.glob(os.path.join(ROOT, "sys", "devices", "system", "node", "node[0-9]*")):
-        try:
-            nodes.append(int(os.path.basename(path)[4:]))
-        except ValueError:
-            pass
+    for name in listdir(os.path.join(ROOT, "sys", "devices", "system", "node")):
+        if name.startswith("node") and name[4:].isdigit():
+            nodes.append(int(name[4:]))
     return sorted(nodes)
 
 
@@ -214,6 +221,7 @@ def interfaces_ioctl():
     out = []
     try:
         import fcntl
+        import socket
         import struct
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     except (ImportError, OSError):
@@ -238,10 +246,11 @@ def interfaces_ioctl():
 def main():
     doc = {"version": VERSION, "sysfs_root": ROOT}
     try:
-        doc["hostname"] = socket.gethostname()
-        doc["python"] = platform.python_version()
+        uname = os.uname()
+        doc["hostname"] = uname.nodename
+        doc["python"] = "%d.%d.%d" % tuple(sys.version_info[:3])
         doc["executable"] = sys.executable
-        doc["platform"] = platform.platform()
+        doc["platform"] = "%s-%s-%s" % (uname.sysname, uname.release, uname.machine)
         doc["cpu_count"] = os.cpu_count()
         try:
             doc["cpu_usable"] = len(os.sched_getaffinity(0))
@@ -271,7 +280,9 @@ def main():
         doc["commands"] = commands
         collect_gpu_numa(sysfs, query.get("stdout"))
         doc["tensorflow"] = tensorflow_version()
-        doc["interfaces_ioctl"] = interfaces_ioctl()
+        ip_addr = commands["ip_addr"]
+        if ip_addr.get("rc") != 0 or not (ip_addr.get("stdout") or "").strip():
+            doc["interfaces_ioctl"] = interfaces_ioctl()  # no usable `ip`: ask the kernel directly
     except Exception as exc:  # the caller must always get a document
         import traceback
         doc["fatal"] = "%s: %s\n%s" % (type(exc).__name__, exc, traceback.format_exc())

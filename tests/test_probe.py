@@ -218,6 +218,13 @@ def test_tensorflow_version_is_the_first_on_sys_path(tmp_path: Path) -> None:
     assert report.tensorflow == "8.8.8"  # "tensorflow" before "tensorflow-cpu", as importlib.metadata orders
 
 
+def test_without_ip_the_interfaces_come_from_the_kernel(tmp_path: Path) -> None:
+    env = env_with_path(None, PATH=str(tmp_path), DLRUN_SYSFS_ROOT=str(tmp_path))  # no `ip`, no nvidia-smi
+    report = parse_probe_output("h", run_probe(env).stdout)
+    assert report.ok
+    assert any(i.name == "lo" and "127.0.0.1" in i.ipv4 for i in report.interfaces)
+
+
 def test_probe_local_runs_without_ssh() -> None:
     report = probe_local()
     assert report.host == "localhost" and report.reachable
