@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 
-from dlrun.errors import DlrunError, UsageError
+from dlrun.errors import UsageError
 from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
 from dlrun.plan import DEFAULT_BASE_PORT, Plan, is_loopback, make_plan
 from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
@@ -314,12 +314,9 @@ def launch(config: LaunchConfig) -> int:
 
             answers = agents.probe_answers(PROBE_TIMEOUT).values()
             reports = [report_from_answer(a.host, a.stdout, a.error) for a in answers]
-            try:
-                preflight = check_preflight(inventory, used_hosts, reports)
-            except DlrunError:
-                if early_push is not None:
-                    early_push.exception()  # let it end before the connections close under it
-                raise
+            # an error finding raises here; a code push still running is cut off when the
+            # connections close (its helper removes a partial file, as after Ctrl-C)
+            preflight = check_preflight(inventory, used_hosts, reports)
             for finding in preflight.findings:
                 if finding.severity == "warning":
                     where = f"{finding.host}: " if finding.host else ""
