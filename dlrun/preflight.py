@@ -4,10 +4,11 @@ One round trip per host: for ``dlrun topo`` the stdlib probe program
 (``dlrun.probe.PROBE_SOURCE``) runs as ``python -c`` over the host's already-open connection
 (or locally); for ``dlrun launch`` the host's agent runs the same program inside itself before
 it is given any rank (``report_from_answer`` turns its answer into a report). Either way the
-JSON is parsed by pure functions. A host that cannot be reached becomes an unreachable ``HostReport`` — a
-finding, not an exception — so ``dlrun topo`` reports every host. The launch preflight turns
-the reports into slots (GPU count where the inventory left slots unset), per-rank
-``CUDA_VISIBLE_DEVICES`` and, on error findings, a ``PreflightError`` before anything starts.
+JSON is parsed by pure functions. A host that cannot be reached becomes an unreachable
+``HostReport`` — a finding, not an exception — so ``dlrun topo`` reports every host. The
+launch preflight (``check_preflight``) turns the reports into slots (GPU count where the
+inventory left slots unset), per-rank ``CUDA_VISIBLE_DEVICES`` and, on error findings, a
+``PreflightError`` before anything starts.
 """
 
 from __future__ import annotations
@@ -69,11 +70,6 @@ def report_from_answer(host: str, stdout: str | None, error: str | None) -> Host
     if stdout is None:
         return HostReport.unreachable(host, error or "no probe answer")
     return parse_probe_output(host, stdout)
-
-
-def run_preflight(transport: Transport, inventory: Inventory, hosts: Sequence[Host]) -> Preflight:
-    """Probe ``hosts`` once and check them; raise PreflightError on error findings."""
-    return check_preflight(inventory, hosts, probe_hosts(transport, hosts))
 
 
 def check_preflight(inventory: Inventory, hosts: Sequence[Host], reports: Sequence[HostReport]) -> Preflight:
