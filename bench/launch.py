@@ -548,7 +548,6 @@ CASES = [
     ("dlrun: sh wrapper -> unshare -> python -c SRC --in-pidns (+trivial.py)", agent_run,
      ["sh", "-c", WRAPPER, "dlrun-agent", PY, "-c", SRC]),
     ("--no-pidns: python -c SRC (+trivial.py)", agent_run, [PY, "-c", SRC]),
-    ("self re-exec (Spark's way): python -c SRC --pidns", agent_run, [PY, "-c", SRC, "--pidns"]),
     ("unshare ... python -S -c <docstring-free SRC> --in-pidns", agent_run,
      [*US, PY, "-S", "-c", SRC_MIN, "--in-pidns"]),
 ]

@@ -25,9 +25,8 @@ host:
   wrapper that execs it under ``unshare --pid --fork --kill-child`` (with ``--user
   --map-current-user`` when not root) if that works for the login user, and plainly
   otherwise: one interpreter either way. Then the agent is PID 1 of the namespace and the
-  kernel kills every process of the job when it exits. Started with ``--pidns`` instead (the
-  Spark backend), it re-executes itself the same way. Where unshare is refused, the sweep is
-  the fallback.
+  kernel kills every process of the job when it exits (SSH hosts, localhost and Spark tasks
+  alike). Where unshare is refused, the sweep is the fallback.
 * **Wake-ups**: SIGCHLD reaches the selector through ``signal.set_wakeup_fd``, so a rank's
   exit is reported as soon as it happens, not at the next poll.
 
@@ -87,29 +86,6 @@ class FrameDecoder:
 
 
 # ----------------------------------------------------------------------------- agent side
-
-
-def _unshare_argv() -> list[str] | None:
-    """The unshare prefix that works for this user here, or None."""
-    candidates = [["unshare", "--pid", "--fork", "--kill-child"]] if os.geteuid() == 0 else []
-    candidates += [
-        ["unshare", "--user", "--map-current-user", "--pid", "--fork", "--kill-child"],
-        ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child"],
-    ]
-    for prefix in candidates:
-        try:
-            probe = subprocess.run(
-                [*prefix, "true"],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                timeout=5,
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-        if probe.returncode == 0:
-            return prefix
-    return None
 
 
 class Agent:
@@ -385,25 +361,8 @@ def pidns_argv(agent_argv: list[str]) -> list[str]:
     return ["sh", "-c", PIDNS_WRAPPER, "dlrun-agent", *agent_argv]
 
 
-def _reexec_in_pidns() -> None:
-    """Run this same command line again as PID 1 of a new PID namespace, if allowed here."""
-    prefix = _unshare_argv()
-    if prefix is None:
-        return
-    try:  # our own argv, ``-c`` source included (Python does not keep it elsewhere)
-        with open("/proc/self/cmdline", "rb") as fh:
-            cmdline = [a.decode() for a in fh.read().split(b"\0")[:-1]]
-    except OSError:
-        return
-    cmdline = [a for a in cmdline if a != "--pidns"] + ["--in-pidns"]
-    sys.stdout.flush()
-    os.execvp(prefix[0], [*prefix, *cmdline])
-
-
 def _run_agent(argv: list[str]) -> int:
-    in_namespace = "--in-pidns" in argv
-    if "--pidns" in argv and not in_namespace and not os.environ.get("DLRUN_NO_PIDNS"):
-        _reexec_in_pidns()
+    in_namespace = "--in-pidns" in argv  # set by PIDNS_WRAPPER
     stdin_fd = sys.stdin.fileno()
     os.set_blocking(stdin_fd, False)
     agent = Agent(sys.stdout.buffer, in_namespace)

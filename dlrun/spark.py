@@ -832,6 +832,7 @@ def _run_stage(
         "token": token,
         "job_id": job_id,
         "agent_source": agent.agent_source(),
+        "pidns_wrapper": agent.PIDNS_WRAPPER,  # the task may not import dlrun: it gets both as text
         "pidns": config.pidns,
         "archive": shipped[0] if shipped else None,
         "script": shipped[1] if shipped else None,
@@ -982,10 +983,10 @@ def _task_main(setup: Mapping[str, Any], _rows: Iterable[Any]) -> Iterator[str]:
     sock.sendall(json.dumps(hello).encode() + b"\n")
 
     # the agent: the socket is its stdin and stdout; its stderr goes to a file whose tail the
-    # driver gets in TASK_END. It dies with this task: SIGHUP, not SIGTERM, because with --pidns
-    # the child is `unshare --fork`, which blocks SIGTERM and SIGINT while it waits; SIGHUP
-    # ends unshare (whose --kill-child then ends the whole namespace) or, without a namespace,
-    # makes the agent kill its ranks.
+    # driver gets in TASK_END. It dies with this task: SIGHUP, not SIGTERM, because in a PID
+    # namespace the child is `unshare --fork` (the wrapper execs it), which blocks SIGTERM and
+    # SIGINT while it waits; SIGHUP ends unshare (whose --kill-child then ends the whole
+    # namespace) or, without a namespace, makes the agent kill its ranks.
     parent = os.getpid()
     try:
         libc: Any = ctypes.CDLL(None, use_errno=True)
@@ -998,7 +999,9 @@ def _task_main(setup: Mapping[str, Any], _rows: Iterable[Any]) -> Iterator[str]:
         if os.getppid() != parent:
             os._exit(1)
 
-    argv = [sys.executable, "-c", setup["agent_source"], *(["--pidns"] if setup["pidns"] else [])]
+    argv = [sys.executable, "-c", setup["agent_source"]]
+    if setup["pidns"]:  # as agent.pidns_argv does on the driver's side
+        argv = ["sh", "-c", setup["pidns_wrapper"], "dlrun-agent", *argv]
     with tempfile.TemporaryFile() as errors:
         try:
             proc = subprocess.Popen(
