@@ -278,11 +278,9 @@ class Supervisor:
         stop_margin: float = 15.0,
         agents: HostAgents | None = None,
     ) -> None:
-        self.transport = transport
         self.view = view
         self.log_dir = log_dir
         self.grace = grace
-        self.pidns = pidns
         # tf-ps: the chief's exit ends the job; by default every rank must finish
         self.ends_job = ends_job
         self.clock = clock
