@@ -94,6 +94,13 @@ def make_transport(inventory: Inventory, ssh: SSHOptions) -> Transport:
     )
 
 
+def job_plan(config: LaunchConfig, inventory: Inventory, job_id: str,
+             addresses: Mapping[str, str] | None = None) -> Plan:
+    """The rank plan of this launch (``make_plan`` with the options that shape it)."""
+    return make_plan(inventory, job_id=job_id, np=config.np, base_port=config.base_port,
+                     framework=config.framework, addresses=addresses)
+
+
 def render_commands(
     config: LaunchConfig,
     inventory: Inventory,
@@ -103,14 +110,7 @@ def render_commands(
     rendezvous: tuple[str, int] | None = None,
     gpus_for: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[Plan, tuple[WorkerCommand, ...]]:
-    plan = make_plan(
-        inventory,
-        job_id=job_id,
-        np=config.np,
-        base_port=config.base_port,
-        framework=config.framework,
-        addresses=addresses,
-    )
+    plan = job_plan(config, inventory, job_id, addresses)
     iface = config.iface
     if iface is None and plan.framework == "horovod" and all(is_loopback(r.address) for r in plan.ranks):
         iface = "lo"  # every rank on this machine: gloo must not pick an interface the others miss
@@ -323,7 +323,7 @@ def launch(config: LaunchConfig) -> int:
                     print(f"dlrun: preflight warning: {where}{finding.message}", file=sys.stderr)
             inventory = inventory.with_slots(preflight.gpu_slots())
             gpus = preflight.devices()
-        plan, _ = render_commands(config, inventory, job_id, addresses=addresses, gpus_for=gpus)
+        plan = job_plan(config, inventory, job_id, addresses)
         pushed = early_push.result() if early_push is not None else push_for_launch(config, transport, plan.hosts)
         if pushed.script is not None:
             config = replace(config, script=pushed.script)
