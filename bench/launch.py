@@ -369,7 +369,7 @@ def wrap(owner, name, label, host_arg=False):
     setattr(owner, name, wrapper)
 wrap(launch_mod, "keras_warning", "keras check")
 wrap(sup.HostAgents, "start", "agents start")
-wrap(sup.HostAgents, "probe_answers", "preflight")
+wrap(sup.HostAgents, "answers", "preflight + survey")
 wrap(launch_mod, "push_for_launch", "push")
 wrap(ssh_mod.SSHTransport, "connect", "connect")
 wrap(ssh_mod.SSHTransport, "_client", "handshake", host_arg=True)
@@ -377,7 +377,7 @@ wrap(ssh_mod.SSHTransport, "open", "open channel", host_arg=True)
 wrap(ssh_mod.SSHTransport, "close", "transport close")
 wrap(sup.Supervisor, "_start_all", "start all")
 wrap(sup.Supervisor, "_loop", "supervise loop")
-NAMES = {1: "HELLO", 2: "STARTED", 3: "STDOUT", 4: "STDERR", 5: "EXIT", 6: "ERROR", 7: "DONE", 8: "PROBE"}
+NAMES = {1: "HELLO", 2: "STARTED", 3: "STDOUT", 4: "STDERR", 5: "EXIT", 6: "ERROR", 7: "DONE", 8: "PROBE", 9: "SURVEY"}
 def reader(self, host, channel):  # HostAgents._reader, marking HELLO and PROBE as they arrive
     decoder = sup.agent.FrameDecoder()
     while True:
@@ -386,7 +386,7 @@ def reader(self, host, channel):  # HostAgents._reader, marking HELLO and PROBE 
             break
         frames = decoder.feed(data)
         for kind, _rank, _payload in frames:
-            if kind in (1, 8):
+            if kind in (1, 8, 9):
                 mark(NAMES[kind], host)
         if frames:
             self.events.put(("frames", host, frames))
@@ -395,7 +395,7 @@ def reader(self, host, channel):  # HostAgents._reader, marking HELLO and PROBE 
 sup.HostAgents._reader = reader
 _frame = sup.Supervisor._frame
 def frame(self, host, kind, rank, payload):
-    if kind not in (1, 8):
+    if kind not in (1, 8, 9):
         mark(NAMES.get(kind, str(kind)), host)
     _frame(self, host, kind, rank, payload)
 sup.Supervisor._frame = frame

@@ -8,13 +8,17 @@ host:
 * **Input (stdin)**: newline-delimited JSON messages. ``{"op": "probe", "source"}``
   (optional, before the spec) runs a probe program (``dlrun.probe.PROBE_SOURCE``) inside this
   process and answers with a PROBE frame holding what it printed: the launch preflight costs
-  no extra round trip and no extra interpreter. The spec ``{"job_id", "ranks": [{"rank",
+  no extra round trip and no extra interpreter. ``{"op": "survey", "source", "request"}``
+  (optional, before the spec) answers the code push's first question the same way: it runs
+  ``survey`` of the push helper's source (``dlrun.sync.HELPER_SOURCE``) for the request and
+  sends the helper's reply as a SURVEY frame (JSON), so that a launch whose code is already on
+  the host needs no push session there. The spec ``{"job_id", "ranks": [{"rank",
   "argv", "env", "cwd"}], "eof_grace"}`` (``"op": "start"`` or no op) starts the ranks; later
   ``{"op": "stop", "grace": s}`` (SIGTERM every rank's process group, SIGKILL after ``s``) and
   ``{"op": "kill"}``. Env and argv travel inside JSON, so no shell ever parses them.
 * **Output (stdout)**: binary frames ``>BiI`` (kind, rank, length) + payload: HELLO (JSON facts),
   STARTED (JSON pid), STDOUT/STDERR (raw chunks up to 64 KiB), EXIT (JSON code), ERROR (text),
-  DONE, PROBE (the probe's stdout). The controller splits lines itself. Output is coalesced: a
+  DONE, PROBE (the probe's stdout), SURVEY (JSON). The controller splits lines itself. Output is coalesced: a
   rank that writes tiny pieces (``PYTHONUNBUFFERED``) is forwarded every few milliseconds or
   every 64 KiB, not write by write; lifecycle frames go out at once.
 * **Watchdog**: when stdin reaches EOF (dlrun killed, Ctrl-C, SSH connection dropped) every
@@ -47,7 +51,7 @@ import time
 from typing import IO, Any
 
 HEADER = struct.Struct(">BiI")
-HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE = range(1, 9)
+HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE, SURVEY = range(1, 10)
 CHUNK = 65536
 COALESCE_S = 0.005  # output frames wait at most this long for more output
 SMALL_READ = 4096  # a read this small means a trickle: let it pile up for a moment
@@ -246,6 +250,17 @@ class Agent:
             sys.stdout = saved
         self.emit(PROBE, AGENT_RANK, captured.getvalue().encode("utf-8", "replace"))
 
+    def survey(self, message: dict[str, Any]) -> None:
+        """Answer a push survey with the push helper's own code; an error is answered too."""
+        namespace: dict[str, Any] = {"__name__": "__dlrun_push_survey__"}
+        try:
+            exec(compile(str(message.get("source", "")), "<dlrun push helper>", "exec"), namespace)
+            replies = [namespace["survey"](spec)[0] for spec in message["request"]["targets"]]
+            answer: dict[str, Any] = {"targets": replies}
+        except Exception as exc:  # the controller then runs the helper, which reports properly
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        self.emit(SURVEY, AGENT_RANK, json.dumps(answer).encode())
+
     def reap_orphans(self) -> None:
         """As PID 1, reap every exited child: orphans, and ranks (their status kept for ``reap``).
 
@@ -418,6 +433,9 @@ def _run_agent(argv: list[str]) -> int:
             op = message.get("op", "start")
             if op == "probe":
                 agent.probe(message)
+            elif op == "survey":
+                agent.survey(message)
+                agent.flush()  # a push that has work to do may start before the probe ends
             elif op == "start" and not started:
                 started = True
                 eof_grace = float(message.get("eof_grace", eof_grace))

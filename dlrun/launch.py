@@ -1,12 +1,12 @@
 """``dlrun launch``: the job pipeline from options to exit code.
 
 ``LaunchConfig`` holds what the user asked for; ``launch`` walks the layers once:
-inventory → connect → start agents (each runs the preflight probe) → plan → push → render →
-supervise → exit code. ``--dry-run`` stops after render. The agents start before the plan so
-that the probe costs no extra round trip or interpreter per host: the ranks' spec goes to the
-same agents once the plan is known, and an error finding closes them before anything starts.
-The code push needs no probe fact when the hosts are known, so it runs while they answer (an
-error finding then stops the launch with the code pushed but nothing started).
+inventory → connect → start agents (each runs the preflight probe and answers the code push's
+survey) → plan → push → render → supervise → exit code. ``--dry-run`` stops after render. The
+agents start before the plan so that the probe and the survey cost no extra round trip or
+interpreter per host: the ranks' spec goes to the same agents once the plan is known, and an
+error finding closes them before anything starts. A host whose survey finds the code already
+in place gets no push session; the others get the push helper (``dlrun.sync.push``).
 The CLI module only parses options into a ``LaunchConfig`` and calls this.
 """
 
@@ -24,15 +24,21 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from dlrun.errors import UsageError
 from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
 from dlrun.plan import DEFAULT_BASE_PORT, Plan, is_loopback, make_plan
 from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
-from dlrun.supervisor import HostAgents, RunResult, Supervisor
+from dlrun.supervisor import AgentAnswer, HostAgents, RunResult, Supervisor
 from dlrun.tf_server import server_source
 from dlrun.transport import HostRouter, Transport, default_python
 from dlrun.view import make_view
+
+if TYPE_CHECKING:
+    from dlrun.sync import HostPushSummary, Manifest, PushTarget
+
+ANSWER_TIMEOUT = 120.0  # for the agents' probe and survey answers, as dlrun.preflight.PROBE_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -173,12 +179,20 @@ class Pushed:
         return replace(inventory, hosts=hosts)
 
 
-def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[Host]) -> Pushed:
+def code_dir_to_push(config: LaunchConfig) -> Path | None:
+    """The script's directory when ``launch`` pushes it (``--push`` and a script file)."""
+    script = Path(config.script)
+    return script.resolve().parent if config.push and script.is_file() else None
+
+
+def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[Host],
+                    settled: Mapping[str, HostPushSummary] | None = None) -> Pushed:
     """Push each host's data shard (``--data``) and the script's directory (remote hosts).
 
     With code pushed, every rank runs in ``<workdir>/<script dir name>`` on its host and the
     script is named relative to it; local hosts run in the script's directory for the same
-    relative name.
+    relative name. ``settled``: hosts whose agent's survey found the code already in place
+    (``dlrun.sync.settled_push``); no push session is opened there.
     """
     from dlrun.push_view import PushView
     from dlrun.sync import push, shard_env
@@ -191,19 +205,42 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
             view.finish(summaries)
         for index, (host, summary) in enumerate(zip(hosts, summaries, strict=True)):
             env_for[host.name] = shard_env(index, len(hosts), host, data_dir=summary.data_dir)
-    script = Path(config.script)
+    code_dir = code_dir_to_push(config)
     remote = [h for h in hosts if not h.is_local]
-    cwd_for: dict[str, str | None] | None = None
-    new_script = None
-    if config.push and remote and script.is_file():
-        code_dir = script.resolve().parent
-        with PushView([h.name for h in remote]) as view:
-            summaries = push(transport, remote, code_dir=code_dir, progress=view.progress, file_progress=view.files)
-            view.finish(summaries)
-        cwd_for = {h.name: str(code_dir) for h in hosts if h.is_local}
-        cwd_for.update({h.name: s.code_dir for h, s in zip(remote, summaries, strict=True)})
-        new_script = script.name
-    return Pushed(env_for, cwd_for, new_script)
+    if code_dir is None or not remote:
+        return Pushed(env_for)
+    done = dict(settled or {})
+    pending = [h for h in remote if h.name not in done]
+    with PushView([h.name for h in remote]) as view:
+        if pending:
+            fresh = push(transport, pending, code_dir=code_dir, progress=view.progress, file_progress=view.files)
+            done.update((s.host, s) for s in fresh)
+        view.finish([done[h.name] for h in remote])
+    cwd_for: dict[str, str | None] = {h.name: str(code_dir) for h in hosts if h.is_local}
+    cwd_for.update({h.name: done[h.name].code_dir for h in remote})
+    return Pushed(env_for, cwd_for, Path(config.script).name)
+
+
+def survey_code(config: LaunchConfig, hosts: Sequence[Host], manifest: Manifest) -> dict[str, PushTarget]:
+    """The code push's target on each remote host, for the agents' survey."""
+    from dlrun.sync import code_target
+
+    code_dir = code_dir_to_push(config)
+    assert code_dir is not None
+    return {h.name: code_target(h, code_dir, manifest) for h in hosts if not h.is_local}
+
+
+def settled_hosts(targets: Mapping[str, PushTarget], answers: Mapping[str, AgentAnswer]) -> dict[str, HostPushSummary]:
+    """The hosts whose survey answer says the code push has nothing to do."""
+    from dlrun.sync import settled_push
+
+    settled = {}
+    for name, target in targets.items():
+        answer = answers.get(name)
+        summary = settled_push(name, [target], answer.survey) if answer and answer.survey else None
+        if summary is not None:
+            settled[name] = summary
+    return settled
 
 
 def facing_address(addresses: Sequence[str]) -> str:
@@ -300,23 +337,28 @@ def launch(config: LaunchConfig) -> int:
         used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
     transport = make_transport(inventory, config.ssh)
     agents = HostAgents(transport, used_hosts, pidns=config.pidns)
-    pusher = ThreadPoolExecutor(1, thread_name_prefix="dlrun-push")
-    early_push: Future[Pushed] | None = None
+    code_dir = code_dir_to_push(config)
+    pusher = ThreadPoolExecutor(1, thread_name_prefix="dlrun-scan")
+    manifest: Future[Manifest] | None = None
+    if code_dir is not None and any(not h.is_local for h in used_hosts):
+        from dlrun.sync import scan_code
+
+        manifest = pusher.submit(scan_code, code_dir)  # hashes (or reads the cache) while we connect
     try:
         addresses = transport.connect(used_hosts)
+        targets = survey_code(config, used_hosts, manifest.result()) if manifest is not None else {}
+        if targets:
+            from dlrun.sync import survey_request
+        # the agents start while we plan; each runs the probe and answers the push survey first
+        agents.start(probe=_probe_source() if config.preflight else None,
+                     surveys={name: survey_request([t]) for name, t in targets.items()} if targets else None)
+        answers = agents.answers(ANSWER_TIMEOUT) if config.preflight or targets else {}
         gpus: Mapping[str, Sequence[str]] = {}
-        agents.start(probe=_probe_source() if config.preflight else None)  # they start while we plan and push
-        if config.preflight and not config.data and not (slots_from_gpus and config.np is not None):
-            # the code push needs no probe fact (its hosts are known): it runs while the hosts answer
-            early_push = pusher.submit(push_for_launch, config, transport, used_hosts)
         if config.preflight:
-            from dlrun.preflight import PROBE_TIMEOUT, check_preflight, report_from_answer
+            from dlrun.preflight import check_preflight, report_from_answer
 
-            answers = agents.probe_answers(PROBE_TIMEOUT).values()
-            reports = [report_from_answer(a.host, a.stdout, a.error) for a in answers]
-            # an error finding raises here; a code push still running is cut off when the
-            # connections close (its helper removes a partial file, as after Ctrl-C)
-            preflight = check_preflight(inventory, used_hosts, reports)
+            reports = [report_from_answer(a.host, a.stdout, a.error) for a in answers.values()]
+            preflight = check_preflight(inventory, used_hosts, reports)  # an error finding raises here
             for finding in preflight.findings:
                 if finding.severity == "warning":
                     where = f"{finding.host}: " if finding.host else ""
@@ -324,7 +366,7 @@ def launch(config: LaunchConfig) -> int:
             inventory = inventory.with_slots(preflight.gpu_slots())
             gpus = preflight.devices()
         plan = job_plan(config, inventory, job_id, addresses)
-        pushed = early_push.result() if early_push is not None else push_for_launch(config, transport, plan.hosts)
+        pushed = push_for_launch(config, transport, plan.hosts, settled_hosts(targets, answers))
         if pushed.script is not None:
             config = replace(config, script=pushed.script)
         with ExitStack() as stack:

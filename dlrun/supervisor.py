@@ -5,7 +5,8 @@ Mechanism sits below (``dlrun.agent`` starts and kills processes on each host; a
 
 * one agent per host, all started in parallel (``HostAgents``), each fed the spec of its
   host's ranks. ``dlrun launch`` starts them before the ranks are rendered and asks each to
-  run the preflight probe first: the probe's facts come back on the agent's own channel;
+  run the preflight probe first, and to answer the code push's survey: both come back on the
+  agent's own channel, so an unchanged tree needs no push session;
 * every output chunk is split into lines (on ``\\n`` and ``\\r``, so progress bars are lines),
   written to ``<log_dir>/rank-<N>.log`` and handed to the view;
 * **fail fast**: the earliest rank to exit non-zero is the root cause; every agent is told to
@@ -19,6 +20,7 @@ Rank lifecycle (``RankState``): PENDING → RUNNING → SUCCEEDED | FAILED | STO
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import queue
@@ -26,11 +28,11 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from dlrun import agent
 from dlrun.errors import DlrunError
@@ -156,6 +158,10 @@ class _HostLink:
     error: str | None = None  # why the agent could not be started
 
 
+def _message(message: Mapping[str, Any]) -> bytes:
+    return json.dumps(message).encode() + b"\n"
+
+
 def agent_argv(host: Host, *, pidns: bool = True) -> list[str]:
     """How a host's agent is started: its python running the agent's source (in a PID namespace)."""
     argv = [*default_python(host), "-c", agent.agent_source()]
@@ -163,20 +169,23 @@ def agent_argv(host: Host, *, pidns: bool = True) -> list[str]:
 
 
 @dataclass(frozen=True)
-class ProbeAnswer:
-    """What one host's agent answered to the probe: its output, or why there is none."""
+class AgentAnswer:
+    """What one host's agent answered before the spec: the probe's output and the push survey's
+    reply (each None when not asked or not answered), or why there is no answer."""
 
     host: str
     stdout: str | None
     error: str | None = None
+    survey: Mapping[str, Any] | None = None
 
 
 class HostAgents:
     """The job's agents, one per host, each on its own channel, with one event queue.
 
-    ``start`` opens every channel in parallel (and may ask each agent to run a probe first);
-    the ``Supervisor`` then sends the spec of each host's ranks on the same channels. Every
-    frame and every closed channel becomes an event on ``events``, in arrival order.
+    ``start`` opens every channel in parallel (and may ask each agent to run a probe and a push
+    survey first); the ``Supervisor`` then sends the spec of each host's ranks on the same
+    channels. Every frame and every closed channel becomes an event on ``events``, in arrival
+    order.
     """
 
     def __init__(self, transport: Transport, hosts: Sequence[Host], *, pidns: bool = True) -> None:
@@ -184,22 +193,35 @@ class HostAgents:
         self.pidns = pidns
         self.links = {h.name: _HostLink(h) for h in hosts}
         self.events: queue.Queue[tuple[object, ...]] = queue.Queue()
+        self.asked: dict[str, frozenset[int]] = {}  # host -> the answer frames it was asked for
 
-    def start(self, probe: str | None = None) -> None:
-        """Start every agent not started yet (in parallel); with ``probe``, each runs it first."""
-        request = None
-        if probe is not None:
-            request = json.dumps({"op": "probe", "source": probe}).encode() + b"\n"
+    def start(self, probe: str | None = None, surveys: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        """Start every agent not started yet (in parallel). With ``probe``, each runs it first;
+        with ``surveys`` (host → ``dlrun.sync.survey_request``), those hosts answer it first."""
         links = [link for link in self.links.values() if link.channel is None and link.error is None]
         if not links:
             return
-        with ThreadPoolExecutor(max_workers=min(32, len(links))) as pool:
-            list(pool.map(lambda link: self._start(link, request), links))
+        requests: dict[str, bytes] = {}
+        for link in links:
+            name, asked, request = link.host.name, set(), b""
+            survey = (surveys or {}).get(name)
+            if survey is not None:
+                from dlrun.sync import HELPER_SOURCE
 
-    def _start(self, link: _HostLink, request: bytes | None) -> None:
+                request += _message({"op": "survey", "source": HELPER_SOURCE, "request": survey})
+                asked.add(agent.SURVEY)
+            if probe is not None:
+                request += _message({"op": "probe", "source": probe})
+                asked.add(agent.PROBE)
+            self.asked[name] = frozenset(asked)
+            requests[name] = request
+        with ThreadPoolExecutor(max_workers=min(32, len(links))) as pool:
+            list(pool.map(lambda link: self._start(link, requests[link.host.name]), links))
+
+    def _start(self, link: _HostLink, request: bytes) -> None:
         try:
             channel = self.transport.open(link.host, agent_argv(link.host, pidns=self.pidns))
-            if request is not None:
+            if request:
                 channel.send(request)
         except DlrunError as exc:
             link.error = str(exc.message)
@@ -219,15 +241,17 @@ class HostAgents:
         code = channel.wait(5)
         self.events.put(("closed", host, code, channel.stderr_text()))
 
-    def probe_answers(self, timeout: float) -> dict[str, ProbeAnswer]:
-        """Wait for every started agent's probe answer (or its end); other events stay queued."""
-        answers: dict[str, ProbeAnswer] = {
-            name: ProbeAnswer(name, None, f"agent not started: {link.error}")
-            for name, link in self.links.items() if link.error is not None
-        }
+    def answers(self, timeout: float) -> dict[str, AgentAnswer]:
+        """Wait until every started agent has answered what ``start`` asked (or ended); other
+        events stay queued for the supervisor. A host asked nothing answers at once."""
+        probes: dict[str, str] = {}
+        surveys: dict[str, Mapping[str, Any]] = {}
+        errors = {name: f"agent not started: {link.error}" for name, link in self.links.items()
+                  if link.error is not None}
+        waiting = {name for name in self.links if name not in errors and self.asked.get(name)}
         held: list[tuple[object, ...]] = []
         deadline = time.monotonic() + timeout
-        while len(answers) < len(self.links):
+        while waiting:
             try:
                 event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
@@ -237,16 +261,24 @@ class HostAgents:
             if event[0] == "frames":
                 for kind, _rank, payload in event[2]:  # type: ignore[attr-defined]
                     if kind == agent.PROBE:
-                        answers[host] = ProbeAnswer(host, payload.decode("utf-8", errors="replace"))
-            elif event[0] == "closed" and host not in answers:
+                        probes[host] = payload.decode("utf-8", errors="replace")
+                    elif kind == agent.SURVEY:
+                        with contextlib.suppress(ValueError):
+                            surveys[host] = json.loads(payload)
+                        surveys.setdefault(host, {"error": "unreadable survey answer"})
+            elif event[0] == "closed" and host in waiting:
                 detail = " / ".join(str(event[3]).strip().splitlines()[-3:])
-                answers[host] = ProbeAnswer(host, None, f"the agent ended (exit {event[2]}) before answering"
-                                            + (f": {detail}" if detail else ""))
-        for name in self.links:
-            answers.setdefault(name, ProbeAnswer(name, None, f"no probe answer within {timeout:g} s"))
+                errors[host] = f"the agent ended (exit {event[2]}) before answering" + (f": {detail}" if detail else "")
+            got = {agent.PROBE} if host in probes else set()
+            got |= {agent.SURVEY} if host in surveys else set()
+            if host in errors or self.asked.get(host, frozenset()) <= got:
+                waiting.discard(host)
+        for name in waiting:
+            errors.setdefault(name, f"no probe answer within {timeout:g} s")
         for event in held:  # the supervisor sees every event, in order
             self.events.put(event)
-        return {name: answers[name] for name in self.links}
+        return {name: AgentAnswer(name, probes.get(name), None if name in probes else errors.get(name),
+                                  surveys.get(name)) for name in self.links}
 
     def release(self, names: Sequence[str]) -> None:
         """Close these hosts' channels: their agents exit without starting anything."""

@@ -827,8 +827,11 @@ def survey(spec):
         free, block, device = vfs.f_bavail * vfs.f_frsize, vfs.f_frsize, os.stat(base).st_dev
     except OSError:
         free, block, device = 0, 4096, 0
+    # settled: a push that sends and deletes nothing would leave the record as it is, so
+    # nothing needs writing at all (dlrun.agent answers this survey in-process)
+    settled = all(record.get(rel) == value for rel, value in fresh.items() if rel in wanted)
     reply = {"root": root, "entries": entries, "free": free, "block": block, "device": device,
-             "error": error, "path": base if error else None}
+             "error": error, "path": base if error else None, "settled": settled}
     return reply, record, fresh
 
 
@@ -1300,8 +1303,7 @@ class _HostPush:
         channel = self.channel = self.transport.open(self.host, argv)
         try:
             replies = _Replies(channel)
-            request = {"targets": [{"root": t.root, "paths": list(t.manifest.paths())} for t in self.targets]}
-            self._send_line(request, replies)
+            self._send_line(survey_request(self.targets), replies)
             first = replies.get()
             if first is None or "targets" not in first:
                 raise self._helper_failed("the push helper did not report the host's files", replies)
@@ -1559,3 +1561,50 @@ def _plan_local(code_root: Path | None, data_root: Path | None, count: int, shar
         data_manifests = plan_data(data_root, count, shard, split_lines=split_lines, cache=cache)
         cache.save()
     return code_manifest, data_manifests
+
+
+# =============================================================================== a push with nothing to do
+
+
+def survey_request(targets: Sequence[PushTarget]) -> dict[str, Any]:
+    """The survey message of the protocol: per target its remote root and the local paths.
+
+    The helper reads it first; ``dlrun.agent`` answers it too (op ``survey``, running
+    ``HELPER_SOURCE``'s ``survey`` in-process), so that a launch learns whether its code is
+    already on a host without a second session and interpreter there.
+    """
+    return {"targets": [{"root": t.root, "paths": list(t.manifest.paths())} for t in targets]}
+
+
+def scan_code(code_root: Path) -> Manifest:
+    """The code manifest ``push(code_dir=code_root)`` sends (hashes cached by stat)."""
+    manifest, _ = _plan_local(code_root.resolve(), None, 1, "files", False)
+    assert manifest is not None
+    return manifest
+
+
+def code_target(host: Host, code_root: Path, manifest: Manifest) -> PushTarget:
+    """Where ``push`` puts the code of ``code_root`` on ``host`` (project = the directory's name)."""
+    return PushTarget("code", remote_code_dir(host, check_project(code_root.resolve().name)), manifest)
+
+
+def settled_push(host: str, targets: Sequence[PushTarget], answer: Mapping[str, Any], *,
+                 delete: bool = True) -> HostPushSummary | None:
+    """The summary of a push that would send, delete and record nothing, from the survey's
+    ``answer`` (the helper's first reply); None when the push has work to do or the answer is
+    not a clean survey, so the helper must run (and report any problem itself)."""
+    try:
+        raws = list(answer["targets"])
+        trees = [_parse_tree(raw) for raw in raws]
+        settled = all(raw["settled"] is True for raw in raws)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    if not settled or len(trees) != len(targets) or any(tree.error for tree in trees):
+        return None
+    plans = [diff_manifests(t.manifest, tree.entries, delete=delete) for t, tree in zip(targets, trees, strict=True)]
+    if any(plan.send or plan.delete for plan in plans):
+        return None
+    roots = {t.label: tree.root for t, tree in zip(targets, trees, strict=True)}
+    return HostPushSummary(host=host, files_sent=0, bytes_sent=0,
+                           files_unchanged=sum(len(plan.unchanged) for plan in plans), files_deleted=0,
+                           seconds=0.0, code_dir=roots.get("code"), data_dir=roots.get("data"))

@@ -6,6 +6,7 @@ frames out); the SSH tests run the same program over sshd.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ from dlrun import agent
 from dlrun.inventory import Host
 from dlrun.launch import LaunchConfig, launch
 from dlrun.probe import PROBE_SOURCE, parse_probe_output
+from dlrun.sync import HELPER_SOURCE
 from dlrun.transport import Channel, HostRouter, LocalTransport
 
 
@@ -40,7 +42,7 @@ def talk(argv: Sequence[str], messages: Sequence[dict[str, object]], env: dict[s
             break
         frames += decoder.feed(data)
         kinds = {k for k, _, _ in frames}
-        if agent.DONE in kinds or (not starts and agent.PROBE in kinds):
+        if agent.DONE in kinds or (not starts and kinds & {agent.PROBE, agent.SURVEY}):
             proc.stdin.close()
     proc.wait(timeout)
     return frames
@@ -70,6 +72,30 @@ def test_a_broken_probe_still_gets_an_answer() -> None:
     answer = next(p for k, _, p in frames if k == agent.PROBE).decode()
     assert "probe failed in the agent: SystemExit" in answer
     assert parse_probe_output("h", answer).error
+
+
+def test_survey_answers_what_the_push_helper_would_before_the_probe(tmp_path: Path) -> None:
+    root = tmp_path / "code"
+    root.mkdir()
+    (root / "a.py").write_text("A = 1\n")
+    request = {"targets": [{"root": str(root), "paths": ["a.py", "gone.py"]}]}
+    frames = talk(agent_cmd(), [{"op": "survey", "source": HELPER_SOURCE, "request": request},
+                                {"op": "probe", "source": "print('{}')"}])
+    kinds = [k for k, _, _ in frames]
+    assert kinds.index(agent.SURVEY) < kinds.index(agent.PROBE)
+    answer = json.loads(next(p for k, _, p in frames if k == agent.SURVEY))
+    helper = subprocess.run([sys.executable, "-c", HELPER_SOURCE], input=json.dumps(request) + "\n",
+                            capture_output=True, text=True, timeout=60)
+    assert answer == json.loads(helper.stdout.splitlines()[0])
+    (entry,) = answer["targets"]
+    assert entry["entries"] == {"a.py": ["file", 6, 0o644, hashlib.sha256(b"A = 1\n").hexdigest(), False]}
+    assert entry["settled"] is False  # a.py is there but no push recorded it
+
+
+def test_a_broken_survey_is_answered_with_its_error() -> None:
+    frames = talk(agent_cmd(), [{"op": "survey", "source": "def survey(spec):\n    raise OSError('no')\n",
+                                 "request": {"targets": [{"root": "/", "paths": []}]}}])
+    assert json.loads(next(p for k, _, p in frames if k == agent.SURVEY)) == {"error": "OSError: no"}
 
 
 def test_tiny_unbuffered_writes_arrive_whole_in_fewer_frames() -> None:

@@ -336,3 +336,48 @@ def test_launch_with_data_gives_each_rank_its_shard(cluster, tmp_path: Path) -> 
     lines = sorted(line.split("SHARD ", 1)[1] for line in out.stdout.splitlines() if "SHARD " in line)
     assert lines == ["0 3 ['part-0.csv', 'part-3.csv'] files", "1 3 ['part-1.csv', 'part-4.csv'] files",
                      "2 3 ['part-2.csv', 'part-5.csv'] files"]
+
+
+def test_launch_opens_a_push_session_only_where_the_code_changed(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    from dlrun.launch import LaunchConfig, SSHOptions, launch
+    from dlrun.sync import HELPER_SOURCE
+
+    from conftest import hosts_toml
+
+    code = tmp_path / f"proj-{os.getpid()}-{time.monotonic_ns()}"
+    write(code, {"job.py": "import util\nprint('VERSION', util.V)\n", "util.py": "V = 1\n"})
+    os.chmod(tmp_path, 0o755)
+    opened: list[str] = []
+
+    class Counting(SSHTransport):
+        def open(self, host: Host, argv):  # type: ignore[no-untyped-def]
+            opened.append("push" if HELPER_SOURCE in argv else "agent")
+            return super().open(host, argv)
+
+    monkeypatch.setattr("dlrun.launch.make_transport",
+                        lambda inventory, ssh: HostRouter(remote=Counting(config_file=str(cluster.ssh_config))))
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    config = LaunchConfig(script=str(code / "job.py"), hosts=str(hosts), plain=True, framework="torch",
+                          log_dir=str(tmp_path / "logs"), ssh=SSHOptions(config_file=str(cluster.ssh_config)))
+
+    def run() -> tuple[int, list[str]]:
+        opened.clear()
+        capfd.readouterr()
+        assert launch(config) == 0
+        out = capfd.readouterr().out
+        assert sorted(line.split("VERSION ", 1)[1] for line in out.splitlines() if "VERSION " in line) == \
+            [str(version)] * 2
+        return opened.count("push"), sorted(opened)
+
+    version = 1
+    assert run()[0] == 2  # first launch: the code goes to both hosts
+    assert run() == (0, ["agent", "agent"])  # unchanged: the agents' survey says so, no push session
+    remote = cluster.hosts[0].workdir / code.name / "util.py"
+    os.utime(remote, (1, 1))  # same content, another stamp: that host's record is brought up to date
+    assert run()[0] == 1
+    assert run()[0] == 0
+    version = 2
+    (code / "util.py").write_text("V = 2\n")
+    assert run()[0] == 2
+    assert remote.read_text() == "V = 2\n"

@@ -36,17 +36,22 @@ from dlrun.sync import (
     _Pieces,
     bytes_needed,
     check_space,
+    code_target,
     diff_manifests,
     parse_ignore,
     part_name,
     plan_data,
+    push,
     remote_code_dir,
     remote_data_dir,
+    scan_code,
     scan_tree,
+    settled_push,
     shard_document,
     shard_env,
     shard_files,
     split_points,
+    survey_request,
 )
 
 # --------------------------------------------------------------------------- shards
@@ -519,3 +524,49 @@ def test_view_renders_bars_per_host_on_a_terminal() -> None:
     text = captured.get()
     assert "host0" in text and "host1" in text
     assert "0.5/1.0 MiB" in text and "2/5 files" in text
+
+
+# --------------------------------------------------------------------------- a push with nothing to do
+
+
+def test_settled_push_only_when_there_is_nothing_to_send_delete_or_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dlrun.transport import HostRouter
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code = tmp_path / "proj"
+    code.mkdir()
+    (code / "a.py").write_text("A = 1\n")
+    (code / "lib").mkdir()
+    (code / "lib" / "b.py").write_text("B = 2\n")
+    host = Host(address="localhost", name="localhost", workdir=str(tmp_path / "host"))
+    helper: dict[str, object] = {"__name__": "survey-only"}
+    exec(compile(HELPER_SOURCE, "<helper>", "exec"), helper)  # what the agent runs for op "survey"
+
+    def settled() -> HostPushSummary | None:
+        target = code_target(host, code, scan_code(code))
+        answer = {"targets": [helper["survey"](spec)[0]  # type: ignore[operator]
+                              for spec in survey_request([target])["targets"]]}
+        return settled_push(host.name, [target], answer)
+
+    assert settled() is None  # nothing there yet
+    push(HostRouter(remote=None), [host], code_dir=code)
+    summary = settled()
+    assert summary == HostPushSummary(host="localhost", files_sent=0, bytes_sent=0, files_unchanged=2,
+                                      files_deleted=0, seconds=0.0, code_dir=str(tmp_path / "host" / "proj"))
+    os.utime(tmp_path / "host" / "proj" / "a.py", (1, 1))  # same content, new stamp: the record needs writing
+    assert settled() is None
+    push(HostRouter(remote=None), [host], code_dir=code)
+    assert settled() is not None
+    (code / "lib" / "b.py").unlink()  # a file the push wrote must go
+    assert settled() is None
+    push(HostRouter(remote=None), [host], code_dir=code)
+    assert settled() is not None
+    (code / "a.py").write_text("A = 3\n")
+    assert settled() is None
+
+
+@pytest.mark.parametrize("answer", [{}, {"error": "boom"}, {"targets": [{"root": "/x"}]}, {"targets": "no"}])
+def test_settled_push_is_none_for_an_answer_that_is_not_a_clean_survey(answer: dict[str, object]) -> None:
+    target = code_target(Host(address="h", name="h"), Path("/tmp/proj"), Manifest(entries=()))
+    assert settled_push("h", [target], answer) is None
