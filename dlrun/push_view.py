@@ -4,25 +4,20 @@ Owns the rendering of ``dlrun.sync.push`` — it never runs a push itself. ``Pus
 and ``PushView.files`` are the hooks handed to ``push`` (called from the hosts' threads; rich's
 ``Progress`` locks), and ``PushView.finish`` takes the summaries it returned. ``summary_json``
 is the ``--json`` document. The console and the clock are injected, so tests render exactly.
-Nothing is printed at import time.
+Nothing is printed at import time, and rich is imported only for a terminal or a given console
+(a launch whose code is already on every host prints its lines without it).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
 
 from dlrun.sync import HostPushSummary, human_bytes
 
@@ -76,8 +71,26 @@ class PushView:
         get_time: Callable[[], float] | None = None,
         auto_refresh: bool = True,
     ) -> None:
+        if live is None:
+            live = console.is_terminal if console is not None else sys.stderr.isatty()
+        self.live = live
+        self.console = console
+        self._progress: Progress | None = None
+        self._tasks: dict[str, TaskID] = {}
+        self._started = False
+        if not live:
+            return
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
         self.console = console or Console(stderr=True)
-        self.live = self.console.is_terminal if live is None else live
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -90,13 +103,10 @@ class PushView:
             auto_refresh=auto_refresh,
             transient=False,
         )
-        self._tasks: dict[str, TaskID] = {
-            host: self._progress.add_task(host, total=None, files="", start=True) for host in hosts
-        }
-        self._started = False
+        self._tasks = {host: self._progress.add_task(host, total=None, files="", start=True) for host in hosts}
 
     def __enter__(self) -> PushView:
-        if self.live:
+        if self._progress is not None:
             self._progress.start()
             self._started = True
         return self
@@ -110,23 +120,23 @@ class PushView:
         self.stop()
 
     def stop(self) -> None:
-        if self._started:
+        if self._started and self._progress is not None:
             self._progress.stop()
             self._started = False
 
     def progress(self, host: str, bytes_done: int, bytes_total: int) -> None:
         """The ``progress`` hook of ``push``."""
-        if self.live and host in self._tasks:
+        if self._progress is not None and host in self._tasks:
             self._progress.update(self._tasks[host], completed=bytes_done, total=bytes_total)
 
     def files(self, host: str, files_done: int, files_total: int) -> None:
         """The ``file_progress`` hook of ``push``."""
-        if self.live and host in self._tasks:
+        if self._progress is not None and host in self._tasks:
             self._progress.update(self._tasks[host], files=f"{files_done}/{files_total} files")
 
     def finish(self, summaries: Sequence[HostPushSummary]) -> None:
         """Complete the bars (live) or print one summary line per host (not live)."""
-        if self.live:
+        if self._progress is not None:
             for s in summaries:
                 if s.host in self._tasks:
                     self._progress.update(
@@ -139,8 +149,12 @@ class PushView:
             self.stop()
             return
         for s in summaries:
-            self.console.print(summary_line(s), highlight=False, markup=False, soft_wrap=True)
+            if self.console is None:
+                print(summary_line(s), file=sys.stderr, flush=True)
+            else:
+                self.console.print(summary_line(s), highlight=False, markup=False, soft_wrap=True)
 
     def renderable(self) -> Any:
         """What the live display shows now (for tests)."""
+        assert self._progress is not None, "not live"
         return self._progress.get_renderable()

@@ -511,6 +511,17 @@ def test_view_prints_one_line_per_host_when_not_a_terminal() -> None:
     assert out.getvalue().splitlines() == [summary_line(s) for s in SUMMARIES]
 
 
+def test_view_off_a_terminal_prints_plain_lines_without_importing_rich() -> None:
+    program = ("import sys\nfrom dlrun.push_view import PushView\nfrom dlrun.sync import HostPushSummary\n"
+               "s = HostPushSummary('h0', 0, 0, 2, 0, 0.0)\n"
+               "with PushView(['h0']) as view:\n    view.progress('h0', 0, 0)\n    view.finish([s])\n"
+               "print('rich' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "False\n"
+    assert out.stderr == "h0: 0 files sent (0 B), 2 unchanged, 0 deleted in 0.0 s\n"
+
+
 def test_view_renders_bars_per_host_on_a_terminal() -> None:
     out = io.StringIO()
     console = Console(file=out, width=120, color_system=None, force_terminal=True)
