@@ -27,6 +27,10 @@ What this module owns, in three layers:
      directory, verifies its sha256, renames it into place and reports per file. EOF in the
      middle (dlrun killed, Ctrl-C, dropped connection) removes the partial temporary file;
      the next push sends only what is missing or different.
+
+  ``dlrun launch`` asks step 1 of each host's agent instead, with the preflight probe (the
+  agent runs this helper's ``survey`` in-process). When the answer says there is nothing to
+  send, delete or record (``settled_push``), that host gets no helper session at all.
 """
 
 from __future__ import annotations
