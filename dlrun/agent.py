@@ -18,9 +18,9 @@ host:
   ``{"op": "kill"}``. Env and argv travel inside JSON, so no shell ever parses them.
 * **Output (stdout)**: binary frames ``>BiI`` (kind, rank, length) + payload: HELLO (JSON facts),
   STARTED (JSON pid), STDOUT/STDERR (raw chunks up to 64 KiB), EXIT (JSON code), ERROR (text),
-  DONE, PROBE (the probe's stdout), SURVEY (JSON). The controller splits lines itself. Output is coalesced: a
-  rank that writes tiny pieces (``PYTHONUNBUFFERED``) is forwarded every few milliseconds or
-  every 64 KiB, not write by write; lifecycle frames go out at once.
+  DONE, PROBE (the probe's stdout), SURVEY (JSON). The controller splits lines itself. Output
+  is coalesced: a rank that writes tiny pieces (``PYTHONUNBUFFERED``) is forwarded every few
+  milliseconds or every 64 KiB, not write by write; lifecycle frames go out at once.
 * **Watchdog**: when stdin reaches EOF (dlrun killed, Ctrl-C, SSH connection dropped) every
   rank's process group is terminated, then killed. Each rank runs in its own session and
   process group; every process carries ``DLRUN_JOB_ID`` in its environment, which is how a

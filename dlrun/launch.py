@@ -347,11 +347,13 @@ def launch(config: LaunchConfig) -> int:
     try:
         addresses = transport.connect(used_hosts)
         targets = survey_code(config, used_hosts, manifest.result()) if manifest is not None else {}
+        surveys = None
         if targets:
             from dlrun.sync import survey_request
+
+            surveys = {name: survey_request([target]) for name, target in targets.items()}
         # the agents start while we plan; each runs the probe and answers the push survey first
-        agents.start(probe=_probe_source() if config.preflight else None,
-                     surveys={name: survey_request([t]) for name, t in targets.items()} if targets else None)
+        agents.start(probe=_probe_source() if config.preflight else None, surveys=surveys)
         answers = agents.answers(ANSWER_TIMEOUT) if config.preflight or targets else {}
         gpus: Mapping[str, Sequence[str]] = {}
         if config.preflight:
