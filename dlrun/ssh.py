@@ -14,6 +14,9 @@ at this one boundary. What it owns:
 * **Connections**: opened in parallel, each within ``connect_timeout``, on a socket with
   TCP_NODELAY (181 → 125 ms per host on loopback). Every host is reached before any rank
   starts; all failures are reported together, each with its host and the SSH error in words.
+* **Bulk data**: what a channel sends goes out through ``_FastPacketizer`` under AES-GCM: each
+  packet laid out and encrypted once in reused buffers, the same bytes paramiko would write
+  (tests/test_ssh_fastpath.py); other ciphers and messages take paramiko's own path.
 * **Commands**: ``open`` runs an argv as one exec channel; the argv is joined with
   ``shlex.join`` for the remote login shell, so no argument can inject a command. Env never
   travels on the command line: the agent receives it inside JSON on stdin.
