@@ -12,7 +12,11 @@ sshd listeners and everything they start (sshd sessions, dlrun's helper, rsync's
 a cpuacct cgroup the listeners are moved into ("n/a" where no cgroup can be made). Client and
 hosts share the same cores here, so host CPU costs wall time too.
 
-    python bench/push.py [--runs 3] [--files 200] [--mb 200]
+    python bench/push.py [--runs 3] [--files 200] [--mb 200] [--baseline]
+
+``--baseline`` adds a third tool, "dlrun-paramiko": the same push with paramiko's own
+Packetizer and ``Channel.sendall`` (dlrun.ssh's fast path for channel data switched off), so
+before and after are timed in one run, against the same rsync.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from types import ModuleType
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from paramiko.packet import Packetizer  # noqa: E402
+
+from dlrun import ssh as dlrun_ssh  # noqa: E402
 from dlrun.inventory import Host  # noqa: E402
 from dlrun.ssh import SSHTransport  # noqa: E402
 from dlrun.sync import push  # noqa: E402
@@ -115,7 +122,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--files", type=int, default=200)
     parser.add_argument("--mb", type=int, default=200)
+    parser.add_argument("--baseline", action="store_true",
+                        help="also time dlrun with paramiko's own packet path (dlrun-paramiko)")
     args = parser.parse_args()
+    tools = ["dlrun", "rsync", *(["dlrun-paramiko"] if args.baseline else [])]
     rsync = shutil.which("rsync")
     if rsync is None:
         sys.exit("rsync is not installed")
@@ -164,19 +174,24 @@ def main() -> None:
                 shutil.rmtree(h.workdir / "rsync", ignore_errors=True)
             shutil.rmtree(cache, ignore_errors=True)
 
-        results: dict[str, list[float]] = {k: [] for k in ("dlrun first", "dlrun again", "rsync first",
-                                                            "rsync again")}
+        results: dict[str, list[float]] = {f"{t} {c}": [] for t in tools for c in ("first", "again")}
+        fast_packetizer = dlrun_ssh._FastTransport.packetizer_factory
         for run in range(args.runs):
-            order = ["dlrun", "rsync"] if run % 2 == 0 else ["rsync", "dlrun"]
+            order = tools[run % len(tools):] + tools[: run % len(tools)]
             for tool in order:
                 # Each tool's first push starts from empty hosts, a cold hash cache and no dirty
                 # pages: otherwise the second tool of a run pays for writing back the first one's
                 # 800 MB, and with an odd number of runs one tool is second more often.
                 wipe()
                 os.sync()
-                if tool == "dlrun":
-                    results["dlrun first"].append(measured("dlrun first", lambda: dlrun_push(args.files)))
-                    results["dlrun again"].append(measured("dlrun again", lambda: dlrun_push(0)))
+                if tool.startswith("dlrun"):
+                    dlrun_ssh._FastTransport.packetizer_factory = (
+                        fast_packetizer if tool == "dlrun" else Packetizer)
+                    try:
+                        results[f"{tool} first"].append(measured(f"{tool} first", lambda: dlrun_push(args.files)))
+                        results[f"{tool} again"].append(measured(f"{tool} again", lambda: dlrun_push(0)))
+                    finally:
+                        dlrun_ssh._FastTransport.packetizer_factory = fast_packetizer
                 else:
                     results["rsync first"].append(measured("rsync first", rsync_push))
                     results["rsync again"].append(measured("rsync again", rsync_push))
@@ -193,26 +208,27 @@ def main() -> None:
     print(f"{os.cpu_count()} CPUs, load average before: {load_before:.2f}, after: {load_after:.2f}; median of "
           f"{args.runs} runs, interleaved; each dlrun push opens its own SSH connections (in-process, no "
           "interpreter start)\n")
-    print("| case | dlrun (s) | rsync (s) | dlrun / rsync | dlrun runs | rsync runs |")
-    print("|---|---:|---:|---:|---|---|")
+    print("| case | tool | seconds | / rsync | runs |")
+    print("|---|---|---:|---:|---|")
     for case in ("first", "again"):
-        d, r = results[f"dlrun {case}"], results[f"rsync {case}"]
         label = "first push" if case == "first" else "no-change re-push"
-        print(f"| {label} | {med[f'dlrun {case}']:.2f} | {med[f'rsync {case}']:.2f} | "
-              f"{med[f'dlrun {case}'] / med[f'rsync {case}']:.2f}x | "
-              f"{', '.join(f'{x:.2f}' for x in d)} | {', '.join(f'{x:.2f}' for x in r)} |")
+        for tool in tools:
+            runs = results[f"{tool} {case}"]
+            print(f"| {label} | {tool} | {med[f'{tool} {case}']:.2f} | "
+                  f"{med[f'{tool} {case}'] / med[f'rsync {case}']:.2f}x | {', '.join(f'{x:.2f}' for x in runs)} |")
+
     def cpu_median(key: str, which: int) -> str:
         values = [v[which] for v in cpu[key]]
         known = [v for v in values if v is not None]
         return f"{statistics.median(known):.2f}" if len(known) == len(values) else "n/a"
 
     print("\nCPU seconds, median (client: this process and its children; hosts: sshd and what it starts)\n")
-    print("| case | dlrun client | dlrun hosts | rsync client | rsync hosts |")
-    print("|---|---:|---:|---:|---:|")
+    print("| case | tool | client | hosts |")
+    print("|---|---|---:|---:|")
     for case in ("first", "again"):
         label = "first push" if case == "first" else "no-change re-push"
-        print(f"| {label} | {cpu_median(f'dlrun {case}', 0)} | {cpu_median(f'dlrun {case}', 1)} | "
-              f"{cpu_median(f'rsync {case}', 0)} | {cpu_median(f'rsync {case}', 1)} |")
+        for tool in tools:
+            print(f"| {label} | {tool} | {cpu_median(f'{tool} {case}', 0)} | {cpu_median(f'{tool} {case}', 1)} |")
     print(f"\n`python -c 'import dlrun.sync, dlrun.ssh'` (a CLI would pay it once): {import_s:.2f} s")
 
 
