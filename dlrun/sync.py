@@ -764,9 +764,11 @@ def record_file(root):
 
 
 def temp_for(final):
+    # per helper process: two hosts that share a workdir (one machine under two names, an NFS
+    # home) may write the same file at once, and each must rename its own temporary file
     folder, name = os.path.split(final)
     tag = hashlib.sha1(name.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return os.path.join(folder, PART + tag)
+    return os.path.join(folder, "%s%s-%d" % (PART, tag, os.getpid()))
 
 
 def stamp(st):

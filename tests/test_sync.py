@@ -581,3 +581,20 @@ def test_settled_push_only_when_there_is_nothing_to_send_delete_or_record(
 def test_settled_push_is_none_for_an_answer_that_is_not_a_clean_survey(answer: dict[str, object]) -> None:
     target = code_target(Host(address="h", name="h"), Path("/tmp/proj"), Manifest(entries=()))
     assert settled_push("h", [target], answer) is None
+
+
+def test_two_hosts_sharing_one_workdir_push_into_it_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # one machine under two names, or an NFS home: both helpers write the same files at once
+    from dlrun.transport import HostRouter
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code = tmp_path / "proj"
+    code.mkdir()
+    for i in range(300):
+        (code / f"m{i:03d}.py").write_bytes(os.urandom(2000))
+    hosts = [Host(address="localhost", name=name, workdir=str(tmp_path / "shared")) for name in ("a", "b")]
+    summaries = push(HostRouter(remote=None), hosts, code_dir=code)
+    assert [s.files_sent for s in summaries] == [300, 300]
+    landed = sorted(p.name for p in (tmp_path / "shared" / "proj").iterdir())
+    assert landed == sorted(p.name for p in code.iterdir())
+    assert all((tmp_path / "shared" / "proj" / n).read_bytes() == (code / n).read_bytes() for n in landed)
