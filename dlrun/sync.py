@@ -51,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -1313,6 +1313,10 @@ class _HostPush:
             first = replies.get()
             if first is None or "targets" not in first:
                 raise self._helper_failed("the push helper did not report the host's files", replies)
+            nothing = settled_push(self.host.name, self.targets, first, delete=self.delete)
+            if nothing is not None:  # nothing to send, delete or record: the helper may end now
+                self._send_line({"abort": True}, replies)
+                return replace(nothing, seconds=time.monotonic() - started)
             trees = [_parse_tree(raw) for raw in first["targets"]]
             plans = [diff_manifests(t.manifest, tree.entries, delete=self.delete)
                      for t, tree in zip(self.targets, trees, strict=True)]

@@ -98,8 +98,9 @@ def test_push_then_change_one_file_then_delete_one(cluster, transport, tmp_path:
         assert (remote / "run.sh").stat().st_mode & 0o777 == 0o755
         assert (remote / "train.py").stat().st_mode & 0o777 == 0o644
 
-    again = push(transport, hosts, code_dir=src)
+    again = push(transport, hosts, code_dir=src)  # settled: the helper answers the survey and ends
     assert [(s.files_sent, s.bytes_sent, s.files_unchanged) for s in again] == [(0, 0, 6)] * 2
+    assert [s.code_dir for s in again] == [str(h.workdir / "code" / "proj") for h in cluster.hosts[:2]]
 
     (src / "pkg" / "model.py").write_text("W = 2\n")
     changed = push(transport, hosts, code_dir=src)
