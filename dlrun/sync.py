@@ -20,8 +20,9 @@ What this module owns, in three layers:
      earlier push wrote (size, mode, sha256 — cached by stat on the host in
      ``<parent>/.dlrun-cache/<root name>.json``), free space, and a permission problem if any.
   2. dlrun diffs, checks free space and permissions (a problem: ``{"abort": true}``, nothing is
-     written), then sends the plan (deletions; expected sha256 and mode per file) and one tar
-     stream with only new or changed files, one SSH packet per write, while a thread reads the replies.
+     written; the same when there is nothing to send, delete or record), then sends the plan
+     (deletions; expected sha256 and mode per file) and one tar stream with only new or
+     changed files, one SSH packet per write, while a thread reads the replies.
   3. The helper deletes files that an earlier push wrote and that are gone locally (never files
      a job created), writes each file under a temporary name (``.dlrun-part-*``) in its final
      directory, verifies its sha256, renames it into place and reports per file. EOF in the
