@@ -2,7 +2,8 @@
 
 Measures, in the same run and interleaved, the first push (empty hosts, cold local hash
 cache, dirty pages written back before it) and a no-change re-push, for dlrun
-(``dlrun.sync.push`` in this process, a fresh SSH connection per push) and for four parallel
+(``dlrun.sync.push`` in this process, a fresh SSH connection per push), for "dlrun-cli" (the
+``dlrun push`` command, interpreter start and imports included) and for four parallel
 ``rsync -a -e "ssh -F <ssh_config>"``. Median of 3; prints a markdown table with the ratios to
 stdout. Uses tests/sshd_cluster.py (root: hosts on 127.0.0.2-5 as user dlrun-test).
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
 import os
 import resource
 import shutil
@@ -125,7 +127,7 @@ def main() -> None:
     parser.add_argument("--baseline", action="store_true",
                         help="also time dlrun with paramiko's own packet path (dlrun-paramiko)")
     args = parser.parse_args()
-    tools = ["dlrun", "rsync", *(["dlrun-paramiko"] if args.baseline else [])]
+    tools = ["dlrun", "dlrun-cli", "rsync", *(["dlrun-paramiko"] if args.baseline else [])]
     rsync = shutil.which("rsync")
     if rsync is None:
         sys.exit("rsync is not installed")
@@ -162,6 +164,18 @@ def main() -> None:
                 transport.close()
             assert all(s.files_sent == expect_sent for s in summaries), summaries
 
+        inventory = base / "hosts.toml"
+        inventory.write_text("".join(
+            f"[[hosts]]\naddress = {json.dumps(h.name)}\nworkdir = {json.dumps(str(h.workdir / 'dlrun'))}\n"
+            f"python = {json.dumps(cluster.python)}\n" for h in cluster.hosts))
+
+        def dlrun_cli(expect_sent: int) -> None:
+            out = subprocess.run([sys.executable, "-m", "dlrun", "push", "--json", "--hosts", str(inventory),
+                                  "--ssh-config", str(cluster.ssh_config), "--code", str(src)],
+                                 capture_output=True, text=True, check=True)
+            sent = [h["files_sent"] for h in json.loads(out.stdout)["hosts"]]
+            assert sent == [expect_sent] * len(hosts), out.stdout
+
         def rsync_push() -> None:
             procs = [subprocess.Popen([rsync, "-a", "-e", f"ssh -F {cluster.ssh_config}", f"{src}/",
                                        f"{h.name}:{h.workdir / 'rsync'}/"]) for h in cluster.hosts]
@@ -184,7 +198,10 @@ def main() -> None:
                 # 800 MB, and with an odd number of runs one tool is second more often.
                 wipe()
                 os.sync()
-                if tool.startswith("dlrun"):
+                if tool == "dlrun-cli":
+                    results[f"{tool} first"].append(measured(f"{tool} first", lambda: dlrun_cli(args.files)))
+                    results[f"{tool} again"].append(measured(f"{tool} again", lambda: dlrun_cli(0)))
+                elif tool.startswith("dlrun"):
                     dlrun_ssh._FastTransport.packetizer_factory = (
                         fast_packetizer if tool == "dlrun" else Packetizer)
                     try:
@@ -206,8 +223,8 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in results.items()}
     print(f"## dlrun push vs rsync -a: {args.files} files, {args.mb} MB, to 4 loopback sshd hosts\n")
     print(f"{os.cpu_count()} CPUs, load average before: {load_before:.2f}, after: {load_after:.2f}; median of "
-          f"{args.runs} runs, interleaved; each dlrun push opens its own SSH connections (in-process, no "
-          "interpreter start)\n")
+          f"{args.runs} runs, interleaved; each dlrun push opens its own SSH connections (dlrun: in-process, "
+          "no interpreter start; dlrun-cli: the `dlrun push` command)\n")
     print("| case | tool | seconds | / rsync | runs |")
     print("|---|---|---:|---:|---|")
     for case in ("first", "again"):

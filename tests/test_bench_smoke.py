@@ -42,3 +42,11 @@ def test_logs_bench_smoke() -> None:
     assert set(rows) == {"dlrun", "raw"}, out
     for row in rows.values():
         assert row.rstrip().endswith("| 0 | 0"), out  # nothing lost, nothing reordered
+
+
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="no rsync here (.ci/run installs it)")
+def test_push_bench_smoke() -> None:
+    out = bench("push.py", "--runs", "1", "--files", "4", "--mb", "1")
+    for case in ("first push", "no-change re-push"):
+        for tool in ("dlrun", "dlrun-cli", "rsync"):
+            assert re.search(rf"^\| {case} \| {tool} \| \d+\.\d+ \| \d+\.\d+x \|", out, re.M), out
