@@ -15,7 +15,7 @@ hosts share the same cores here, so host CPU costs wall time too.
 
     python bench/push.py [--runs 3] [--files 200] [--mb 200] [--baseline]
 
-``--baseline`` adds a third tool, "dlrun-paramiko": the same push with paramiko's own
+``--baseline`` adds one more tool, "dlrun-paramiko": the same push with paramiko's own
 Packetizer and ``Channel.sendall`` (dlrun.ssh's fast path for channel data switched off), so
 before and after are timed in one run, against the same rsync.
 """
