@@ -170,11 +170,9 @@ def test_hostile_values_arrive_verbatim(cluster, tmp_path: Path) -> None:  # typ
 def test_job_through_a_proxyjump_bastion(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     script = shared_script(cluster, "hi.py", "import os\nprint('hi from', os.environ['DLRUN_RANK'])\n")
     hosts = tmp_path / "hosts.toml"
-    # Each host its own workdir, as in hosts_toml: the test hosts are one machine and one login, so
-    # with the default workdir both would push the same files into the same folder at once.
     hosts.write_text(f'[defaults]\npython = "{cluster.python}"\n'
-                     f'[[hosts]]\naddress = "{cluster.jump_alias(0)}"\nworkdir = "{cluster.hosts[0].workdir}"\n'
-                     f'[[hosts]]\naddress = "{cluster.jump_alias(1)}"\nworkdir = "{cluster.hosts[1].workdir}"\n')
+                     f'[[hosts]]\naddress = "{cluster.jump_alias(0)}"\n'
+                     f'[[hosts]]\naddress = "{cluster.jump_alias(1)}"\n')
     out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), str(script), cwd=tmp_path,
                     timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
