@@ -435,7 +435,6 @@ def _run_agent(argv: list[str]) -> int:
                 agent.probe(message)
             elif op == "survey":
                 agent.survey(message)
-                agent.flush()  # a push that has work to do may start before the probe ends
             elif op == "start" and not started:
                 started = True
                 eof_grace = float(message.get("eof_grace", eof_grace))

@@ -221,12 +221,10 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
     return Pushed(env_for, cwd_for, Path(config.script).name)
 
 
-def survey_code(config: LaunchConfig, hosts: Sequence[Host], manifest: Manifest) -> dict[str, PushTarget]:
+def survey_code(code_dir: Path, hosts: Sequence[Host], manifest: Manifest) -> dict[str, PushTarget]:
     """The code push's target on each remote host, for the agents' survey."""
     from dlrun.sync import code_target
 
-    code_dir = code_dir_to_push(config)
-    assert code_dir is not None
     return {h.name: code_target(h, code_dir, manifest) for h in hosts if not h.is_local}
 
 
@@ -346,7 +344,7 @@ def launch(config: LaunchConfig) -> int:
         manifest = pusher.submit(scan_code, code_dir)  # hashes (or reads the cache) while we connect
     try:
         addresses = transport.connect(used_hosts)
-        targets = survey_code(config, used_hosts, manifest.result()) if manifest is not None else {}
+        targets = survey_code(code_dir, used_hosts, manifest.result()) if code_dir and manifest is not None else {}
         surveys = None
         if targets:
             from dlrun.sync import survey_request

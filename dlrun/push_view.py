@@ -73,7 +73,6 @@ class PushView:
     ) -> None:
         if live is None:
             live = console.is_terminal if console is not None else sys.stderr.isatty()
-        self.live = live
         self.console = console
         self._progress: Progress | None = None
         self._tasks: dict[str, TaskID] = {}

@@ -1314,13 +1314,14 @@ class _HostPush:
             first = replies.get()
             if first is None or "targets" not in first:
                 raise self._helper_failed("the push helper did not report the host's files", replies)
-            nothing = settled_push(self.host.name, self.targets, first, delete=self.delete)
-            if nothing is not None:  # nothing to send, delete or record: the helper may end now
-                self._send_line({"abort": True}, replies)
-                return replace(nothing, seconds=time.monotonic() - started)
             trees = [_parse_tree(raw) for raw in first["targets"]]
             plans = [diff_manifests(t.manifest, tree.entries, delete=self.delete)
                      for t, tree in zip(self.targets, trees, strict=True)]
+            settled = all(raw.get("settled") is True for raw in first["targets"])
+            nothing = _summary_if_settled(self.host.name, self.targets, trees, plans, settled)
+            if nothing is not None:  # nothing to send, delete or record: the helper may end now
+                self._send_line({"abort": True}, replies)
+                return replace(nothing, seconds=time.monotonic() - started)
             try:
                 self._check(trees, plans)
             except SyncError:
@@ -1610,10 +1611,16 @@ def settled_push(host: str, targets: Sequence[PushTarget], answer: Mapping[str, 
         settled = all(raw["settled"] is True for raw in raws)
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
-    if not settled or len(trees) != len(targets) or any(tree.error for tree in trees):
+    if len(trees) != len(targets):
         return None
     plans = [diff_manifests(t.manifest, tree.entries, delete=delete) for t, tree in zip(targets, trees, strict=True)]
-    if any(plan.send or plan.delete for plan in plans):
+    return _summary_if_settled(host, targets, trees, plans, settled)
+
+
+def _summary_if_settled(host: str, targets: Sequence[PushTarget], trees: Sequence[RemoteTree],
+                        plans: Sequence[TransferPlan], settled: bool) -> HostPushSummary | None:
+    """The summary of a push with nothing to send, delete or record; None when there is work."""
+    if not settled or any(tree.error for tree in trees) or any(plan.send or plan.delete for plan in plans):
         return None
     roots = {t.label: tree.root for t, tree in zip(targets, trees, strict=True)}
     return HostPushSummary(host=host, files_sent=0, bytes_sent=0,
