@@ -15,16 +15,23 @@ host:
   the host needs no push session there. The spec ``{"job_id", "ranks": [{"rank",
   "argv", "env", "cwd"}], "eof_grace"}`` (``"op": "start"`` or no op) starts the ranks; later
   ``{"op": "stop", "grace": s}`` (SIGTERM every rank's process group, SIGKILL after ``s``) and
-  ``{"op": "kill"}``. Env and argv travel inside JSON, so no shell ever parses them.
+  ``{"op": "kill"}``, and ``{"op": "ping"}`` (answered with a PONG frame: the controller's
+  heartbeat). Env and argv travel inside JSON, so no shell ever parses them.
 * **Output (stdout)**: binary frames ``>BiI`` (kind, rank, length) + payload: HELLO (JSON facts),
   STARTED (JSON pid), STDOUT/STDERR (raw chunks up to 64 KiB), EXIT (JSON code), ERROR (text),
-  DONE, PROBE (the probe's stdout), SURVEY (JSON). The controller splits lines itself. Output
+  DONE, PROBE (the probe's stdout), SURVEY (JSON), PONG (empty). The controller splits lines itself. Output
   is coalesced: a rank that writes tiny pieces (``PYTHONUNBUFFERED``) is forwarded every few
   milliseconds or every 64 KiB, not write by write; lifecycle frames go out at once.
 * **Watchdog**: when stdin reaches EOF (dlrun killed, Ctrl-C, SSH connection dropped) every
   rank's process group is terminated, then killed. Each rank runs in its own session and
   process group; every process carries ``DLRUN_JOB_ID`` in its environment, which is how a
   final sweep finds children that escaped with ``setsid`` — only this job's, never another's.
+  A controller that goes silent counts as gone too: with the spec's ``host_timeout`` (seconds),
+  no byte on stdin for that long (the controller pings every few seconds) stops the ranks the
+  same way. That covers what EOF cannot: the controller's machine losing power or the network
+  being cut, where no FIN ever arrives and the connection would linger for many minutes.
+  Output never blocks that check: stdout is non-blocking and a full pipe is waited on with
+  ``select`` alongside stdin.
 * **PID namespace**: the controller starts the agent through :func:`pidns_argv`, a ``sh``
   wrapper that execs it under ``unshare --pid --fork --kill-child`` (with ``--user
   --map-current-user`` when not root) if that works for the login user, and plainly
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import selectors
 import signal
 import struct
@@ -51,7 +59,7 @@ import time
 from typing import IO, Any
 
 HEADER = struct.Struct(">BiI")
-HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE, SURVEY = range(1, 10)
+HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE, SURVEY, PONG = range(1, 11)
 CHUNK = 65536
 COALESCE_S = 0.005  # output frames wait at most this long for more output
 SMALL_READ = 4096  # a read this small means a trickle: let it pile up for a moment
@@ -93,8 +101,14 @@ class FrameDecoder:
 
 
 class Agent:
-    def __init__(self, out: IO[bytes], in_namespace: bool) -> None:
+    def __init__(self, out: IO[bytes], in_namespace: bool, stdin_fd: int | None = None) -> None:
         self.out_fd = out.fileno()
+        os.set_blocking(self.out_fd, False)  # a full pipe must not stop the silence check
+        self.stdin_fd = stdin_fd
+        self.control = bytearray()  # what the controller sent, not yet handled
+        self.stdin_closed = False
+        self.heard = time.monotonic()  # when the controller last sent anything
+        self.silence_limit: float | None = None  # the spec's host_timeout
         self.in_namespace = in_namespace
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.open_streams: dict[int, int] = {}  # rank -> number of open pipes
@@ -141,12 +155,49 @@ class Agent:
             try:
                 written = os.write(self.out_fd, data)
             except BlockingIOError:
-                time.sleep(0.001)
+                if not self.wait_writable():
+                    self.out_broken = True  # the controller went silent: nobody reads us
+                    return
                 continue
             except OSError:
                 self.out_broken = True
                 return
             data = data[written:]
+
+    def wait_writable(self) -> bool:
+        """Wait until stdout takes more, reading the controller meanwhile; False if it fell silent."""
+        while not self.controller_silent(time.monotonic()):
+            readers = [] if self.stdin_closed or self.stdin_fd is None else [self.stdin_fd]
+            try:
+                readable, writable, _ = select.select(readers, [self.out_fd], [], 0.2)
+            except InterruptedError:
+                continue
+            if readable:
+                self.read_control()
+            if writable:
+                return True
+        return False
+
+    # controller ---------------------------------------------------------------------
+    def read_control(self) -> None:
+        """Read what the controller sent (non-blocking) into ``control``; note EOF and when heard."""
+        if self.stdin_closed or self.stdin_fd is None:
+            return
+        while True:
+            try:
+                data = os.read(self.stdin_fd, CHUNK)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.stdin_closed = True
+                return
+            self.heard = time.monotonic()
+            self.control += data
+
+    def controller_silent(self, now: float) -> bool:
+        return self.silence_limit is not None and now - self.heard > self.silence_limit
 
     # ranks --------------------------------------------------------------------------
     def start(self, spec: dict[str, Any]) -> None:
@@ -380,7 +431,7 @@ def _run_agent(argv: list[str]) -> int:
     in_namespace = "--in-pidns" in argv  # set by PIDNS_WRAPPER
     stdin_fd = sys.stdin.fileno()
     os.set_blocking(stdin_fd, False)
-    agent = Agent(sys.stdout.buffer, in_namespace)
+    agent = Agent(sys.stdout.buffer, in_namespace, stdin_fd)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: _on_signal(agent, signum))
     wake_r, wake_w = os.pipe()
@@ -403,7 +454,6 @@ def _run_agent(argv: list[str]) -> int:
     )
     agent.flush()
     agent.sel.register(stdin_fd, selectors.EVENT_READ, "control")
-    control = bytearray()
     started = False
     eof_grace = 2.0
     timeout = 0.05
@@ -411,19 +461,8 @@ def _run_agent(argv: list[str]) -> int:
         got = agent.read_ready(timeout)
         if 0 < got < SMALL_READ and not agent.urgent:
             time.sleep(0.002)  # a trickle of tiny writes: let it pile up into one frame
-        # control channel
-        stdin_closed = False
-        while True:
-            try:
-                data = os.read(stdin_fd, CHUNK)
-            except BlockingIOError:
-                break
-            except OSError:
-                data = b""
-            if not data:
-                stdin_closed = True
-                break
-            control += data
+        agent.read_control()
+        control = agent.control
         while b"\n" in control:
             line, _, rest = bytes(control).partition(b"\n")
             control[:] = rest
@@ -431,24 +470,30 @@ def _run_agent(argv: list[str]) -> int:
                 continue
             message = json.loads(line)
             op = message.get("op", "start")
-            if op == "probe":
+            if op == "ping":
+                agent.emit(PONG, AGENT_RANK, b"")
+            elif op == "probe":
                 agent.probe(message)
             elif op == "survey":
                 agent.survey(message)
             elif op == "start" and not started:
                 started = True
                 eof_grace = float(message.get("eof_grace", eof_grace))
+                agent.silence_limit = float(message.get("host_timeout") or 0) or None
+                agent.heard = time.monotonic()
                 agent.start(message)
             elif message.get("op") == "stop":
                 agent.stop(float(message.get("grace", 10)))
             elif message.get("op") == "kill":
                 agent.stop(0)
-        if stdin_closed:
+        now = time.monotonic()
+        if agent.stdin_closed or agent.controller_silent(now):
+            # the controller is gone (EOF), or silent too long (its machine or the network is
+            # down): nobody will read us any more
             agent.sel.unregister(stdin_fd)
-            agent.stop(eof_grace)  # the controller is gone: nobody will read us any more
+            agent.stop(eof_grace)
             return _finish(agent)
         agent.reap()
-        now = time.monotonic()
         if agent.kill_at is not None and now >= agent.kill_at:
             agent.signal_all(signal.SIGKILL)
         wait = agent.flush_due(now)

@@ -13,7 +13,8 @@ import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,79 @@ def test_a_rank_reaped_with_the_orphans_keeps_its_exit_code() -> None:
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [{"code": 7}]  # not 0: Popen.poll's answer for a child reaped elsewhere
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+SLEEPING_RANK = "import time\nprint('up', flush=True)\ntime.sleep(600)\n"
+
+
+def start_silent_job(script: str, host_timeout: float) -> tuple[subprocess.Popen[bytes], int]:
+    """An agent (no PID namespace) whose controller sends the spec, then nothing: returns the
+    agent and its rank's pid. stdin stays open, as over a connection whose far end vanished."""
+    proc = subprocess.Popen(agent_cmd(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    spec = {"job_id": "silent", "eof_grace": 0.5, "host_timeout": host_timeout,
+            "ranks": [{"rank": 0, "argv": [sys.executable, "-c", script], "env": {}}]}
+    proc.stdin.write(json.dumps(spec).encode() + b"\n")
+    proc.stdin.flush()
+    decoder, frames = agent.FrameDecoder(), []
+    while not any(k == agent.STARTED for k, _, _ in frames):
+        frames += decoder.feed(proc.stdout.read1(65536))
+    pid = int(json.loads(next(p for k, _, p in frames if k == agent.STARTED))["pid"])
+    return proc, pid
+
+
+def test_pings_are_answered_and_keep_a_quiet_job_alive() -> None:
+    proc, pid = start_silent_job(SLEEPING_RANK, host_timeout=1.0)
+    assert proc.stdin is not None and proc.stdout is not None
+    decoder, pongs = agent.FrameDecoder(), 0
+    for _ in range(8):  # 2.4 s of pings, well past the 1 s limit
+        proc.stdin.write(b'{"op": "ping"}\n')
+        proc.stdin.flush()
+        while not pongs:
+            pongs += sum(k == agent.PONG for k, _, _ in decoder.feed(proc.stdout.read1(65536)))
+        pongs = 0
+        time.sleep(0.3)
+    assert _alive(pid) and proc.poll() is None
+    proc.stdin.close()  # then the usual EOF path ends it
+    assert proc.wait(30) == 0 and _wait_until(lambda: not _alive(pid), 5)
+
+
+def test_a_silent_controller_makes_the_agent_stop_its_ranks() -> None:
+    proc, pid = start_silent_job(SLEEPING_RANK, host_timeout=1.0)
+    try:
+        # no EOF ever comes (stdin is open); silence alone must end the job
+        assert _wait_until(lambda: proc.poll() is not None, 15), "agent still running after 15 s of silence"
+        assert _wait_until(lambda: not _alive(pid), 5)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_silent_controller_that_reads_nothing_cannot_wedge_the_agent() -> None:
+    # the rank floods a pipe nobody reads: the agent's writes would block forever if the
+    # silence check waited behind them
+    flood = "import sys\nprint('up', flush=True)\nwhile True:\n    sys.stdout.write('x' * 65535 + '\\n')\n"
+    proc, pid = start_silent_job(flood, host_timeout=1.0)
+    try:
+        assert _wait_until(lambda: proc.poll() is not None, 15), "agent wedged behind its own output"
+        assert _wait_until(lambda: not _alive(pid), 5)
+    finally:
+        proc.kill()
+        proc.wait()
