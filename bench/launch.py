@@ -377,13 +377,16 @@ wrap(ssh_mod.SSHTransport, "open", "open channel", host_arg=True)
 wrap(ssh_mod.SSHTransport, "close", "transport close")
 wrap(sup.Supervisor, "_start_all", "start all")
 wrap(sup.Supervisor, "_loop", "supervise loop")
-NAMES = {1: "HELLO", 2: "STARTED", 3: "STDOUT", 4: "STDERR", 5: "EXIT", 6: "ERROR", 7: "DONE", 8: "PROBE", 9: "SURVEY"}
-def reader(self, host, channel):  # HostAgents._reader, marking HELLO and PROBE as they arrive
+NAMES = {1: "HELLO", 2: "STARTED", 3: "STDOUT", 4: "STDERR", 5: "EXIT", 6: "ERROR", 7: "DONE", 8: "PROBE", 9: "SURVEY",
+         10: "PONG"}
+def reader(self, link, channel):  # HostAgents._reader, marking HELLO and PROBE as they arrive
+    host = link.host.name
     decoder = sup.agent.FrameDecoder()
     while True:
         data = channel.recv(65536)
         if not data:
             break
+        link.heard = sup.time.monotonic()
         frames = decoder.feed(data)
         for kind, _rank, _payload in frames:
             if kind in (1, 8, 9):

@@ -22,7 +22,7 @@ import click
 
 from dlrun import __version__
 from dlrun.errors import DlrunError
-from dlrun.plan import DEFAULT_BASE_PORT, FRAMEWORKS
+from dlrun.plan import DEFAULT_BASE_PORT, DEFAULT_HOST_TIMEOUT, FRAMEWORKS
 
 SHARD_POLICIES = ("files", "contiguous", "size", "replicate")  # dlrun.sync.SHARD_POLICIES, without its import
 
@@ -83,6 +83,10 @@ ssh_options = [
         "--accept-new-host-keys", is_flag=True, help="Add unknown host keys to known_hosts (never changed ones)."
     ),
     click.option("--connect-timeout", type=float, default=10.0, show_default=True, help="Seconds to reach each host."),
+    click.option("--host-timeout", type=click.FloatRange(min=0), default=DEFAULT_HOST_TIMEOUT, show_default=True,
+                 help="Seconds of silence after which a host (or Spark task) counts as lost: quiet hosts are"
+                 " asked for a reply every few seconds. A job's agents stop their ranks after the same"
+                 " silence. 0: never."),
 ]
 
 
@@ -161,6 +165,7 @@ def launch(
     known_hosts: str | None,
     accept_new_host_keys: bool,
     connect_timeout: float,
+    host_timeout: float,
 ) -> None:
     """Run SCRIPT [ARGS]... on every rank: `dlrun launch train.py --hosts hosts.toml`."""
     from dlrun.launch import LaunchConfig, SSHOptions
@@ -193,6 +198,7 @@ def launch(
             config_file=ssh_config,
             accept_new_host_keys=accept_new_host_keys,
             connect_timeout=connect_timeout,
+            host_timeout=host_timeout,
             known_hosts=known_hosts,
         ),
     )
@@ -229,6 +235,7 @@ def topo(
     known_hosts: str | None,
     accept_new_host_keys: bool,
     connect_timeout: float,
+    host_timeout: float,
 ) -> None:
     """Probe GPUs, NVLink/PCIe links and InfiniBand/RoCE NICs on every host; exit 1 on errors."""
     import json
@@ -251,7 +258,7 @@ def topo(
         inventory = load_inventory(hosts)
         transport = make_transport(
             inventory,
-            SSHOptions(ssh_config, accept_new_host_keys, connect_timeout, known_hosts),
+            SSHOptions(ssh_config, accept_new_host_keys, connect_timeout, known_hosts, host_timeout),
         )
         try:
             reports = probe_hosts(transport, inventory.hosts)
@@ -308,6 +315,7 @@ def push_command(
     known_hosts: str | None,
     accept_new_host_keys: bool,
     connect_timeout: float,
+    host_timeout: float,
 ) -> None:
     """Push code (only what changed) and each host's data shard, verified and atomic."""
     import json
@@ -322,7 +330,8 @@ def push_command(
     if code_dir is None and data is None:
         raise UsageError("nothing to push: give --code DIR and/or --data DIR")
     inventory = load_inventory(hosts)
-    transport = make_transport(inventory, SSHOptions(ssh_config, accept_new_host_keys, connect_timeout, known_hosts))
+    ssh = SSHOptions(ssh_config, accept_new_host_keys, connect_timeout, known_hosts, host_timeout)
+    transport = make_transport(inventory, ssh)
     try:
         transport.connect(inventory.hosts)
         with PushView([h.name for h in inventory.hosts], live=None if not json_output else False) as view:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from dlrun.errors import UsageError
 from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
-from dlrun.plan import DEFAULT_BASE_PORT, Plan, is_loopback, make_plan
+from dlrun.plan import DEFAULT_BASE_PORT, DEFAULT_HOST_TIMEOUT, Plan, is_loopback, make_plan
 from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
 from dlrun.supervisor import AgentAnswer, HostAgents, RunResult, Supervisor
 from dlrun.tf_server import server_source
@@ -47,6 +47,7 @@ class SSHOptions:
     accept_new_host_keys: bool = False
     connect_timeout: float = 10.0
     known_hosts: str | None = None
+    host_timeout: float = DEFAULT_HOST_TIMEOUT  # seconds of silence before a host is lost (0: never)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ def make_transport(inventory: Inventory, ssh: SSHOptions) -> Transport:
             accept_new_host_keys=ssh.accept_new_host_keys,
             connect_timeout=ssh.connect_timeout,
             known_hosts=ssh.known_hosts,
+            host_timeout=ssh.host_timeout,
         )
     )
 
@@ -393,6 +395,7 @@ def _supervise(config: LaunchConfig, transport: Transport, commands: Sequence[Wo
         view,
         log_dir=log_dir,
         grace=config.grace,
+        host_timeout=config.ssh.host_timeout,
         pidns=config.pidns,
         ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None,
         agents=agents,

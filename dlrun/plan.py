@@ -27,6 +27,12 @@ from dlrun.inventory import Host, Inventory
 
 FRAMEWORKS = ("tf", "tf-ps", "horovod", "torch", "none")
 DEFAULT_BASE_PORT = 23456
+DEFAULT_HOST_TIMEOUT = 30.0  # seconds of silence after which a host counts as lost
+
+
+def heartbeat_interval(host_timeout: float) -> float:
+    """How often a quiet host is pinged: a few pings fit in the timeout, never more than 1 per 5 s."""
+    return max(0.1, min(5.0, host_timeout / 4))
 
 
 @dataclass(frozen=True)

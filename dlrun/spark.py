@@ -864,6 +864,7 @@ def _run_stage(
                 held,
                 log_dir=Path(config.log_dir or "dlrun-logs") / job_id,
                 grace=config.grace,
+                host_timeout=config.ssh.host_timeout,
                 pidns=config.pidns,
             )
             with forward_signals(supervisor), _watch_stage(job, transport):

@@ -17,6 +17,12 @@ at this one boundary. What it owns:
 * **Bulk data**: what a channel sends goes out through ``_FastPacketizer`` under AES-GCM: each
   packet laid out and encrypted once in reused buffers, the same bytes paramiko would write
   (tests/test_ssh_fastpath.py); other ciphers and messages take paramiko's own path.
+* **Liveness** (OpenSSH's ``ServerAliveInterval``/``ServerAliveCountMax``): a thread per
+  connection asks the host for a reply (``keepalive@openssh.com``) whenever it has been quiet
+  for a few seconds, and closes the connection when nothing at all has arrived for
+  ``host_timeout`` seconds. A host that loses power or network mid-push or mid-probe then
+  fails that step within the timeout instead of after TCP's ~15 minutes (or never, when the
+  host's kernel still acknowledges); every wait on the connection ends when it closes.
 * **Commands**: ``open`` runs an argv as one exec channel; the argv is joined with
   ``shlex.join`` for the remote login shell, so no argument can inject a command. Env never
   travels on the command line: the agent receives it inside JSON on stdin.
@@ -35,7 +41,8 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +52,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from dlrun.errors import AuthenticationFailed, HostKeyError, HostUnreachable, TransportError
 from dlrun.inventory import Host
+from dlrun.plan import DEFAULT_HOST_TIMEOUT, heartbeat_interval
 from dlrun.transport import Channel, Transport
 
 # paramiko.config imports invoke (unittest.mock, asyncio, yaml: ~60 ms of every job) only to run
@@ -154,6 +162,12 @@ class _FastPacketizer(Packetizer):
         self._pad_used = 0
         self._plain = bytearray()
         self._wire = bytearray()
+        self.last_read = time.monotonic()  # when the last packet arrived (the liveness clock)
+
+    def read_message(self) -> tuple[int, paramiko.Message]:
+        result: tuple[int, paramiko.Message] = super().read_message()
+        self.last_read = time.monotonic()
+        return result
 
     def _padding(self, count: int) -> bytes:
         """``count`` bytes from os.urandom, fetched in batches.
@@ -247,6 +261,19 @@ def _send_data(channel: paramiko.Channel, data: bytes | memoryview) -> None:
         view = view[sent:]
 
 
+def _ask_for_reply(transport: paramiko.Transport) -> None:
+    """Send ``keepalive@openssh.com`` with want-reply, as OpenSSH's ServerAliveInterval does:
+    sshd answers (a request failure), and any packet restarts the liveness clock."""
+    message = paramiko.Message()
+    message.add_byte(paramiko.common.cMSG_GLOBAL_REQUEST)
+    message.add_string("keepalive@openssh.com")
+    message.add_boolean(True)
+    try:
+        transport._send_user_message(message)  # type: ignore[attr-defined]  # paramiko's own sender
+    except (OSError, EOFError, paramiko.SSHException):
+        pass  # the connection is ending; the clock reports it
+
+
 class _FastTransport(paramiko.Transport):
     """paramiko's Transport with the cheapest secure cipher and MAC offered first, and
     ``_FastPacketizer`` for its packets."""
@@ -310,9 +337,10 @@ class _UnknownHostKey(Exception):
 class SSHChannel(Channel):
     """One exec channel; stderr is drained on the side so it can never stall stdout."""
 
-    def __init__(self, host: str, channel: paramiko.Channel) -> None:
+    def __init__(self, host: str, channel: paramiko.Channel, why: Callable[[], str] = lambda: "") -> None:
         self.host = host
         self.channel = channel
+        self.why = why  # why the connection was closed, when dlrun closed it (silence)
         self._stderr = bytearray()
         self._lock = threading.Lock()
 
@@ -321,7 +349,7 @@ class SSHChannel(Channel):
             with self._lock:
                 _send_data(self.channel, data)
         except (OSError, EOFError, paramiko.SSHException) as exc:
-            raise HostUnreachable(f"connection lost while sending: {exc or type(exc).__name__}",
+            raise HostUnreachable(f"connection lost while sending: {self.why() or exc or type(exc).__name__}",
                                   host=self.host) from exc
 
     def recv(self, max_bytes: int = 65536) -> bytes:
@@ -357,6 +385,9 @@ class SSHChannel(Channel):
         self._drain_stderr()
         return self._stderr.decode(errors="replace")
 
+    def lost_reason(self) -> str:
+        return self.why()
+
     def close(self) -> None:
         try:
             self.channel.close()
@@ -378,9 +409,12 @@ class SSHTransport(Transport):
         accept_new_host_keys: bool = False,
         connect_timeout: float = 10.0,
         known_hosts: str | None = None,
+        host_timeout: float | None = DEFAULT_HOST_TIMEOUT,
     ) -> None:
         self.accept_new = accept_new_host_keys
         self.timeout = connect_timeout
+        self.host_timeout = host_timeout or None  # 0 / None: paramiko's one-way keepalive only
+        self.silent: dict[str, float] = {}  # host -> seconds of silence after which dlrun closed it
         self.known_hosts_override = known_hosts
         self.config = paramiko.SSHConfig()
         path = config_file or _expand("~/.ssh/config")
@@ -573,8 +607,44 @@ class SSHTransport(Transport):
             raise HostUnreachable(f"SSH connection failed: {exc or type(exc).__name__}", host=target.name) from exc
         transport = client.get_transport()
         if transport is not None:
-            transport.set_keepalive(15)
+            self._watch(target.name, transport)
         return client
+
+    # ------------------------------------------------------------------ liveness
+    def _watch(self, name: str, transport: paramiko.Transport) -> None:
+        packetizer = transport.packetizer
+        if self.host_timeout is None or not isinstance(packetizer, _FastPacketizer):
+            transport.set_keepalive(15)  # keeps NAT state; detects nothing by itself
+            return
+        threading.Thread(target=self._keep_alive, args=(name, transport, packetizer, self.host_timeout),
+                         name=f"dlrun-alive-{name}", daemon=True).start()
+
+    def _keep_alive(self, name: str, transport: paramiko.Transport, packetizer: _FastPacketizer,
+                    limit: float) -> None:
+        """Ask a quiet host for a reply; close the connection after ``limit`` s without a packet.
+
+        The request goes out from a short-lived thread: a send can block on a dead connection
+        (a full socket buffer, a key exchange that never finishes), and the clock must not.
+        """
+        interval = heartbeat_interval(limit)
+        sender: threading.Thread | None = None
+        while transport.is_active():
+            time.sleep(interval)
+            quiet = time.monotonic() - packetizer.last_read
+            if quiet > limit:
+                self.silent[name] = quiet
+                transport.close()  # every recv, send and wait on this connection ends now
+                return
+            if quiet >= interval and (sender is None or not sender.is_alive()):
+                sender = threading.Thread(target=_ask_for_reply, args=(transport,), daemon=True)
+                sender.start()
+
+    def _why(self, name: str) -> str:
+        quiet = self.silent.get(name)
+        if quiet is None:
+            return ""
+        return (f"no answer from the host for {quiet:.0f} s (host timeout {self.host_timeout:g} s): "
+                "it is down, cut off from the network or frozen")
 
     # ------------------------------------------------------------------ commands
     def open(self, host: Host, argv: Sequence[str]) -> Channel:
@@ -584,17 +654,20 @@ class SSHTransport(Transport):
             client = self.clients[host.name]
         transport = client.get_transport()
         if transport is None or not transport.is_active():
-            raise HostUnreachable("the SSH connection is closed", host=host.name)
+            why = self._why(host.name)
+            raise HostUnreachable("the SSH connection is closed" + (f": {why}" if why else ""), host=host.name)
         try:
             channel = transport.open_session(timeout=self.timeout)
             channel.exec_command(shlex.join(argv))
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise HostUnreachable(f"cannot start a command over SSH: {exc or type(exc).__name__}",
-                                  host=host.name) from exc
-        return SSHChannel(host.name, channel)
+            why = self._why(host.name) or str(exc) or type(exc).__name__
+            raise HostUnreachable(f"cannot start a command over SSH: {why}", host=host.name) from exc
+        return SSHChannel(host.name, channel, lambda: self._why(host.name))
 
     def close(self) -> None:
-        for client in [*self.clients.values(), *self.jump_clients.values()]:
+        # bastions first: a target's socket is a channel on its bastion, and closing it over
+        # a dead bastion connection could wait; over a closed one it returns at once
+        for client in [*self.jump_clients.values(), *self.clients.values()]:
             client.close()
         self.clients.clear()
         self.jump_clients.clear()

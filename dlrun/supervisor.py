@@ -12,6 +12,13 @@ Mechanism sits below (``dlrun.agent`` starts and kills processes on each host; a
 * **fail fast**: the earliest rank to exit non-zero is the root cause; every agent is told to
   stop (SIGTERM, then SIGKILL after ``grace``); the job's exit code is that rank's;
 * a dropped connection is a failure of every rank on that host (exit 255, host named);
+* **heartbeat**: a thread of its own pings every agent every few seconds (``{"op": "ping"}``,
+  answered by a PONG frame). A host from which nothing at all arrives for ``host_timeout``
+  seconds is lost — powered off, cut off, frozen: cases where no TCP reset comes and the
+  connection would hang for many minutes — and fails like a dropped connection. The agent
+  keeps the same clock: without a ping for ``host_timeout`` it stops its ranks by itself, so
+  the cut-off side leaves nothing running either. The pings do not wait for the screen or the
+  log files, so a blocked terminal (``dlrun … | less``) does not starve them;
 * ``interrupt(signum)`` (Ctrl-C, SIGTERM) stops every rank the same way; exit 128 + signum.
   A second interrupt kills at once.
 
@@ -37,6 +44,7 @@ from typing import IO, Any, Protocol
 from dlrun import agent
 from dlrun.errors import DlrunError
 from dlrun.inventory import Host
+from dlrun.plan import DEFAULT_HOST_TIMEOUT, heartbeat_interval
 from dlrun.render import WorkerCommand
 from dlrun.transport import Channel, Transport, default_python
 
@@ -156,10 +164,17 @@ class _HostLink:
     closed: bool = False
     done: bool = False
     error: str | None = None  # why the agent could not be started
+    heard: float = 0.0  # time.monotonic() when the agent last sent anything
+    silent: bool = False  # declared lost for silence: its late frames are ignored
 
 
 def _message(message: Mapping[str, Any]) -> bytes:
     return json.dumps(message).encode() + b"\n"
+
+
+def _close_aside(channel: Channel) -> None:
+    """Close a channel in a thread of its own: over a dead connection closing can block."""
+    threading.Thread(target=channel.close, name="dlrun-close", daemon=True).start()
 
 
 def agent_argv(host: Host, *, pidns: bool = True) -> list[str]:
@@ -227,14 +242,17 @@ class HostAgents:
             link.error = str(exc.message)
             return
         link.channel = channel
-        threading.Thread(target=self._reader, args=(link.host.name, channel), daemon=True).start()
+        link.heard = time.monotonic()
+        threading.Thread(target=self._reader, args=(link, channel), daemon=True).start()
 
-    def _reader(self, host: str, channel: Channel) -> None:
+    def _reader(self, link: _HostLink, channel: Channel) -> None:
+        host = link.host.name
         decoder = agent.FrameDecoder()
         while True:
             data = channel.recv(65536)
             if not data:
                 break
+            link.heard = time.monotonic()
             frames = decoder.feed(data)
             if frames:
                 self.events.put(("frames", host, frames))
@@ -309,6 +327,7 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
         stop_margin: float = 15.0,
         agents: HostAgents | None = None,
+        host_timeout: float | None = DEFAULT_HOST_TIMEOUT,
     ) -> None:
         self.view = view
         self.log_dir = log_dir
@@ -317,6 +336,7 @@ class Supervisor:
         self.ends_job = ends_job
         self.clock = clock
         self.stop_margin = stop_margin  # how long past grace an agent may take to report
+        self.host_timeout = host_timeout or None  # 0 / None: no heartbeat
         self.ranks = {c.rank: _Rank(c) for c in commands}
         hosts = {c.host_name: c.spec.host for c in commands}
         if agents is None:
@@ -347,12 +367,17 @@ class Supervisor:
             for number, rank in self.ranks.items():
                 rank.log = open(self.log_dir / f"rank-{number}.log", "w", encoding="utf-8")  # noqa: SIM115
         self.view.start([r.command for r in self.ranks.values()], self.log_dir)
+        stop_beating = threading.Event()
         try:
             self._start_all()
+            if self.host_timeout is not None:
+                threading.Thread(target=self._heartbeat, args=(self.host_timeout, stop_beating),
+                                 name="dlrun-heartbeat", daemon=True).start()
             self._loop()
         finally:
+            stop_beating.set()
             for link in self.links.values():
-                if link.channel is not None:
+                if link.channel is not None and not link.silent:  # a silent link is closed aside
                     link.channel.close()
             for rank in self.ranks.values():
                 if rank.log is not None:
@@ -375,6 +400,7 @@ class Supervisor:
             "job_id": self._job_id(),
             "tag": f"{self._job_id()}:{link.host.name}",
             "eof_grace": min(self.grace, 2.0),
+            "host_timeout": self.host_timeout or 0,
             "ranks": [
                 {
                     "rank": r,
@@ -394,6 +420,35 @@ class Supervisor:
     def _job_id(self) -> str:
         first = next(iter(self.ranks.values()))
         return first.command.env.get("DLRUN_JOB_ID", "")
+
+    # --------------------------------------------------------------------- heartbeat
+    def _heartbeat(self, limit: float, stop: threading.Event) -> None:
+        """Report a host that has sent nothing for ``limit`` seconds. Each host is pinged by a
+        thread of its own: a send stuck on one dead connection must not starve the others."""
+        interval = heartbeat_interval(limit)
+        for name, link in self.links.items():
+            if link.channel is not None:
+                threading.Thread(target=self._pinger, args=(link, interval, stop), name=f"dlrun-ping-{name}",
+                                 daemon=True).start()
+        while not stop.wait(interval):
+            now = time.monotonic()
+            for name, link in list(self.links.items()):
+                if link.channel is None or link.closed or link.done or link.silent:
+                    continue
+                if now - link.heard > limit:
+                    link.silent = True
+                    self.events.put(("silent", name, now - link.heard))
+
+    @staticmethod
+    def _pinger(link: _HostLink, interval: float, stop: threading.Event) -> None:
+        ping = _message({"op": "ping"})
+        while not stop.wait(interval):
+            if link.channel is None or link.closed or link.done or link.silent:
+                return
+            try:
+                link.channel.send(ping)
+            except DlrunError:
+                return  # the reader sees the connection end and reports it
 
     # --------------------------------------------------------------------- loop
     def _loop(self) -> None:
@@ -418,19 +473,23 @@ class Supervisor:
                 # agents did not finish in time: drop the channels, their watchdogs kill all
                 for link in self.links.values():
                     if link.channel is not None and not link.closed:
-                        link.channel.close()
+                        _close_aside(link.channel)
                 self.stop_deadline = self.clock() + 30
 
     def _handle(self, event: tuple[object, ...]) -> None:
         kind = event[0]
-        if kind in ("frames", "closed") and event[1] not in self.links:
+        if kind in ("frames", "closed", "silent") and event[1] not in self.links:
             return  # an agent released before the start (its host is not in the plan)
+        if kind in ("frames", "closed") and self.links[str(event[1])].silent:
+            return  # declared lost already: what comes late changes nothing
         if kind == "frames":
             host = str(event[1])
             for frame_kind, rank, payload in event[2]:  # type: ignore[attr-defined]
                 self._frame(host, frame_kind, rank, payload)
         elif kind == "closed":
             self._closed(str(event[1]), event[2], str(event[3]))  # type: ignore[arg-type]
+        elif kind == "silent":
+            self._silent(str(event[1]), float(event[2]))  # type: ignore[arg-type]
         elif kind == "interrupt":
             signum = int(event[1])  # type: ignore[call-overload]
             if self.interrupted_by is None:
@@ -444,7 +503,7 @@ class Supervisor:
         if kind == agent.DONE:
             self.links[host].done = True
             return
-        if kind == agent.HELLO:
+        if kind == agent.HELLO or kind == agent.PONG:
             return
         rank = self.ranks.get(rank_no)
         if rank is None:
@@ -508,10 +567,23 @@ class Supervisor:
         missing = [r for r in link.ranks if self.ranks[r].exit_code is None]
         if not missing:
             return
-        reason = "connection to the host was lost" if link.channel is not None else "could not start"
+        if link.channel is None:
+            reason = "could not start"
+        else:
+            reason = link.channel.lost_reason() or "connection to the host was lost"
         detail = stderr.strip().splitlines()[-3:]
         self._host_failed(host, reason + (": " + " / ".join(detail) if detail else "")
                           + ("" if code is None else f" (agent exit {code})"))
+
+    def _silent(self, host: str, seconds: float) -> None:
+        link = self.links[host]
+        if link.closed or link.done:
+            return
+        self._host_failed(host, f"no word from the host for {seconds:.0f} s (host timeout {self.host_timeout:g} s):"
+                          " it is down, cut off from the network or frozen; its agent stops its ranks by"
+                          " itself when it hears nothing either")
+        if link.channel is not None:
+            _close_aside(link.channel)
 
     def _host_failed(self, host: str, message: str) -> None:
         link = self.links[host]

@@ -36,7 +36,8 @@ class FakeRank:
 
 
 class FakeChannel(Channel):
-    def __init__(self, host: str, ranks: Mapping[int, FakeRank], drop_after: float | None = None) -> None:
+    def __init__(self, host: str, ranks: Mapping[int, FakeRank], drop_after: float | None = None,
+                 silent_after: float | None = None) -> None:
         self.host = host
         self.ranks = ranks
         self.out: queue.Queue[bytes] = queue.Queue()
@@ -45,6 +46,8 @@ class FakeChannel(Channel):
         self.stdin_closed = threading.Event()
         self.sent: list[dict[str, object]] = []
         self.drop_after = drop_after
+        self.silent_after = silent_after  # then nothing more comes: no output, no PONG, no EOF
+        self.silent = threading.Event()
         self._thread: threading.Thread | None = None
         self._ended = threading.Event()
 
@@ -62,6 +65,8 @@ class FakeChannel(Channel):
             elif message.get("op") == "kill":
                 self.kill_event.set()
                 self.stop_event.set()
+            elif message.get("op") == "ping" and not self.silent.is_set():
+                self.out.put(agent.frame(agent.PONG, agent.AGENT_RANK, b""))
 
     def _play(self, spec: dict[str, object]) -> None:
         put = self.out.put
@@ -73,6 +78,9 @@ class FakeChannel(Channel):
         pending = {n: list(self.ranks.get(n, FakeRank()).lines) for n in numbers}
         alive = set(numbers)
         while alive:
+            if self.silent_after is not None and time.monotonic() - start >= self.silent_after:
+                self.silent.set()  # as a host that lost power: the rank threads just stop
+                return
             if self.drop_after is not None and time.monotonic() - start >= self.drop_after:
                 self._ended.set()
                 put(b"")
@@ -119,10 +127,12 @@ class FakeTransport(Transport):
         *,
         unreachable: Sequence[str] = (),
         drop: Mapping[str, float] | None = None,
+        silent: Mapping[str, float] | None = None,
     ) -> None:
         self.ranks = ranks or {}
         self.unreachable = set(unreachable)
         self.drop = drop or {}
+        self.silent = silent or {}
         self.channels: dict[str, FakeChannel] = {}
 
     def connect(self, hosts: Sequence[Host]) -> Mapping[str, str]:
@@ -134,6 +144,7 @@ class FakeTransport(Transport):
     def open(self, host: Host, argv: Sequence[str]) -> Channel:
         if host.name in self.unreachable:
             raise HostUnreachable("connection refused", host=host.name)
-        channel = FakeChannel(host.name, self.ranks, drop_after=self.drop.get(host.name))
+        channel = FakeChannel(host.name, self.ranks, drop_after=self.drop.get(host.name),
+                              silent_after=self.silent.get(host.name))
         self.channels[host.name] = channel
         return channel

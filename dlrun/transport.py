@@ -78,6 +78,10 @@ class Channel(ABC):
     def close(self) -> None:
         """Drop the channel: the command sees EOF on stdin (and loses its stdout)."""
 
+    def lost_reason(self) -> str:
+        """Why the transport itself ended the connection (e.g. the host went silent), or ""."""
+        return ""
+
 
 class Transport(ABC):
     """Reaches hosts. ``connect`` first (all hosts, in parallel), then ``open``/``run``."""

@@ -838,6 +838,27 @@ class SshdCluster:
         _wait_dead(pids, timeout)
         return pids
 
+    def freeze_sessions(self, i: int | str) -> list[int]:
+        """SIGSTOP host i's sshd session processes; returns their pids (for ``thaw``).
+
+        The connection stays open but no byte moves either way, as when a cable is cut or the
+        machine hangs: no EOF, no reset. The user's commands keep running.
+        """
+        pids: list[int] = []
+        for _ in range(50):  # a session may be forking its post-auth child right now: until none is new
+            new = [p for p in self.session_pids(i) if p not in pids]
+            if not new and pids:
+                break
+            _kill(new, signal.SIGSTOP)
+            pids += new
+            time.sleep(0.05)
+        return pids
+
+    @staticmethod
+    def thaw(pids: list[int]) -> None:
+        """SIGCONT what ``freeze_sessions`` stopped."""
+        _kill(pids, signal.SIGCONT)
+
     def restart_host(self, i: int | str, *, new_host_key: bool = False) -> None:
         """Restart host i's sshd on the same address and port, killing its sessions.
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dlrun.errors import SyncError
+from dlrun.errors import DlrunError, SyncError
 from dlrun.inventory import Host
 from dlrun.ssh import SSHTransport
 from dlrun.sync import SHARD_FILE, SHARD_POLICIES, push, shard_env
@@ -253,6 +253,38 @@ def test_killed_push_leaves_no_partial_file_and_the_next_push_resumes(  # type: 
 
 
 # --------------------------------------------------------------------------- space and permissions
+
+
+@pytest.mark.parametrize("when", ["after connecting", "while sending"])
+def test_a_host_that_goes_silent_fails_the_push_within_the_host_timeout(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path, when: str) -> None:
+    src = tmp_path / "proj"
+    write(src, {f"f{i}.bin": os.urandom(1 << 20) for i in range(16)})
+    sub = "silent-" + when.replace(" ", "-")
+    hosts = hosts_in(cluster, 2, sub)
+    router = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config), host_timeout=2))
+    frozen: list[int] = []
+
+    def freeze(host: str, done: int, total: int) -> None:  # host1's sshd stops moving bytes either way
+        if host == "host1" and done > 0 and not frozen:
+            frozen.extend(cluster.freeze_sessions(1))
+
+    try:
+        router.connect(hosts)
+        if when == "after connecting":
+            freeze("host1", 1, 1)
+        with pytest.raises(DlrunError) as info:  # without the liveness check: TCP's ~15 min, or never
+            push(router, hosts, code_dir=src, progress=freeze)
+        assert frozen, "host1 was never frozen"
+        assert "host1" in str(info.value) and "no answer from the host for" in str(info.value), str(info.value)
+    finally:
+        cluster.thaw(frozen)
+        router.close()
+    # once thawed, host1's helper sees its connection gone and removes its partial file; every
+    # file under a final name is whole
+    remote = cluster.hosts[1].workdir / sub / "proj"
+    assert wait_for(lambda: not list(remote.parent.rglob(PART + "*"))), "the helper left its partial file behind"
+    assert all(path.read_bytes() == (src / path.name).read_bytes() for path in remote.glob("f*.bin"))
 
 
 def test_not_enough_space_is_refused_before_anything_is_written(  # type: ignore[no-untyped-def]

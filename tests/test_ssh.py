@@ -107,6 +107,21 @@ def test_dropped_ssh_session_kills_that_hosts_ranks_and_fails_the_job(cluster, t
     assert wait_job_processes_gone(job_id, timeout=10) == []
 
 
+def test_silent_host_is_lost_within_the_host_timeout_and_both_sides_stop(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleep.py", SLEEPER)
+    proc, job_id = start_job(cluster, tmp_path, 2, "--host-timeout", "3", str(script), ready=2)
+    frozen = cluster.freeze_sessions(1)  # host1: no FIN, no reset, no byte either way
+    try:
+        out, _ = proc.communicate(timeout=60)  # without the heartbeat: TCP's ~15 min
+        assert proc.returncode == 255, out
+        # the agent heartbeat and the connection's own liveness check race; either names the silence
+        assert "host host1 (rank 1)" in out and re.search(r"no (word|answer) from the host for \d+ s", out), out
+        # host1's agent heard no ping either and stopped its rank, though its sshd is still frozen
+        assert wait_job_processes_gone(job_id, timeout=15) == []
+    finally:
+        cluster.thaw(frozen)
+
+
 def test_without_pid_namespaces_hosts_on_one_machine_do_not_kill_each_other(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     # every test host is this machine: one agent's final sweep must not touch another host's ranks
     script = shared_script(cluster, "staggered.py", "import os, time\n"

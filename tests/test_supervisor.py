@@ -64,6 +64,33 @@ def test_lost_host_is_root_cause_with_255(tmp_path: Path) -> None:
     assert "connection to the host was lost" in out
 
 
+def test_silent_host_is_lost_after_the_host_timeout(tmp_path: Path) -> None:
+    # host b stops answering (no output, no PONG, no EOF), as a host that lost power
+    transport = FakeTransport({r: FakeRank(code=None) for r in range(4)}, silent={"b": 0.05})
+    _, result, out = run(transport, tmp_path, host_timeout=0.5)
+    assert result.exit_code == 255
+    assert result.root_cause is not None and result.root_cause.host == "b"
+    assert result.root_cause.state == RankState.LOST
+    assert "b: no word from the host for" in out and "host timeout 0.5 s" in out
+    assert any(m.get("op") == "stop" for m in transport.channels["a"].sent)  # fail fast on the rest
+    assert all(m.get("host_timeout") == 0.5 for ch in transport.channels.values() for m in ch.sent if "ranks" in m)
+
+
+def test_pings_keep_a_quiet_host_alive(tmp_path: Path) -> None:
+    # nothing printed for 1.2 s, timeout 0.4 s: the PONGs are what keeps the job going
+    transport = FakeTransport({0: FakeRank(["late"], delay=1.2), 1: FakeRank(["late"], delay=1.2)})
+    _, result, out = run(transport, tmp_path, spec="a:2", host_timeout=0.4)
+    assert result.exit_code == 0, out
+    assert sum(m.get("op") == "ping" for m in transport.channels["a"].sent) >= 3
+
+
+def test_no_heartbeat_with_host_timeout_0(tmp_path: Path) -> None:
+    transport = FakeTransport({0: FakeRank(["x"], delay=0.3)})
+    _, result, _ = run(transport, tmp_path, spec="a:1", host_timeout=0)
+    assert result.exit_code == 0
+    assert not any(m.get("op") == "ping" for m in transport.channels["a"].sent)
+
+
 def test_unreachable_host_at_start(tmp_path: Path) -> None:
     _, result, out = run(FakeTransport({0: FakeRank(code=None)}, unreachable=["b"]), tmp_path)
     assert result.exit_code == 255 and result.root_cause is not None and result.root_cause.host == "b"
