@@ -232,24 +232,16 @@ def test_pings_are_answered_and_keep_a_quiet_job_alive() -> None:
     assert proc.wait(30) == 0 and _wait_until(lambda: not _alive(pid), 5)
 
 
-def test_a_silent_controller_makes_the_agent_stop_its_ranks() -> None:
-    proc, pid = start_silent_job(SLEEPING_RANK, host_timeout=1.0)
+FLOOD_RANK = "import sys\nprint('up', flush=True)\nwhile True:\n    sys.stdout.write('x' * 65535 + '\\n')\n"
+
+
+# quiet: no EOF ever comes (stdin stays open), silence alone must end the job. flood: the rank
+# fills a pipe nobody reads, and the agent's writes must not hold the silence check back.
+@pytest.mark.parametrize("rank", [SLEEPING_RANK, FLOOD_RANK], ids=["quiet", "flood"])
+def test_a_silent_controller_makes_the_agent_stop_its_ranks(rank: str) -> None:
+    proc, pid = start_silent_job(rank, host_timeout=1.0)
     try:
-        # no EOF ever comes (stdin is open); silence alone must end the job
         assert _wait_until(lambda: proc.poll() is not None, 15), "agent still running after 15 s of silence"
-        assert _wait_until(lambda: not _alive(pid), 5)
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def test_a_silent_controller_that_reads_nothing_cannot_wedge_the_agent() -> None:
-    # the rank floods a pipe nobody reads: the agent's writes would block forever if the
-    # silence check waited behind them
-    flood = "import sys\nprint('up', flush=True)\nwhile True:\n    sys.stdout.write('x' * 65535 + '\\n')\n"
-    proc, pid = start_silent_job(flood, host_timeout=1.0)
-    try:
-        assert _wait_until(lambda: proc.poll() is not None, 15), "agent wedged behind its own output"
         assert _wait_until(lambda: not _alive(pid), 5)
     finally:
         proc.kill()
