@@ -115,7 +115,7 @@ def main() -> None:
 @click.option("--grace", type=float, default=10.0, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
 @click.option("--ranks", "ranks_text", help="Show only these ranks on screen, e.g. 0,2 (files keep all).")
 @click.option("--env", "-e", "env_pairs", multiple=True, help="NAME=VALUE for every rank (repeatable).")
-@click.option("--iface", help="Network interface for gloo/NCCL (Horovod).")
+@click.option("--iface", help="Network interface for Gloo/NCCL sockets on every host (default: per host, see README).")
 @click.option("--plain", is_flag=True, help="Plain prefixed lines even on a terminal.")
 @click.option("--no-pidns", is_flag=True, help="Do not run each host's ranks in a PID namespace.")
 @click.option("--no-preflight", is_flag=True, help="Skip the topology probe (slots, GPUs, error findings).")

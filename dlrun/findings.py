@@ -311,6 +311,11 @@ def _socket_interface(report: HostReport) -> str | None:
     return None
 
 
+def interface_holding(report: HostReport, ipv4: str) -> str | None:
+    """The host's interface that holds this IPv4 address (the one its peers reach it at)."""
+    return next((i.name for i in report.interfaces if ipv4 in i.ipv4), None)
+
+
 def _common_prefix(names: Sequence[str]) -> str:
     first, last = min(names), max(names)
     size = 0
@@ -359,7 +364,8 @@ def _env_plan(ok: Sequence[HostReport]) -> tuple[dict[str, str], list[Finding]]:
                 Finding(
                     "info",
                     f"socket interfaces differ across hosts ({_by_value(names)}): {how}; "
-                    "GLOO_SOCKET_IFNAME needs an exact name, set it per host",
+                    "GLOO_SOCKET_IFNAME needs an exact name per host, which dlrun launch sets (or the"
+                    " inventory's iface)",
                 )
             )
     return env, notes

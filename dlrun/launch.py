@@ -12,10 +12,12 @@ The CLI module only parses options into a ``LaunchConfig`` and calls this.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING
 from dlrun.errors import UsageError
 from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
 from dlrun.plan import DEFAULT_BASE_PORT, DEFAULT_HOST_TIMEOUT, Plan, is_loopback, make_plan
-from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
+from dlrun.render import SocketIface, WorkerCommand, mask_env, plan_to_json, worker_commands
 from dlrun.supervisor import AgentAnswer, HostAgents, RunResult, Supervisor
 from dlrun.tf_server import server_source
 from dlrun.transport import HostRouter, Transport, default_python
@@ -37,6 +39,7 @@ from dlrun.view import make_view
 
 if TYPE_CHECKING:
     from dlrun.sync import HostPushSummary, Manifest, PushTarget
+    from dlrun.topology import HostReport
 
 ANSWER_TIMEOUT = 120.0  # for the agents' probe and survey answers, as dlrun.preflight.PROBE_TIMEOUT
 
@@ -117,11 +120,9 @@ def render_commands(
     cwd_for: Mapping[str, str | None] | None = None,
     rendezvous: tuple[str, int] | None = None,
     gpus_for: Mapping[str, Sequence[str]] | None = None,
+    found_ifaces: Mapping[str, str] | None = None,
 ) -> tuple[Plan, tuple[WorkerCommand, ...]]:
     plan = job_plan(config, inventory, job_id, addresses)
-    iface = config.iface
-    if iface is None and plan.framework == "horovod" and all(is_loopback(r.address) for r in plan.ranks):
-        iface = "lo"  # every rank on this machine: gloo must not pick an interface the others miss
     if cwd_for is None:
         cwd_for = {h.name: (os.getcwd() if h.is_local else h.workdir) for h in plan.hosts}
     commands = worker_commands(
@@ -132,11 +133,50 @@ def render_commands(
         cwd_for=cwd_for,
         extra_env=config.env,
         rendezvous=rendezvous or (("127.0.0.1", 0) if config.framework == "horovod" else None),
-        iface=iface,
+        ifaces=socket_ifaces(plan, config.iface, found_ifaces or {}),
         server_argv=["-c", server_source()] if config.framework == "tf-ps" else None,
         gpus_for=gpus_for,
     )
     return plan, commands
+
+
+def socket_ifaces(plan: Plan, iface: str | None, found: Mapping[str, str]) -> dict[str, SocketIface]:
+    """Each host's Gloo/NCCL interface: the inventory's ``iface``, else ``--iface``, else ``lo``
+    when every rank is on this machine, else the one the preflight found holding the address
+    the other ranks reach the host at (``found``). Hosts need not share interface names."""
+    every_rank_here = all(is_loopback(r.address) for r in plan.ranks)
+    out: dict[str, SocketIface] = {}
+    for host in plan.hosts:
+        if host.iface or iface:
+            out[host.name] = SocketIface(host.iface or iface or "")
+        elif every_rank_here:  # gloo must not pick an interface the other ranks cannot reach
+            out[host.name] = SocketIface("lo")
+        elif host.name in found:
+            out[host.name] = SocketIface(found[host.name], named=False)
+    return out
+
+
+def interfaces_at(reports: Sequence[HostReport], addresses: Mapping[str, str]) -> dict[str, str]:
+    """host name → the interface (from its probe) holding the address dlrun reached it at."""
+    from dlrun.findings import interface_holding
+
+    found = {}
+    for report in reports:
+        ipv4 = _ipv4_of(addresses.get(report.host, ""))
+        if ipv4 is not None and (name := interface_holding(report, ipv4)) is not None:
+            found[report.host] = name
+    return found
+
+
+def _ipv4_of(address: str) -> str | None:
+    try:
+        return str(ipaddress.IPv4Address(address))
+    except ValueError:
+        pass
+    try:  # a host name: resolved as the connection resolved it
+        return socket.gethostbyname(address) if address else None
+    except OSError:
+        return None
 
 
 def keras_warning(config: LaunchConfig, inventory: Inventory) -> str | None:
@@ -356,6 +396,7 @@ def launch(config: LaunchConfig) -> int:
         agents.start(probe=_probe_source() if config.preflight else None, surveys=surveys)
         answers = agents.answers(ANSWER_TIMEOUT) if config.preflight or targets else {}
         gpus: Mapping[str, Sequence[str]] = {}
+        found_ifaces: Mapping[str, str] = {}
         if config.preflight:
             from dlrun.preflight import check_preflight, report_from_answer
 
@@ -367,6 +408,7 @@ def launch(config: LaunchConfig) -> int:
                     print(f"dlrun: preflight warning: {where}{finding.message}", file=sys.stderr)
             inventory = inventory.with_slots(preflight.gpu_slots())
             gpus = preflight.devices()
+            found_ifaces = interfaces_at(reports, addresses)
         plan = job_plan(config, inventory, job_id, addresses)
         pushed = push_for_launch(config, transport, plan.hosts, settled_hosts(targets, answers))
         if pushed.script is not None:
@@ -375,7 +417,7 @@ def launch(config: LaunchConfig) -> int:
             rendezvous = stack.enter_context(horovod_rendezvous(plan)) if config.framework == "horovod" else None
             plan, commands = render_commands(
                 config, pushed.apply(inventory), job_id, addresses=addresses, cwd_for=pushed.cwd_for,
-                rendezvous=rendezvous, gpus_for=gpus,
+                rendezvous=rendezvous, gpus_for=gpus, found_ifaces=found_ifaces,
             )
             return _supervise(config, transport, commands, job_id, agents)
     finally:

@@ -1,8 +1,9 @@
 """Renderers: what each rank receives — its environment and its argv.
 
 Pure functions named for what they return: ``tf_config`` (the TF_CONFIG dict),
-``dlrun_env``, ``horovod_env``, ``torch_env``, ``framework_env``, ``worker_argv`` and
-``worker_commands`` (all ranks as ``WorkerCommand`` records). Also ``mask_env``, which every
+``dlrun_env``, ``horovod_env``, ``torch_env``, ``framework_env``, ``socket_env`` (a host's
+Gloo/NCCL interface variables: each host names its own, so hosts need not share NIC names),
+``worker_argv`` and ``worker_commands`` (all ranks as ``WorkerCommand`` records). Also ``mask_env``, which every
 printed output goes through so that secrets are never shown.
 
 Commands are argv lists, never shell strings: TF_CONFIG is JSON and travels byte-exact to the
@@ -62,9 +63,33 @@ def dlrun_env(plan: Plan, spec: RankSpec) -> dict[str, str]:
     }
 
 
-def horovod_env(
-    plan: Plan, spec: RankSpec, *, rendezvous: tuple[str, int], iface: str | None = None
-) -> dict[str, str]:
+@dataclass(frozen=True)
+class SocketIface:
+    """The network interface one host's ranks use for their Gloo (and NCCL socket) traffic.
+
+    ``named``: the user named it (``--iface``, the inventory's ``iface``) or the job runs on
+    loopback only; then NCCL gets it too. An interface dlrun found itself (the one holding the
+    address the other ranks reach this host at) goes to Gloo only, which must bind exactly
+    there; NCCL keeps its own choice, which prefers InfiniBand and fast NICs.
+    """
+
+    name: str
+    named: bool = True
+
+
+def socket_env(framework: str, iface: SocketIface | None) -> dict[str, str]:
+    """The interface variables of a rank on a host using ``iface``: Gloo's (Horovod's
+    ``HOROVOD_GLOO_IFACE``, torch's ``GLOO_SOCKET_IFNAME``) and, for a named one, NCCL's."""
+    if iface is None or framework == "none":
+        return {}
+    gloo = {"horovod": "HOROVOD_GLOO_IFACE", "torch": "GLOO_SOCKET_IFNAME"}.get(framework)
+    env = {gloo: iface.name} if gloo else {}
+    if iface.named:
+        env["NCCL_SOCKET_IFNAME"] = iface.name
+    return env
+
+
+def horovod_env(plan: Plan, spec: RankSpec, *, rendezvous: tuple[str, int]) -> dict[str, str]:
     """Horovod's gloo rank environment, pointing at dlrun's rendezvous server."""
     env = {
         "HOROVOD_RANK": str(spec.rank),
@@ -80,9 +105,6 @@ def horovod_env(
         "HOROVOD_CONTROLLER": "gloo",
         "HOROVOD_CPU_OPERATIONS": "gloo",
     }
-    if iface:
-        env["HOROVOD_GLOO_IFACE"] = iface
-        env["NCCL_SOCKET_IFNAME"] = iface
     return env
 
 
@@ -106,7 +128,6 @@ def framework_env(
     spec: RankSpec,
     *,
     rendezvous: tuple[str, int] | None = None,
-    iface: str | None = None,
 ) -> dict[str, str]:
     """The framework part of a rank's env (``plan.framework`` picks which)."""
     if plan.framework in ("tf", "tf-ps"):
@@ -114,7 +135,7 @@ def framework_env(
     if plan.framework == "horovod":
         if rendezvous is None:
             raise ValueError("horovod_env needs the rendezvous address")
-        return horovod_env(plan, spec, rendezvous=rendezvous, iface=iface)
+        return horovod_env(plan, spec, rendezvous=rendezvous)
     if plan.framework == "torch":
         return torch_env(plan, spec)
     return {}
@@ -136,7 +157,7 @@ def worker_commands(
     cwd_for: Mapping[str, str | None] | None = None,
     extra_env: Mapping[str, str] | None = None,
     rendezvous: tuple[str, int] | None = None,
-    iface: str | None = None,
+    ifaces: Mapping[str, SocketIface] | None = None,
     server_argv: Sequence[str] | None = None,
     gpus_for: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[WorkerCommand, ...]:
@@ -145,7 +166,9 @@ def worker_commands(
     ``python_for`` maps host name → the python argv prefix on that host. With ``tf-ps``,
     ps and worker ranks run ``server_argv`` after that prefix (dlrun's tf_server); the chief
     and the evaluator run the script. ``gpus_for`` maps host name → one CUDA_VISIBLE_DEVICES
-    value per local rank (from the preflight probe); a value the user set is kept.
+    value per local rank (from the preflight probe); a value the user set is kept. ``ifaces``
+    maps host name → its socket interface (``socket_env``); interface variables the user set
+    (inventory env, ``--env``) are kept too.
     """
     commands = []
     for spec in plan.ranks:
@@ -153,7 +176,9 @@ def worker_commands(
         env.update(spec.host.env)
         env.update(extra_env or {})
         env.update(dlrun_env(plan, spec))
-        env.update(framework_env(plan, spec, rendezvous=rendezvous, iface=iface))
+        env.update(framework_env(plan, spec, rendezvous=rendezvous))
+        for name, value in socket_env(plan.framework, (ifaces or {}).get(spec.host.name)).items():
+            env.setdefault(name, value)
         devices = (gpus_for or {}).get(spec.host.name, ())
         if spec.local_rank < len(devices) and "CUDA_VISIBLE_DEVICES" not in env:
             env["CUDA_VISIBLE_DEVICES"] = devices[spec.local_rank]

@@ -64,7 +64,7 @@ from typing import Any
 from dlrun import agent
 from dlrun.errors import BackendError, HostUnreachable, UsageError
 from dlrun.inventory import Host, Inventory
-from dlrun.launch import LaunchConfig, forward_signals, keras_warning, new_job_id
+from dlrun.launch import LaunchConfig, forward_signals, keras_warning, new_job_id, socket_ifaces
 from dlrun.plan import Plan, make_plan
 from dlrun.render import WorkerCommand, worker_argv, worker_commands
 from dlrun.supervisor import RankState, RunResult, Supervisor, View
@@ -698,7 +698,7 @@ def task_commands(
         python_for={h.name: [h.python] for h in ordered},
         extra_env=config.env,
         rendezvous=rendezvous or (("127.0.0.1", 0) if config.framework == "horovod" else None),
-        iface=config.iface,
+        ifaces=socket_ifaces(plan, config.iface, {}),
         gpus_for={h.name: [",".join(h.gpus)] for h in ordered if h.gpus},
     )
     by_name = {h.name: h for h in ordered}

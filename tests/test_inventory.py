@@ -73,6 +73,9 @@ def test_localhost_without_port_or_user_is_local() -> None:
         ('[[hosts]]\naddress = "a"\nenv = { X = 1 }\n', 3, "hosts[0].env.X", "string"),
         ('[[hosts]]\naddress = "a"\nport = 70000\n', 3, "hosts[0].port", "TCP port"),
         ('[[hosts]]\naddress = "a b"\n', 2, "hosts[0].address", "without spaces"),
+        ('[[hosts]]\naddress = "a"\niface = "eth 0"\n', 3, "hosts[0].iface", "network interface name"),
+        ('[defaults]\niface = "a-very-long-interface"\n[[hosts]]\naddress = "a"\n', 2, "defaults.iface",
+         "1-15 characters"),
         ('[cluster]\nx = 1\n', 1, "cluster", "unknown top-level"),
         ('[defaults]\n', None, "hosts", "no hosts"),
         ('[[hosts]]\naddress = "a"\nslots = 2\nslots = 3\n', 4, None, "not valid TOML"),
@@ -138,3 +141,9 @@ def test_example_inventory_is_valid() -> None:
     example = Path(__file__).resolve().parents[1] / "hosts.example.toml"
     inv = load_inventory(str(example))
     assert inv.hosts
+
+
+def test_iface_per_host_over_defaults() -> None:
+    inv = parse_toml_inventory('[defaults]\niface = "eth0"\n[[hosts]]\naddress = "a"\n'
+                               '[[hosts]]\naddress = "b"\niface = "enp65s0f1"\n')
+    assert [h.iface for h in inv.hosts] == ["eth0", "enp65s0f1"]

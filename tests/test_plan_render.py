@@ -142,3 +142,74 @@ def test_pure_modules_import_no_outside_world() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert out.stdout.strip() == "[]"
+
+
+HETERO_NICS = """
+[[hosts]]
+address = "10.0.0.1"
+iface = "eth0"
+slots = 2
+
+[[hosts]]
+address = "10.0.0.2"
+iface = "enp65s0f1"
+env = { NCCL_SOCKET_IFNAME = "ib0" }
+
+[[hosts]]
+address = "10.0.0.3"
+"""
+
+
+def socket_vars(framework: str, iface: str | None = None, found: dict[str, str] | None = None) -> list[dict[str, str]]:
+    from dlrun.launch import socket_ifaces
+
+    plan = make_plan(parse_toml_inventory(HETERO_NICS), job_id="j", framework=framework)
+    commands = worker_commands(plan, "t.py", [], python_for={h.name: ["python3"] for h in plan.hosts},
+                               rendezvous=("10.0.0.9", 1), ifaces=socket_ifaces(plan, iface, found or {}))
+    names = ("GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME")
+    return [{k: c.env[k] for k in names if k in c.env} for c in commands]
+
+
+def test_each_host_names_its_own_socket_interface() -> None:
+    # hosts need not share NIC names: each gets its own; a value the user set stays
+    assert socket_vars("torch") == [
+        {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"},
+        {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"},
+        {"GLOO_SOCKET_IFNAME": "enp65s0f1", "NCCL_SOCKET_IFNAME": "ib0"},
+        {},
+    ]
+    assert [v.get("HOROVOD_GLOO_IFACE") for v in socket_vars("horovod")] == ["eth0", "eth0", "enp65s0f1", None]
+    assert [v.get("NCCL_SOCKET_IFNAME") for v in socket_vars("tf")] == ["eth0", "eth0", "ib0", None]
+    assert socket_vars("none") == [{}, {}, {"NCCL_SOCKET_IFNAME": "ib0"}, {}]
+
+
+def test_found_interface_goes_to_gloo_only_and_named_ones_win() -> None:
+    # found by the preflight (the interface holding the address dlrun reached the host at):
+    # Gloo must bind there; NCCL keeps its own choice (it prefers InfiniBand and fast NICs)
+    found = {"10.0.0.1": "bond0", "10.0.0.2": "bond0", "10.0.0.3": "ens7"}
+    assert socket_vars("torch", found=found)[3] == {"GLOO_SOCKET_IFNAME": "ens7"}
+    assert socket_vars("tf", found=found)[3] == {}
+    assert socket_vars("torch", found=found)[0]["GLOO_SOCKET_IFNAME"] == "eth0"  # the inventory's
+    assert socket_vars("torch", "em1", found)[3] == {"GLOO_SOCKET_IFNAME": "em1", "NCCL_SOCKET_IFNAME": "em1"}
+
+
+def test_every_rank_on_loopback_uses_lo() -> None:
+    from dlrun.launch import socket_ifaces
+
+    plan = make_plan(parse_inline("127.0.0.2:1,127.0.0.3:1"), job_id="j", framework="horovod")
+    assert {h: i.name for h, i in socket_ifaces(plan, None, {"127.0.0.2": "eth0"}).items()} == {
+        "127.0.0.2": "lo", "127.0.0.3": "lo"}
+
+
+def test_interfaces_at_finds_the_one_holding_the_hosts_address() -> None:
+    # this machine's own probe: the interface holding each of its IPv4 addresses
+    from dlrun.launch import interfaces_at
+    from dlrun.probe import probe_local
+
+    report = probe_local("here")
+    assert report.error is None, report.error
+    for iface in report.interfaces:
+        for ipv4 in iface.ipv4:
+            assert interfaces_at([report], {"here": ipv4}) == {"here": iface.name}
+    assert interfaces_at([report], {"here": "localhost"}) == {"here": "lo"}  # a name is resolved
+    assert interfaces_at([report], {"here": "192.0.2.77"}) == {}  # TEST-NET: nobody holds it

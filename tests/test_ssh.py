@@ -74,6 +74,17 @@ def test_hello_across_hosts_uses_each_hosts_env(cluster, tmp_path: Path) -> None
     assert tf["cluster"]["worker"][2].startswith(cluster.hosts[1].address + ":")
 
 
+def test_each_hosts_ranks_get_its_socket_interface(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "ifname.py", "import os\nprint('ifname', os.environ.get('GLOO_SOCKET_IFNAME'))\n")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    hosts.write_text(hosts.read_text().replace('address = "host1"', 'address = "host1"\niface = "lo:1"', 1))
+    out = run_dlrun("launch", "--plain", "--framework", "torch", "--hosts", str(hosts), *ssh_args(cluster),
+                    str(script), cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # host0: every rank is on loopback, so lo; host1: the inventory's own name for it
+    assert "[0 host0] ifname lo" in out.stdout and "[1 host1] ifname lo:1" in out.stdout, out.stdout
+
+
 def test_failing_rank_stops_every_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     script = shared_script(cluster, "fail2.py", "import os, sys, time\nprint('ready', flush=True)\n"
                            "time.sleep(1.5)\nsys.exit(7) if os.environ['DLRUN_RANK'] == '2' else time.sleep(600)\n")
