@@ -415,6 +415,9 @@ class Supervisor:
             link.channel.send(json.dumps(spec).encode() + b"\n")
         except DlrunError as exc:
             return str(exc.message)
+        # the silence clock starts now: an agent started early (dlrun launch) waited quietly
+        # through the preflight and the push, which may take longer than host_timeout
+        link.heard = time.monotonic()
         return None
 
     def _job_id(self) -> str:
