@@ -332,12 +332,21 @@ def dry_run_text(commands: Sequence[WorkerCommand]) -> str:
 
 @contextmanager
 def forward_signals(supervisor: Supervisor) -> Iterator[None]:
-    """SIGINT/SIGTERM to dlrun → the supervisor stops every rank (no process is left)."""
+    """SIGINT/SIGTERM to dlrun → the supervisor stops every rank (no process is left).
+
+    Ctrl-Z (SIGTSTP) is refused with a notice: a stopped dlrun reads no output, so the ranks
+    stall on their next print, and after the host timeout every agent stops the job.
+    """
 
     def handler(signum: int, _frame: FrameType | None) -> None:
         supervisor.interrupt(signum)
 
+    def no_suspend(_signum: int, _frame: FrameType | None) -> None:
+        supervisor.notify("Ctrl-Z ignored: a suspended dlrun stalls the ranks' output, and its hosts stop the"
+                          " job after --host-timeout; Ctrl-C stops the job")
+
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, no_suspend)
     try:
         yield
     finally:

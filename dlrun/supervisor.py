@@ -361,6 +361,10 @@ class Supervisor:
         """Thread- and signal-safe: ask the job to stop (Ctrl-C / SIGTERM)."""
         self.events.put(("interrupt", signum))
 
+    def notify(self, text: str) -> None:
+        """Thread- and signal-safe: show a notice between the job's lines."""
+        self.events.put(("notice", text))
+
     def run(self) -> RunResult:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -493,6 +497,8 @@ class Supervisor:
             self._closed(str(event[1]), event[2], str(event[3]))  # type: ignore[arg-type]
         elif kind == "silent":
             self._silent(str(event[1]), float(event[2]))  # type: ignore[arg-type]
+        elif kind == "notice":
+            self.view.notice(str(event[1]))
         elif kind == "interrupt":
             signum = int(event[1])  # type: ignore[call-overload]
             if self.interrupted_by is None:

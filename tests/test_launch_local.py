@@ -86,6 +86,20 @@ def test_signal_to_dlrun_leaves_no_process(tmp_path: Path, sig: signal.Signals) 
     assert wait_gone(pids, job_id) == []
 
 
+def test_ctrl_z_is_refused_with_a_notice_and_the_job_goes_on(tmp_path: Path) -> None:
+    # a stopped dlrun would stall the ranks' output, and its hosts would end the job
+    script = write(tmp_path / "sleep.py", SLEEPER)
+    proc, job_id, pids = start_job(tmp_path, str(script))
+    proc.send_signal(signal.SIGTSTP)
+    time.sleep(1)
+    assert open(f"/proc/{proc.pid}/stat").read().split(") ")[1][0] != "T"  # not stopped
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert "dlrun: Ctrl-Z ignored" in out, out
+    assert proc.returncode == 130, out
+    assert wait_gone(pids, job_id) == []
+
+
 def test_grandchildren_and_setsid_children_die_with_the_job(tmp_path: Path) -> None:
     script = write(tmp_path / "fork.py", SLEEPER)
     proc, job_id, pids = start_job(tmp_path, str(script), "--fork")
