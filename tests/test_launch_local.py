@@ -92,7 +92,7 @@ def test_ctrl_z_is_refused_with_a_notice_and_the_job_goes_on(tmp_path: Path) -> 
     proc, job_id, pids = start_job(tmp_path, str(script))
     proc.send_signal(signal.SIGTSTP)
     time.sleep(1)
-    assert open(f"/proc/{proc.pid}/stat").read().split(") ")[1][0] != "T"  # not stopped
+    assert Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1][0] != "T"  # not stopped
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     assert "dlrun: Ctrl-Z ignored" in out, out
