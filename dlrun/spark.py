@@ -49,6 +49,7 @@ import re
 import secrets
 import shutil
 import socket
+import struct
 import sys
 import threading
 import time
@@ -113,6 +114,7 @@ class TaskHello:
     python: str = "python3"
     script: str | None = None  # the shipped script, unpacked on the executor
     pid: int = 0
+    iface: str | None = None  # the executor's interface holding ``host`` (for Gloo)
 
     @property
     def name(self) -> str:
@@ -450,6 +452,7 @@ class HelloServer:
                 python=str(hello.get("python") or "python3"),
                 script=hello.get("script"),
                 pid=int(hello.get("pid", 0)),
+                iface=str(hello["iface"]) if hello.get("iface") else None,
             )
         except (KeyError, TypeError, ValueError):
             self._reject(conn, f"{peer[0]}: malformed hello")
@@ -698,7 +701,7 @@ def task_commands(
         python_for={h.name: [h.python] for h in ordered},
         extra_env=config.env,
         rendezvous=rendezvous or (("127.0.0.1", 0) if config.framework == "horovod" else None),
-        ifaces=socket_ifaces(plan, config.iface, {}),
+        ifaces=socket_ifaces(plan, config.iface, {h.name: h.iface for h in ordered if h.iface}),
         gpus_for={h.name: [",".join(h.gpus)] for h in ordered if h.gpus},
     )
     by_name = {h.name: h for h in ordered}
@@ -946,10 +949,26 @@ def spark_error_text(exc: BaseException | None) -> str:
 # value (cloudpickle.register_pickle_by_value), so executors need not have dlrun installed.
 
 
+def interface_holding(address: str) -> str | None:
+    """The name of this machine's interface holding IPv4 ``address`` (Linux), else None."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's primary IPv4 address
+                got = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(got[20:24]) == address:
+                return name
+    return None
+
+
 def _task_main(setup: Mapping[str, Any], _rows: Iterable[Any]) -> Iterator[str]:
     import ctypes
     import signal
-    import struct
     import subprocess
     import tempfile
 
@@ -979,6 +998,7 @@ def _task_main(setup: Mapping[str, Any], _rows: Iterable[Any]) -> Iterator[str]:
         "python": sys.executable,
         "script": script,
         "pid": os.getpid(),
+        "iface": interface_holding(host),
     }
     sock.settimeout(None)
     sock.sendall(json.dumps(hello).encode() + b"\n")

@@ -34,6 +34,7 @@ from dlrun.spark import (
     TaskHello,
     _task_main,
     import_pyspark,
+    interface_holding,
     run_spark,
     slots_message,
     spark_context,
@@ -244,6 +245,26 @@ def test_task_commands_use_the_tasks_ports_gpus_python_and_script() -> None:
     torch = replace(config, framework="torch")
     _, commands = task_commands(torch, [hello(0, 4000), hello(1, 4001)], "job")
     assert commands[1].env["MASTER_ADDR"] == "10.0.0.1" and commands[1].env["MASTER_PORT"] == "4000"
+
+
+def test_each_task_gets_the_interface_its_executor_reported() -> None:
+    torch = LaunchConfig(script="train.py", framework="torch")
+    tasks = [replace(hello(0, 4000), iface="eth0"), replace(hello(1, 4001), iface="enp65s0f1"), hello(2, 4002)]
+    _, commands = task_commands(torch, tasks, "job")
+    assert [c.env.get("GLOO_SOCKET_IFNAME") for c in commands] == ["eth0", "enp65s0f1", None]
+    assert not any("NCCL_SOCKET_IFNAME" in c.env for c in commands)  # found, not named: NCCL chooses
+    _, commands = task_commands(replace(torch, iface="bond0"), tasks, "job")
+    assert {c.env["NCCL_SOCKET_IFNAME"] for c in commands} == {"bond0"}
+
+
+def test_interface_holding_names_this_machines_interfaces() -> None:
+    from dlrun.probe import probe_local
+
+    assert interface_holding("127.0.0.1") == "lo"
+    assert interface_holding("192.0.2.77") is None  # TEST-NET: nobody holds it
+    for iface in probe_local("here").interfaces:
+        for ipv4 in iface.ipv4:
+            assert interface_holding(ipv4) == iface.name
 
 
 def test_horovod_counts_tasks_on_one_machine_as_one_host() -> None:
