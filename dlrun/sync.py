@@ -29,6 +29,13 @@ What this module owns, in three layers:
      middle (dlrun killed, Ctrl-C, dropped connection) removes the partial temporary file;
      the next push sends only what is missing or different.
 
+  A file counts as pushed (and so may be deleted) only while it is the file the push wrote:
+  the same inode, as recorded. A job's own file of the same name, written after, is not.
+  Nothing is read, written or deleted through a symlink below the root: a path under a
+  linked directory is absent to the survey, a deletion there is skipped, and a link where
+  the pushed tree has a directory is replaced by the directory (as ``rsync -a`` does). A
+  write that fails keeps the record of the file it would have replaced.
+
   ``dlrun launch`` asks step 1 of each host's agent instead, with the preflight probe (the
   agent runs this helper's ``survey`` in-process). When the answer says there is nothing to
   send, delete or record (``settled_push``), that host gets no helper session at all.
@@ -793,6 +800,23 @@ def nearest_existing(path):
     return path
 
 
+def under_link(root, rel, seen):
+    # True when a directory between root and rel is a symlink (or not a directory): nothing
+    # there is read, written or deleted through it. ``seen`` caches the answer per directory.
+    folder = os.path.dirname(rel)
+    if not folder:
+        return False
+    if folder not in seen:
+        linked = under_link(root, folder, seen)
+        if not linked:
+            try:
+                linked = not stat.S_ISDIR(os.lstat(os.path.join(root, folder)).st_mode)
+            except OSError:
+                linked = False  # missing: nothing below it exists either
+        seen[folder] = linked
+    return seen[folder]
+
+
 def survey(spec):
     root = resolve(spec["root"])
     try:
@@ -801,26 +825,31 @@ def survey(spec):
     except (OSError, ValueError):
         record = {}
     wanted = set(spec["paths"])
-    entries, fresh = {}, {}
+    entries, fresh, seen = {}, {}, {}
     for rel in wanted.union(record):
         path = os.path.join(root, rel)
+        if under_link(root, rel, seen):
+            continue
+        old = record.get(rel)
         try:
             st = os.lstat(path)
             if stat.S_ISLNK(st.st_mode):
-                entries[rel] = ["link", 0, 0, os.readlink(path), rel in record]
+                # ours: the record says a push made a link here
+                entries[rel] = ["link", 0, 0, os.readlink(path), old == ["link"]]
                 fresh[rel] = ["link"]
             elif stat.S_ISREG(st.st_mode):
-                old = record.get(rel)
                 if old and old[:4] == stamp(st):
                     digest = old[4]
                 elif rel in wanted:
                     digest = sha256_of(path)
                 else:
                     digest = ""
-                entries[rel] = ["file", st.st_size, stat.S_IMODE(st.st_mode), digest, rel in record]
+                # ours: the very file a push wrote (same inode), even if changed in place since
+                ours = bool(old) and len(old) == 5 and old[3] == st.st_ino
+                entries[rel] = ["file", st.st_size, stat.S_IMODE(st.st_mode), digest, ours]
                 fresh[rel] = stamp(st) + [digest]
             else:
-                entries[rel] = ["other", 0, 0, "", rel in record]
+                entries[rel] = ["other", 0, 0, "", False]
         except OSError:
             continue
     base = nearest_existing(root)
@@ -836,7 +865,9 @@ def survey(spec):
         free, block, device = 0, 4096, 0
     # settled: a push that sends and deletes nothing would leave the record as it is, so
     # nothing needs writing at all (dlrun.agent answers this survey in-process)
-    settled = all(record.get(rel) == value for rel, value in fresh.items() if rel in wanted)
+    # (and no record of a path that is gone or is no longer the file the push wrote)
+    settled = (all(record.get(rel) == value for rel, value in fresh.items() if rel in wanted)
+               and all(rel in entries and entries[rel][4] for rel in record))
     reply = {"root": root, "entries": entries, "free": free, "block": block, "device": device,
              "error": error, "path": base if error else None, "settled": settled}
     return reply, record, fresh
@@ -885,14 +916,30 @@ class Receiver:
             where = path
         say({"err": name, "path": where, "msg": what})
 
-    def makedirs(self, folder):
-        if folder not in self.made:
-            os.makedirs(folder, exist_ok=True)
-            self.made.add(folder)
+    def makedirs(self, t, rel):
+        # the directories of rel below the root; a symlink where one belongs is replaced by the
+        # directory, never followed (as rsync -a does)
+        root, folder = self.roots[t], os.path.dirname(rel)
+        full = os.path.join(root, folder)
+        if full in self.made:
+            return
+        path = root
+        for part in folder.split("/") if folder else ():
+            path = os.path.join(path, part)
+            try:
+                if stat.S_ISLNK(os.lstat(path).st_mode):
+                    os.unlink(path)
+            except FileNotFoundError:
+                break
+        os.makedirs(full, exist_ok=True)
+        self.made.add(full)
 
     def delete(self, t, rel):
         root = self.roots[t]
         path = os.path.join(root, rel)
+        if under_link(root, rel, {}):  # not ours to delete through a link
+            self.records[t].pop(rel, None)
+            return
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -958,7 +1005,7 @@ class Receiver:
         final = os.path.join(self.roots[t], rel)
         temp = temp_for(final)
         try:
-            self.makedirs(os.path.dirname(final))
+            self.makedirs(t, rel)
             if os.path.lexists(temp):
                 os.unlink(temp)
             os.symlink(target, temp)
@@ -978,7 +1025,7 @@ class Receiver:
         temp = temp_for(final)
         fd, problem = None, None
         try:
-            self.makedirs(os.path.dirname(final))
+            self.makedirs(t, rel)
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             TEMPS.append(temp)
         except OSError as exc:
@@ -1064,10 +1111,12 @@ def main():
     if plan.get("abort"):
         return 0
     before = [dict(r) for r in records]
-    new = []
+    new, ours = [], []
     for t, keep in enumerate(plan["keep"]):
         wanted = set(request["targets"][t]["paths"])
-        merged = dict((rel, v) for rel, v in records[t].items() if rel not in wanted)
+        # the files a push wrote that are still there as written; a gone or replaced one drops out
+        ours.append(set(rel for rel, e in replies[t]["entries"].items() if e[4]))
+        merged = dict((rel, v) for rel, v in records[t].items() if rel not in wanted and rel in ours[t])
         for rel in keep:
             if rel in freshes[t]:
                 merged[rel] = freshes[t][rel]
@@ -1078,7 +1127,11 @@ def main():
             receiver.delete(t, rel)
         receiver.run()
     finally:
+        deleted = set((t, rel) for t, rel in plan["delete"])
         for t, root in enumerate(roots):
+            for rel in ours[t]:  # a write that failed or never came left the old file: still ours
+                if rel not in new[t] and rel in before[t] and (t, rel) not in deleted:
+                    new[t][rel] = before[t][rel]
             if new[t] != before[t]:
                 save_record(root, new[t])
     say({"done": {"written": receiver.written, "deleted": receiver.deleted, "failed": receiver.failed}})

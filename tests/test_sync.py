@@ -599,3 +599,109 @@ def test_two_hosts_sharing_one_workdir_push_into_it_at_once(tmp_path: Path, monk
     landed = sorted(p.name for p in (tmp_path / "shared" / "proj").iterdir())
     assert landed == sorted(p.name for p in code.iterdir())
     assert all((tmp_path / "shared" / "proj" / n).read_bytes() == (code / n).read_bytes() for n in landed)
+
+
+# ------------------------------------------- the helper never reaches through links or takes
+# a job's file for its own (the real helper, run by the local transport for a localhost host)
+
+
+class LinkedTrees:
+    """A local project ``src``, its pushed copy under ``remote`` and a directory ``outside``
+    that no push may touch."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+        self.src, self.workdir, self.outside = tmp_path / "proj", tmp_path / "remote", tmp_path / "outside"
+        for d in (self.src, self.workdir, self.outside):
+            d.mkdir()
+        self.remote = self.workdir / "proj"
+
+    def push(self, **kw: object) -> tuple[int, int, int]:
+        from dlrun.transport import HostRouter
+
+        host = Host(address="localhost", name="localhost", workdir=str(self.workdir))
+        (s,) = push(HostRouter(remote=None), [host], code_dir=self.src, **kw)  # type: ignore[arg-type]
+        return s.files_sent, s.files_unchanged, s.files_deleted
+
+
+@pytest.fixture
+def trees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> LinkedTrees:
+    return LinkedTrees(tmp_path, monkeypatch)
+
+
+def test_a_record_of_a_vanished_file_cannot_delete_through_a_later_link(trees: LinkedTrees) -> None:
+    make_tree(trees.src, {"d/x": "v1", "keep": "k"})
+    trees.push()
+    for p in (trees.remote / "d" / "x", trees.remote / "d"):  # a job cleans d/ up on the host
+        p.unlink() if p.is_file() else p.rmdir()
+    (trees.outside / "x").write_text("not dlrun's")
+    (trees.src / "d" / "x").unlink()
+    (trees.src / "d").rmdir()
+    (trees.src / "d").symlink_to(trees.outside)  # d is now a link, pushed as a link
+    trees.push()
+    trees.push()
+    assert (trees.outside / "x").read_text() == "not dlrun's"
+
+
+def test_a_jobs_file_where_a_pushed_one_was_is_never_deleted(trees: LinkedTrees) -> None:
+    make_tree(trees.src, {"report.csv": "template", "train.py": "t"})
+    trees.push()
+    (trees.remote / "report.csv").unlink()  # the job removes the template, the user drops it too
+    (trees.src / "report.csv").unlink()
+    trees.push()
+    (trees.remote / "report.csv").write_text("job results")  # the job's own file, same name
+    trees.push()
+    assert (trees.remote / "report.csv").read_text() == "job results"
+    # and a pushed file the job replaced (new inode) is the job's now, even when deleted locally
+    make_tree(trees.src, {"out.txt": "pushed"})
+    trees.push()
+    (trees.remote / "out.txt.new").write_text("job's")
+    (trees.remote / "out.txt.new").replace(trees.remote / "out.txt")
+    (trees.src / "out.txt").unlink()
+    assert trees.push() == (0, 1, 0)
+    assert (trees.remote / "out.txt").read_text() == "job's"
+
+
+def test_a_pushed_link_replaced_by_a_directory_gets_its_files(trees: LinkedTrees) -> None:
+    make_tree(trees.outside, {"f": "same"})
+    (trees.src / "d").symlink_to(trees.outside)
+    trees.push()
+    (trees.src / "d").unlink()
+    make_tree(trees.src, {"d/f": "same"})  # the same content, now a real directory
+    assert trees.push() == (1, 0, 1)  # not judged unchanged through the old link
+    assert not (trees.remote / "d").is_symlink() and (trees.remote / "d" / "f").read_text() == "same"
+    assert sorted(p.name for p in trees.outside.iterdir()) == ["f"]
+
+
+@pytest.mark.parametrize("delete", [True, False])
+def test_no_write_goes_through_a_link_on_the_host(trees: LinkedTrees, delete: bool) -> None:
+    # a link dlrun pushed, or one a user made on the host: replaced by the directory, never followed
+    make_tree(trees.src, {"main.py": "m"})
+    trees.push()
+    (trees.remote / "cfg").symlink_to(trees.outside)
+    make_tree(trees.src, {"cfg/a.yaml": "a"})
+    trees.push(delete=delete)
+    assert list(trees.outside.iterdir()) == []
+    assert not (trees.remote / "cfg").is_symlink() and (trees.remote / "cfg" / "a.yaml").read_text() == "a"
+
+
+def test_a_failed_write_keeps_the_old_copy_pushed(trees: LinkedTrees, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dlrun import sync
+
+    make_tree(trees.src, {"helpers.py": "OLD = 1\n", "main.py": "import helpers\n"})
+    trees.push()
+    (trees.src / "helpers.py").write_text("NEW = 2\n")
+    planned = sync._plan_local
+
+    def edited_mid_push(*args: object, **kw: object) -> object:
+        out = planned(*args, **kw)  # type: ignore[arg-type]
+        (trees.src / "helpers.py").write_text("NEW = 3\n")  # changed after it was hashed
+        return out
+
+    monkeypatch.setattr(sync, "_plan_local", edited_mid_push)
+    with pytest.raises(SyncError, match="does not match its sha256"):
+        trees.push()
+    monkeypatch.setattr(sync, "_plan_local", planned)
+    (trees.src / "helpers.py").unlink()  # the user removes the module: the host's copy must go too
+    assert trees.push() == (0, 1, 1)
+    assert not (trees.remote / "helpers.py").exists()
