@@ -755,6 +755,14 @@ import hashlib, json, os, signal, stat, sys
 IN = sys.stdin.buffer
 PART = ".dlrun-part-"
 TEMPS = []
+IDLE = [0]  # seconds without a byte from dlrun after which the helper gives up (0: never)
+
+
+def heard():
+    # re-arm the idle alarm: a helper whose dlrun vanished (host cut off, no EOF ever comes)
+    # ends, and its partial file goes with it
+    if IDLE[0]:
+        signal.alarm(IDLE[0])
 
 
 def say(obj):
@@ -875,6 +883,7 @@ def survey(spec):
 
 def read_exact(n):
     data = IN.read(n)
+    heard()
     if len(data) != n:
         raise EOFError
     return data
@@ -904,6 +913,7 @@ class Receiver:
         for t, rel, digest, mode, mtime in plan["files"]:
             self.expect["%d/%s" % (t, rel)] = (t, rel, digest, mode, mtime)
         self.made = set()
+        self.pycs = {}  # __pycache__ folder -> its entries
         self.buf = bytearray(1 << 20)
         self.view = memoryview(self.buf)
         self.written = self.deleted = self.failed = 0
@@ -933,6 +943,26 @@ class Receiver:
                 break
         os.makedirs(full, exist_ok=True)
         self.made.add(full)
+
+    def drop_bytecode(self, final):
+        # Python trusts a cached .pyc whose source has the same size and mtime second: a module
+        # rewritten within a second of its last import would otherwise run as the old code
+        folder, name = os.path.split(final)
+        if not name.endswith(".py"):
+            return
+        cache = os.path.join(folder, "__pycache__")
+        if cache not in self.pycs:
+            try:
+                self.pycs[cache] = os.listdir(cache)
+            except OSError:
+                self.pycs[cache] = []
+        prefix = name[:-3] + "."
+        for entry in self.pycs[cache]:
+            if entry.startswith(prefix) and entry.endswith(".pyc"):
+                try:
+                    os.unlink(os.path.join(cache, entry))
+                except OSError:
+                    pass
 
     def delete(self, t, rel):
         root = self.roots[t]
@@ -996,6 +1026,7 @@ class Receiver:
     def skip(self, n):
         while n > 0:
             got = IN.readinto(self.view[:min(n, len(self.buf))])
+            heard()
             if not got:
                 raise EOFError
             n -= got
@@ -1034,6 +1065,7 @@ class Receiver:
         left = size
         while left > 0:
             got = IN.readinto(self.view[:min(left, len(self.buf))])
+            heard()
             if not got:
                 raise EOFError
             chunk = self.view[:got]
@@ -1057,6 +1089,7 @@ class Receiver:
                     os.utime(temp, (mtime, mtime))
                     os.replace(temp, final)
                     self.records[t][rel] = stamp(os.lstat(final)) + [digest]
+                    self.drop_bytecode(final)
         except OSError as exc:
             problem = exc
         if temp in TEMPS:
@@ -1096,6 +1129,8 @@ def widen_stdin():
 def main():
     widen_stdin()
     request = json.loads(IN.readline())
+    IDLE[0] = int(request.get("idle") or 0)
+    heard()
     roots, records, freshes, replies = [], [], [], []
     for spec in request["targets"]:
         reply, record, fresh = survey(spec)
@@ -1105,6 +1140,7 @@ def main():
         freshes.append(fresh)
     say({"targets": replies})
     line = IN.readline()
+    heard()
     if not line:
         return 0
     plan = json.loads(line)
@@ -1143,7 +1179,7 @@ def stop(signum, frame):
 
 
 if __name__ == "__main__":
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGALRM):
         signal.signal(sig, stop)
     try:
         code = main()
@@ -1162,6 +1198,9 @@ HELPER_NAME = "<dlrun push helper>"
 # The helper needs the standard library only: without ``site`` a virtual environment's .pth
 # files are not processed at start (47 -> 26 ms of host CPU per push in the dev venv).
 HELPER_FLAGS = ("-S",)
+# A helper that hears nothing from dlrun for this long ends and removes its partial file. dlrun
+# talks to it without pauses (survey, plan, stream), so only a vanished dlrun trips it.
+HELPER_IDLE_S = 300
 
 
 # =============================================================================== the mechanism
@@ -1638,7 +1677,8 @@ def survey_request(targets: Sequence[PushTarget]) -> dict[str, Any]:
     ``HELPER_SOURCE``'s ``survey`` in-process), so that a launch learns whether its code is
     already on a host without a second session and interpreter there.
     """
-    return {"targets": [{"root": t.root, "paths": list(t.manifest.paths())} for t in targets]}
+    return {"targets": [{"root": t.root, "paths": list(t.manifest.paths())} for t in targets],
+            "idle": HELPER_IDLE_S}
 
 
 def scan_code(code_root: Path) -> Manifest:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 
@@ -483,6 +484,39 @@ def test_helper_widens_the_pipe_sshd_writes_into() -> None:
         proc.stdout.close()
 
 
+def test_a_helper_whose_dlrun_vanished_ends_and_removes_its_partial_file(tmp_path: Path) -> None:
+    # stdin stays open (no EOF: the host is cut off from dlrun) in the middle of a file
+    import tarfile
+
+    root = tmp_path / "proj"
+    proc = subprocess.Popen([sys.executable, "-c", HELPER_SOURCE], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(json.dumps({"targets": [{"root": str(root), "paths": ["a.bin"]}], "idle": 1}).encode()
+                         + b"\n")
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline())["targets"][0]["entries"] == {}
+        plan = {"files": [[0, "a.bin", "0" * 64, 0o644, 0]], "delete": [], "keep": [[]]}
+        info = tarfile.TarInfo("0/a.bin")
+        info.size = 1 << 20
+        proc.stdin.write(json.dumps(plan).encode() + b"\n" + info.tobuf(tarfile.PAX_FORMAT) + b"x" * 1000)
+        proc.stdin.flush()
+        assert wait_until(lambda: any(p.name.startswith(".dlrun-part-") for p in root.glob("*")))
+        assert proc.wait(30) == 3  # gave up after a second of silence
+        assert list(root.iterdir()) == []  # the partial file went with it
+    finally:
+        proc.kill()
+        proc.stdin.close()
+        proc.stdout.close()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not predicate():
+        time.sleep(0.02)
+    return predicate()
+
+
 # --------------------------------------------------------------------------- the view
 
 SUMMARIES = (
@@ -705,3 +739,15 @@ def test_a_failed_write_keeps_the_old_copy_pushed(trees: LinkedTrees, monkeypatc
     (trees.src / "helpers.py").unlink()  # the user removes the module: the host's copy must go too
     assert trees.push() == (0, 1, 1)
     assert not (trees.remote / "helpers.py").exists()
+
+
+def test_a_pushed_module_never_runs_from_stale_bytecode(trees: LinkedTrees) -> None:
+    # same size, same mtime second: Python would trust the old .pyc
+    make_tree(trees.src, {"util.py": "V = 1\n", "other.py": "W = 1\n"})
+    trees.push()
+    cache = trees.remote / "__pycache__"
+    make_tree(cache, {"util.cpython-311.pyc": "old", "util.cpython-311.opt-1.pyc": "old",
+                      "other.cpython-311.pyc": "kept", "utility.cpython-311.pyc": "kept"})
+    (trees.src / "util.py").write_text("V = 2\n")
+    assert trees.push() == (1, 1, 0)
+    assert sorted(p.name for p in cache.iterdir()) == ["other.cpython-311.pyc", "utility.cpython-311.pyc"]
