@@ -500,8 +500,19 @@ def remote_code_dir(host: Host, project: str) -> str:
 
 
 def remote_data_dir(host: Host) -> str:
-    """``<workdir>/data`` as written (``~`` and relative paths resolve from $HOME on the host)."""
-    return posixpath.join(host.workdir or "", DATA_DIR_NAME)
+    """``<workdir>/data/<host>`` as written (``~`` and relative paths resolve from $HOME on the
+    host). A directory per host: hosts that share a workdir (an NFS home) keep their shards
+    apart instead of overwriting each other's."""
+    return posixpath.join(host.workdir or "", DATA_DIR_NAME, host_dir_name(host.name))
+
+
+def host_dir_name(name: str) -> str:
+    """A host name as one safe path component: kept where it is one, else made one and told
+    apart by a hash of the name (``gpu 1`` → ``gpu_1-<8 hex>``)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")
+    if safe == name:
+        return name
+    return f"{safe or 'host'}-{hashlib.sha1(name.encode('utf-8', 'surrogateescape')).hexdigest()[:8]}"
 
 
 def shard_env(index: int, count: int, host: Host, data_dir: str | None = None) -> dict[str, str]:

@@ -153,7 +153,7 @@ def test_shards_for_every_policy_land_disjoint_and_complete_on_three_hosts(  # t
         summaries = push(transport, hosts, code_dir=None, data_dir=data, shard=policy)
         seen: list[str] = []
         for index, (summary, h) in enumerate(zip(summaries, cluster.hosts[:3], strict=True)):
-            remote = h.workdir / "shards" / "data"
+            remote = h.workdir / "shards" / "data" / h.name
             assert summary.data_dir == str(remote)
             got = tree(remote)
             doc = json.loads(got.pop(SHARD_FILE))
@@ -180,7 +180,7 @@ def test_split_lines_with_code_in_one_push(cluster, transport, tmp_path: Path) -
     parts = []
     for index, (summary, h) in enumerate(zip(summaries, cluster.hosts[:3], strict=True)):
         assert summary.files_sent == 3  # train.py, the part, shard.json
-        got = tree(h.workdir / "split" / "data")
+        got = tree(h.workdir / "split" / "data" / h.name)
         part = got[f"train.part-{index}-of-3.csv"]
         assert isinstance(part, bytes) and part.startswith(b"x,label\n")
         parts.append(part[len(b"x,label\n"):])

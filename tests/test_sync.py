@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import posixpath
 import subprocess
 import sys
 import time
@@ -411,10 +412,14 @@ def test_part_names() -> None:
 def test_remote_dirs_and_worker_env() -> None:
     host = Host(address="h", name="h", workdir="/srv/jobs")
     assert remote_code_dir(host, "proj") == "/srv/jobs/proj"
-    assert remote_data_dir(host) == "/srv/jobs/data"
+    assert remote_data_dir(host) == "/srv/jobs/data/h"
+    assert remote_data_dir(Host(address="h", name="node-1.lab")) == "data/node-1.lab"
+    odd = [remote_data_dir(Host(address="h", name=n)) for n in ("gpu 1", "gpu_1", "..", "a/b", "'; rm -rf ~'")]
+    assert odd[0].startswith("data/gpu_1-") and odd[1] == "data/gpu_1" and len(set(odd)) == 5
+    assert all(posixpath.dirname(d) == "data" and not d.endswith("/.") for d in odd)
     assert remote_code_dir(Host(address="h", name="h", workdir="~/dlrun"), "p") == "~/dlrun/p"
     assert remote_code_dir(Host(address="h", name="h"), "p") == "p"  # from $HOME
-    assert shard_env(1, 3, host) == {"DLRUN_DATA_DIR": "/srv/jobs/data", "DLRUN_SHARD_INDEX": "1",
+    assert shard_env(1, 3, host) == {"DLRUN_DATA_DIR": "/srv/jobs/data/h", "DLRUN_SHARD_INDEX": "1",
                                      "DLRUN_SHARD_COUNT": "3"}
     assert shard_env(0, 1, host, data_dir="/home/u/x/data")["DLRUN_DATA_DIR"] == "/home/u/x/data"
     for bad in ("", "..", "a/b"):
@@ -751,3 +756,21 @@ def test_a_pushed_module_never_runs_from_stale_bytecode(trees: LinkedTrees) -> N
     (trees.src / "util.py").write_text("V = 2\n")
     assert trees.push() == (1, 1, 0)
     assert sorted(p.name for p in cache.iterdir()) == ["other.cpython-311.pyc", "utility.cpython-311.pyc"]
+
+
+def test_hosts_sharing_a_workdir_keep_their_shards_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # one NFS home seen by two hosts: each shard lands in the host's own data directory
+    from dlrun.transport import HostRouter
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    data = tmp_path / "dataset"
+    make_tree(data, {f"part-{i}.csv": f"{i}\n" for i in range(6)})
+    shared = tmp_path / "nfs-home"
+    hosts = [Host(address="localhost", name="a", workdir=str(shared)),
+             Host(address="127.0.0.1", name="b", workdir=str(shared))]
+    for _ in range(2):  # and again: neither push deletes the other host's files
+        summaries = push(HostRouter(remote=None), hosts, code_dir=None, data_dir=data, shard="files")
+    got = {s.host: sorted(p.name for p in Path(s.data_dir or "").iterdir()) for s in summaries}
+    assert got == {"a": ["part-0.csv", "part-2.csv", "part-4.csv", "shard.json"],
+                   "b": ["part-1.csv", "part-3.csv", "part-5.csv", "shard.json"]}
+    assert {s.data_dir for s in summaries} == {str(shared / "data" / "a"), str(shared / "data" / "b")}
