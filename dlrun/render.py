@@ -3,8 +3,8 @@
 Pure functions named for what they return: ``tf_config`` (the TF_CONFIG dict),
 ``dlrun_env``, ``horovod_env``, ``torch_env``, ``framework_env``, ``socket_env`` (a host's
 Gloo/NCCL interface variables: each host names its own, so hosts need not share NIC names),
-``worker_argv`` and ``worker_commands`` (all ranks as ``WorkerCommand`` records). Also ``mask_env``, which every
-printed output goes through so that secrets are never shown.
+``worker_argv`` and ``worker_commands`` (all ranks as ``WorkerCommand`` records). Also
+``mask_env``, which every printed output goes through so that secrets are never shown.
 
 Commands are argv lists, never shell strings: TF_CONFIG is JSON and travels byte-exact to the
 agent that starts the rank (see ``dlrun.agent``), so no shell ever sees it.
