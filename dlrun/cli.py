@@ -61,8 +61,11 @@ def _parse_env(pairs: tuple[str, ...], option: str = "--env") -> dict[str, str]:
     env = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
-        if not sep or not name:
-            raise click.BadParameter(f"expected NAME=VALUE, got {pair!r}", param_hint=option)
+        if not sep or not name:  # not echoed: the argument may hold a secret
+            raise click.BadParameter("expected NAME=VALUE (an argument without '=' or without a name)",
+                                     param_hint=option)
+        if "\0" in value:
+            raise click.BadParameter(f"the value of {name} contains a NUL byte", param_hint=option)
         env[name] = value
     return env
 
@@ -102,7 +105,54 @@ def main() -> None:
     """Launch distributed deep-learning jobs on localhost workers, SSH hosts or Spark."""
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+class _LaunchCommand(click.Command):
+    """``dlrun launch [OPTIONS] SCRIPT [OPTIONS] [--] [ARGS]...``: dlrun's own options may also
+    come right after the script (``dlrun launch train.py --hosts hosts.toml``), up to the first
+    argument that is not one of them, or ``--``; the rest is the script's, untouched."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        takes_value: dict[str, bool] = {}
+        for param in self.params:
+            if isinstance(param, click.Option):
+                for name in (*param.opts, *param.secondary_opts):
+                    takes_value[name] = not (param.is_flag or param.count)
+        args = _dlrun_options_first(list(args), takes_value)
+        return super().parse_args(ctx, args)
+
+
+def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[str]:
+    """Move dlrun's options that follow SCRIPT in front of it (see ``_LaunchCommand``); warn
+    when one of them appears later, among the script's arguments, where the script gets it."""
+
+    def option_at(i: int) -> int:  # how many tokens dlrun's option at i takes, 0 if none
+        name, eq, _ = args[i].partition("=")
+        if name not in takes_value:
+            return 0
+        return 2 if takes_value[name] and not eq and i + 1 < len(args) else 1
+
+    i = 0
+    while i < len(args) and args[i] != "--" and (size := option_at(i)):
+        i += size
+    if i >= len(args) or args[i] == "--" or args[i].startswith("-"):
+        return args  # no script yet (click reports it), or an unknown option before it
+    script, j, moved = i, i + 1, []
+    while j < len(args) and (size := option_at(j)):
+        moved += args[j:j + size]
+        j += size
+    rest = args[j:]
+    if rest[:1] == ["--"]:
+        rest = rest[1:]  # the explicit end of dlrun's options
+    else:
+        mine = rest[:rest.index("--")] if "--" in rest else rest  # after a "--" the user was explicit
+        late = sorted({a.partition("=")[0] for a in mine if a.startswith("--") and a.partition("=")[0] in takes_value})
+        if late:
+            click.echo(f"dlrun: warning: {', '.join(late)} after the script's own arguments goes to the script;"
+                       " dlrun's options go before them (or use -- before the script's arguments)", err=True)
+    # after SCRIPT click parses nothing more (no interspersed args): the rest is the script's
+    return [*args[:script], *moved, args[script], *rest]
+
+
+@main.command(cls=_LaunchCommand, context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: localhost).")
@@ -167,7 +217,11 @@ def launch(
     connect_timeout: float,
     host_timeout: float,
 ) -> None:
-    """Run SCRIPT [ARGS]... on every rank: `dlrun launch train.py --hosts hosts.toml`."""
+    """Run SCRIPT [ARGS]... on every rank: `dlrun launch train.py --hosts hosts.toml`.
+
+    dlrun's options go before SCRIPT or right after it; from the first argument that is not
+    one of them (or after --), the arguments are the script's.
+    """
     from dlrun.launch import LaunchConfig, SSHOptions
     from dlrun.launch import launch as run_launch
 

@@ -354,6 +354,23 @@ def forward_signals(supervisor: Supervisor) -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
+    """Before any connection: a ``.py`` script that must be here (a local rank runs it, or its
+    directory is pushed) exists, and the log directory can be written."""
+    here = config.push or any(h.is_local for h in inventory.hosts)
+    if here and config.script.endswith(".py") and not Path(config.script).is_file():
+        raise UsageError(f"script not found: {config.script}",
+                         hint="with --no-push, a path on the hosts is not checked here")
+    log_root = Path(config.log_dir or "dlrun-logs")
+    try:
+        log_root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create the log directory {log_root}: {exc.strerror or exc}",
+                         hint="pass --log-dir DIR") from exc
+    if not os.access(log_root, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write to the log directory {log_root}", hint="pass --log-dir DIR")
+
+
 def _probe_source() -> str:
     from dlrun.probe import PROBE_SOURCE
 
@@ -384,6 +401,7 @@ def launch(config: LaunchConfig) -> int:
     else:  # validate the plan before any connection
         _, trial = render_commands(config, inventory, job_id)
         used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
+    check_local_inputs(config, inventory)
     transport = make_transport(inventory, config.ssh)
     agents = HostAgents(transport, used_hosts, pidns=config.pidns)
     code_dir = code_dir_to_push(config)

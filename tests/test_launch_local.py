@@ -150,6 +150,34 @@ def test_dry_run_text_and_json_mask_secrets(tmp_path: Path) -> None:
     assert "hunter2" not in out.stdout
 
 
+def test_dlrun_options_may_follow_the_script_up_to_the_scripts_own(tmp_path: Path) -> None:
+    # the mission's main command: dlrun launch train.py --hosts hosts.toml
+    def plan(*args: str) -> tuple[list[str], list[str], str]:
+        out = run_dlrun("launch", "--dry-run", "--json", *args, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        ranks = json.loads(out.stdout)["ranks"]
+        return sorted({r["host"] for r in ranks}), ranks[0]["argv"][2:], out.stderr
+
+    assert plan("train.py", "--hosts", "gpu1:2,gpu2:2") == (["gpu1", "gpu2"], [], "")
+    assert plan("train.py", "-H", "gpu1:1", "--np=1", "--epochs", "3", "--lr", "1") == (
+        ["gpu1"], ["--epochs", "3", "--lr", "1"], "")
+    assert plan("--np", "1", "train.py", "--plain", "--", "--hosts", "x") == (["localhost"], ["--hosts", "x"], "")
+    hosts, args, err = plan("train.py", "--np", "1", "--epochs", "3", "--hosts", "gpu1:2")
+    assert (hosts, args) == (["localhost"], ["--epochs", "3", "--hosts", "gpu1:2"])  # the script's, as written
+    assert "dlrun: warning: --hosts after the script's own arguments goes to the script" in err
+
+
+def test_missing_script_and_unwritable_log_dir_fail_before_anything_starts(tmp_path: Path) -> None:
+    out = run_dlrun("launch", "--plain", "nosuch.py", cwd=tmp_path)
+    assert out.returncode == 2 and "dlrun: error: script not found: nosuch.py" in out.stderr, out.stderr
+    script = write(tmp_path / "ok.py", "print('ok')\n")
+    out = run_dlrun("launch", "--plain", "--log-dir", "/dev/null/logs", str(script), cwd=tmp_path)
+    assert out.returncode == 2 and "cannot create the log directory /dev/null/logs" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "[0 localhost]" not in out.stdout
+    out = run_dlrun("launch", "-e", "API_KEY:hunter2", str(script), cwd=tmp_path)
+    assert out.returncode == 2 and "expected NAME=VALUE" in out.stderr and "hunter2" not in out.stderr
+
+
 def test_bad_inventory_exits_2_without_traceback(tmp_path: Path) -> None:
     hosts = write(tmp_path / "hosts.toml", '[[hosts]]\naddress = "a"\nslots = -1\n')
     out = run_dlrun("launch", "--hosts", str(hosts), "train.py", cwd=tmp_path)

@@ -257,6 +257,7 @@ def test_wrong_key_is_an_authentication_error(cluster, tmp_path: Path) -> None: 
     key = tmp_path / "other_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1, extra=f'identity_file = "{key}"')
+    (tmp_path / "hi.py").write_text("print('hi')\n")
     out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "hi.py", cwd=tmp_path, timeout=60)
     assert out.returncode == 255
     assert "host0: authentication failed for user" in out.stderr
