@@ -224,6 +224,10 @@ def _check_table(
             raise InventoryError(
                 f"must be an integer, not {_type_name(value)}", source=source, line=line_of(key), key=f"{where}.{key}"
             )
+        if key == "name" and (not value.strip() or not value.isprintable()):
+            # shown in every [rank host] prefix and table: a newline would forge output lines
+            raise InventoryError("must be a printable name (no newlines or control characters)",
+                                 source=source, line=line_of(key), key=f"{where}.{key}")
         if key == "iface" and not _IFACE_NAME.fullmatch(value):
             raise InventoryError("must be a network interface name (1-15 characters, no spaces or '/')",
                                  source=source, line=line_of(key), key=f"{where}.{key}")
@@ -238,6 +242,13 @@ def _check_table(
                 if not isinstance(val, str):
                     raise InventoryError(
                         f"must be a string, not {_type_name(val)} (quote it)",
+                        source=source,
+                        line=line_of(key),
+                        key=f"{where}.env.{name}",
+                    )
+                if "\0" in val:
+                    raise InventoryError(
+                        "contains a NUL byte, which no environment can hold",
                         source=source,
                         line=line_of(key),
                         key=f"{where}.env.{name}",

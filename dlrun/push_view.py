@@ -91,7 +91,7 @@ class PushView:
 
         self.console = console or Console(stderr=True)
         self._progress = Progress(
-            TextColumn("[bold]{task.description}"),
+            TextColumn("{task.description}", style="bold", markup=False),  # host names are not markup
             BarColumn(),
             DownloadColumn(binary_units=True),
             TextColumn("{task.fields[files]}"),

@@ -76,7 +76,8 @@ def gpu_table(report: HostReport) -> Table:
             if gpu.mig_devices:
                 profiles = ", ".join(m.profile for m in gpu.mig_devices if m.profile)
                 mig += f" ({len(gpu.mig_devices)}{': ' + profiles if profiles else ''})"
-        table.add_row(
+        _row(
+            table,
             str(gpu.index),
             gpu.name,
             "" if gpu.memory_mib is None else f"{gpu.memory_mib / 1024:.0f} GiB",
@@ -88,6 +89,12 @@ def gpu_table(report: HostReport) -> Table:
     return table
 
 
+def _row(table: Table, *cells: RenderableType) -> None:
+    """A row whose plain strings are shown as written: host, GPU and NIC names come from the
+    hosts and must not be read as rich markup (``a[/]b`` would raise)."""
+    table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells))
+
+
 def link_matrix(report: HostReport) -> Table:
     """The ``topo -m`` matrix of GPUs and NICs with CPU/NUMA affinity, cells colored by class."""
     topo = report.topo
@@ -95,13 +102,14 @@ def link_matrix(report: HostReport) -> Table:
     table = Table(title="Links (nvidia-smi topo -m)", box=box.SIMPLE, title_justify="left")
     table.add_column("")
     for device in devices:
-        table.add_column(device, justify="center")
+        table.add_column(Text(device), justify="center")
     table.add_column("CPU affinity")
     table.add_column("NUMA")
     for row in devices:
         row_cells = topo.cells.get(row) or report.links.get(row, {})
         aff = topo.affinity.get(row)
-        table.add_row(
+        _row(
+            table,
             Text(row, style="bold"),
             *[link_cell("X" if col == row else row_cells.get(col)) for col in devices],
             (aff.cpus or "") if aff else "",
@@ -125,7 +133,8 @@ def nic_table(report: HostReport) -> Table:
             numa = nic.nearest_link == "NUMA"
             style = "dim" if numa else LINK_STYLES[link_class(nic.nearest_link)]
             nearest.append(nic.nearest_link, style=style)
-        table.add_row(
+        _row(
+            table,
             nic.name,
             str(nic.port),
             state,
@@ -172,7 +181,8 @@ def findings_table(findings: Sequence[Finding]) -> RenderableType:
     table.add_column("host")
     table.add_column("finding", overflow="fold")
     for finding in findings:
-        table.add_row(
+        _row(
+            table,
             Text(finding.severity, style=SEVERITY_STYLES.get(finding.severity, "")),
             finding.host or "all",
             finding.message,

@@ -157,10 +157,12 @@ class LiveView:
         self.log_dir = log_dir
         for c in commands:
             self.states[c.rank] = RankState.PENDING
-        self.console.print(
-            f"[bold]dlrun[/]: starting {len(commands)} ranks"
-            + (f"; logs in [underline]{log_dir}/[/]" if log_dir else "")
-        )
+        from rich.text import Text
+
+        line = Text.assemble(("dlrun", "bold"), f": starting {len(commands)} ranks")
+        if log_dir:
+            line.append("; logs in ").append(f"{log_dir}/", style="underline")
+        self.console.print(line)
         from rich.live import Live
 
         self.live = Live(get_renderable=self.status_table, console=self.console, refresh_per_second=4)
@@ -182,7 +184,7 @@ class LiveView:
             label = state.value + ("" if self.codes.get(c.rank) in (None, 0) else f" ({self.codes[c.rank]})")
             table.add_row(
                 Text(str(c.rank), style=COLORS[c.rank % len(COLORS)]),
-                c.host_name,
+                Text(c.host_name),
                 Text(label, style=STATE_STYLE[state]),
                 _duration(runtime),
                 Text(self.last.get(c.rank, "")[:80]),

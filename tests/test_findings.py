@@ -339,6 +339,14 @@ def test_render_topo(topo: str | None) -> None:
         assert "SOC" in out
 
 
+def test_host_names_that_look_like_markup_render_as_written() -> None:
+    reports = [HostReport.unreachable("a[/]b", "no route [/] to host")]
+    console = Console(width=200, color_system=None, record=True)
+    console.print(render_topo(reports, analyse(reports), {}))
+    out = console.export_text()
+    assert "a[/]b" in out and "no route [/] to host" in out
+
+
 def test_render_colors_link_classes() -> None:
     reports = [host("a", DGX1)]
     console = Console(width=200, color_system="truecolor", force_terminal=True, record=True)

@@ -4,7 +4,7 @@ import io
 
 from rich.console import Console
 
-from dlrun.inventory import parse_inline
+from dlrun.inventory import parse_inline, parse_toml_inventory
 from dlrun.plan import make_plan
 from dlrun.render import worker_commands
 from dlrun.supervisor import RankResult, RankState, RunResult
@@ -64,3 +64,24 @@ def test_live_view_renders_status_table_and_colored_prefixes() -> None:
     out = buf.getvalue()
     assert "[0 gpu-a] " in out and "\x1b[" in out  # colored prefix
     assert "root cause" in out
+
+
+def test_names_that_look_like_markup_are_shown_as_written(tmp_path: object) -> None:
+    # rich would read "a[/]b" as markup (and raise): host names and paths are plain text
+    from pathlib import Path
+
+    from dlrun.push_view import PushView
+
+    plan = make_plan(parse_toml_inventory('[[hosts]]\naddress = "h"\nname = "a[/]b"\n'), job_id="j")
+    commands = worker_commands(plan, "t.py", [], python_for={"a[/]b": ["python3"]})
+    console = Console(file=io.StringIO(), width=100, force_terminal=True, color_system=None, record=True)
+    view = LiveView(console)
+    view.start(commands, Path("logs[/]x"))
+    view.line(0, "[bold]not markup[/]", "stdout")
+    view.finish(RunResult(ranks=(RankResult(0, "a[/]b", RankState.SUCCEEDED, 0, 1.0),), exit_code=0))
+    out = console.export_text()
+    assert "logs in logs[/]x/" in out and "a[/]b" in out and "[bold]not markup[/]" in out
+    push = Console(file=io.StringIO(), width=100, force_terminal=True, color_system=None, record=True)
+    with PushView(["h[/]1"], live=True, console=push) as pv:
+        pv.progress("h[/]1", 10, 100)
+    assert "h[/]1" in push.export_text()
