@@ -85,7 +85,8 @@ ssh_options = [
     click.option(
         "--accept-new-host-keys", is_flag=True, help="Add unknown host keys to known_hosts (never changed ones)."
     ),
-    click.option("--connect-timeout", type=float, default=10.0, show_default=True, help="Seconds to reach each host."),
+    click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+                 help="Seconds to reach each host."),
     click.option("--host-timeout", type=click.FloatRange(min=0), default=DEFAULT_HOST_TIMEOUT, show_default=True,
                  help="Seconds of silence after which a host (or Spark task) counts as lost: quiet hosts are"
                  " asked for a reply every few seconds. A job's agents stop their ranks after the same"
@@ -158,11 +159,13 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
 @click.option("--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: localhost).")
 @click.option("--np", "-n", "np_", type=int, help="Number of ranks (default: every slot; 2 on localhost).")
 @click.option("--framework", type=click.Choice(FRAMEWORKS), default="tf", show_default=True)
-@click.option("--base-port", type=int, default=DEFAULT_BASE_PORT, show_default=True, help="Port of local rank 0.")
+@click.option("--base-port", type=click.IntRange(1, 65535), default=DEFAULT_BASE_PORT, show_default=True,
+              help="Port of local rank 0.")
 @click.option("--dry-run", is_flag=True, help="Print each rank's host, env and argv; start nothing.")
 @click.option("--json", "json_output", is_flag=True, help="With --dry-run: print the plan as JSON.")
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Where rank-N.log files go (default dlrun-logs/).")
-@click.option("--grace", type=float, default=10.0, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
+@click.option("--grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL.")
 @click.option("--ranks", "ranks_text", help="Show only these ranks on screen, e.g. 0,2 (files keep all).")
 @click.option("--env", "-e", "env_pairs", multiple=True, help="NAME=VALUE for every rank (repeatable).")
 @click.option("--iface", help="Network interface for Gloo/NCCL sockets on every host (default: per host, see README).")

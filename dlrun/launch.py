@@ -456,6 +456,9 @@ def launch(config: LaunchConfig) -> int:
 def _supervise(config: LaunchConfig, transport: Transport, commands: Sequence[WorkerCommand], job_id: str,
                agents: HostAgents | None = None) -> int:
     """Run the rendered ranks under the supervisor with the right view; the job's exit code."""
+    unknown = sorted(set(config.ranks_shown or ()) - {c.rank for c in commands})
+    if unknown:  # nothing would be shown for them: a typo, not a wish
+        raise UsageError(f"--ranks {','.join(map(str, unknown))}: the job has ranks 0 to {len(commands) - 1}")
     log_dir = Path(config.log_dir or "dlrun-logs") / job_id
     view = make_view(config.ranks_shown, force_plain=config.plain)
     supervisor = Supervisor(

@@ -178,6 +178,15 @@ def test_missing_script_and_unwritable_log_dir_fail_before_anything_starts(tmp_p
     assert out.returncode == 2 and "expected NAME=VALUE" in out.stderr and "hunter2" not in out.stderr
 
 
+def test_option_values_that_cannot_work_are_usage_errors(tmp_path: Path) -> None:
+    script = write(tmp_path / "ok.py", "print('ok')\n")
+    for args, words in ((["--ranks", "7"], "--ranks 7: the job has ranks 0 to 1"),
+                        (["--base-port", "-5"], "not in the range"), (["--grace", "-1"], "not in the range")):
+        out = run_dlrun("launch", "--plain", "--framework", "none", *args, str(script), cwd=tmp_path)
+        assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
+        assert "[0 localhost] ok" not in out.stdout
+
+
 def test_bad_inventory_exits_2_without_traceback(tmp_path: Path) -> None:
     hosts = write(tmp_path / "hosts.toml", '[[hosts]]\naddress = "a"\nslots = -1\n')
     out = run_dlrun("launch", "--hosts", str(hosts), "train.py", cwd=tmp_path)
