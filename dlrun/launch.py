@@ -263,6 +263,20 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
     return Pushed(env_for, cwd_for, Path(config.script).name)
 
 
+def planned_push(config: LaunchConfig, hosts: Sequence[Host]) -> Pushed:
+    """What ``push_for_launch`` would change, without pushing (``--dry-run``): the shard env
+    and, for a pushed script, each host's run directory as written (``~`` as on the host)."""
+    from dlrun.sync import check_project, remote_code_dir, shard_env
+
+    env_for = {h.name: shard_env(i, len(hosts), h) for i, h in enumerate(hosts)} if config.data else {}
+    code_dir = code_dir_to_push(config)
+    if code_dir is None or all(h.is_local for h in hosts):
+        return Pushed(env_for)
+    project = check_project(code_dir.name)
+    cwd_for = {h.name: str(code_dir) if h.is_local else remote_code_dir(h, project) for h in hosts}
+    return Pushed(env_for, cwd_for, Path(config.script).name)
+
+
 def survey_code(code_dir: Path, hosts: Sequence[Host], manifest: Manifest) -> dict[str, PushTarget]:
     """The code push's target on each remote host, for the agents' survey."""
     from dlrun.sync import code_target
@@ -385,7 +399,9 @@ def launch(config: LaunchConfig) -> int:
     job_id = new_job_id()
     warning = keras_warning(config, inventory)
     if config.dry_run:
-        _, commands = render_commands(config, inventory, job_id)
+        pushed = planned_push(config, job_plan(config, inventory, job_id).hosts)
+        shown = replace(config, script=pushed.script) if pushed.script is not None else config
+        _, commands = render_commands(shown, pushed.apply(inventory), job_id, cwd_for=pushed.cwd_for)
         if config.json_output:
             print(json.dumps(plan_to_json(commands), indent=2))
         else:

@@ -187,6 +187,20 @@ def test_option_values_that_cannot_work_are_usage_errors(tmp_path: Path) -> None
         assert "[0 localhost] ok" not in out.stdout
 
 
+def test_dry_run_shows_where_pushed_ranks_run_and_their_shards(tmp_path: Path) -> None:
+    for rel, text in (("proj/train.py", "print(1)\n"), ("ds/a.csv", "a"), ("ds/b.csv", "b")):
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        write(tmp_path / rel, text)
+    hosts = write(tmp_path / "hosts.toml", '[defaults]\nworkdir = "~/w"\n[[hosts]]\naddress = "g1"\n'
+                  '[[hosts]]\naddress = "g2"\n')
+    out = run_dlrun("launch", "--dry-run", "--json", "--framework", "none", "proj/train.py", "--hosts", str(hosts),
+                    "--data", "ds", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    ranks = json.loads(out.stdout)["ranks"]
+    assert [(r["argv"][1:], r["cwd"], r["env"]["DLRUN_DATA_DIR"], r["env"]["DLRUN_SHARD_INDEX"]) for r in ranks] == [
+        (["train.py"], "~/w/proj", "~/w/data/g1", "0"), (["train.py"], "~/w/proj", "~/w/data/g2", "1")]
+
+
 def test_bad_inventory_exits_2_without_traceback(tmp_path: Path) -> None:
     hosts = write(tmp_path / "hosts.toml", '[[hosts]]\naddress = "a"\nslots = -1\n')
     out = run_dlrun("launch", "--hosts", str(hosts), "train.py", cwd=tmp_path)
