@@ -13,6 +13,7 @@ or lost (as ssh does).
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -345,7 +346,8 @@ def init(directory: str, framework: str, force: bool) -> None:
     for path in write_project(Path(directory), framework, force=force):
         click.echo(f"wrote {path}")
     flag = "" if framework == "tf" else f" --framework {framework}"
-    click.echo(f"next: edit hosts.toml, then: dlrun launch{flag} --hosts hosts.toml train.py")
+    hosts, train = (str(Path(directory) / name) for name in ("hosts.toml", "train.py"))
+    click.echo(f"next: edit {hosts}, then: dlrun launch{flag} --hosts {shlex.quote(hosts)} {shlex.quote(train)}")
 
 
 @main.command("push")

@@ -62,7 +62,8 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
     elif root.error:
         lines.append(f"  error: {root.error}")
     if root.rank in by_rank:
-        lines.append(f"  command: {shlex.join(by_rank[root.rank].argv)}")
+        argv = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in by_rank[root.rank].argv]
+        lines.append(f"  command: {shlex.join(argv)}")
     if root.tail:
         lines.append(f"  last {len(root.tail)} lines of rank {root.rank}:")
         lines.extend(f"    | {text}" for text in root.tail)

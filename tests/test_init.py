@@ -21,7 +21,7 @@ def test_init_writes_valid_inventory_and_script(tmp_path: Path, framework: str) 
     if framework == "tf-ps":
         assert {h.role for h in inventory.hosts} >= {"chief", "worker", "ps"}
     ast.parse((tmp_path / "proj" / "train.py").read_text())
-    assert "next: edit hosts.toml" in out.stdout
+    assert f"next: edit {hosts}, then: dlrun launch" in out.stdout and f"--hosts {hosts} " in out.stdout
 
 
 def test_init_refuses_to_overwrite_without_force(tmp_path: Path) -> None:

@@ -35,6 +35,15 @@ def test_root_cause_and_summary_text() -> None:
     assert summary[-1] == "dlrun: job failed (0/2 ranks succeeded); exit code 7"
 
 
+def test_root_cause_shortens_an_inline_program() -> None:
+    plan = make_plan(parse_inline("gpu-a:1,gpu-b:1"), job_id="j")
+    program = "import sys\n" * 30  # a tf-ps server rank runs dlrun's server as python -c
+    python = {"gpu-a": ["python3"], "gpu-b": ["python3"]}
+    commands = worker_commands(plan, "train.py", ["-c", program], python_for=python)
+    lines = root_cause_lines(FAILED, commands)
+    assert lines[1] == f"  command: python3 train.py -c '<inline program, {len(program)} bytes>'"
+
+
 def test_plain_view_prefixes_every_line() -> None:
     out = io.StringIO()
     view = PlainView(out)
