@@ -295,6 +295,14 @@ class _Locator:
                 return number + 1
         return None
 
+    def _dotted(self, start: int, end: int, key: str) -> int | None:
+        """The first ``key.name = …`` line (a dotted key, e.g. ``env.NCCL_DEBUG = "INFO"``)."""
+        pattern = re.compile(rf"^\s*\"?{re.escape(key)}\"?\s*\.")
+        for number in range(start, end):
+            if pattern.match(self.lines[number]):
+                return number + 1
+        return None
+
     def _span(self, section_index: int) -> tuple[int, int]:
         start = self.sections[section_index][1]
         end = self.sections[section_index + 1][1] if section_index + 1 < len(self.sections) else len(self.lines)
@@ -327,9 +335,12 @@ class _Locator:
                     # a sub-table like [hosts.env] belongs to the same host
                     j = i + 1
                     while j < len(self.sections) and self.sections[j][0].startswith("hosts."):
+                        if key and self.sections[j][0] == f"hosts.{key}":
+                            return self.sections[j][1] + 1  # [hosts.env]
                         end = self._span(j)[1]
                         j += 1
-                    return (self._key_in(start, end, key) if key else None) or (start + 1 if fallback else None)
+                    found = (self._key_in(start, end, key) or self._dotted(start, end, key)) if key else None
+                    return found or (start + 1 if fallback else None)
         return None
 
 

@@ -76,6 +76,8 @@ def test_localhost_without_port_or_user_is_local() -> None:
         ('[[hosts]]\naddress = "a"\niface = "eth 0"\n', 3, "hosts[0].iface", "network interface name"),
         ('[[hosts]]\naddress = "a"\nname = "x\\n[9 fake] forged"\n', 3, "hosts[0].name", "printable name"),
         ('[[hosts]]\naddress = "a"\nenv = { A = "x\\u0000y" }\n', 3, "hosts[0].env.A", "NUL byte"),
+        ('[[hosts]]\naddress = "a"\n\n[hosts.env]\nA = 5\n', 4, "hosts[0].env.A", "string"),
+        ('[[hosts]]\naddress = "a"\nslots = 1\nenv.A = 5\n', 4, "hosts[0].env.A", "string"),
         ('[defaults]\niface = "a-very-long-interface"\n[[hosts]]\naddress = "a"\n', 2, "defaults.iface",
          "1-15 characters"),
         ('[cluster]\nx = 1\n', 1, "cluster", "unknown top-level"),
