@@ -140,6 +140,12 @@ def render_commands(
     return plan, commands
 
 
+def warn_replaced_env(config: LaunchConfig, commands: Sequence[WorkerCommand]) -> None:
+    """Say which ``--env`` values the ranks do not get (dlrun sets them: TF_CONFIG, RANK …)."""
+    for name in sorted(n for n in config.env if any(c.env.get(n) != config.env[n] for c in commands)):
+        print(f"dlrun: warning: --env {name} is set by dlrun for each rank; yours is replaced", file=sys.stderr)
+
+
 def socket_ifaces(plan: Plan, iface: str | None, found: Mapping[str, str]) -> dict[str, SocketIface]:
     """Each host's Gloo/NCCL interface: the inventory's ``iface``, else ``--iface``, else ``lo``
     when every rank is on this machine, else the one the preflight found holding the address
@@ -402,6 +408,7 @@ def launch(config: LaunchConfig) -> int:
         pushed = planned_push(config, job_plan(config, inventory, job_id).hosts)
         shown = replace(config, script=pushed.script) if pushed.script is not None else config
         _, commands = render_commands(shown, pushed.apply(inventory), job_id, cwd_for=pushed.cwd_for)
+        warn_replaced_env(config, commands)
         if config.json_output:
             print(json.dumps(plan_to_json(commands), indent=2))
         else:
@@ -462,6 +469,7 @@ def launch(config: LaunchConfig) -> int:
                 config, pushed.apply(inventory), job_id, addresses=addresses, cwd_for=pushed.cwd_for,
                 rendezvous=rendezvous, gpus_for=gpus, found_ifaces=found_ifaces,
             )
+            warn_replaced_env(config, commands)
             return _supervise(config, transport, commands, job_id, agents)
     finally:
         pusher.shutdown(wait=False, cancel_futures=True)

@@ -50,7 +50,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from dlrun.errors import AuthenticationFailed, HostKeyError, HostUnreachable, TransportError
+from dlrun.errors import AuthenticationFailed, HostKeyError, HostUnreachable, TransportError, UsageError
 from dlrun.inventory import Host
 from dlrun.plan import DEFAULT_HOST_TIMEOUT, heartbeat_interval
 from dlrun.transport import Channel, Transport
@@ -419,7 +419,7 @@ class SSHTransport(Transport):
         self.config = paramiko.SSHConfig()
         path = config_file or _expand("~/.ssh/config")
         if config_file and not os.path.isfile(config_file):
-            raise TransportError(f"ssh config file not found: {config_file}")
+            raise UsageError(f"ssh config file not found: {config_file}")
         if os.path.isfile(path):
             self.config = paramiko.SSHConfig.from_path(path)
         self.clients: dict[str, paramiko.SSHClient] = {}

@@ -201,6 +201,15 @@ def test_dry_run_shows_where_pushed_ranks_run_and_their_shards(tmp_path: Path) -
         (["train.py"], "~/w/proj", "~/w/data/g1", "0"), (["train.py"], "~/w/proj", "~/w/data/g2", "1")]
 
 
+def test_env_that_dlrun_replaces_is_named_and_a_missing_ssh_config_is_a_usage_error(tmp_path: Path) -> None:
+    out = run_dlrun("launch", "--dry-run", "--np", "1", "-e", "TF_CONFIG={}", "-e", "MINE=1", "t.py", cwd=tmp_path)
+    assert out.returncode == 0 and "warning: --env TF_CONFIG is set by dlrun for each rank" in out.stderr
+    assert "MINE" not in out.stderr
+    write(tmp_path / "t.py", "pass\n")
+    out = run_dlrun("launch", "--hosts", "h1:1", "--ssh-config", str(tmp_path / "nope"), "t.py", cwd=tmp_path)
+    assert out.returncode == 2 and "ssh config file not found" in out.stderr
+
+
 def test_bad_inventory_exits_2_without_traceback(tmp_path: Path) -> None:
     hosts = write(tmp_path / "hosts.toml", '[[hosts]]\naddress = "a"\nslots = -1\n')
     out = run_dlrun("launch", "--hosts", str(hosts), "train.py", cwd=tmp_path)
