@@ -288,16 +288,9 @@ class _Locator:
             if match:
                 self.sections.append((match.group(1), number))
 
-    def _key_in(self, start: int, end: int, key: str) -> int | None:
-        pattern = re.compile(rf"^\s*\"?{re.escape(key)}\"?\s*=")
-        for number in range(start, end):
-            if pattern.match(self.lines[number]):
-                return number + 1
-        return None
-
-    def _dotted(self, start: int, end: int, key: str) -> int | None:
-        """The first ``key.name = …`` line (a dotted key, e.g. ``env.NCCL_DEBUG = "INFO"``)."""
-        pattern = re.compile(rf"^\s*\"?{re.escape(key)}\"?\s*\.")
+    def _key_in(self, start: int, end: int, key: str, *, dotted: bool = False) -> int | None:
+        """The first ``key = …`` line, or with ``dotted`` ``key.name = …`` (``env.A = "1"``)."""
+        pattern = re.compile(rf"^\s*\"?{re.escape(key)}\"?\s*" + (r"\." if dotted else "="))
         for number in range(start, end):
             if pattern.match(self.lines[number]):
                 return number + 1
@@ -339,7 +332,9 @@ class _Locator:
                             return self.sections[j][1] + 1  # [hosts.env]
                         end = self._span(j)[1]
                         j += 1
-                    found = (self._key_in(start, end, key) or self._dotted(start, end, key)) if key else None
+                    if not key:
+                        return start + 1 if fallback else None
+                    found = self._key_in(start, end, key) or self._key_in(start, end, key, dotted=True)
                     return found or (start + 1 if fallback else None)
         return None
 
