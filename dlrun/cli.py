@@ -231,6 +231,10 @@ def launch(
 
     if json_output and not dry_run:
         raise click.UsageError("--json goes with --dry-run")
+    _refuse_unused({"--shard": "shard", "--split-lines": "split_lines"}, data is None, "--data DIR")
+    _refuse_unused({"--master": "master", "--cores-per-worker": "cores_per_worker", "--gpus-per-worker":
+                    "gpus_per_worker", "--conf": "conf_pairs", "--max-restarts": "max_restarts"},
+                   backend != "spark", "--backend spark")
     config = LaunchConfig(
         script=script,
         args=args,
@@ -276,9 +280,18 @@ def launch(
             max_restarts=max_restarts,
         )
         sys.exit(run_spark(config, spark))
-    if master is not None:
-        raise click.UsageError("--master goes with --backend spark")
     _exit_now(run_launch(config))
+
+
+def _refuse_unused(options: dict[str, str], unused: bool, needs: str) -> None:
+    """An option given on the command line that would have no effect is a usage error."""
+    if not unused:
+        return
+    ctx = click.get_current_context()
+    given = [flag for flag, name in options.items()
+             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with {needs}")
 
 
 @main.command()

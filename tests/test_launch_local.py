@@ -181,7 +181,9 @@ def test_missing_script_and_unwritable_log_dir_fail_before_anything_starts(tmp_p
 def test_option_values_that_cannot_work_are_usage_errors(tmp_path: Path) -> None:
     script = write(tmp_path / "ok.py", "print('ok')\n")
     for args, words in ((["--ranks", "7"], "--ranks 7: the job has ranks 0 to 1"),
-                        (["--base-port", "-5"], "not in the range"), (["--grace", "-1"], "not in the range")):
+                        (["--base-port", "-5"], "not in the range"), (["--grace", "-1"], "not in the range"),
+                        (["--shard", "size"], "--shard goes with --data DIR"),
+                        (["--conf", "a=b", "--max-restarts", "1"], "--conf, --max-restarts go with --backend spark")):
         out = run_dlrun("launch", "--plain", "--framework", "none", *args, str(script), cwd=tmp_path)
         assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
         assert "[0 localhost] ok" not in out.stdout
