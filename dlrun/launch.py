@@ -272,14 +272,13 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
 def planned_push(config: LaunchConfig, hosts: Sequence[Host]) -> Pushed:
     """What ``push_for_launch`` would change, without pushing (``--dry-run``): the shard env
     and, for a pushed script, each host's run directory as written (``~`` as on the host)."""
-    from dlrun.sync import check_project, remote_code_dir, shard_env
+    from dlrun.sync import code_dir_on, shard_env
 
     env_for = {h.name: shard_env(i, len(hosts), h) for i, h in enumerate(hosts)} if config.data else {}
     code_dir = code_dir_to_push(config)
     if code_dir is None or all(h.is_local for h in hosts):
         return Pushed(env_for)
-    project = check_project(code_dir.name)
-    cwd_for = {h.name: str(code_dir) if h.is_local else remote_code_dir(h, project) for h in hosts}
+    cwd_for = {h.name: str(code_dir) if h.is_local else code_dir_on(h, code_dir) for h in hosts}
     return Pushed(env_for, cwd_for, Path(config.script).name)
 
 

@@ -416,7 +416,7 @@ class Supervisor:
             ],
         }
         try:
-            link.channel.send(json.dumps(spec).encode() + b"\n")
+            link.channel.send(_message(spec))
         except DlrunError as exc:
             return str(exc.message)
         # the silence clock starts now: an agent started early (dlrun launch) waited quietly
@@ -615,7 +615,7 @@ class Supervisor:
 
     def _stop_all(self, grace: float, *, kill: bool = False) -> None:
         self.stopping = True
-        message = json.dumps({"op": "kill"} if kill else {"op": "stop", "grace": grace}).encode() + b"\n"
+        message = _message({"op": "kill"} if kill else {"op": "stop", "grace": grace})
         for link in self.links.values():
             if link.channel is not None and not link.closed:
                 try:

@@ -1700,8 +1700,13 @@ def scan_code(code_root: Path) -> Manifest:
 
 
 def code_target(host: Host, code_root: Path, manifest: Manifest) -> PushTarget:
+    """What ``push`` sends of ``code_root`` to ``host``, and where (``code_dir_on``)."""
+    return PushTarget("code", code_dir_on(host, code_root), manifest)
+
+
+def code_dir_on(host: Host, code_root: Path) -> str:
     """Where ``push`` puts the code of ``code_root`` on ``host`` (project = the directory's name)."""
-    return PushTarget("code", remote_code_dir(host, check_project(code_root.resolve().name)), manifest)
+    return remote_code_dir(host, check_project(code_root.resolve().name))
 
 
 def settled_push(host: str, targets: Sequence[PushTarget], answer: Mapping[str, Any], *,
