@@ -58,6 +58,7 @@ class RankState(enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"  # ended because dlrun stopped it
+    NOT_STARTED = "not started"  # dlrun stopped the job before this rank's process was started
     LOST = "lost"  # its host's connection dropped before it reported an exit
 
 
@@ -574,6 +575,12 @@ class Supervisor:
         link = self.links[host]
         link.closed = True
         missing = [r for r in link.ranks if self.ranks[r].exit_code is None]
+        if self.stopping:  # ranks the agent never started: nothing was lost with the channel
+            for rank_no in [r for r in missing if self.ranks[r].started is None]:
+                self.ranks[rank_no].state = RankState.NOT_STARTED
+                self.ranks[rank_no].ended = self.clock()
+                self.view.state(rank_no, RankState.NOT_STARTED, None)
+                missing.remove(rank_no)
         if not missing:
             return
         if link.channel is None:
@@ -605,7 +612,10 @@ class Supervisor:
             rank.exit_code = 255
             rank.error = message
             rank.ended = self.clock()
-            rank.state = RankState.STOPPED if self.stopping else RankState.LOST
+            if not self.stopping:
+                rank.state = RankState.LOST
+            else:
+                rank.state = RankState.NOT_STARTED if rank.started is None else RankState.STOPPED
             self.view.state(rank_no, rank.state, 255)
             if not self.stopping and self.root_cause is None:
                 self.root_cause = rank_no
@@ -633,7 +643,9 @@ class Supervisor:
             if rank.started is not None and rank.ended is not None:
                 duration = rank.ended - rank.started
             state = rank.state
-            if state in (RankState.PENDING, RankState.RUNNING):
+            if state == RankState.PENDING and self.stopping:
+                state = RankState.NOT_STARTED
+            elif state in (RankState.PENDING, RankState.RUNNING):
                 state = RankState.STOPPED if self.stopping else RankState.LOST
             results.append(
                 RankResult(

@@ -37,7 +37,7 @@ class FakeRank:
 
 class FakeChannel(Channel):
     def __init__(self, host: str, ranks: Mapping[int, FakeRank], drop_after: float | None = None,
-                 silent_after: float | None = None) -> None:
+                 silent_after: float | None = None, start_after: float = 0.0) -> None:
         self.host = host
         self.ranks = ranks
         self.out: queue.Queue[bytes] = queue.Queue()
@@ -48,6 +48,7 @@ class FakeChannel(Channel):
         self.drop_after = drop_after
         self.silent_after = silent_after  # then nothing more comes: no output, no PONG, no EOF
         self.silent = threading.Event()
+        self.start_after = start_after  # the ranks start this late, or never if a stop comes first
         self._thread: threading.Thread | None = None
         self._ended = threading.Event()
 
@@ -72,6 +73,11 @@ class FakeChannel(Channel):
         put = self.out.put
         put(agent.frame(agent.HELLO, agent.AGENT_RANK, b"{}"))
         numbers = [int(r["rank"]) for r in spec["ranks"]]  # type: ignore[attr-defined]
+        if self.start_after and self.stop_event.wait(self.start_after):
+            put(agent.frame(agent.DONE, agent.AGENT_RANK, b""))  # stopped before starting anything
+            self._ended.set()
+            put(b"")
+            return
         for n in numbers:
             put(agent.frame(agent.STARTED, n, b'{"pid": 0}'))
         start = time.monotonic()
@@ -128,11 +134,13 @@ class FakeTransport(Transport):
         unreachable: Sequence[str] = (),
         drop: Mapping[str, float] | None = None,
         silent: Mapping[str, float] | None = None,
+        start_after: Mapping[str, float] | None = None,
     ) -> None:
         self.ranks = ranks or {}
         self.unreachable = set(unreachable)
         self.drop = drop or {}
         self.silent = silent or {}
+        self.start_after = start_after or {}
         self.channels: dict[str, FakeChannel] = {}
 
     def connect(self, hosts: Sequence[Host]) -> Mapping[str, str]:
@@ -145,6 +153,6 @@ class FakeTransport(Transport):
         if host.name in self.unreachable:
             raise HostUnreachable("connection refused", host=host.name)
         channel = FakeChannel(host.name, self.ranks, drop_after=self.drop.get(host.name),
-                              silent_after=self.silent.get(host.name))
+                              silent_after=self.silent.get(host.name), start_after=self.start_after.get(host.name, 0.0))
         self.channels[host.name] = channel
         return channel

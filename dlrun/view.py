@@ -37,6 +37,7 @@ STATE_STYLE = {
     RankState.SUCCEEDED: "bold green",
     RankState.FAILED: "bold red",
     RankState.STOPPED: "yellow",
+    RankState.NOT_STARTED: "dim",
     RankState.LOST: "bold red",
 }
 
@@ -65,7 +66,7 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
         argv = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in by_rank[root.rank].argv]
         lines.append(f"  command: {shlex.join(argv)}")
     if root.tail:
-        lines.append(f"  last {len(root.tail)} lines of rank {root.rank}:")
+        lines.append(f"  last {len(root.tail)} line{'s' if len(root.tail) != 1 else ''} of rank {root.rank}:")
         lines.extend(f"    | {text}" for text in root.tail)
     return lines
 
@@ -73,10 +74,10 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
 def summary_lines(result: RunResult) -> list[str]:
     """The closing table: rank, host, exit code, state, duration; then where the logs are."""
     width = max([4, *(len(r.host) for r in result.ranks)])
-    lines = [f"{'rank':>4}  {'host':<{width}}  {'exit':>4}  {'state':<9}  duration"]
+    lines = [f"{'rank':>4}  {'host':<{width}}  {'exit':>4}  {'state':<11}  duration"]
     for r in result.ranks:
         code = "-" if r.exit_code is None else str(r.exit_code)
-        lines.append(f"{r.rank:>4}  {r.host:<{width}}  {code:>4}  {r.state.value:<9}  {_duration(r.duration)}")
+        lines.append(f"{r.rank:>4}  {r.host:<{width}}  {code:>4}  {r.state.value:<11}  {_duration(r.duration)}")
     ok = sum(1 for r in result.ranks if r.state == RankState.SUCCEEDED)
     if result.ok:
         verdict = f"dlrun: all {len(result.ranks)} ranks succeeded"
@@ -116,8 +117,7 @@ class PlainView:
             self.out.write(prefix + ("\n" + prefix).join(texts) + "\n")
 
     def state(self, rank: int, state: RankState, exit_code: int | None) -> None:
-        if state in (RankState.FAILED, RankState.LOST):
-            self.notice(f"rank {rank} {state.value} (exit code {exit_code})")
+        pass  # a failed or lost rank is announced by the supervisor's notice, with its host
 
     def notice(self, text: str) -> None:
         self.out.write(f"dlrun: {text}\n")

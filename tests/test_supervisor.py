@@ -156,3 +156,15 @@ def test_line_splitter_handles_cr_crlf_and_chunks() -> None:
     assert s.feed("é".encode()[:1]) == []
     assert s.feed("é\n".encode()[1:]) == ["é"]
     assert s.feed(b"tail") == [] and s.flush() == ["tail"]
+
+
+def test_rank_never_started_is_not_started_not_stopped(tmp_path: Path) -> None:
+    # host b's agent was told to stop before it started its rank: nothing of b's was lost
+    transport = FakeTransport({0: FakeRank(["boom"], code=5), 1: FakeRank(code=None)}, start_after={"b": 5.0})
+    _, result, out = run(transport, tmp_path, spec="a:1,b:1")
+    assert result.exit_code == 5 and result.root_cause is not None and result.root_cause.rank == 0
+    assert result.ranks[1].state == RankState.NOT_STARTED and result.ranks[1].exit_code is None
+    assert "   1  b        -  not started  -" in out
+    assert "connection to the host was lost" not in out
+    assert "last 1 line of rank 0:" in out
+    assert out.count("exited with code 5") == 2  # the notice and the root cause, no third line
