@@ -885,7 +885,9 @@ def survey(spec):
     # settled: a push that sends and deletes nothing would leave the record as it is, so
     # nothing needs writing at all (dlrun.agent answers this survey in-process)
     # (and no record of a path that is gone or is no longer the file the push wrote)
-    settled = (all(record.get(rel) == value for rel, value in fresh.items() if rel in wanted)
+    # (and a root that exists: an empty tree's push still makes its directory)
+    settled = (os.path.isdir(root)
+               and all(record.get(rel) == value for rel, value in fresh.items() if rel in wanted)
                and all(rel in entries and entries[rel][4] for rel in record))
     reply = {"root": root, "entries": entries, "free": free, "block": block, "device": device,
              "error": error, "path": base if error else None, "settled": settled}
@@ -1170,6 +1172,11 @@ def main():
         new.append(merged)
     receiver = Receiver(roots, plan, new)
     try:
+        for t, root in enumerate(roots):  # the root itself, even for a tree with no files
+            try:
+                receiver.makedirs(t, "")
+            except OSError as exc:
+                receiver.fail("%d/" % t, root, exc)
         for t, rel in plan["delete"]:
             receiver.delete(t, rel)
         receiver.run()

@@ -774,3 +774,16 @@ def test_hosts_sharing_a_workdir_keep_their_shards_apart(tmp_path: Path, monkeyp
     assert got == {"a": ["part-0.csv", "part-2.csv", "part-4.csv", "shard.json"],
                    "b": ["part-1.csv", "part-3.csv", "part-5.csv", "shard.json"]}
     assert {s.data_dir for s in summaries} == {str(shared / "data" / "a"), str(shared / "data" / "b")}
+
+
+def test_an_empty_code_directory_is_made_on_the_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dlrun.transport import HostRouter
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "empty").mkdir()
+    host = Host(address="localhost", name="localhost", workdir=str(tmp_path / "host"))
+    (summary,) = push(HostRouter(remote=None), [host], code_dir=tmp_path / "empty")
+    assert summary.code_dir == str(tmp_path / "host" / "empty")
+    assert (tmp_path / "host" / "empty").is_dir()  # ranks may run there (launch --no-push)
+    (summary,) = push(HostRouter(remote=None), [host], code_dir=tmp_path / "empty")
+    assert (summary.files_sent, summary.files_deleted) == (0, 0)
