@@ -28,8 +28,11 @@ host:
   final sweep finds children that escaped with ``setsid`` — only this job's, never another's.
   A controller that goes silent counts as gone too: with the spec's ``host_timeout`` (seconds),
   no byte on stdin for that long (the controller pings every few seconds) stops the ranks the
-  same way. That covers what EOF cannot: the controller's machine losing power or the network
-  being cut, where no FIN ever arrives and the connection would linger for many minutes.
+  same way; ``{"op": "watch", "host_timeout": s}`` arms that clock before the spec (an agent
+  started early for the probe and the push survey), so an agent whose controller vanished
+  while it waited for its spec ends too. That covers what EOF cannot: the controller's
+  machine losing power or the network being cut, where no FIN ever arrives and the
+  connection would linger for many minutes.
   Output never blocks that check: stdout is non-blocking and a full pipe is waited on with
   ``select`` alongside stdin.
 * **PID namespace**: the controller starts the agent through :func:`pidns_argv`, a ``sh``
@@ -108,7 +111,7 @@ class Agent:
         self.control = bytearray()  # what the controller sent, not yet handled
         self.stdin_closed = False
         self.heard = time.monotonic()  # when the controller last sent anything
-        self.silence_limit: float | None = None  # the spec's host_timeout
+        self.silence_limit: float | None = None  # the spec's (or a watch's) host_timeout
         self.in_namespace = in_namespace
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.open_streams: dict[int, int] = {}  # rank -> number of open pipes
@@ -195,6 +198,11 @@ class Agent:
                 return
             self.heard = time.monotonic()
             self.control += data
+
+    def watch(self, message: dict[str, Any]) -> None:
+        """Arm (or, with 0, disarm) the silence clock with the message's ``host_timeout``."""
+        self.silence_limit = float(message.get("host_timeout") or 0) or None
+        self.heard = time.monotonic()
 
     def controller_silent(self, now: float) -> bool:
         return self.silence_limit is not None and now - self.heard > self.silence_limit
@@ -476,11 +484,12 @@ def _run_agent(argv: list[str]) -> int:
                 agent.probe(message)
             elif op == "survey":
                 agent.survey(message)
+            elif op == "watch":
+                agent.watch(message)
             elif op == "start" and not started:
                 started = True
                 eof_grace = float(message.get("eof_grace", eof_grace))
-                agent.silence_limit = float(message.get("host_timeout") or 0) or None
-                agent.heard = time.monotonic()
+                agent.watch(message)
                 agent.start(message)
             elif message.get("op") == "stop":
                 agent.stop(float(message.get("grace", 10)))

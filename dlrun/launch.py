@@ -425,7 +425,7 @@ def launch(config: LaunchConfig) -> int:
         used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
     check_local_inputs(config, inventory)
     transport = make_transport(inventory, config.ssh)
-    agents = HostAgents(transport, used_hosts, pidns=config.pidns)
+    agents = HostAgents(transport, used_hosts, pidns=config.pidns, host_timeout=config.ssh.host_timeout)
     code_dir = code_dir_to_push(config)
     pusher = ThreadPoolExecutor(1, thread_name_prefix="dlrun-scan")
     manifest: Future[Manifest] | None = None

@@ -167,6 +167,7 @@ class _HostLink:
     error: str | None = None  # why the agent could not be started
     heard: float = 0.0  # time.monotonic() when the agent last sent anything
     silent: bool = False  # declared lost for silence: its late frames are ignored
+    pinged: bool = False  # a thread pings its agent
 
 
 def _message(message: Mapping[str, Any]) -> bytes:
@@ -201,12 +202,17 @@ class HostAgents:
     ``start`` opens every channel in parallel (and may ask each agent to run a probe and a push
     survey first); the ``Supervisor`` then sends the spec of each host's ranks on the same
     channels. Every frame and every closed channel becomes an event on ``events``, in arrival
-    order.
+    order. With ``host_timeout``, each agent's silence clock runs from its start, and a thread per
+    host pings it (``keep_alive``) until ``close``: an agent whose controller vanishes during the
+    preflight or the push ends by itself, as it does during the job.
     """
 
-    def __init__(self, transport: Transport, hosts: Sequence[Host], *, pidns: bool = True) -> None:
+    def __init__(self, transport: Transport, hosts: Sequence[Host], *, pidns: bool = True,
+                 host_timeout: float | None = None) -> None:
         self.transport = transport
         self.pidns = pidns
+        self.host_timeout = host_timeout or None
+        self.quiet = threading.Event()  # set: the pingers stop
         self.links = {h.name: _HostLink(h) for h in hosts}
         self.events: queue.Queue[tuple[object, ...]] = queue.Queue()
         self.asked: dict[str, frozenset[int]] = {}  # host -> the answer frames it was asked for
@@ -218,8 +224,9 @@ class HostAgents:
         if not links:
             return
         requests: dict[str, bytes] = {}
+        watch = _message({"op": "watch", "host_timeout": self.host_timeout}) if self.host_timeout else b""
         for link in links:
-            name, asked, request = link.host.name, set(), b""
+            name, asked, request = link.host.name, set(), watch
             survey = (surveys or {}).get(name)
             if survey is not None:
                 from dlrun.sync import HELPER_SOURCE
@@ -233,6 +240,29 @@ class HostAgents:
             requests[name] = request
         with ThreadPoolExecutor(max_workers=min(32, len(links))) as pool:
             list(pool.map(lambda link: self._start(link, requests[link.host.name]), links))
+        if self.host_timeout is not None:
+            self.keep_alive(self.host_timeout)
+
+    def keep_alive(self, limit: float) -> None:
+        """Ping every started agent that no thread pings yet, every ``heartbeat_interval(limit)``.
+        Each host has a thread of its own: a send stuck on one dead connection must not starve
+        the others."""
+        interval = heartbeat_interval(limit)
+        for name, link in self.links.items():
+            if link.channel is not None and not link.pinged:
+                link.pinged = True
+                threading.Thread(target=self._pinger, args=(link, interval), name=f"dlrun-ping-{name}",
+                                 daemon=True).start()
+
+    def _pinger(self, link: _HostLink, interval: float) -> None:
+        ping = _message({"op": "ping"})
+        while not self.quiet.wait(interval):
+            if link.channel is None or link.closed or link.done or link.silent:
+                return
+            try:
+                link.channel.send(ping)
+            except DlrunError:
+                return  # the reader sees the connection end and reports it
 
     def _start(self, link: _HostLink, request: bytes) -> None:
         try:
@@ -304,9 +334,11 @@ class HostAgents:
         for name in names:
             link = self.links.pop(name, None)
             if link is not None and link.channel is not None:
+                link.closed = True
                 link.channel.close()
 
     def close(self) -> None:
+        self.quiet.set()
         for link in self.links.values():
             if link.channel is not None:
                 link.channel.close()
@@ -341,7 +373,7 @@ class Supervisor:
         self.ranks = {c.rank: _Rank(c) for c in commands}
         hosts = {c.host_name: c.spec.host for c in commands}
         if agents is None:
-            agents = HostAgents(transport, tuple(hosts.values()), pidns=pidns)
+            agents = HostAgents(transport, tuple(hosts.values()), pidns=pidns, host_timeout=host_timeout)
         else:  # agents started earlier (dlrun launch): hosts the plan does not use end now
             agents.release([name for name in agents.links if name not in hosts])
             agents.links.update({h.name: _HostLink(h) for name, h in hosts.items() if name not in agents.links})
@@ -381,6 +413,7 @@ class Supervisor:
             self._loop()
         finally:
             stop_beating.set()
+            self.agents.quiet.set()
             for link in self.links.values():
                 if link.channel is not None and not link.silent:  # a silent link is closed aside
                     link.channel.close()
@@ -431,13 +464,10 @@ class Supervisor:
 
     # --------------------------------------------------------------------- heartbeat
     def _heartbeat(self, limit: float, stop: threading.Event) -> None:
-        """Report a host that has sent nothing for ``limit`` seconds. Each host is pinged by a
-        thread of its own: a send stuck on one dead connection must not starve the others."""
+        """Report a host that has sent nothing for ``limit`` seconds (``HostAgents.keep_alive``
+        pings every agent)."""
         interval = heartbeat_interval(limit)
-        for name, link in self.links.items():
-            if link.channel is not None:
-                threading.Thread(target=self._pinger, args=(link, interval, stop), name=f"dlrun-ping-{name}",
-                                 daemon=True).start()
+        self.agents.keep_alive(limit)
         while not stop.wait(interval):
             now = time.monotonic()
             for name, link in list(self.links.items()):
@@ -446,17 +476,6 @@ class Supervisor:
                 if now - link.heard > limit:
                     link.silent = True
                     self.events.put(("silent", name, now - link.heard))
-
-    @staticmethod
-    def _pinger(link: _HostLink, interval: float, stop: threading.Event) -> None:
-        ping = _message({"op": "ping"})
-        while not stop.wait(interval):
-            if link.channel is None or link.closed or link.done or link.silent:
-                return
-            try:
-                link.channel.send(ping)
-            except DlrunError:
-                return  # the reader sees the connection end and reports it
 
     # --------------------------------------------------------------------- loop
     def _loop(self) -> None:

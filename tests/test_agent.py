@@ -246,3 +246,22 @@ def test_a_silent_controller_makes_the_agent_stop_its_ranks(rank: str) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_watch_arms_the_silence_clock_before_the_spec() -> None:
+    # an agent started early (probe, push survey) whose controller then vanishes: it ends by itself
+    proc = subprocess.Popen(agent_cmd(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(b'{"op": "watch", "host_timeout": 1.0}\n')
+        proc.stdin.flush()
+        for _ in range(6):  # pings keep it waiting well past the limit
+            time.sleep(0.3)
+            proc.stdin.write(b'{"op": "ping"}\n')
+            proc.stdin.flush()
+        assert proc.poll() is None
+        assert _wait_until(lambda: proc.poll() is not None, 15), "agent still waiting after 15 s of silence"
+        assert proc.returncode == 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from pathlib import Path
 
 from dlrun.inventory import parse_inline
@@ -168,3 +169,31 @@ def test_rank_never_started_is_not_started_not_stopped(tmp_path: Path) -> None:
     assert "connection to the host was lost" not in out
     assert "last 1 line of rank 0:" in out
     assert out.count("exited with code 5") == 2  # the notice and the root cause, no third line
+
+
+def test_agents_started_early_are_watched_and_pinged_before_the_spec() -> None:
+    from dlrun.supervisor import HostAgents
+
+    transport = FakeTransport()
+    hosts = parse_inline("a:1,b:1").hosts
+    agents = HostAgents(transport, hosts, host_timeout=0.6)  # pings every 0.2 s
+    agents.start(probe="print(1)")
+    try:
+        assert _wait(lambda: all(sum(m.get("op") == "ping" for m in transport.channels[h.name].sent) >= 2
+                                 for h in hosts), 10)
+        for h in hosts:
+            assert transport.channels[h.name].sent[0] == {"op": "watch", "host_timeout": 0.6}
+    finally:
+        agents.close()
+    sent = {h.name: len(transport.channels[h.name].sent) for h in hosts}
+    time.sleep(0.5)
+    assert {h.name: len(transport.channels[h.name].sent) for h in hosts} == sent  # closed: no more pings
+
+
+def _wait(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())
