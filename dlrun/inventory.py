@@ -109,7 +109,7 @@ def load_inventory(spec: str) -> Inventory:
     path = Path(spec)
     if path.is_file():
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")  # a Windows editor's BOM is not part of the text
         except (OSError, UnicodeDecodeError) as exc:
             raise InventoryError(f"cannot read: {exc}", source=spec) from exc
         if path.suffix == ".toml" or _looks_like_toml(text):
@@ -170,9 +170,11 @@ def parse_toml_inventory(text: str, *, source: str = "hosts.toml") -> Inventory:
         merged = {k: v for k, v in defaults.items() if k != "env"} | {k: v for k, v in raw.items() if k != "env"}
         env = {**defaults.get("env", {}), **raw.get("env", {})}
         address = merged["address"]
-        if not address.strip() or any(c.isspace() for c in address):
-            raise InventoryError("must be a host name or address without spaces", source=source,
-                                 line=line_of("address"), key=f"{where}.address")
+        if "[" in address or "]" in address or re.fullmatch(r"[^:]+:[0-9]+", address):
+            raise InventoryError("must be one host name or address: ranges ('node[01-04]') and ':N' slots are "
+                                 "for --hosts and hostfiles", source=source, line=line_of("address"),
+                                 key=f"{where}.address", hint="give each host its own [[hosts]] table and slots = N")
+        _check_address(address, source, line_of("address"), key=f"{where}.address")
         role = merged.get("role")
         if role is not None and role not in ROLES:
             raise InventoryError(
@@ -240,26 +242,14 @@ def _check_table(
                 raise InventoryError("must be a table of strings", source=source, line=line_of(key), key=f"{where}.env")
             for name, val in value.items():
                 if not isinstance(val, str):
-                    raise InventoryError(
-                        f"must be a string, not {_type_name(val)} (quote it)",
-                        source=source,
-                        line=line_of(key),
-                        key=f"{where}.env.{name}",
-                    )
-                if "\0" in val:
-                    raise InventoryError(
-                        "contains a NUL byte, which no environment can hold",
-                        source=source,
-                        line=line_of(key),
-                        key=f"{where}.env.{name}",
-                    )
-                if not _ENV_NAME.fullmatch(name):
-                    raise InventoryError(
-                        "is not a valid environment variable name",
-                        source=source,
-                        line=line_of(key),
-                        key=f"{where}.env.{name}",
-                    )
+                    problem = f"must be a string, not {_type_name(val)} (quote it)"
+                elif "\0" in val:
+                    problem = "contains a NUL byte, which no environment can hold"
+                elif not _ENV_NAME.fullmatch(name):
+                    problem = "is not a valid environment variable name"
+                else:
+                    continue
+                raise InventoryError(problem, source=source, line=line_of(f"env.{name}"), key=f"{where}.env.{name}")
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -289,8 +279,10 @@ class _Locator:
                 self.sections.append((match.group(1), number))
 
     def _key_in(self, start: int, end: int, key: str, *, dotted: bool = False) -> int | None:
-        """The first ``key = …`` line, or with ``dotted`` ``key.name = …`` (``env.A = "1"``)."""
-        pattern = re.compile(rf"^\s*\"?{re.escape(key)}\"?\s*" + (r"\." if dotted else "="))
+        """The first ``key = …`` line, or with ``dotted`` ``key.name = …`` (``env.A = "1"``).
+        ``key`` may itself be dotted (``env.A``): its parts may be quoted and spaced."""
+        parts = r"\s*\.\s*".join(rf"\"?{re.escape(part)}\"?" for part in key.split("."))
+        pattern = re.compile(rf"^\s*{parts}\s*" + (r"\." if dotted else "="))
         for number in range(start, end):
             if pattern.match(self.lines[number]):
                 return number + 1
@@ -312,30 +304,49 @@ class _Locator:
         return None
 
     def defaults(self, key: str) -> int | None:
-        for i, (name, _) in enumerate(self.sections):
-            if name == "defaults":
-                start, end = self._span(i)
-                return self._key_in(start, end, key) or start + 1
-        return None
+        found = self._table("defaults", 0, key, fallback=True)
+        if found is None:  # a [defaults.env] table with no [defaults] before it
+            table, _, inner = key.partition(".")
+            for i, (name, _) in enumerate(self.sections):
+                if name == f"defaults.{table}":
+                    start, end = self._span(i)
+                    return (self._key_in(start, end, inner) if inner else None) or start + 1
+        return found
 
     def host(self, index: int, key: str, *, fallback: bool = True) -> int | None:
+        return self._table("hosts", index, key, fallback=fallback)
+
+    def _table(self, header: str, index: int, key: str, *, fallback: bool) -> int | None:
+        """The line of ``key`` in the ``index``-th ``[header]`` table (or ``[[header]]``).
+
+        ``key`` may be ``""`` (the table's header line), a key of the table (``slots``), or of a
+        sub-table (``env.NAME``), which TOML lets a file write three ways: under ``[header.env]``,
+        as a dotted ``env.NAME = …`` or inline in ``env = {…}`` (then the ``env`` line).
+        """
         seen = -1
         for i, (name, _) in enumerate(self.sections):
-            if name == "hosts":
-                seen += 1
-                if seen == index:
-                    start, end = self._span(i)
-                    # a sub-table like [hosts.env] belongs to the same host
-                    j = i + 1
-                    while j < len(self.sections) and self.sections[j][0].startswith("hosts."):
-                        if key and self.sections[j][0] == f"hosts.{key}":
-                            return self.sections[j][1] + 1  # [hosts.env]
-                        end = self._span(j)[1]
-                        j += 1
-                    if not key:
-                        return start + 1 if fallback else None
-                    found = self._key_in(start, end, key) or self._key_in(start, end, key, dotted=True)
-                    return found or (start + 1 if fallback else None)
+            if name != header:
+                continue
+            seen += 1
+            if seen != index:
+                continue
+            start, end = self._span(i)
+            subs: dict[str, tuple[int, int]] = {}  # [header.sub] tables that follow belong to it
+            j = i + 1
+            while j < len(self.sections) and self.sections[j][0].startswith(header + "."):
+                subs[self.sections[j][0][len(header) + 1:]] = self._span(j)
+                j += 1
+            if not key:
+                return start + 1 if fallback else None
+            table, _, inner = key.partition(".")
+            found: int | None = None
+            if table in subs:
+                sub_start, sub_end = subs[table]
+                found = (self._key_in(sub_start, sub_end, inner) if inner else None) or sub_start + 1
+            else:
+                found = (self._key_in(start, end, key) or self._key_in(start, end, key, dotted=True)
+                         or (self._key_in(start, end, table) if inner else None))
+            return found or (start + 1 if fallback else None)
         return None
 
 
@@ -343,6 +354,8 @@ class _Locator:
 
 
 _RANGE = re.compile(r"\[([^\]]*)\]")
+_DIGITS = re.compile(r"[0-9]+")  # not str.isdigit: it takes '²' and '١', which int() refuses or reads
+MAX_HOSTS = 10_000  # what a range may name: more is a typo ('node[1-1000000]'), not a cluster
 
 
 def expand_range(pattern: str, *, source: str = "<inline>", line: int | None = None) -> list[str]:
@@ -357,12 +370,15 @@ def expand_range(pattern: str, *, source: str = "<inline>", line: int | None = N
     for part in match.group(1).split(","):
         part = part.strip()
         bounds = part.split("-")
-        if len(bounds) == 1 and bounds[0].isdigit():
+        if len(bounds) == 1 and _DIGITS.fullmatch(bounds[0]):
             items = [bounds[0]]
-        elif len(bounds) == 2 and bounds[0].isdigit() and bounds[1].isdigit():
+        elif len(bounds) == 2 and _DIGITS.fullmatch(bounds[0]) and _DIGITS.fullmatch(bounds[1]):
             lo, hi = int(bounds[0]), int(bounds[1])
             if lo > hi:
                 raise InventoryError(f"range {part!r} runs backwards", source=source, line=line, key="hosts")
+            if hi - lo >= MAX_HOSTS:
+                raise InventoryError(f"range {part!r} names more than {MAX_HOSTS} hosts", source=source, line=line,
+                                     key="hosts")
             width = len(bounds[0]) if bounds[0].startswith("0") else 0
             items = [str(n).zfill(width) for n in range(lo, hi + 1)]
         else:
@@ -374,6 +390,9 @@ def expand_range(pattern: str, *, source: str = "<inline>", line: int | None = N
             )
         for item in items:
             names.extend(expand_range(prefix + item + suffix, source=source, line=line))
+            if len(names) > MAX_HOSTS:
+                raise InventoryError(f"{pattern!r} names more than {MAX_HOSTS} hosts", source=source, line=line,
+                                     key="hosts")
     return names
 
 
@@ -404,7 +423,7 @@ def parse_inline(spec: str) -> Inventory:
         if not item:
             raise InventoryError("empty host entry", source="--hosts", key="hosts", hint="use 'h1:2,h2:4'")
         name, slots = item, None
-        if ":" in item and not item.startswith("["):
+        if _has_slots_suffix(item):
             name, _, count = item.rpartition(":")
             slots = _parse_slots(count, source="--hosts", line=None, item=item)
         for address in expand_range(name, source="--hosts"):
@@ -425,17 +444,22 @@ def parse_hostfile(text: str, *, source: str = "hostfile") -> Inventory:
             continue
         words = line.split()
         name, slots = words[0], None
-        for word in words[1:]:
-            key, sep, value = word.partition("=")
-            if key in ("slots", "max_slots", "max-slots") and sep:
-                if key == "slots":
-                    slots = _parse_slots(value, source=source, line=number, item=line)
-            else:
-                raise InventoryError(f"unexpected {word!r} (expected 'host slots=N')", source=source,
-                                     line=number, key="slots")
-        if ":" in name and slots is None and not name.startswith("["):
+        if _has_slots_suffix(name):
             name, _, count = name.rpartition(":")
             slots = _parse_slots(count, source=source, line=number, item=line)
+        given: set[str] = set()
+        for word in words[1:]:
+            key, sep, value = word.partition("=")
+            key = key.replace("-", "_")
+            if key not in ("slots", "max_slots") or not sep:
+                raise InventoryError(f"unexpected {word!r} (expected 'host slots=N')", source=source,
+                                     line=number, key="slots")
+            if key in given or (key == "slots" and slots is not None):
+                raise InventoryError(f"slots given twice in {line!r}", source=source, line=number, key=key)
+            given.add(key)
+            count = _parse_slots(value, source=source, line=number, item=line)  # max_slots is checked, not used
+            if key == "slots":
+                slots = count
         for address in expand_range(name, source=source, line=number):
             _check_address(address, source, number)
             hosts.append(Host(address=address, name=address, slots=slots))
@@ -447,8 +471,14 @@ def parse_hostfile(text: str, *, source: str = "hostfile") -> Inventory:
     return inv
 
 
+def _has_slots_suffix(item: str) -> bool:
+    """``host:N``, but not an IPv6 address (``::1``, ``2001:db8::10``), whose last group is no slot count."""
+    name, colon, _ = item.rpartition(":")
+    return bool(colon) and ":" not in name and not item.startswith("[")
+
+
 def _parse_slots(value: str, *, source: str, line: int | None, item: str) -> int:
-    if not value.isdigit():
+    if not _DIGITS.fullmatch(value):
         raise InventoryError(f"slots must be an integer in {item!r}", source=source, line=line, key="slots")
     slots = int(value)
     if slots < 1:
@@ -456,9 +486,12 @@ def _parse_slots(value: str, *, source: str, line: int | None, item: str) -> int
     return slots
 
 
-def _check_address(address: str, source: str, line: int | None) -> None:
-    if not re.fullmatch(r"[A-Za-z0-9_.:%@\-]+", address):
-        raise InventoryError(f"invalid host name {address!r}", source=source, line=line, key="address")
+def _check_address(address: str, source: str, line: int | None, key: str = "address") -> None:
+    # what OpenSSH accepts too (CVE-2023-51385): an ssh_config 'Match exec "… %h"' hands the
+    # name to a shell, and a leading '-' would read as an option there
+    if not re.fullmatch(r"[A-Za-z0-9_.:%@\-]+", address) or address.startswith("-"):
+        raise InventoryError(f"invalid host name {address!r}", source=source, line=line, key=key,
+                             hint="a host name, an IPv4 or IPv6 address (letters, digits, '.', '-', '_', ':', '%')")
 
 
 def _check_inventory(inv: Inventory, line_of: Any) -> None:
@@ -476,7 +509,7 @@ def _check_inventory(inv: Inventory, line_of: Any) -> None:
                 hint="list a host once and give it slots = N",
             )
         seen_names[host.name] = index
-        target = (host.address, host.port, host.user)
+        target = (host.address.lower(), host.port, host.user)  # host names are not case-sensitive
         if target in seen_targets:
             raise InventoryError(
                 f"duplicate host {host.address!r} (also hosts[{seen_targets[target]}])",

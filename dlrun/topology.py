@@ -26,8 +26,8 @@ matching.
 from __future__ import annotations
 
 import csv
-import io
 import re
+import textwrap
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -576,7 +576,10 @@ def parse_query_gpu_csv(text: str) -> tuple[Gpu, ...]:
     Without a header line (``noheader``) the columns are taken in :data:`QUERY_GPU_FIELDS`
     order. Error text (``Field "x" is not a valid field to query.``) yields no GPU.
     """
-    rows = [r for r in csv.reader(io.StringIO(text), skipinitialspace=True) if r]
+    try:
+        rows = [r for r in csv.reader(text.splitlines(), skipinitialspace=True) if r]
+    except csv.Error:  # not nvidia-smi's CSV (a field over the csv module's size limit)
+        return ()
     header: list[str] | None = None
     gpus: list[Gpu] = []
     for row in rows:
@@ -905,7 +908,8 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
     cells. Output without a matrix (Windows: ``ERROR: Option -m is missing its value``) gives an
     empty matrix whose ``error`` is its first line.
     """
-    lines = [strip_ansi(line).rstrip("\r") for line in text.splitlines()]
+    # a pasted copy may be indented as a whole (a markdown code block, a quoted mail)
+    lines = textwrap.dedent("\n".join(strip_ansi(line).rstrip("\r") for line in text.splitlines())).splitlines()
     head_i = _header_index(lines)
     if head_i is None:
         return TopoMatrix(error=_first_line(strip_ansi(text)))

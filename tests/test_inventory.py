@@ -72,12 +72,22 @@ def test_localhost_without_port_or_user_is_local() -> None:
         ('[defaults]\nfoo = 1\n[[hosts]]\naddress = "a"\n', 2, "defaults.foo", "unknown key"),
         ('[[hosts]]\naddress = "a"\nenv = { X = 1 }\n', 3, "hosts[0].env.X", "string"),
         ('[[hosts]]\naddress = "a"\nport = 70000\n', 3, "hosts[0].port", "TCP port"),
-        ('[[hosts]]\naddress = "a b"\n', 2, "hosts[0].address", "without spaces"),
+        ('[[hosts]]\naddress = "a b"\n', 2, "hosts[0].address", "invalid host name"),
+        # an address reaches a shell through ssh_config 'Match exec "… %h"' (CVE-2023-51385)
+        ('[[hosts]]\naddress = "gpu1;touch${IFS}/tmp/x;#"\n', 2, "hosts[0].address", "invalid host name"),
+        ('[[hosts]]\nslots = 1\naddress = "-oProxyCommand"\n', 3, "hosts[0].address", "invalid host name"),
+        ('[[hosts]]\naddress = "node[01-04]"\n', 2, "hosts[0].address", "ranges"),
+        ('[[hosts]]\naddress = "gpu2:4"\n', 2, "hosts[0].address", "':N' slots"),
         ('[[hosts]]\naddress = "a"\niface = "eth 0"\n', 3, "hosts[0].iface", "network interface name"),
         ('[[hosts]]\naddress = "a"\nname = "x\\n[9 fake] forged"\n', 3, "hosts[0].name", "printable name"),
         ('[[hosts]]\naddress = "a"\nenv = { A = "x\\u0000y" }\n', 3, "hosts[0].env.A", "NUL byte"),
-        ('[[hosts]]\naddress = "a"\n\n[hosts.env]\nA = 5\n', 4, "hosts[0].env.A", "string"),
+        ('[[hosts]]\naddress = "a"\n\n[hosts.env]\nA = 5\n', 5, "hosts[0].env.A", "string"),
         ('[[hosts]]\naddress = "a"\nslots = 1\nenv.A = 5\n', 4, "hosts[0].env.A", "string"),
+        ('[[hosts]]\naddress = "a"\n\n[hosts.env]\nB = "1"\nA = 5\n', 6, "hosts[0].env.A", "string"),
+        ('[defaults]\nuser = "ml"\n\n[defaults.env]\nB = "1"\nA = 5\n\n[[hosts]]\naddress = "a"\n', 6,
+         "defaults.env.A", "string"),
+        ('[defaults]\nuser = "ml"\nenv.A = 5\n[[hosts]]\naddress = "a"\n', 3, "defaults.env.A", "string"),
+        ('[defaults.env]\nA = 5\n\n[[hosts]]\naddress = "a"\n', 2, "defaults.env.A", "string"),
         ('[defaults]\niface = "a-very-long-interface"\n[[hosts]]\naddress = "a"\n', 2, "defaults.iface",
          "1-15 characters"),
         ('[cluster]\nx = 1\n', 1, "cluster", "unknown top-level"),
@@ -104,10 +114,38 @@ def test_inline_and_ranges_keep_padding() -> None:
     assert expand_range("rack[1-2]-gpu[0-1]") == ["rack1-gpu0", "rack1-gpu1", "rack2-gpu0", "rack2-gpu1"]
 
 
-@pytest.mark.parametrize("spec", ["h1:0", "h1:x", "a,,b", "n[3-1]", "n[1-", "h;rm -rf /", "a:2,a:3"])
+@pytest.mark.parametrize("spec", ["h1:0", "h1:x", "a,,b", "n[3-1]", "n[1-", "h;rm -rf /", "a:2,a:3",
+                                  "h1:\u00b2", "node[\u00b2-3]", "node[\u0661-\u0663]", "-h1", "GPU1:4,gpu1:4",
+                                  "node[1-200000]", "n[1-100]x[1-100]y[1-100]"])
 def test_inline_errors(spec: str) -> None:
     with pytest.raises(InventoryError):
         parse_inline(spec)
+
+
+def test_ipv6_addresses_keep_their_last_group() -> None:
+    inv = parse_inline("::1,2001:db8::10,fe80::1%eth0,h1:2")
+    assert [(h.address, h.slots) for h in inv.hosts] == [("::1", None), ("2001:db8::10", None),
+                                                         ("fe80::1%eth0", None), ("h1", 2)]
+    assert inv.hosts[0].is_local
+    inv = parse_hostfile("::1 slots=2\n2001:db8::10\n", source="hf")
+    assert [(h.address, h.slots) for h in inv.hosts] == [("::1", 2), ("2001:db8::10", None)]
+
+
+@pytest.mark.parametrize("text", ["h1 slots=2 slots=8\n", "h2:4 slots=2\n", "h3 max_slots=abc\n",
+                                  "h4 slots=\u00b2\n"])
+def test_hostfile_values_are_not_dropped_or_overridden(text: str) -> None:
+    with pytest.raises(InventoryError) as info:
+        parse_hostfile(text, source="hf")
+    assert info.value.line == 1
+
+
+def test_a_utf8_bom_is_not_part_of_the_inventory(tmp_path: Path) -> None:
+    toml = tmp_path / "hosts.toml"
+    toml.write_text('\ufeff[[hosts]]\naddress = "gpu1"\n', encoding="utf-8")
+    assert [h.address for h in load_inventory(str(toml)).hosts] == ["gpu1"]
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("\ufeffgpu1 slots=2\n", encoding="utf-8")
+    assert [h.address for h in load_inventory(str(hostfile)).hosts] == ["gpu1"]
 
 
 def test_hostfile_mpi_style() -> None:

@@ -128,6 +128,10 @@ def test_tabs_and_expanded_spaces_give_the_same_matrix(name: str) -> None:
     text = fixture(f"topo-m/{name}")
     assert parse_topo_matrix(text.expandtabs()) == parse_topo_matrix(text)
     assert parse_topo_matrix(text.replace("\n", "\r\n")) == parse_topo_matrix(text)
+    # pasted as a whole with an indent: a markdown code block, a quoted mail
+    for indent in ("    ", "\t", "  "):
+        indented = "\n".join(indent + line if line.strip() else line for line in text.expandtabs().splitlines())
+        assert parse_topo_matrix(indented) == parse_topo_matrix(text.expandtabs()), repr(indent)
 
 
 def test_raw_tab_files_are_the_ones_sources_md_names() -> None:
@@ -331,6 +335,8 @@ def test_query_gpu_csv_probe_fields_noheader_and_errors() -> None:
     assert parse_query_gpu_csv(noheader) == gpus
     assert parse_query_gpu_csv('Field "compute_cap" is not a valid field to query.\n') == ()
     assert parse_query_gpu_csv("") == ()
+    assert parse_query_gpu_csv("0, " + "x" * 200_000 + ", y\n") == ()  # over csv's field limit: no traceback
+    assert parse_query_gpu_csv(text.replace("\n", "\r\n")) == gpus
 
 
 def test_smi_L_mig_children() -> None:
