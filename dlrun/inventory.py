@@ -457,9 +457,9 @@ def parse_hostfile(text: str, *, source: str = "hostfile") -> Inventory:
             if key in given or (key == "slots" and slots is not None):
                 raise InventoryError(f"slots given twice in {line!r}", source=source, line=number, key=key)
             given.add(key)
-            count = _parse_slots(value, source=source, line=number, item=line)  # max_slots is checked, not used
+            number_of = _parse_slots(value, source=source, line=number, item=line)  # max_slots: checked, not used
             if key == "slots":
-                slots = count
+                slots = number_of
         for address in expand_range(name, source=source, line=number):
             _check_address(address, source, number)
             hosts.append(Host(address=address, name=address, slots=slots))
