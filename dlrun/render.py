@@ -43,11 +43,17 @@ class WorkerCommand:
 
 
 def tf_config(plan: Plan, spec: RankSpec) -> dict[str, Any]:
-    """TF_CONFIG for MultiWorkerMirroredStrategy, or the ParameterServerStrategy layout."""
+    """TF_CONFIG for MultiWorkerMirroredStrategy, or the ParameterServerStrategy layout.
+
+    The evaluator stays out of ``cluster`` (its own TF_CONFIG names only its task, which TF
+    allows for an evaluator): a ParameterServerStrategy chief connects to every task of the
+    cluster, and would wait forever for a server at the evaluator's address, where the user's
+    evaluation script runs instead.
+    """
     cluster: dict[str, list[str]] = {}
     for other in plan.ranks:
         cluster.setdefault(other.task_type, []).append(other.endpoint)
-    ordered = {kind: cluster[kind] for kind in ("chief", "worker", "ps", "evaluator") if kind in cluster}
+    ordered = {kind: cluster[kind] for kind in ("chief", "worker", "ps") if kind in cluster}
     return {"cluster": ordered, "task": {"type": spec.task_type, "index": spec.task_index}}
 
 

@@ -2,7 +2,7 @@
 
     dlrun launch --framework tf-ps --hosts hosts.toml examples/train_ps.py
 
-The inventory gives hosts roles (one ``chief``, ``worker``s, ``ps``). dlrun runs a
+The inventory gives hosts roles (one ``chief``, ``worker``s, ``ps``, at most one ``evaluator``). dlrun runs a
 ``tf.distribute.Server`` on every ps and worker and this script on the chief, which drives
 them with a ``ClusterCoordinator``: variables live on the ps tasks, steps run on the workers.
 When this script exits, dlrun stops the servers and exits with this script's code.
@@ -30,6 +30,10 @@ def main() -> None:
     args = parser.parse_args()
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    if resolver.task_type == "evaluator":  # a side-car evaluator (role = "evaluator") would read checkpoints
+        print(f"evaluator: beside {resolver.cluster_spec().num_tasks('worker')} workers; this example has no "
+              "checkpoints to evaluate")
+        return
     strategy = tf.distribute.ParameterServerStrategy(resolver)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     workers = resolver.cluster_spec().num_tasks("worker")

@@ -72,11 +72,14 @@ def test_parameter_server_strategy_chief_workers_ps(cluster, tmp_path: Path) -> 
         f'[[hosts]]\naddress = "{h[0].name}"\nrole = "chief"\nworkdir = "{h[0].workdir}"\n'
         f'[[hosts]]\naddress = "{h[1].name}"\nrole = "worker"\nslots = 2\nworkdir = "{h[1].workdir}"\n'
         f'[[hosts]]\naddress = "{h[2].name}"\nrole = "ps"\nworkdir = "{h[2].workdir}"\n'
+        # an evaluator runs the script, not a server: a cluster listing it made the chief wait forever
+        f'[[hosts]]\naddress = "{h[3].name}"\nrole = "evaluator"\nworkdir = "{h[3].workdir}"\n'
     )
     out = run_dlrun("launch", "--plain", "--framework", "tf-ps", "--grace", "3", "--hosts", str(hosts),
                     "--ssh-config", str(cluster.ssh_config), str(script), "--epochs", "6", cwd=tmp_path, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "chief: 2 workers, 1 ps" in out.stdout
+    assert "[4 host3] evaluator: beside 2 workers" in out.stdout
     assert "dlrun.tf_server: ps 0 serving" in out.stdout
     accuracy = float(re.findall(r"\[0 host0\] test accuracy: ([0-9.]+)", out.stdout)[0])
     assert accuracy >= 0.85

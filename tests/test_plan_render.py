@@ -63,9 +63,10 @@ def roles_inventory() -> Inventory:
 def test_tf_config_parameter_server_layout() -> None:
     plan = make_plan(roles_inventory(), job_id="j", framework="tf-ps")
     cfg = tf_config(plan, plan.ranks[2])
-    assert cfg["cluster"] == {"chief": ["c:23456"], "worker": ["w:23456", "w:23457"], "ps": ["p:23456"],
-                              "evaluator": ["e:23456"]}
+    # no evaluator in the cluster: the chief would wait for a server there (the evaluator runs the script)
+    assert cfg["cluster"] == {"chief": ["c:23456"], "worker": ["w:23456", "w:23457"], "ps": ["p:23456"]}
     assert cfg["task"] == {"type": "worker", "index": 1}
+    assert tf_config(plan, plan.ranks[-1]) == {"cluster": cfg["cluster"], "task": {"type": "evaluator", "index": 0}}
     assert plan.chief.host.name == "c"
     with pytest.raises(PlanError, match="role = 'chief'"):
         make_plan(parse_inline("a:2"), job_id="j", framework="tf-ps")
