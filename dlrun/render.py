@@ -20,7 +20,10 @@ from typing import Any
 
 from dlrun.plan import Plan, RankSpec
 
-SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|KEY", re.IGNORECASE)
+# names that hold secrets: HF_TOKEN, AWS_SECRET_ACCESS_KEY, DB_PASS, MYSQL_PWD, SMTP_PASSWD,
+# GIT_CREDENTIALS, HTTP_AUTH, WANDB_API_KEY, SESSION_COOKIE, SSH_PRIVATE…
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASS|PWD|CREDENTIAL|AUTH|KEY|COOKIE|PRIVATE", re.IGNORECASE)
+URL_PASSWORD = re.compile(r"(://[^/:@\s]*):[^/@\s]*@")  # scheme://user:password@host in any value
 MASK = "****"
 
 
@@ -205,8 +208,10 @@ def worker_commands(
 
 
 def mask_env(env: Mapping[str, str]) -> dict[str, str]:
-    """Hide the values of variables whose names contain TOKEN, SECRET, PASSWORD or KEY."""
-    return {name: (MASK if SECRET_NAME.search(name) else value) for name, value in env.items()}
+    """Hide the values of variables whose names say they hold a secret (``SECRET_NAME``), and
+    the password of a URL in any other value (``DATABASE_URL=postgres://u:****@db/x``)."""
+    return {name: (MASK if SECRET_NAME.search(name) else URL_PASSWORD.sub(rf"\1:{MASK}@", value))
+            for name, value in env.items()}
 
 
 def plan_to_json(commands: Sequence[WorkerCommand]) -> dict[str, Any]:
