@@ -82,10 +82,11 @@ class Inventory:
         return all(h.is_local for h in self.hosts)
 
     def with_slots(self, slots: Mapping[str, int]) -> Inventory:
-        """Fill unset slots from ``slots`` (host name → count, e.g. GPUs seen by the probe)."""
+        """Fill unset slots from ``slots`` (host name → count, e.g. GPUs seen by the probe).
+        A chief or evaluator host keeps one: a TensorFlow cluster has at most one of each."""
         hosts = tuple(
             Host(**{**_fields(h), "slots": slots[h.name]})
-            if h.slots is None and slots.get(h.name)
+            if h.slots is None and slots.get(h.name) and h.role not in ("chief", "evaluator")
             else h
             for h in self.hosts
         )
@@ -519,6 +520,16 @@ def _check_inventory(inv: Inventory, line_of: Any) -> None:
                 hint="list a host once and give it slots = N",
             )
         seen_targets[target] = index
+    local = [i for i, h in enumerate(inv.hosts) if h.is_local]
+    if len(local) > 1:  # one machine's ranks share its GPUs, local ranks and rendezvous scope
+        first, again = inv.hosts[local[0]], inv.hosts[local[1]]
+        raise InventoryError(
+            f"{again.address!r} is this machine, as {first.address!r} (hosts[{local[0]}]) is",
+            source=inv.source,
+            line=line_of(local[1], "address"),
+            key=f"hosts[{local[1]}].address",
+            hint="list this machine once and give it slots = N",
+        )
     for role in ("chief", "evaluator"):
         holders = [i for i, h in enumerate(inv.hosts) if h.role == role]
         slots = sum(inv.hosts[i].effective_slots for i in holders)

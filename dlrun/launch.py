@@ -317,6 +317,21 @@ def facing_address(addresses: Sequence[str]) -> str:
             return "0.0.0.0"
 
 
+def reachable_addresses(hosts: Sequence[Host], addresses: Mapping[str, str]) -> dict[str, str]:
+    """Where the ranks reach each host. In a job that mixes this machine with remote hosts, a
+    local host's loopback address would send the remote ranks to themselves: it becomes this
+    machine's address on the route to them (unchanged when no route is known)."""
+    found = {h.name: addresses.get(h.name, h.address) for h in hosts}
+    remote = [found[h.name] for h in hosts if not h.is_local]
+    if not remote or all(not h.is_local for h in hosts):
+        return found
+    mine = facing_address(remote)
+    if mine == "0.0.0.0":
+        return found
+    local = {h.name for h in hosts if h.is_local}
+    return {name: mine if name in local and is_loopback(address) else address for name, address in found.items()}
+
+
 @contextmanager
 def horovod_rendezvous(plan: Plan) -> Iterator[tuple[str, int]]:
     """dlrun's Horovod rendezvous server for this plan, stopped when the job ends."""
@@ -404,9 +419,11 @@ def launch(config: LaunchConfig) -> int:
     job_id = new_job_id()
     warning = keras_warning(config, inventory)
     if config.dry_run:
-        pushed = planned_push(config, job_plan(config, inventory, job_id).hosts)
+        planned_hosts = job_plan(config, inventory, job_id).hosts
+        pushed = planned_push(config, planned_hosts)
         shown = replace(config, script=pushed.script) if pushed.script is not None else config
-        _, commands = render_commands(shown, pushed.apply(inventory), job_id, cwd_for=pushed.cwd_for)
+        _, commands = render_commands(shown, pushed.apply(inventory), job_id, cwd_for=pushed.cwd_for,
+                                      addresses=reachable_addresses(planned_hosts, {}))
         warn_replaced_env(config, commands)
         if config.json_output:
             print(json.dumps(plan_to_json(commands), indent=2))
@@ -434,7 +451,7 @@ def launch(config: LaunchConfig) -> int:
 
         manifest = pusher.submit(scan_code, code_dir)  # hashes (or reads the cache) while we connect
     try:
-        addresses = transport.connect(used_hosts)
+        addresses = reachable_addresses(used_hosts, transport.connect(used_hosts))
         targets = survey_code(code_dir, used_hosts, manifest.result()) if code_dir and manifest is not None else {}
         surveys = None
         if targets:

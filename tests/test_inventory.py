@@ -45,6 +45,10 @@ def test_slots_unset_is_none_and_counts_one() -> None:
     inv = parse_toml_inventory('[[hosts]]\naddress = "h"\n')
     assert inv.hosts[0].slots is None and inv.total_slots == 1
     assert inv.with_slots({"h": 8}).hosts[0].slots == 8
+    # GPUs found on a chief's or evaluator's host make no second chief: TF allows one
+    roles = parse_toml_inventory('[[hosts]]\naddress = "c"\nrole = "chief"\n[[hosts]]\naddress = "e"\n'
+                                 'role = "evaluator"\n[[hosts]]\naddress = "w"\n')
+    assert [h.effective_slots for h in roles.with_slots({"c": 4, "e": 4, "w": 4}).hosts] == [1, 1, 4]
 
 
 def test_localhost_without_port_or_user_is_local() -> None:
@@ -116,7 +120,7 @@ def test_inline_and_ranges_keep_padding() -> None:
 
 @pytest.mark.parametrize("spec", ["h1:0", "h1:x", "a,,b", "n[3-1]", "n[1-", "h;rm -rf /", "a:2,a:3",
                                   "h1:\u00b2", "node[\u00b2-3]", "node[\u0661-\u0663]", "-h1", "GPU1:4,gpu1:4",
-                                  "node[1-200000]", "n[1-100]x[1-100]y[1-100]"])
+                                  "node[1-200000]", "n[1-100]x[1-100]y[1-100]", "localhost:2,127.0.0.1:2"])
 def test_inline_errors(spec: str) -> None:
     with pytest.raises(InventoryError):
         parse_inline(spec)

@@ -127,6 +127,12 @@ def test_secrets_masked_everywhere() -> None:
     env = {"WANDB_API_KEY": "abc", "HF_TOKEN": "t", "DB_PASSWORD": "p", "MY_SECRET": "s", "PLAIN": "v"}
     assert mask_env(env) == {"WANDB_API_KEY": "****", "HF_TOKEN": "****", "DB_PASSWORD": "****",
                              "MY_SECRET": "****", "PLAIN": "v"}
+    more = {n: "s3" for n in ("DB_PASS", "MYSQL_PWD", "SMTP_PASSWD", "GIT_CREDENTIALS", "HTTP_AUTH", "SSH_PRIVATE")}
+    assert set(mask_env(more).values()) == {"****"}
+    urls = {"DATABASE_URL": "postgres://u:s7@db/x", "PIP_INDEX_URL": "https://tok:s8@pypi.example/simple",
+            "MASTER": "spark://m:7077", "NOTE": "a:b@c"}
+    assert mask_env(urls) == {"DATABASE_URL": "postgres://u:****@db/x", "PIP_INDEX_URL": "https://tok:****@pypi.example/simple",
+                              "MASTER": "spark://m:7077", "NOTE": "a:b@c"}
     plan = make_plan(Inventory(hosts=(Host(address="h", name="h", env={"HF_TOKEN": "hunter2"}),)), job_id="j")
     doc = plan_to_json(worker_commands(plan, "t.py", [], python_for={"h": ["python3"]}))
     assert "hunter2" not in json.dumps(doc)
@@ -214,3 +220,23 @@ def test_interfaces_at_finds_the_one_holding_the_hosts_address() -> None:
             assert interfaces_at([report], {"here": ipv4}) == {"here": iface.name}
     assert interfaces_at([report], {"here": "localhost"}) == {"here": "lo"}  # a name is resolved
     assert interfaces_at([report], {"here": "192.0.2.77"}) == {}  # TEST-NET: nobody holds it
+
+
+def test_local_hosts_in_a_job_with_remote_ones_get_the_address_facing_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    # MASTER_ADDR, TF_CONFIG and HOROVOD_HOSTNAME at 127.0.0.1 would send the remote ranks to themselves
+    import dlrun.launch
+    from dlrun.launch import reachable_addresses
+
+    mixed = parse_inline("localhost:1,10.0.0.5:1").hosts
+    monkeypatch.setattr(dlrun.launch, "facing_address", lambda remote: "10.0.0.9" if remote == ["10.0.0.5"] else "")
+    assert reachable_addresses(mixed, {"localhost": "127.0.0.1"}) == {"localhost": "10.0.0.9", "10.0.0.5": "10.0.0.5"}
+    plan = make_plan(parse_inline("localhost:1,10.0.0.5:1"), job_id="j", framework="torch",
+                     addresses=reachable_addresses(mixed, {}))
+    assert torch_env(plan, plan.ranks[1])["MASTER_ADDR"] == "10.0.0.9"
+    monkeypatch.setattr(dlrun.launch, "facing_address", lambda remote: "0.0.0.0")  # no route: left as found
+    assert reachable_addresses(mixed, {"localhost": "127.0.0.1"})["localhost"] == "127.0.0.1"
+    monkeypatch.undo()
+    # hosts on loopback addresses (the sshd test cluster) keep theirs, and so does this machine
+    on_loopback = (Host(address="localhost", name="localhost"), Host(address="127.0.0.2", name="h", port=2222))
+    assert reachable_addresses(on_loopback, {"localhost": "127.0.0.1"}) == {"localhost": "127.0.0.1", "h": "127.0.0.2"}
+    assert reachable_addresses(parse_inline("localhost:2").hosts, {}) == {"localhost": "localhost"}
