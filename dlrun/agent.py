@@ -113,6 +113,9 @@ class Agent:
         self.heard = time.monotonic()  # when the controller last sent anything
         self.silence_limit: float | None = None  # the spec's (or a watch's) host_timeout
         self.in_namespace = in_namespace
+        # without a PID namespace: orphans of the job are re-parented to us (become_subreaper),
+        # so the sweep finds even one that left its session and dropped its environment
+        self.subreaper = False
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.open_streams: dict[int, int] = {}  # rank -> number of open pipes
         self.exited: dict[int, int] = {}
@@ -327,7 +330,7 @@ class Agent:
         would report 0 (subprocess's answer to ECHILD), which once turned a killed rank into
         "succeeded".
         """
-        if not self.in_namespace:
+        if not (self.in_namespace or self.subreaper):
             return
         ranks = {proc.pid: proc for proc in self.procs.values() if proc.returncode is None}
         while True:
@@ -380,7 +383,8 @@ class Agent:
         return ready
 
     def sweep(self) -> None:
-        """Kill every process of this user tagged by this agent (catches setsid escapes).
+        """Kill every process of this user tagged by this agent (catches setsid escapes), and
+        as a subreaper every process left among our children (orphans re-parented to us).
 
         The tag is job id + host name: several inventory hosts may be one machine (aliases,
         loopback test hosts), and one agent must never kill another agent's ranks.
@@ -400,9 +404,11 @@ class Agent:
                         continue
                     with open("/proc/" + entry + "/environ", "rb") as fh:
                         environ = fh.read().split(b"\0")
-                except OSError:
+                    with open("/proc/" + entry + "/stat", "rb") as fh:
+                        ppid = int(fh.read().rpartition(b")")[2].split()[1])
+                except (OSError, ValueError, IndexError):
                     continue
-                if tag in environ:
+                if tag in environ or (self.subreaper and ppid == me):
                     found = True
                     try:
                         os.kill(int(entry), signal.SIGKILL)
@@ -430,6 +436,16 @@ exec "$@"
 """
 
 
+def become_subreaper() -> bool:
+    """``prctl(PR_SET_CHILD_SUBREAPER)``: orphaned descendants come to this process, not init."""
+    try:
+        import ctypes
+
+        return int(ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def pidns_argv(agent_argv: list[str]) -> list[str]:
     """``agent_argv`` wrapped so that it runs in a PID namespace where one can be made."""
     return ["sh", "-c", PIDNS_WRAPPER, "dlrun-agent", *agent_argv]
@@ -440,6 +456,7 @@ def _run_agent(argv: list[str]) -> int:
     stdin_fd = sys.stdin.fileno()
     os.set_blocking(stdin_fd, False)
     agent = Agent(sys.stdout.buffer, in_namespace, stdin_fd)
+    agent.subreaper = not in_namespace and become_subreaper()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: _on_signal(agent, signum))
     wake_r, wake_w = os.pipe()

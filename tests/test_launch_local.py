@@ -109,6 +109,42 @@ def test_grandchildren_and_setsid_children_die_with_the_job(tmp_path: Path) -> N
     assert wait_gone(pids, job_id) == []
 
 
+ESCAPER = """
+import os, subprocess, sys
+# a helper with an env of its own, in a session of its own (as daemon launchers start them)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", sys.argv[1]],
+                 env={"PATH": os.environ["PATH"]}, start_new_session=True)
+print("spawned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("pidns", [True, False])
+def test_a_child_without_the_jobs_env_or_session_dies_with_the_job(tmp_path: Path, pidns: bool) -> None:
+    # no tag to find it by: a PID namespace catches it, and without one the agent is its subreaper
+    marker = f"dlrun-escaper-{os.getpid()}-{pidns}"
+    script = write(tmp_path / "escape.py", ESCAPER)
+    out = run_dlrun("launch", "--plain", *([] if pidns else ["--no-pidns"]), str(script), marker, cwd=tmp_path)
+    assert out.returncode == 0 and "spawned" in out.stdout, out.stdout + out.stderr
+
+    def escaped() -> list[int]:
+        found = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                pass
+        return found
+
+    deadline = time.monotonic() + 5
+    while escaped() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = escaped()
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+
+
 @pytest.mark.parametrize("pidns", [True, False])
 def test_sigkill_of_dlrun_leaves_no_process(tmp_path: Path, pidns: bool) -> None:
     script = write(tmp_path / "fork.py", SLEEPER)
