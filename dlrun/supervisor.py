@@ -174,6 +174,12 @@ def _message(message: Mapping[str, Any]) -> bytes:
     return json.dumps(message).encode() + b"\n"
 
 
+def _with_agent_words(reason: str, stderr: str, code: int | None) -> str:
+    """``reason``, then the last lines the agent (or what started it) wrote, and its exit code."""
+    detail = stderr.strip().splitlines()[-3:]
+    return reason + (": " + " / ".join(detail) if detail else "") + ("" if code is None else f" (agent exit {code})")
+
+
 def _close_aside(channel: Channel) -> None:
     """Close a channel in a thread of its own: over a dead connection closing can block."""
     threading.Thread(target=channel.close, name="dlrun-close", daemon=True).start()
@@ -451,8 +457,9 @@ class Supervisor:
         }
         try:
             link.channel.send(_message(spec))
-        except DlrunError as exc:
-            return str(exc.message)
+        except DlrunError as exc:  # the agent is gone: what it said last is the reason
+            code = link.channel.wait(2)
+            return _with_agent_words(str(exc.message), link.channel.stderr_text(), code)
         # the silence clock starts now: an agent started early (dlrun launch) waited quietly
         # through the preflight and the push, which may take longer than host_timeout
         link.heard = time.monotonic()
@@ -606,9 +613,7 @@ class Supervisor:
             reason = "could not start"
         else:
             reason = link.channel.lost_reason() or "connection to the host was lost"
-        detail = stderr.strip().splitlines()[-3:]
-        self._host_failed(host, reason + (": " + " / ".join(detail) if detail else "")
-                          + ("" if code is None else f" (agent exit {code})"))
+        self._host_failed(host, _with_agent_words(reason, stderr, code))
 
     def _silent(self, host: str, seconds: float) -> None:
         link = self.links[host]

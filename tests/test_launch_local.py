@@ -300,3 +300,13 @@ def test_tf_example_trains_on_two_local_workers(tmp_path: Path) -> None:
     assert re.search(r"\[1 localhost\] epoch 12/12: loss", out.stdout)
     assert (tmp_path / "dlrun-model" / "digits.keras").exists()
     assert "all 2 ranks succeeded" in out.stdout
+
+
+def test_an_agent_that_cannot_start_says_why_without_the_preflight_too(tmp_path: Path) -> None:
+    script = write(tmp_path / "hi.py", "print('hi')\n")
+    hosts = write(tmp_path / "hosts.toml", '[[hosts]]\naddress = "localhost"\npython = "/nope/python3"\n')
+    out = run_dlrun("launch", "--plain", "--no-preflight", "--framework", "none", "--hosts", str(hosts), str(script),
+                    cwd=tmp_path)
+    assert out.returncode == 255, out.stdout + out.stderr
+    cause = r"root cause: host localhost \(rank 0\): .*/nope/python3.*(No such file|not found)"
+    assert re.search(cause, out.stdout), out.stdout
