@@ -515,6 +515,7 @@ class SparkChannel(Channel):
         self._send_lock = threading.Lock()
         self._eof = threading.Event()
         self._closes = 0
+        self._agent_done = False  # the agent sent DONE: its ranks are over and it exits by itself
         self.end: dict[str, Any] | None = None  # the task's TASK_END payload
         self.reason = "the Spark task ended without a word (executor lost or task killed?)"
 
@@ -558,7 +559,9 @@ class SparkChannel(Channel):
             self._eof.set()
             return b""
         for kind, _rank, payload in self._decoder.feed(data):
-            if kind == TASK_END:
+            if kind == agent.DONE:
+                self._agent_done = True
+            elif kind == TASK_END:
                 try:
                     self.end = json.loads(payload)
                 except ValueError:
@@ -585,9 +588,11 @@ class SparkChannel(Channel):
     def close(self) -> None:
         """First: EOF to the agent (its watchdog stops the ranks); again: drop the connection.
 
-        Once the task has half-closed (its agent exited), the socket stays open for the verdict.
+        Once the agent said DONE, or the task has half-closed (its agent exited), the socket
+        stays open: the task waits on it for the verdict, and a write side shut here would
+        leave it none (its stage would fail although every rank succeeded).
         """
-        if self._eof.is_set():
+        if self._eof.is_set() or (self._agent_done and self._closes == 0):
             return
         self._closes += 1
         try:

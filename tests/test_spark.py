@@ -367,6 +367,17 @@ class TestLocal:
             assert ended - first >= 1.0
         assert (tmp_path / "logs" / job_id_of(out) / "rank-1.log").read_text().splitlines()[0] == "tick 0"
 
+    def test_a_successful_job_is_a_successful_stage(self, tmp_path: Path, local_sc: Any) -> None:
+        # the driver once shut its side of a task's socket before the verdict went out: the
+        # task raised 'the driver hung up' and Spark failed the stage of a job that succeeded
+        for attempt in range(3):
+            code, out, _ = run(tmp_path / str(attempt), write(tmp_path / "ok.py", "print('ok')\n"),
+                               master=self.MASTER, num_workers=2)
+            assert code == 0, out
+            tracker = local_sc.statusTracker()
+            jobs = [tracker.getJobInfo(j) for j in tracker.getJobIdsForGroup(job_id_of(out))]
+            assert [j.status for j in jobs] == ["SUCCEEDED"], (attempt, out)
+
     def test_too_many_tasks_fail_fast_with_the_numbers(self, tmp_path: Path) -> None:
         started = time.monotonic()
         with pytest.raises(BackendError) as info:
