@@ -32,11 +32,11 @@ Horovod, tasks on one machine count as one Horovod host (``horovod_topology``).
 Before submitting: dynamic allocation is refused (barrier mode needs it off), and N must fit
 the free task slots — Spark itself would wait about ten minutes before failing.
 
-The user's script reaches the executors inside a zip archive (``SparkContext.addArchive``;
-``addFile`` refuses directories on non-local masters), unpacked next to each task, so no
-shared filesystem is needed. Only this module imports pyspark, and only when it runs; the
-task side imports nothing from dlrun (it is pickled by value), so executors need pyspark and
-Python only.
+The script's directory reaches the executors inside a zip archive, with the files a push
+would send (``SparkContext.addArchive``; ``addFile`` refuses directories on non-local
+masters), unpacked next to each task, where the ranks run: no shared filesystem is needed.
+Only this module imports pyspark, and only when it runs; the task side imports nothing from
+dlrun (it is pickled by value), so executors need pyspark and Python only.
 """
 
 from __future__ import annotations
@@ -276,20 +276,27 @@ def check_context(sc: Any, spark: SparkConfig) -> None:
 
 
 def ship_script(sc: Any, script: str, job_id: str, staging: Path) -> tuple[str, str] | None:
-    """Send the script to the executors in ``dlrun-<job>.zip``; (archive, file name) or None.
+    """Send the script's directory to the executors in ``dlrun-<job>.zip``, as ``dlrun push``
+    would send it (``.gitignore``, ``.dlrunignore``, no ``.git`` or ``__pycache__``): the
+    script's own modules and files go along. (archive, script's name in it) or None.
 
     ``staging`` must live as long as the SparkContext (it is under Spark's own driver temp
     directory): executors fetch every registered file before running any later task.
 
     A ``script`` that is no file here (a command on the executors' PATH) is not shipped.
     """
+    from dlrun.sync import scan_code
+
     path = Path(script)
     if not path.is_file():
         return None
+    root = path.resolve().parent
     staging.mkdir(parents=True, exist_ok=True)
     archive = staging / f"dlrun-{job_id}.zip"
-    with zipfile.ZipFile(archive, "w") as zf:
-        zf.write(path, path.name)
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
+        names = {e.path for e in scan_code(root).entries if not e.is_link or (root / e.path).is_file()}
+        for name in sorted(names | {path.name}):  # a link to a file goes as that file's bytes
+            zf.write(root / name, name)
     try:
         sc.addArchive(str(archive))
     except Exception as exc:
@@ -704,6 +711,8 @@ def task_commands(
         config.script,
         config.args,
         python_for={h.name: [h.python] for h in ordered},
+        # as pushed over SSH: a rank runs in its unpacked project directory
+        cwd_for={h.name: os.path.dirname(h.script) if h.script else None for h in ordered},
         extra_env=config.env,
         rendezvous=rendezvous or (("127.0.0.1", 0) if config.framework == "horovod" else None),
         ifaces=socket_ifaces(plan, config.iface, {h.name: h.iface for h in ordered if h.iface}),

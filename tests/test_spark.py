@@ -241,7 +241,7 @@ def test_task_commands_use_the_tasks_ports_gpus_python_and_script() -> None:
     assert "CUDA_VISIBLE_DEVICES" not in commands[0].env
     assert commands[1].argv == ("/envs/p1/bin/python", "/exec1/dlrun-j.zip/train.py", "--epochs", "3")
     assert commands[0].env["A"] == "1" and commands[0].env["DLRUN_WORLD_SIZE"] == "2"
-    assert commands[0].cwd is None
+    assert commands[0].cwd == "/exec0/dlrun-j.zip"  # where the project was unpacked, as pushed over SSH
     torch = replace(config, framework="torch")
     _, commands = task_commands(torch, [hello(0, 4000), hello(1, 4001)], "job")
     assert commands[1].env["MASTER_ADDR"] == "10.0.0.1" and commands[1].env["MASTER_PORT"] == "4000"
@@ -366,6 +366,21 @@ class TestLocal:
             assert last - first >= 1.0, f"rank {rank}'s lines came in one burst: {seen}"
             assert ended - first >= 1.0
         assert (tmp_path / "logs" / job_id_of(out) / "rank-1.log").read_text().splitlines()[0] == "tick 0"
+
+    def test_the_scripts_directory_goes_along_as_a_push_sends_it(self, tmp_path: Path) -> None:
+        project = tmp_path / "proj"
+        (project / "conf").mkdir(parents=True)
+        write(project / "helper.py", "GREETING = 'hello from helper'\n")
+        write(project / "conf" / "settings.txt", "lr=0.1\n")
+        write(project / ".dlrunignore", "secret.txt\n")
+        write(project / "secret.txt", "x\n")
+        script = write(project / "train.py", "import os, helper\n"
+                       "settings = open('conf/settings.txt').read().strip()\n"
+                       "print(helper.GREETING, settings, os.path.exists('secret.txt'))\n")
+        code, out, _ = run(tmp_path, script, master=self.MASTER, num_workers=2)
+        assert code == 0, out
+        for rank in (0, 1):
+            assert re.search(rf"^\[{rank} task{rank}@\S+\] hello from helper lr=0.1 False$", out, re.M), out
 
     def test_a_successful_job_is_a_successful_stage(self, tmp_path: Path, local_sc: Any) -> None:
         # the driver once shut its side of a task's socket before the verdict went out: the
