@@ -186,6 +186,8 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
 @click.option("--conf", "conf_pairs", multiple=True, help="Spark: k=v configuration (repeatable).")
 @click.option("--max-restarts", type=int, default=0, show_default=True,
               help="Spark: relaunch the barrier stage (fresh ports) this many times after a failure.")
+@click.option("--start-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+              help="Spark: seconds for every task to start and report (slow clusters, busy slots).")
 @_with_ssh_options
 @_reports_errors
 def launch(
@@ -215,6 +217,7 @@ def launch(
     gpus_per_worker: int,
     conf_pairs: tuple[str, ...],
     max_restarts: int,
+    start_timeout: float,
     ssh_config: str | None,
     known_hosts: str | None,
     accept_new_host_keys: bool,
@@ -233,8 +236,14 @@ def launch(
         raise click.UsageError("--json goes with --dry-run")
     _refuse_unused({"--shard": "shard", "--split-lines": "split_lines"}, data is None, "--data DIR")
     _refuse_unused({"--master": "master", "--cores-per-worker": "cores_per_worker", "--gpus-per-worker":
-                    "gpus_per_worker", "--conf": "conf_pairs", "--max-restarts": "max_restarts"},
+                    "gpus_per_worker", "--conf": "conf_pairs", "--max-restarts": "max_restarts",
+                    "--start-timeout": "start_timeout"},
                    backend != "spark", "--backend spark")
+    _refuse_unused({"--data": "data", "--shard": "shard", "--split-lines": "split_lines", "--push/--no-push": "push",
+                    "--base-port": "base_port", "--no-preflight": "no_preflight", "--ssh-config": "ssh_config",
+                    "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
+                    "--connect-timeout": "connect_timeout"},
+                   backend == "spark", "the SSH backend, not --backend spark (Spark places tasks and ships the code)")
     config = LaunchConfig(
         script=script,
         args=args,
@@ -278,6 +287,7 @@ def launch(
             gpus_per_worker=gpus_per_worker,
             conf=_parse_env(conf_pairs, "--conf"),
             max_restarts=max_restarts,
+            start_timeout=start_timeout,
         )
         sys.exit(run_spark(config, spark))
     _exit_now(run_launch(config))

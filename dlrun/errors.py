@@ -20,6 +20,7 @@ The tree::
     ├── PreflightError              exit 1: error findings stop the launch
     ├── RendezvousError             the Horovod key-value server could not start
     └── BackendError                a backend (Spark) cannot run the job (missing pyspark, slots)
+        └── BackendUnavailable      exit 255: its cluster failed us (Spark did not start, tasks never reported)
 
 A job whose ranks fail is not an exception: the supervisor returns a ``RunResult`` whose
 root cause names rank, host, exit code and last lines, and dlrun exits with that rank's code.
@@ -132,3 +133,10 @@ class RendezvousError(DlrunError):
 
 class BackendError(DlrunError):
     """A backend (Spark) cannot run this job: missing dependency, too few slots, bad config."""
+
+
+class BackendUnavailable(BackendError):
+    """The backend's cluster failed before the job could start (Spark would not start, its stage
+    failed or its tasks never reported): like an unreachable host, not a usage error."""
+
+    exit_code = 255

@@ -140,6 +140,13 @@ def render_commands(
     return plan, commands
 
 
+def check_ranks_shown(config: LaunchConfig, world_size: int) -> None:
+    """``--ranks`` names ranks of the job: nothing would be shown for others (a typo, not a wish)."""
+    unknown = sorted(set(config.ranks_shown or ()) - set(range(world_size)))
+    if unknown:
+        raise UsageError(f"--ranks {','.join(map(str, unknown))}: the job has ranks 0 to {world_size - 1}")
+
+
 def warn_replaced_env(config: LaunchConfig, commands: Sequence[WorkerCommand]) -> None:
     """Say which ``--env`` values the ranks do not get (dlrun sets them: TF_CONFIG, RANK …)."""
     for name in sorted(n for n in config.env if any(c.env.get(n) != config.env[n] for c in commands)):
@@ -496,9 +503,7 @@ def launch(config: LaunchConfig) -> int:
 def _supervise(config: LaunchConfig, transport: Transport, commands: Sequence[WorkerCommand], job_id: str,
                agents: HostAgents | None = None) -> int:
     """Run the rendered ranks under the supervisor with the right view; the job's exit code."""
-    unknown = sorted(set(config.ranks_shown or ()) - {c.rank for c in commands})
-    if unknown:  # nothing would be shown for them: a typo, not a wish
-        raise UsageError(f"--ranks {','.join(map(str, unknown))}: the job has ranks 0 to {len(commands) - 1}")
+    check_ranks_shown(config, len(commands))
     log_dir = Path(config.log_dir or "dlrun-logs") / job_id
     view = make_view(config.ranks_shown, force_plain=config.plain)
     supervisor = Supervisor(

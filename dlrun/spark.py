@@ -63,9 +63,18 @@ from types import ModuleType
 from typing import Any
 
 from dlrun import agent
-from dlrun.errors import BackendError, HostUnreachable, UsageError
+from dlrun.errors import BackendError, BackendUnavailable, HostUnreachable, UsageError
 from dlrun.inventory import Host, Inventory
-from dlrun.launch import LaunchConfig, forward_signals, keras_warning, new_job_id, socket_ifaces
+from dlrun.launch import (
+    LaunchConfig,
+    check_local_inputs,
+    check_ranks_shown,
+    forward_signals,
+    keras_warning,
+    new_job_id,
+    socket_ifaces,
+    warn_replaced_env,
+)
 from dlrun.plan import Plan, make_plan
 from dlrun.render import WorkerCommand, worker_argv, worker_commands
 from dlrun.supervisor import RankState, RunResult, Supervisor, View
@@ -131,10 +140,12 @@ def run_spark(config: LaunchConfig, spark: SparkConfig, *, view: View | None = N
     ``view`` replaces the terminal view (tests); by default it is ``make_view``'s.
     """
     check_request(config, spark)
+    # the hosts are not known yet: one stand-in without env, so only config and script count
+    stand_in = Inventory(hosts=(Host(address="spark", name="spark"),))
+    check_local_inputs(config, stand_in)  # the script is shipped from here; the logs are written here
     pyspark = import_pyspark()
     job_id = new_job_id()
-    # the hosts are not known yet: one stand-in without env, so only config and script count
-    warning = keras_warning(config, Inventory(hosts=(Host(address="spark", name="spark"),)))
+    warning = keras_warning(config, stand_in)
     if warning:
         print(f"dlrun: warning: {warning}", file=sys.stderr)
     shown = view or make_view(config.ranks_shown, force_plain=config.plain)
@@ -175,6 +186,7 @@ def check_request(config: LaunchConfig, spark: SparkConfig) -> None:
         raise UsageError("--dry-run is not available with --backend spark: tasks pick hosts and ports when they run")
     if config.framework == "tf-ps":
         raise UsageError("--framework tf-ps is not supported with --backend spark (use tf, horovod, torch or none)")
+    check_ranks_shown(config, spark.num_workers)
     if _dynamic_allocation(spark.conf):
         raise _dynamic_allocation_error()
 
@@ -242,7 +254,7 @@ def spark_context(pyspark: ModuleType, spark: SparkConfig, *, app_name: str) -> 
             conf.set(key, value)
         sc = pyspark.SparkContext(conf=conf)
     except Exception as exc:
-        raise BackendError(f"cannot start Spark ({spark.master}): {spark_error_text(exc)}") from exc
+        raise BackendUnavailable(f"cannot start Spark ({spark.master}): {spark_error_text(exc)}") from exc
     try:
         yield sc
     finally:
@@ -300,7 +312,7 @@ def ship_script(sc: Any, script: str, job_id: str, staging: Path) -> tuple[str, 
     try:
         sc.addArchive(str(archive))
     except Exception as exc:
-        raise BackendError(f"cannot ship {script} to the executors: {spark_error_text(exc)}") from exc
+        raise BackendUnavailable(f"cannot ship {script} to the executors: {spark_error_text(exc)}") from exc
     return archive.name, path.name
 
 
@@ -477,24 +489,24 @@ class HelloServer:
         conn.close()
 
     def wait(self, timeout: float, failed: Callable[[], str | None]) -> dict[int, TaskLink]:
-        """Every task's link, in partition order; BackendError if the stage fails or is slow."""
+        """Every task's link, in partition order; BackendUnavailable if the stage fails or is slow."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while len(self.links) < self.size:
                 error = failed()
                 if error is not None:
-                    raise BackendError(
+                    raise BackendUnavailable(
                         f"the Spark stage failed before every task reported ({len(self.links)} of {self.size}):"
                         f" {error}"
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(self.size)) - set(self.links))
-                    raise BackendError(
+                    raise BackendUnavailable(
                         f"only {len(self.links)} of {self.size} Spark tasks reported within {timeout:.0f} s"
                         f" (missing partitions {', '.join(map(str, missing))})",
                         hint="are the slots taken by another job? can the executors reach the driver"
-                        " (spark.driver.host)? raise the start timeout for slow clusters",
+                        " (spark.driver.host)? raise --start-timeout for slow clusters",
                     )
                 self._cond.wait(min(left, 0.2))
             return dict(sorted(self.links.items()))
@@ -875,6 +887,8 @@ def _run_stage(
             if config.framework == "horovod":
                 rendezvous = stack.enter_context(_horovod_rendezvous(hellos, driver_host))
             _, commands = task_commands(config, hellos, job_id, rendezvous=rendezvous)
+            if not re.search(r"-r\d+$", job_id):  # once, not again for each restart
+                warn_replaced_env(config, commands)
             supervisor = Supervisor(
                 transport,
                 commands,

@@ -219,7 +219,17 @@ def test_option_values_that_cannot_work_are_usage_errors(tmp_path: Path) -> None
     for args, words in ((["--ranks", "7"], "--ranks 7: the job has ranks 0 to 1"),
                         (["--base-port", "-5"], "not in the range"), (["--grace", "-1"], "not in the range"),
                         (["--shard", "size"], "--shard goes with --data DIR"),
-                        (["--conf", "a=b", "--max-restarts", "1"], "--conf, --max-restarts go with --backend spark")):
+                        (["--conf", "a=b", "--max-restarts", "1"], "--conf, --max-restarts go with --backend spark"),
+                        (["--start-timeout", "5"], "--start-timeout goes with --backend spark"),
+                        # the SSH path's options and checks, refused or made before Spark starts
+                        (["--backend", "spark", "--master", "local[2]", "--data", str(tmp_path)],
+                         "--data goes with the SSH backend, not --backend spark"),
+                        (["--backend", "spark", "--master", "local[2]", "--no-push", "--base-port", "3000"],
+                         "--push/--no-push, --base-port go with the SSH backend"),
+                        (["--backend", "spark", "--master", "local[2]", "--ranks", "7"],
+                         "--ranks 7: the job has ranks 0 to 1"),
+                        (["--backend", "spark", "--master", "local[2]", "--log-dir", "/dev/null/logs"],
+                         "cannot create the log directory")):
         out = run_dlrun("launch", "--plain", "--framework", "none", *args, str(script), cwd=tmp_path)
         assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
         assert "[0 localhost] ok" not in out.stdout

@@ -404,6 +404,8 @@ class TestLocal:
         with pytest.raises(BackendError) as info:
             run(tmp_path, write(tmp_path / "t.py", TICKS), master=self.MASTER, num_workers=2, start_timeout=0.01)
         assert re.match(r"only [01] of 2 Spark tasks reported within 0 s \(missing partitions ", str(info.value))
+        assert info.value.exit_code == 255  # the cluster failed us, as an unreachable host does: not a usage error
+        assert "--start-timeout" in str(info.value.hint)
         deadline = time.monotonic() + 10  # the status tracker follows Spark's listener bus, a little late
         while local_sc.statusTracker().getActiveJobsIds() and time.monotonic() < deadline:
             time.sleep(0.1)
