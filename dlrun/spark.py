@@ -994,6 +994,27 @@ def interface_holding(address: str) -> str | None:
     return None
 
 
+_SPARK_WORKER_ENV = ("PYTHON_WORKER_", "PYTHON_UDF_", "PYTHON_DAEMON_", "_PYSPARK_", "SPARK_PYTHON_RUNTIME",
+                     "SPARK_REUSE_WORKER", "SPARK_CONNECT_MODE", "SPARK_JOB_ARTIFACT_UUID", "SPARK_LOCAL_DIRS")
+
+
+def rank_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The task's environment without what Spark set up for its own Python worker: ranks get
+    what an SSH host's would. Gone: the worker's secret (``PYTHON_WORKER_FACTORY_SECRET``, which
+    authenticates it to the executor), Spark's worker settings, its default ``PYTHONHASHSEED=0``
+    and pyspark's and py4j's entries in ``PYTHONPATH``. Kept: ``SPARK_HOME`` and the like, and
+    ``OMP_NUM_THREADS`` (Spark sets it to the task's CPUs)."""
+    env = {k: v for k, v in environ.items() if not k.startswith(_SPARK_WORKER_ENV)}
+    if env.get("PYTHONHASHSEED") == "0":
+        del env["PYTHONHASHSEED"]
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+             if p and not re.search(r"pyspark|py4j|spark-core", os.path.basename(p))]
+    env.pop("PYTHONPATH", None)
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
 def _task_main(setup: Mapping[str, Any], _rows: Iterable[Any]) -> Iterator[str]:
     import ctypes
     import signal
@@ -1053,9 +1074,8 @@ def _task_main(setup: Mapping[str, Any], _rows: Iterable[Any]) -> Iterator[str]:
         argv = ["sh", "-c", setup["pidns_wrapper"], "dlrun-agent", *argv]
     with tempfile.TemporaryFile() as errors:
         try:
-            proc = subprocess.Popen(
-                argv, stdin=sock.fileno(), stdout=sock.fileno(), stderr=errors, preexec_fn=die_with_parent
-            )
+            proc = subprocess.Popen(argv, stdin=sock.fileno(), stdout=sock.fileno(), stderr=errors,
+                                    env=rank_environ(os.environ), preexec_fn=die_with_parent)
             code = proc.wait()
             code = 128 - code if code < 0 else code
         except OSError as exc:

@@ -35,6 +35,7 @@ from dlrun.spark import (
     _task_main,
     import_pyspark,
     interface_holding,
+    rank_environ,
     run_spark,
     slots_message,
     spark_context,
@@ -247,6 +248,16 @@ def test_task_commands_use_the_tasks_ports_gpus_python_and_script() -> None:
     assert commands[1].env["MASTER_ADDR"] == "10.0.0.1" and commands[1].env["MASTER_PORT"] == "4000"
 
 
+def test_ranks_do_not_get_what_spark_set_up_for_its_python_worker() -> None:
+    worker = {"PYTHONPATH": "/s/pyspark/python/lib/pyspark.zip:/s/py4j-0.10.9.9-src.zip:/mine", "PATH": "/bin",
+              "PYTHON_WORKER_FACTORY_SECRET": "f01a", "PYTHON_UDF_BATCH_SIZE": "100", "PYTHONHASHSEED": "0",
+              "SPARK_REUSE_WORKER": "1", "_PYSPARK_DRIVER_CONN_INFO_PATH": "/tmp/x", "SPARK_HOME": "/s",
+              "OMP_NUM_THREADS": "1"}
+    assert rank_environ(worker) == {"PYTHONPATH": "/mine", "PATH": "/bin", "SPARK_HOME": "/s", "OMP_NUM_THREADS": "1"}
+    assert "PYTHONPATH" not in rank_environ({"PYTHONPATH": "/s/pyspark.zip"})
+    assert rank_environ({"PYTHONHASHSEED": "7"}) == {"PYTHONHASHSEED": "7"}  # the user's own seed stays
+
+
 def test_each_task_gets_the_interface_its_executor_reported() -> None:
     torch = LaunchConfig(script="train.py", framework="torch")
     tasks = [replace(hello(0, 4000), iface="eth0"), replace(hello(1, 4001), iface="enp65s0f1"), hello(2, 4002)]
@@ -376,11 +387,13 @@ class TestLocal:
         write(project / "secret.txt", "x\n")
         script = write(project / "train.py", "import os, helper\n"
                        "settings = open('conf/settings.txt').read().strip()\n"
-                       "print(helper.GREETING, settings, os.path.exists('secret.txt'))\n")
+                       "print(helper.GREETING, settings, os.path.exists('secret.txt'),\n"
+                       "      'PYTHON_WORKER_FACTORY_SECRET' in os.environ)\n")
         code, out, _ = run(tmp_path, script, master=self.MASTER, num_workers=2)
         assert code == 0, out
         for rank in (0, 1):
-            assert re.search(rf"^\[{rank} task{rank}@\S+\] hello from helper lr=0.1 False$", out, re.M), out
+            # the project went along, minus what .dlrunignore names; Spark's worker secret did not
+            assert re.search(rf"^\[{rank} task{rank}@\S+\] hello from helper lr=0.1 False False$", out, re.M), out
 
     def test_a_successful_job_is_a_successful_stage(self, tmp_path: Path, local_sc: Any) -> None:
         # the driver once shut its side of a task's socket before the verdict went out: the
