@@ -41,9 +41,11 @@ dlrun (it is pickled by value), so executors need pyspark and Python only.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import importlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -159,7 +161,8 @@ def run_spark(config: LaunchConfig, spark: SparkConfig, *, view: View | None = N
         attempt = 0
         while True:
             attempt_id = job_id if attempt == 0 else f"{job_id}-r{attempt}"
-            result = _run_stage(sc, config, spark, attempt_id, shipped, shown)
+            with _quiet_task_failures(sc):
+                result = _run_stage(sc, config, spark, attempt_id, shipped, shown)
             if result.ok or result.interrupted_by is not None or attempt == spark.max_restarts:
                 return result.exit_code
             attempt += 1
@@ -252,7 +255,11 @@ def spark_context(pyspark: ModuleType, spark: SparkConfig, *, app_name: str) -> 
         conf = pyspark.SparkConf().setMaster(spark.master).setAppName(app_name)
         for key, value in settings.items():
             conf.set(key, value)
-        sc = pyspark.SparkContext(conf=conf)
+        logging.disable(logging.ERROR)  # py4j logs a traceback when Ctrl-C interrupts the JVM's start
+        try:
+            sc = pyspark.SparkContext(conf=conf)
+        finally:
+            logging.disable(logging.NOTSET)
     except Exception as exc:
         raise BackendUnavailable(f"cannot start Spark ({spark.master}): {spark_error_text(exc)}") from exc
     try:
@@ -912,6 +919,31 @@ def _run_stage(
             link.sock.close()
         if job.thread.is_alive():
             job.end(timeout=0)
+
+
+#: What Spark logs for every failed task: the whole Python traceback of ``_task_main``'s
+#: verdict, once per task (~150 lines for 2 tasks), whose one line of news the root cause holds.
+_TASK_FAILURE_LOGGERS = ("org.apache.spark.executor.Executor", "org.apache.spark.scheduler.TaskSetManager")
+
+
+@contextmanager
+def _quiet_task_failures(sc: Any) -> Iterator[None]:
+    """Silence ``_TASK_FAILURE_LOGGERS`` (log4j2, in the driver's JVM) while a stage runs."""
+    try:
+        log4j = sc._jvm.org.apache.logging.log4j
+        manager, configurator = log4j.LogManager, log4j.core.config.Configurator
+        before = {name: manager.getLogger(name).getLevel() for name in _TASK_FAILURE_LOGGERS}
+        for name in _TASK_FAILURE_LOGGERS:
+            configurator.setLevel(name, log4j.Level.OFF)
+    except Exception:  # another logging backend, or no JVM view: Spark keeps its say
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            for name, level in before.items():
+                configurator.setLevel(name, level)
 
 
 @contextmanager

@@ -395,6 +395,20 @@ class TestLocal:
             # the project went along, minus what .dlrunignore names; Spark's worker secret did not
             assert re.search(rf"^\[{rank} task{rank}@\S+\] hello from helper lr=0.1 False False$", out, re.M), out
 
+    def test_spark_logs_no_traceback_per_failed_task_while_a_stage_runs(self, local_sc: Any) -> None:
+        # each task's verdict is an exception: Spark would log its whole traceback, per task
+        from dlrun.spark import _TASK_FAILURE_LOGGERS, _quiet_task_failures
+
+        log4j = local_sc._jvm.org.apache.logging.log4j
+
+        def levels() -> list[str]:
+            return [str(log4j.LogManager.getLogger(name).getLevel()) for name in _TASK_FAILURE_LOGGERS]
+
+        before = levels()
+        with _quiet_task_failures(local_sc):
+            assert levels() == ["OFF", "OFF"]
+        assert levels() == before
+
     def test_a_successful_job_is_a_successful_stage(self, tmp_path: Path, local_sc: Any) -> None:
         # the driver once shut its side of a task's socket before the verdict went out: the
         # task raised 'the driver hung up' and Spark failed the stage of a job that succeeded
