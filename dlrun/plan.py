@@ -130,14 +130,17 @@ def make_plan(
         left -= take
 
     uses_roles = framework == "tf-ps" or any(h.role for h, _ in used)
+    kinds = {h.role or "worker" for h, _ in used}
     if framework == "tf-ps":
-        kinds = {h.role for h, _ in used}
-        if "chief" not in kinds or "ps" not in kinds:
+        if not {"chief", "ps", "worker"} <= kinds:
             raise PlanError(
-                "--framework tf-ps needs a host with role = 'chief' and at least one with role = 'ps'"
-                f" (roles used: {', '.join(sorted(k or 'none' for k in kinds))})",
-                hint="set role in hosts.toml; see hosts.example.toml",
+                "--framework tf-ps needs a host with role = 'chief', one or more with role = 'ps' and one or"
+                f" more workers (roles used: {', '.join(sorted(kinds))})",
+                hint="set role in hosts.toml (a host without one is a worker); see hosts.example.toml",
             )
+    elif "ps" in kinds:
+        raise PlanError(f"role = 'ps' needs --framework tf-ps, not {framework}",
+                        hint="parameter servers belong to ParameterServerStrategy; drop the role otherwise")
     ranks: list[RankSpec] = []
     rank = 0
     type_counts: dict[str, int] = {}

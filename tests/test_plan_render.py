@@ -70,6 +70,12 @@ def test_tf_config_parameter_server_layout() -> None:
     assert plan.chief.host.name == "c"
     with pytest.raises(PlanError, match="role = 'chief'"):
         make_plan(parse_inline("a:2"), job_id="j", framework="tf-ps")
+    chief_and_ps = parse_toml_inventory('[[hosts]]\naddress = "c"\nrole = "chief"\n'
+                                        '[[hosts]]\naddress = "p"\nrole = "ps"\n')
+    with pytest.raises(PlanError, match="one or more workers"):  # the chief would have nobody to drive
+        make_plan(chief_and_ps, job_id="j", framework="tf-ps")
+    with pytest.raises(PlanError, match="role = 'ps' needs --framework tf-ps"):
+        make_plan(roles_inventory(), job_id="j", framework="tf")
 
 
 def test_tf_config_is_accepted_by_tensorflows_resolver(monkeypatch: pytest.MonkeyPatch) -> None:
