@@ -160,8 +160,9 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
 @click.option("--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: localhost).")
 @click.option("--np", "-n", "np_", type=int, help="Number of ranks (default: every slot; 2 on localhost).")
 @click.option("--framework", type=click.Choice(FRAMEWORKS), default="tf", show_default=True)
-@click.option("--base-port", type=click.IntRange(1, 65535), default=DEFAULT_BASE_PORT, show_default=True,
-              help="Port of local rank 0.")
+@click.option("--base-port", type=click.IntRange(1, 65535),
+              help=f"Port of local rank 0 (default {DEFAULT_BASE_PORT}; on this machine alone, the first free run "
+              "of ports from there, so that jobs side by side do not collide).")
 @click.option("--dry-run", is_flag=True, help="Print each rank's host, env and argv; start nothing.")
 @click.option("--json", "json_output", is_flag=True, help="With --dry-run: print the plan as JSON.")
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Where rank-N.log files go (default dlrun-logs/).")
@@ -196,7 +197,7 @@ def launch(
     hosts: str | None,
     np_: int | None,
     framework: str,
-    base_port: int,
+    base_port: int | None,
     dry_run: bool,
     json_output: bool,
     log_dir: str | None,

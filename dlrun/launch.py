@@ -59,7 +59,7 @@ class LaunchConfig:
     args: tuple[str, ...] = ()
     hosts: str | None = None
     np: int | None = None
-    base_port: int = DEFAULT_BASE_PORT
+    base_port: int | None = None  # None: DEFAULT_BASE_PORT, or the first free run here (local_base_port)
     framework: str = "tf"
     dry_run: bool = False
     json_output: bool = False
@@ -108,7 +108,7 @@ def make_transport(inventory: Inventory, ssh: SSHOptions) -> Transport:
 def job_plan(config: LaunchConfig, inventory: Inventory, job_id: str,
              addresses: Mapping[str, str] | None = None) -> Plan:
     """The rank plan of this launch (``make_plan`` with the options that shape it)."""
-    return make_plan(inventory, job_id=job_id, np=config.np, base_port=config.base_port,
+    return make_plan(inventory, job_id=job_id, np=config.np, base_port=config.base_port or DEFAULT_BASE_PORT,
                      framework=config.framework, addresses=addresses)
 
 
@@ -138,6 +138,30 @@ def render_commands(
         gpus_for=gpus_for,
     )
     return plan, commands
+
+
+def local_base_port(inventory: Inventory, np: int | None) -> int:
+    """The base port for a job whose ranks all run on this machine: the first run of free ports
+    from ``DEFAULT_BASE_PORT`` up (two local jobs side by side, e.g. CI smoke tests, would
+    otherwise collide on 23456). Hosts elsewhere: ``DEFAULT_BASE_PORT``, which is checked there."""
+    import socket
+
+    if not all(h.is_local for h in inventory.hosts):
+        return DEFAULT_BASE_PORT
+    count = np or (inventory.total_slots if all(h.slots for h in inventory.hosts) else 16)  # 16: slots from GPUs
+
+    def free(port: int) -> bool:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                return False
+            return True
+
+    for base in range(DEFAULT_BASE_PORT, 65536 - count, count):
+        if all(free(base + i) for i in range(count)):
+            return base
+    return DEFAULT_BASE_PORT
 
 
 def check_ranks_shown(config: LaunchConfig, world_size: int) -> None:
@@ -423,6 +447,8 @@ def launch(config: LaunchConfig) -> int:
     if config.hosts is None and config.np is not None and config.np < 1:
         raise UsageError("--np must be at least 1")
     inventory = resolve_inventory(config.hosts, config.np)
+    if config.base_port is None:
+        config = replace(config, base_port=local_base_port(inventory, config.np))
     job_id = new_job_id()
     warning = keras_warning(config, inventory)
     if config.dry_run:

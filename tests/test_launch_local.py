@@ -320,3 +320,30 @@ def test_an_agent_that_cannot_start_says_why_without_the_preflight_too(tmp_path:
     assert out.returncode == 255, out.stdout + out.stderr
     cause = r"root cause: host localhost \(rank 0\): .*/nope/python3.*(No such file|not found)"
     assert re.search(cause, out.stdout), out.stdout
+
+
+def test_local_jobs_side_by_side_take_free_ports(tmp_path: Path) -> None:
+    import socket
+
+    busy = socket.socket()  # another job (or anything) holds the default base port
+    busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        busy.bind(("", 23456))
+    except OSError:
+        pass  # held already: so much the better
+    busy.listen()
+    try:
+        script = write(tmp_path / "bind.py", "import json, os, socket\n"
+                       "me = json.loads(os.environ['TF_CONFIG'])\n"
+                       "port = int(me['cluster']['worker'][me['task']['index']].rsplit(':', 1)[1])\n"
+                       "socket.socket().bind(('', port))\n"
+                       "print('bound', port)\n")
+        out = run_dlrun("launch", "--plain", "--np", "2", str(script), cwd=tmp_path)
+        assert out.returncode == 0, out.stdout + out.stderr
+        ports = sorted(int(p) for p in re.findall(r"\] bound (\d+)$", out.stdout, re.M))
+        assert len(ports) == 2 and 23456 not in ports and ports[1] == ports[0] + 1, out.stdout
+        given = run_dlrun("launch", "--dry-run", "--json", "--np", "2", "--base-port", "23456", str(script),
+                          cwd=tmp_path)  # a port the user names is used as named
+        assert json.loads(given.stdout)["ranks"][0]["port"] == 23456
+    finally:
+        busy.close()
