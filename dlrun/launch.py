@@ -419,6 +419,19 @@ def forward_signals(supervisor: Supervisor) -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def default_ranks_for_gpus(inventory: Inventory, reports: Sequence[HostReport]) -> Inventory:
+    """The default job (no --hosts, no --np: 2 ranks here) on a machine with one GPU: 1 rank,
+    with a notice. Two would share the GPU, which the preflight refuses for a job that asks for
+    it; the default asked for nothing (a CPU smoke test on a one-GPU laptop)."""
+    (host,) = inventory.hosts
+    gpus = next((r.gpu_slots for r in reports if r.host == host.name and r.reachable), 0)
+    if not 0 < gpus < (host.slots or 1):
+        return inventory
+    print(f"dlrun: {gpus} GPU here: starting {gpus} rank, not {host.slots}, so that ranks do not share it"
+          f" (-n {host.slots} --no-preflight starts {host.slots} that do)", file=sys.stderr)
+    return localhost_inventory(gpus)
+
+
 def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
     """Before any connection: a ``.py`` script that must be here (a local rank runs it, or its
     directory is pushed) exists, and the log directory can be written."""
@@ -500,6 +513,8 @@ def launch(config: LaunchConfig) -> int:
             from dlrun.preflight import check_preflight, report_from_answer
 
             reports = [report_from_answer(a.host, a.stdout, a.error) for a in answers.values()]
+            if config.hosts is None and config.np is None:
+                inventory = default_ranks_for_gpus(inventory, reports)
             preflight = check_preflight(inventory, used_hosts, reports)  # an error finding raises here
             for finding in preflight.findings:
                 if finding.severity == "warning":

@@ -25,6 +25,11 @@ MIG = {  # one H100 with MIG on and 4 instances: 4 slots, one MIG device each
     "-L": "smi-L/h100-mig-4-instances-drv590.txt",
     "": "smi-q/h100-mig-enabled-q-text-drv590.txt",
 }
+ONE_GPU = {  # one H100, no MIG
+    "--query-gpu=": "query-gpu-csv/h100-80gb-hbm3-all-fields-idle-drv590.csv.txt",
+    "topo -m": "topo-m/h100-80gb-hbm3-single-gpu-raw-tabs-drv590.txt",
+    "": "smi-q/h100-80gb-hbm3-q-text-drv590.txt",
+}
 HOST_KEYS = {"host", "reachable", "gpus", "cuda_version", "links", "nics", "findings"}
 GPU_KEYS = {"index", "name", "uuid", "pci_bus_id", "memory_mib", "driver", "mig"}
 NIC_KEYS = {"name", "port", "state", "rate_gbps", "link_layer", "netdev"}
@@ -56,6 +61,21 @@ def test_local_topo_json_with_replayed_nvidia_smi(tmp_path: Path) -> None:
     assert {n["name"] for n in host["nics"]} >= {"mlx5_0", "mlx5_bond_0"}
     text = run_dlrun("topo", env=env, cwd=tmp_path)
     assert "GPU0" in text.stdout and "mlx5_0" in text.stdout
+
+
+@needs_fixtures
+def test_the_default_job_on_a_one_gpu_machine_starts_one_rank(tmp_path: Path) -> None:
+    # 'dlrun launch train.py' asks for nothing: its 2 ranks must not become a preflight error here
+    write_fake_tool(tmp_path, "nvidia-smi", ONE_GPU)
+    script = tmp_path / "gpus.py"
+    script.write_text("import os\nprint('GPU', os.environ['DLRUN_RANK'], os.environ.get('CUDA_VISIBLE_DEVICES'))\n")
+    env = env_with_path(tmp_path, DLRUN_SYSFS_ROOT=str(tmp_path))
+    out = run_dlrun("launch", "--plain", "--framework", "none", str(script), env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.findall(r"\] GPU (\d) GPU-", out.stdout) == ["0"], out.stdout  # one rank, given the GPU
+    assert "1 GPU here: starting 1 rank, not 2" in out.stderr
+    asked = run_dlrun("launch", "--plain", "--framework", "none", "-n", "2", str(script), env=env, cwd=tmp_path)
+    assert asked.returncode == 1 and "2 slots but only 1 GPUs" in asked.stderr  # asked for: still refused
 
 
 def test_local_topo_without_gpus_is_clean(tmp_path: Path) -> None:
