@@ -35,6 +35,7 @@ are the unsafe ones. Plain paramiko keeps every one of those choices visible her
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 import shlex
 import socket
@@ -67,6 +68,12 @@ try:
 finally:
     if _BLOCK_INVOKE:
         sys.modules.pop("invoke", None)
+
+
+# paramiko logs each failed handshake ("Error reading SSH protocol banner") with a traceback,
+# which Python's last-resort handler prints to stderr; dlrun reports the same failure itself,
+# naming the host, as a HostUnreachable.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 class _InvokeOnFirstUse:

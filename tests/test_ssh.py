@@ -285,3 +285,33 @@ def test_match_exec_in_ssh_config_works_though_invoke_is_imported_late(tmp_path:
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["10.9.8.7", "2201"]
+
+
+def test_a_port_that_is_no_ssh_server_is_named_without_a_traceback(tmp_path: Path) -> None:
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts, then hangs up: no SSH banner
+    port = listener.getsockname()[1]
+
+    def hang_up() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[[hosts]]\naddress = "127.0.0.1"\nport = {port}\n')
+    (tmp_path / "ssh_config").write_text("")
+    (tmp_path / "job.py").write_text("print('never')\n")
+    try:
+        out = run_dlrun("launch", "--plain", "--hosts", str(hosts), "--ssh-config", str(tmp_path / "ssh_config"),
+                        "--connect-timeout", "3", "--framework", "none", "job.py", cwd=tmp_path, timeout=60)
+    finally:
+        listener.close()
+    assert out.returncode == 255, out.stdout + out.stderr
+    assert "127.0.0.1" in out.stderr and "banner" in out.stderr
+    assert "Traceback" not in out.stderr and "Exception (client)" not in out.stderr  # paramiko's own log
