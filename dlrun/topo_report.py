@@ -146,6 +146,19 @@ def nic_table(report: HostReport) -> Table:
     return table
 
 
+def interfaces_line(report: HostReport) -> Text:
+    """``interfaces eth0 192.0.2.2 (default route)  lo 127.0.0.1``: what --iface and the
+    inventory's ``iface`` can name (the names differ from host to host)."""
+    text = Text("interfaces", style="dim")
+    for iface in report.interfaces:
+        text.append("  ").append(iface.name, style="bold")
+        if iface.ipv4:
+            text.append(" " + " ".join(iface.ipv4))
+        if iface.default_route:
+            text.append(" (default route)", style="dim")
+    return text
+
+
 def host_section(report: HostReport) -> RenderableType:
     """Everything about one host."""
     parts: list[RenderableType] = [Rule(Text(report.host, style="bold"), align="left")]
@@ -165,6 +178,8 @@ def host_section(report: HostReport) -> RenderableType:
         parts.append(Text(f"topo -m: {report.topo.error}", style="dim"))
     if report.nics:
         parts.append(nic_table(report))
+    if report.interfaces:
+        parts.append(interfaces_line(report))
     for problem in report.problems:
         parts.append(Text(f"problem: {problem}", style="yellow"))
     for note in report.notes:

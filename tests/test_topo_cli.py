@@ -85,6 +85,11 @@ def test_local_topo_without_gpus_is_clean(tmp_path: Path) -> None:
     doc = json.loads(out.stdout)
     check_shape(doc)
     assert doc["hosts"][0]["gpus"] == [] and doc["hosts"][0]["nics"] == []
+    names = [i["name"] for i in doc["hosts"][0]["interfaces"]]
+    text = run_dlrun("topo", env=env_with_path(None, PATH="/usr/bin:/bin", DLRUN_SYSFS_ROOT=str(tmp_path)),
+                     cwd=tmp_path)
+    line = next(x for x in text.stdout.splitlines() if x.startswith("interfaces"))
+    assert names and all(name in line for name in names)  # what --iface may name, shown per host
 
 
 def fake_gpu_python(cluster, tmp: Path, replies: dict[str, str]) -> str:  # type: ignore[no-untyped-def]
