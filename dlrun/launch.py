@@ -468,8 +468,13 @@ def launch(config: LaunchConfig) -> int:
         planned_hosts = job_plan(config, inventory, job_id).hosts
         pushed = planned_push(config, planned_hosts)
         shown = replace(config, script=pushed.script) if pushed.script is not None else config
-        _, commands = render_commands(shown, pushed.apply(inventory), job_id, cwd_for=pushed.cwd_for,
-                                      addresses=reachable_addresses(planned_hosts, {}))
+        addresses = reachable_addresses(planned_hosts, {})
+        plan, commands = render_commands(shown, pushed.apply(inventory), job_id, cwd_for=pushed.cwd_for,
+                                         addresses=addresses)
+        if config.framework == "horovod":  # dlrun's rendezvous server binds a free port when the job starts
+            where = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": facing_address([r.address for r in plan.ranks]),
+                     "HOROVOD_GLOO_RENDEZVOUS_PORT": "<a free port, chosen at launch>"}
+            commands = tuple(replace(c, env={**c.env, **where}) for c in commands)
         warn_replaced_env(config, commands)
         if config.json_output:
             print(json.dumps(plan_to_json(commands), indent=2))

@@ -184,6 +184,9 @@ def test_dry_run_text_and_json_mask_secrets(tmp_path: Path) -> None:
                          "task": {"type": "worker", "index": 2}}
     assert doc["ranks"][0]["env"]["HF_TOKEN"] == "****"
     assert "hunter2" not in out.stdout
+    horovod = run_dlrun("launch", "--dry-run", "--framework", "horovod", "--np", "2", "train.py", cwd=tmp_path)
+    assert "HOROVOD_GLOO_RENDEZVOUS_ADDR=127.0.0.1" in horovod.stdout  # not a port 0 to connect to
+    assert "HOROVOD_GLOO_RENDEZVOUS_PORT=<a free port, chosen at launch>" in horovod.stdout
 
 
 def test_dlrun_options_may_follow_the_script_up_to_the_scripts_own(tmp_path: Path) -> None:
