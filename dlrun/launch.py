@@ -472,9 +472,9 @@ def launch(config: LaunchConfig) -> int:
         plan, commands = render_commands(shown, pushed.apply(inventory), job_id, cwd_for=pushed.cwd_for,
                                          addresses=addresses)
         if config.framework == "horovod":  # dlrun's rendezvous server binds a free port when the job starts
-            where = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": facing_address([r.address for r in plan.ranks]),
-                     "HOROVOD_GLOO_RENDEZVOUS_PORT": "<a free port, chosen at launch>"}
-            commands = tuple(replace(c, env={**c.env, **where}) for c in commands)
+            server = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": facing_address([r.address for r in plan.ranks]),
+                      "HOROVOD_GLOO_RENDEZVOUS_PORT": "<a free port, chosen at launch>"}
+            commands = tuple(replace(c, env={**c.env, **server}) for c in commands)
         warn_replaced_env(config, commands)
         if config.json_output:
             print(json.dumps(plan_to_json(commands), indent=2))
