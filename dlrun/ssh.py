@@ -469,9 +469,9 @@ class SSHTransport(Transport):
                 raise errors[0]
             first = errors[0]
             message = f"{len(errors)} hosts cannot be reached; no rank was started:\n" + "\n".join(
-                f"  {e}" for e in errors
+                f"  {e}" for e in errors  # each with its own hint
             )
-            raise type(first)(message, hint=first.hint)
+            raise type(first)(message)
         return {h.name: self.targets[h.name].hostname for h in hosts}
 
     def _connect_one(self, host: Host) -> TransportError | None:
