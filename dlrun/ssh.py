@@ -4,13 +4,18 @@ The only module that imports paramiko; it translates paramiko's and the socket l
 exceptions into dlrun's own (``HostUnreachable``, ``AuthenticationFailed``, ``HostKeyError``)
 at this one boundary. What it owns:
 
-* **OpenSSH configuration**: ``~/.ssh/config`` or ``--ssh-config``: ``HostName``, ``User``,
-  ``Port``, ``IdentityFile``, ``ProxyJump`` (bastions, chained), ``UserKnownHostsFile``.
-  Inventory values override the config. ssh-agent keys are used.
-* **Host keys**: known_hosts is always loaded. An unknown host is refused unless the user
-  passed ``--accept-new-host-keys`` (then the key is appended to known_hosts, like OpenSSH's
-  ``accept-new``); a changed key is always refused. (fabric's default, AutoAddPolicy without
-  known_hosts, would accept anything; dlrun does not use it.)
+* **OpenSSH configuration**: ``~/.ssh/config`` or ``--ssh-config``, its ``Include`` files
+  inlined (``read_ssh_config``: paramiko ignores them): ``HostName``, ``User``, ``Port``,
+  ``IdentityFile``, ``ProxyJump`` (bastions, chained; a hop's own ProxyJump followed; one
+  connection per hop, shared with its failure by the hosts behind it), ``ProxyCommand``,
+  ``UserKnownHostsFile`` and ``GlobalKnownHostsFile``. Inventory values override the config.
+  ssh-agent keys are used.
+* **Host keys**: known_hosts is always loaded, line by line (``load_known_hosts``: a
+  ``@cert-authority`` or damaged line is skipped, ``@revoked`` keys are refused). An unknown
+  host is refused unless the user passed ``--accept-new-host-keys`` (then the key is appended
+  to known_hosts, like OpenSSH's ``accept-new``); a changed key is always refused.
+  (fabric's default, AutoAddPolicy without known_hosts, would accept anything; dlrun does
+  not use it.)
 * **Connections**: opened in parallel, each within ``connect_timeout``, on a socket with
   TCP_NODELAY (181 → 125 ms per host on loopback). Every host is reached before any rank
   starts; all failures are reported together, each with its host and the SSH error in words.
@@ -35,8 +40,10 @@ are the unsafe ones. Plain paramiko keeps every one of those choices visible her
 from __future__ import annotations
 
 import getpass
+import glob as globmod
 import logging
 import os
+import re
 import shlex
 import socket
 import struct
@@ -45,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -306,7 +313,21 @@ class Target:
     user: str
     identity_files: tuple[str, ...]
     proxy_jump: str | None
-    known_hosts: str
+    known_hosts: str  # where --accept-new-host-keys writes (the first UserKnownHostsFile)
+    known_hosts_files: tuple[str, ...] = ()  # every file read: UserKnownHostsFile(s), GlobalKnownHostsFile(s)
+    proxy_command: str | None = None  # ssh_config's ProxyCommand (when there is no ProxyJump)
+
+
+_Sock = socket.socket | paramiko.Channel | paramiko.ProxyCommand  # what paramiko connects over
+
+
+@dataclass
+class _Hop:
+    """One ProxyJump hop's connection, or why it failed (shared by the hosts behind it)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    client: paramiko.SSHClient | None = None
+    error: TransportError | None = None
 
 
 class _AcceptNew(paramiko.MissingHostKeyPolicy):
@@ -320,8 +341,14 @@ class _AcceptNew(paramiko.MissingHostKeyPolicy):
         entry = paramiko.hostkeys.HostKeyEntry([hostname], key)
         with self.lock:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(entry.to_line() or "")
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+            with open(fd, "a+b") as fh:
+                fh.seek(0, os.SEEK_END)
+                if fh.tell():  # a file whose last line has no newline must not swallow the entry
+                    fh.seek(-1, os.SEEK_END)
+                    if fh.read(1) != b"\n":
+                        fh.write(b"\n")
+                fh.write((entry.to_line() or "").encode())
         client.get_host_keys().add(hostname, key.get_name(), key)
 
 
@@ -372,7 +399,7 @@ class SSHChannel(Channel):
             chunk = self.channel.recv_stderr(65536)
             if not chunk:
                 break
-            self._stderr += chunk[: max(0, 1 << 20 - len(self._stderr))]
+            self._stderr += chunk[: max(0, (1 << 20) - len(self._stderr))]  # keep 1 MiB at most
 
     def close_stdin(self) -> None:
         try:
@@ -406,6 +433,83 @@ def _expand(path: str) -> str:
     return os.path.expanduser(path)
 
 
+def read_ssh_config(path: str, depth: int = 0) -> str:
+    """The text of an ssh_config with its ``Include`` lines replaced by the files they name
+    (globs; relative names from ``~/.ssh``, as OpenSSH reads them): paramiko ignores Include."""
+    if depth > 16:
+        raise UsageError(f"ssh config {path}: Include nested more than 16 deep")
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise UsageError(f"cannot read ssh config {path}: {exc.strerror or exc}") from exc
+    out: list[str] = []
+    for line in text.splitlines():
+        words = line.strip().split(None, 1)
+        if len(words) == 2 and words[0].lower() == "include":
+            for pattern in shlex.split(words[1]):
+                pattern = _expand(pattern)
+                if not os.path.isabs(pattern):
+                    pattern = _expand(os.path.join("~/.ssh", pattern))
+                out.extend(read_ssh_config(f, depth + 1) for f in sorted(globmod.glob(pattern)) if os.path.isfile(f))
+            continue
+        out.append(line)
+    return "\n".join(out)
+
+
+def load_known_hosts(keys: paramiko.HostKeys, path: str) -> list[paramiko.PKey]:
+    """Add the entries of one known_hosts file to ``keys``; return its ``@revoked`` keys.
+
+    Read line by line, unlike paramiko's loader, which stops at the first line it cannot
+    read: ``@cert-authority`` lines (host certificates are not supported: such hosts count as
+    unknown), unknown key types and damaged lines are skipped.
+    """
+    revoked = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for number, raw in enumerate(fh, start=1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            marker = ""
+            if line.startswith("@"):
+                marker, _, line = line.partition(" ")
+                if marker != "@revoked":
+                    continue
+            try:
+                entry = paramiko.hostkeys.HostKeyEntry.from_line(line.strip(), number)
+            except (paramiko.hostkeys.InvalidHostKey, paramiko.SSHException, ValueError, IndexError):
+                continue
+            if entry is None:
+                continue
+            if marker:
+                revoked.append(entry.key)
+                continue
+            for name in entry.hostnames:
+                keys.add(name, entry.key.get_name(), entry.key)
+    return revoked
+
+
+def known_hosts_name(hostname: str, port: int) -> str:
+    """How known_hosts (and ``ssh-keygen -R``) name a host: ``[host]:port`` off port 22."""
+    return hostname if port == 22 else f"[{hostname}]:{port}"
+
+
+def parse_jump(spec: str) -> tuple[str | None, str, int | None]:
+    """One ProxyJump hop, ``[user@]host[:port]`` or ``ssh://[user@]host[:port]``; IPv6 hosts in
+    brackets (``[::1]:2222``), or bare without a port. (user, host, port)."""
+    rest = spec[len("ssh://"):] if spec.startswith("ssh://") else spec
+    user, at, rest = rest.rpartition("@")
+    match = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?", rest)
+    if match:
+        host, port = match[1], match[2]
+    elif rest.count(":") == 1:
+        host, _, port = rest.partition(":")
+    else:
+        host, port = rest, None  # a name, or a bare IPv6 address
+    if not host or (port is not None and not port.isdigit()):
+        raise UsageError(f"ProxyJump hop {spec!r} is not [user@]host[:port]")
+    return (user or None) if at else None, host, int(port) if port else None
+
+
 class SSHTransport(Transport):
     """paramiko connections, one per host, opened in parallel by ``connect``."""
 
@@ -428,9 +532,10 @@ class SSHTransport(Transport):
         if config_file and not os.path.isfile(config_file):
             raise UsageError(f"ssh config file not found: {config_file}")
         if os.path.isfile(path):
-            self.config = paramiko.SSHConfig.from_path(path)
+            self.config = paramiko.SSHConfig.from_text(read_ssh_config(path))
         self.clients: dict[str, paramiko.SSHClient] = {}
-        self.jump_clients: dict[str, paramiko.SSHClient] = {}
+        self.jump_hops: dict[str, _Hop] = {}
+        self.jump_clients: list[paramiko.SSHClient] = []  # in the order they were connected
         self.targets: dict[str, Target] = {}
         self._known_hosts_lock = threading.Lock()
         self._jump_lock = threading.Lock()
@@ -445,16 +550,37 @@ class SSHTransport(Transport):
         port_value = (None if isinstance(host, str) else host.port) or cfg.get("port") or 22
         identity = None if isinstance(host, str) else host.identity_file
         identities = (identity,) if identity else tuple(cfg.get("identityfile", []))
-        known = self.known_hosts_override or (cfg.get("userknownhostsfile") or "~/.ssh/known_hosts").split()[0]
+        try:
+            port = int(port_value)
+        except ValueError:
+            raise UsageError(f"Port {port_value!r} for {address} in the ssh config is not a number") from None
+        hostname = cfg.get("hostname", address)
+        tokens = {"%h": hostname, "%p": str(port), "%r": user, "%u": getpass.getuser(), "%d": _expand("~"),
+                  "%n": address, "%k": address}
+
+        def files(value: str | None, default: str) -> list[str]:  # several, with %tokens
+            def expand(name: str) -> str:
+                return _expand(re.sub(r"%[%hprudnk]", lambda m: "%" if m[0] == "%%" else tokens[m[0]], name))
+
+            value = value or default  # paramiko took off the quotes: "a b" may be one file or two
+            names = [value] if os.path.isfile(expand(value)) else shlex.split(value)
+            return [expand(name) for name in names if name.lower() != "none"]
+
+        users = [_expand(self.known_hosts_override)] if self.known_hosts_override else files(
+            cfg.get("userknownhostsfile"), "~/.ssh/known_hosts ~/.ssh/known_hosts2")
         proxy = cfg.get("proxyjump")
+        command = cfg.get("proxycommand")  # paramiko has put in %h, %p and %r
         return Target(
             name=name,
-            hostname=cfg.get("hostname", address),
-            port=int(port_value),
+            hostname=hostname,
+            port=port,
             user=user,
             identity_files=tuple(_expand(i) for i in identities),
             proxy_jump=None if proxy in (None, "none") else proxy,
-            known_hosts=_expand(known),
+            proxy_command=None if command in (None, "none") or proxy not in (None, "none") else command,
+            known_hosts=users[0] if users else _expand("~/.ssh/known_hosts"),
+            known_hosts_files=(*users, *files(cfg.get("globalknownhostsfile"),
+                                              "/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2")),
         )
 
     # ------------------------------------------------------------------ connect
@@ -483,9 +609,14 @@ class SSHTransport(Transport):
             return exc
         return None
 
-    def _socket(self, target: Target) -> socket.socket | paramiko.Channel:
+    def _socket(self, target: Target) -> _Sock:
         if target.proxy_jump:
             return self._jump_channel(target)
+        if target.proxy_command:  # the user's own command from their ssh_config, as OpenSSH runs it
+            try:
+                return paramiko.ProxyCommand(target.proxy_command)
+            except (paramiko.SSHException, OSError) as exc:
+                raise HostUnreachable(f"ProxyCommand {target.proxy_command!r} failed: {exc}", host=target.name) from exc
         try:
             sock = socket.create_connection((target.hostname, target.port), timeout=self.timeout)
         except socket.gaierror as exc:
@@ -505,12 +636,17 @@ class SSHTransport(Transport):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
-    def _jump_channel(self, target: Target) -> paramiko.Channel:
+    def _jump_channel(self, target: Target, seen: frozenset[str] = frozenset()) -> paramiko.Channel:
+        """A channel to ``target`` through its ProxyJump hops (each hop's connection shared by
+        every host behind it; a hop's own ProxyJump followed, as OpenSSH does)."""
         assert target.proxy_jump is not None
         hops = [h.strip() for h in target.proxy_jump.split(",") if h.strip()]
         client: paramiko.SSHClient | None = None
-        for hop in hops:
-            client = self._jump_client(hop, via=client)
+        try:
+            for hop in hops:
+                client = self._jump_client(hop, client, seen | {target.name})
+        except TransportError as exc:  # name the host asked for, and the hop that failed
+            raise type(exc)(f"bastion {exc.host}: {exc.message}", host=target.name, hint=exc.hint) from exc
         assert client is not None
         transport = client.get_transport()
         assert transport is not None
@@ -523,41 +659,55 @@ class SSHTransport(Transport):
                 f"bastion {hops[-1]} cannot reach {target.hostname}:{target.port}: {exc}", host=target.name
             ) from exc
 
-    def _jump_client(self, spec: str, via: paramiko.SSHClient | None) -> paramiko.SSHClient:
-        user, _, rest = spec.rpartition("@")
-        name, _, port = rest.partition(":")
+    def _jump_client(self, spec: str, via: paramiko.SSHClient | None, seen: frozenset[str]) -> paramiko.SSHClient:
+        """The connection to one hop. Hosts behind it wait for its one connection and share its
+        failure: a dead bastion costs one connect timeout, not one per host."""
         with self._jump_lock:
-            if spec in self.jump_clients:
-                return self.jump_clients[spec]
-            base = self.target(name)
-            target = Target(
-                name=f"{spec} (bastion)",
-                hostname=base.hostname,
-                port=int(port) if port else base.port,
-                user=user or base.user,
-                identity_files=base.identity_files,
-                proxy_jump=None,
-                known_hosts=self.known_hosts_override or base.known_hosts,
-            )
-            if via is not None:
-                transport = via.get_transport()
-                assert transport is not None
-                sock: socket.socket | paramiko.Channel = transport.open_channel(
+            hop = self.jump_hops.setdefault(spec if via is None else f"{spec} via {id(via)}", _Hop())
+        with hop.lock:
+            if hop.client is not None:
+                return hop.client
+            if hop.error is not None:
+                raise hop.error
+            try:
+                hop.client = self._connect_hop(spec, via, seen)
+            except TransportError as exc:
+                hop.error = exc
+                raise
+            self.jump_clients.append(hop.client)
+            return hop.client
+
+    def _connect_hop(self, spec: str, via: paramiko.SSHClient | None, seen: frozenset[str]) -> paramiko.SSHClient:
+        user, name, port = parse_jump(spec)
+        base = self.target(name)
+        target = replace(base, name=spec, port=port or base.port, user=user or base.user, proxy_jump=None)
+        sock: _Sock
+        if via is not None:
+            transport = via.get_transport()
+            assert transport is not None
+            try:
+                sock = transport.open_channel(
                     "direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0), timeout=self.timeout
                 )
-            else:
-                sock = self._socket(target)
-            client = self._client(target, sock=sock)
-            self.jump_clients[spec] = client
-            return client
+            except (paramiko.SSHException, OSError) as exc:
+                raise HostUnreachable(f"the hop before cannot reach {target.hostname}:{target.port}: "
+                                      f"{exc or type(exc).__name__}", host=spec) from exc
+        elif base.proxy_jump and name not in seen:
+            sock = self._jump_channel(replace(target, proxy_jump=base.proxy_jump), seen | {name})
+        else:
+            sock = self._socket(target)
+        return self._client(target, sock=sock)
 
-    def _client(self, target: Target, sock: socket.socket | paramiko.Channel | None = None) -> paramiko.SSHClient:
+    def _client(self, target: Target, sock: _Sock | None = None) -> paramiko.SSHClient:
         client = paramiko.SSHClient()
-        if os.path.isfile(target.known_hosts):
-            try:
-                client.load_host_keys(target.known_hosts)
-            except (OSError, paramiko.SSHException) as exc:
-                raise HostKeyError(f"cannot read known_hosts {target.known_hosts}: {exc}", host=target.name) from exc
+        revoked: list[paramiko.PKey] = []
+        for path in dict.fromkeys(target.known_hosts_files or (target.known_hosts,)):
+            if os.path.isfile(path):
+                try:
+                    revoked += load_known_hosts(client.get_host_keys(), path)
+                except OSError as exc:
+                    raise HostKeyError(f"cannot read known_hosts {path}: {exc.strerror or exc}",
+                                       host=target.name) from exc
         if self.accept_new:
             client.set_missing_host_key_policy(_AcceptNew(target.known_hosts, self._known_hosts_lock))
         else:
@@ -582,10 +732,11 @@ class SSHTransport(Transport):
         except _UnknownHostKey as exc:
             client.close()
             shown = exc.hostname
+            keyscan = shlex.join(["ssh-keyscan", "-p", str(target.port), target.hostname])
             raise HostKeyError(
                 f"unknown host key ({exc.key.get_name()} {exc.key.fingerprint}) for {shown}; not in {exc.known_hosts}",
                 host=target.name,
-                hint=f"verify it, then add it: ssh-keyscan -p {target.port} {target.hostname} >> {exc.known_hosts}"
+                hint=f"verify it, then add it: {keyscan} >> {shlex.quote(exc.known_hosts)}"
                 " — or pass --accept-new-host-keys to add unknown keys (changed keys are still refused)",
             ) from None
         except paramiko.BadHostKeyException as exc:
@@ -595,8 +746,9 @@ class SSHTransport(Transport):
                 f"{exc.expected_key.fingerprint}, the host offered {exc.key.fingerprint}. Possible "
                 "man-in-the-middle; dlrun refuses to connect",
                 host=target.name,
-                hint=f"if the host was reinstalled, remove the old key: ssh-keygen -R '{exc.hostname}' "
-                f"-f {target.known_hosts}",
+                hint="if the host was reinstalled, remove the old key: "
+                + shlex.join(["ssh-keygen", "-R", known_hosts_name(target.hostname, target.port),
+                              "-f", target.known_hosts]),
             ) from exc
         except paramiko.AuthenticationException as exc:
             client.close()
@@ -611,8 +763,16 @@ class SSHTransport(Transport):
             raise HostUnreachable(f"SSH handshake timed out after {self.timeout:g} s", host=target.name) from exc
         except (paramiko.SSHException, OSError, EOFError) as exc:
             client.close()
+            if "No existing session" in str(exc):  # the handshake timed out quietly (a frozen sshd)
+                raise HostUnreachable(f"no SSH answer (banner or key exchange) from {target.hostname}:{target.port}"
+                                      f" within {self.timeout:g} s", host=target.name) from exc
             raise HostUnreachable(f"SSH connection failed: {exc or type(exc).__name__}", host=target.name) from exc
         transport = client.get_transport()
+        offered = transport.get_remote_server_key() if transport is not None else None
+        if offered is not None and any(offered == key for key in revoked):
+            client.close()
+            raise HostKeyError(f"the host key of {target.hostname} ({offered.get_name()} {offered.fingerprint}) is"
+                               " marked @revoked in known_hosts; dlrun refuses to connect", host=target.name)
         if transport is not None:
             self._watch(target.name, transport)
         return client
@@ -674,7 +834,8 @@ class SSHTransport(Transport):
     def close(self) -> None:
         # bastions first: a target's socket is a channel on its bastion, and closing it over
         # a dead bastion connection could wait; over a closed one it returns at once
-        for client in [*self.jump_clients.values(), *self.clients.values()]:
+        for client in [*self.jump_clients, *self.clients.values()]:
             client.close()
         self.clients.clear()
         self.jump_clients.clear()
+        self.jump_hops.clear()

@@ -315,3 +315,105 @@ def test_a_port_that_is_no_ssh_server_is_named_without_a_traceback(tmp_path: Pat
     assert out.returncode == 255, out.stdout + out.stderr
     assert "127.0.0.1" in out.stderr and "banner" in out.stderr
     assert "Traceback" not in out.stderr and "Exception (client)" not in out.stderr  # paramiko's own log
+
+
+def test_stderr_from_the_hosts_python_wrapper_does_not_break_the_job(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # a wrapper (or a login rc file) writing to stderr while the agent talks on stdout once made
+    # dlrun's reader thread die on the second chunk, and a healthy host was declared lost
+    wrapper = cluster.hosts[0].workdir / "py-wrapper.sh"
+    wrapper.write_text("#!/bin/sh\necho 'py-wrapper: a first warning on stderr' >&2\n"
+                       "(sleep 1; echo 'py-wrapper: a second warning on stderr' >&2) &\n"
+                       f"exec {cluster.python} \"$@\"\n")
+    wrapper.chmod(0o755)
+    script = shared_script(cluster, "ticks.py", "import time\nfor i in range(3):\n"
+                           "    print('tick', i, flush=True)\n    time.sleep(0.8)\n")
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[[hosts]]\naddress = "host0"\npython = "{wrapper}"\n')
+    out = run_dlrun("launch", "--plain", "--no-preflight", "--hosts", str(hosts), *ssh_args(cluster), str(script),
+                    cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[0 host0] tick 2" in out.stdout
+
+
+def test_known_hosts_markers_odd_lines_and_a_missing_final_newline(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    h0, h1 = cluster.hosts[0], cluster.hosts[1]
+    known = tmp_path / "known_hosts"
+    known.write_text(f"# hosts\n@cert-authority *.example.org {h1.public_key}\nnot a key line\n"
+                     f"{h0.known_hosts_line}\n{h1.known_hosts_line}\n@revoked * {h1.public_key}")  # no final \n
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    script = shared_script(cluster, "hi.py", "print('hi')\n")
+    def launch(inventory: Path) -> subprocess.CompletedProcess[str]:
+        return run_dlrun("launch", "--plain", "--framework", "none", "--hosts", str(inventory), *ssh_args(cluster),
+                         "--known-hosts", str(known), str(script), cwd=tmp_path, timeout=60)
+
+    out = launch(hosts)
+    assert out.returncode == 255, out.stdout + out.stderr  # no traceback over the marker lines
+    assert "host1: the host key of" in out.stderr and "marked @revoked" in out.stderr and "Traceback" not in out.stderr
+    only0 = hosts_toml(cluster, tmp_path / "one.toml", 1)
+    assert launch(only0).returncode == 0
+    # --accept-new-host-keys appends on a line of its own to a file whose last line has no newline
+    partial = tmp_path / "partial_known_hosts"
+    partial.write_text("somehost ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIElQky63lZQRFBT5ndIt7842JawUOWS2goHj1rBFSSrp")
+    out = run_dlrun("launch", "--plain", "--framework", "none", "--hosts", str(only0), *ssh_args(cluster),
+                    "--known-hosts", str(partial), "--accept-new-host-keys", str(script), cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = partial.read_text().splitlines()
+    assert lines[0].endswith("Srp") and lines[1].startswith(h0.known_hosts_name)
+    created = tmp_path / "new" / "known_hosts"
+    run_dlrun("launch", "--plain", "--framework", "none", "--hosts", str(only0), *ssh_args(cluster),
+              "--known-hosts", str(created), "--accept-new-host-keys", str(script), cwd=tmp_path, timeout=60)
+    assert oct(created.stat().st_mode & 0o777) == "0o600"
+
+
+def test_hosts_behind_a_frozen_bastion_fail_together_each_named(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    assert cluster.bastion is not None and cluster.bastion.pid is not None
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text("".join(f'[[hosts]]\naddress = "{cluster.jump_alias(i)}"\n' for i in range(3)))
+    (tmp_path / "job.py").write_text("print('never')\n")
+    os.kill(cluster.bastion.pid, signal.SIGSTOP)  # accepts TCP (the kernel does), answers nothing
+    try:
+        out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "--connect-timeout", "2",
+                        "job.py", cwd=tmp_path, timeout=120)
+    finally:
+        os.kill(cluster.bastion.pid, signal.SIGCONT)
+    assert out.returncode == 255, out.stdout + out.stderr
+    assert "3 hosts cannot be reached" in out.stderr
+    for i in range(3):  # the host asked for, then the hop that failed
+        assert f"{cluster.jump_alias(i)}: bastion bastion: no SSH answer" in out.stderr, out.stderr
+
+
+def test_ssh_config_include_global_known_hosts_and_proxycommand(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    h0, h1 = cluster.hosts[0], cluster.hosts[1]
+    known = tmp_path / "global_known_hosts"
+    known.write_text(f"{h0.known_hosts_line}\n{h1.known_hosts_line}\n")
+    key = next(line.split(None, 1)[1] for line in cluster.ssh_config.read_text().splitlines()
+               if line.strip().startswith("IdentityFile"))
+    included = tmp_path / "conf.d" / "cluster.conf"
+    included.parent.mkdir()
+    included.write_text(
+        f"Host inc0\n    HostName {h0.address}\n    Port {h0.port}\n    User {h0.user}\n    IdentityFile {key}\n"
+        f"    UserKnownHostsFile /dev/null\n    GlobalKnownHostsFile {known}\n"
+        f"Host pc1\n    HostName {h1.address}\n    Port {h1.port}\n    User {h1.user}\n    IdentityFile {key}\n"
+        f"    UserKnownHostsFile {known}\n"
+        f"    ProxyCommand {cluster.ssh_path} -F {cluster.ssh_config} -W %h:%p bastion\n")
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Include {tmp_path}/conf.d/*.conf\n")
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[defaults]\npython = "{cluster.python}"\n'
+                     '[[hosts]]\naddress = "inc0"\n[[hosts]]\naddress = "pc1"\n')
+    script = shared_script(cluster, "where.py", "import os\nprint('on', os.environ['DLRUN_HOST'])\n")
+    out = run_dlrun("launch", "--plain", "--framework", "none", "--hosts", str(hosts), "--ssh-config", str(config),
+                    str(script), cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[0 inc0] on inc0" in out.stdout and "[1 pc1] on pc1" in out.stdout
+
+
+@pytest.mark.parametrize(("spec", "parsed"), [
+    ("bastion", (None, "bastion", None)), ("admin@bastion:2200", ("admin", "bastion", 2200)),
+    ("ssh://admin@bastion:2200", ("admin", "bastion", 2200)), ("[::1]:2222", (None, "::1", 2222)),
+    ("admin@::1", ("admin", "::1", None)), ("ops@[fe80::1%eth0]", ("ops", "fe80::1%eth0", None)),
+])
+def test_proxyjump_hops_are_parsed_as_openssh_writes_them(spec: str, parsed: tuple[object, ...]) -> None:
+    from dlrun.ssh import parse_jump
+
+    assert parse_jump(spec) == parsed
