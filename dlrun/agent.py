@@ -513,6 +513,9 @@ def _run_agent(argv: list[str]) -> int:
             elif message.get("op") == "kill":
                 agent.stop(0)
         now = time.monotonic()
+        if not agent.stdin_closed and agent.controller_silent(now):
+            agent.read_control()  # a long probe or survey kept us from reading: what waits was heard
+            now = time.monotonic()
         if agent.stdin_closed or agent.controller_silent(now):
             # the controller is gone (EOF), or silent too long (its machine or the network is
             # down): nobody will read us any more

@@ -265,3 +265,26 @@ def test_a_watch_arms_the_silence_clock_before_the_spec() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_probe_longer_than_the_host_timeout_does_not_end_a_pinged_agent() -> None:
+    # the pings wait unread while the probe runs; they count as heard once it returns
+    proc = subprocess.Popen(agent_cmd(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(b'{"op": "watch", "host_timeout": 1.0}\n'
+                         b'{"op": "probe", "source": "import time; time.sleep(1.5); print(1)"}\n')
+        proc.stdin.flush()
+        for _ in range(10):
+            time.sleep(0.25)
+            proc.stdin.write(b'{"op": "ping"}\n')
+            proc.stdin.flush()
+        decoder, kinds = agent.FrameDecoder(), []
+        while agent.PONG not in kinds:
+            kinds += [k for k, _, _ in decoder.feed(proc.stdout.read1(65536))]
+        assert agent.PROBE in kinds and agent.DONE not in kinds and proc.poll() is None
+        proc.stdin.close()
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
