@@ -297,7 +297,7 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
         view.finish([done[h.name] for h in remote])
     cwd_for: dict[str, str | None] = {h.name: str(code_dir) for h in hosts if h.is_local}
     cwd_for.update({h.name: done[h.name].code_dir for h in remote})
-    return Pushed(env_for, cwd_for, Path(config.script).name)
+    return Pushed(env_for, cwd_for, Path(config.script).resolve().name)  # a link: its target, in the pushed directory
 
 
 def planned_push(config: LaunchConfig, hosts: Sequence[Host]) -> Pushed:
@@ -310,7 +310,7 @@ def planned_push(config: LaunchConfig, hosts: Sequence[Host]) -> Pushed:
     if code_dir is None or all(h.is_local for h in hosts):
         return Pushed(env_for)
     cwd_for = {h.name: str(code_dir) if h.is_local else code_dir_on(h, code_dir) for h in hosts}
-    return Pushed(env_for, cwd_for, Path(config.script).name)
+    return Pushed(env_for, cwd_for, Path(config.script).resolve().name)
 
 
 def survey_code(code_dir: Path, hosts: Sequence[Host], manifest: Manifest) -> dict[str, PushTarget]:

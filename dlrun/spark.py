@@ -144,7 +144,8 @@ def run_spark(config: LaunchConfig, spark: SparkConfig, *, view: View | None = N
     check_request(config, spark)
     # the hosts are not known yet: one stand-in without env, so only config and script count
     stand_in = Inventory(hosts=(Host(address="spark", name="spark"),))
-    check_local_inputs(config, stand_in)  # the script is shipped from here; the logs are written here
+    # the logs are written here; a script that is no file here runs as given on the executors
+    check_local_inputs(replace(config, push=False), stand_in)
     pyspark = import_pyspark()
     job_id = new_job_id()
     warning = keras_warning(config, stand_in)
@@ -306,10 +307,10 @@ def ship_script(sc: Any, script: str, job_id: str, staging: Path) -> tuple[str, 
     """
     from dlrun.sync import scan_code
 
-    path = Path(script)
-    if not path.is_file():
+    if not Path(script).is_file():
         return None
-    root = path.resolve().parent
+    path = Path(script).resolve()  # a link to the script: its directory is the target's, as a push sends it
+    root = path.parent
     staging.mkdir(parents=True, exist_ok=True)
     archive = staging / f"dlrun-{job_id}.zip"
     with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:

@@ -189,6 +189,15 @@ def test_dry_run_text_and_json_mask_secrets(tmp_path: Path) -> None:
     assert "HOROVOD_GLOO_RENDEZVOUS_PORT=<a free port, chosen at launch>" in horovod.stdout
 
 
+def test_a_linked_script_runs_as_its_target_in_the_pushed_directory(tmp_path: Path) -> None:
+    (tmp_path / "proj" / "src").mkdir(parents=True)
+    write(tmp_path / "proj" / "src" / "train_v2.py", "print(1)\n")
+    (tmp_path / "proj" / "run.py").symlink_to("src/train_v2.py")
+    out = run_dlrun("launch", "--dry-run", "--json", "--hosts", "gpu1:1", "proj/run.py", cwd=tmp_path)
+    (rank,) = json.loads(out.stdout)["ranks"]
+    assert rank["argv"][-1] == "train_v2.py" and rank["cwd"] == "src"  # what the push sends: src/
+
+
 def test_dlrun_options_may_follow_the_script_up_to_the_scripts_own(tmp_path: Path) -> None:
     # the mission's main command: dlrun launch train.py --hosts hosts.toml
     def plan(*args: str) -> tuple[list[str], list[str], str]:

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from functools import partial
@@ -75,6 +76,7 @@ for i in range(6):
 
 READY = """
 import time
+import zipfile
 print("ready", flush=True)
 time.sleep(600)
 """
@@ -525,3 +527,38 @@ class TestLocalCluster:
     @pytest.mark.slow
     def test_tf_digits_on_two_executors(self, tmp_path: Path) -> None:
         check_digits(tmp_path, self.MASTER)
+
+
+def test_a_linked_script_ships_with_its_targets_directory(tmp_path: Path) -> None:
+    from dlrun.spark import ship_script
+
+    (tmp_path / "proj" / "src").mkdir(parents=True)
+    write(tmp_path / "proj" / "src" / "train_v2.py", "import helper\n")
+    write(tmp_path / "proj" / "src" / "helper.py", "")
+    (tmp_path / "proj" / "run.py").symlink_to("src/train_v2.py")
+
+    class Context:
+        def __init__(self) -> None:
+            self.archives: list[str] = []
+
+        def addArchive(self, path: str) -> None:
+            self.archives.append(path)
+
+    context = Context()
+    shipped = ship_script(context, str(tmp_path / "proj" / "run.py"), "job", tmp_path / "stage")
+    assert shipped == ("dlrun-job.zip", "train_v2.py")  # the rank runs the target, beside its modules
+    with zipfile.ZipFile(context.archives[0]) as zf:
+        assert sorted(zf.namelist()) == ["helper.py", "train_v2.py"]
+
+
+def test_a_script_only_on_the_executors_is_not_refused_here(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    class Checked(Exception):
+        pass
+
+    def stop_after_the_checks() -> None:
+        raise Checked
+
+    monkeypatch.setattr("dlrun.spark.import_pyspark", stop_after_the_checks)
+    with pytest.raises(Checked):  # a path on the executors runs as given there (not shipped)
+        run_spark(LaunchConfig(script="/opt/jobs/train.py", log_dir=str(tmp_path)),
+                  SparkConfig(master="spark://head:7077", num_workers=2))
