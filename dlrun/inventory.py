@@ -520,8 +520,10 @@ def _check_inventory(inv: Inventory, line_of: Any) -> None:
                 hint="list a host once and give it slots = N",
             )
         seen_targets[target] = index
+    # one machine's ranks share its GPUs, local ranks and rendezvous scope; only TensorFlow roles
+    # (a chief, a ps and workers, each an entry of its own) may list this machine more than once
     local = [i for i, h in enumerate(inv.hosts) if h.is_local]
-    if len(local) > 1:  # one machine's ranks share its GPUs, local ranks and rendezvous scope
+    if len(local) > 1 and not all(inv.hosts[i].role for i in local):
         first, again = inv.hosts[local[0]], inv.hosts[local[1]]
         raise InventoryError(
             f"{again.address!r} is this machine, as {first.address!r} (hosts[{local[0]}]) is",

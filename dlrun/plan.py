@@ -138,8 +138,8 @@ def make_plan(
                 f" more workers (roles used: {', '.join(sorted(kinds))})",
                 hint="set role in hosts.toml (a host without one is a worker); see hosts.example.toml",
             )
-    elif "ps" in kinds:
-        raise PlanError(f"role = 'ps' needs --framework tf-ps, not {framework}",
+    elif framework == "tf" and "ps" in kinds:  # MultiWorkerMirroredStrategy has no ps job
+        raise PlanError("role = 'ps' needs --framework tf-ps, not tf",
                         hint="parameter servers belong to ParameterServerStrategy; drop the role otherwise")
     ranks: list[RankSpec] = []
     rank = 0

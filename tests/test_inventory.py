@@ -126,6 +126,16 @@ def test_inline_errors(spec: str) -> None:
         parse_inline(spec)
 
 
+def test_this_machine_may_hold_several_tensorflow_roles() -> None:
+    # a tf-ps job on one machine: a chief, a ps and a worker, each an entry of its own
+    inv = parse_toml_inventory('[[hosts]]\naddress = "localhost"\nrole = "chief"\n'
+                               '[[hosts]]\naddress = "127.0.0.1"\nrole = "ps"\n'
+                               '[[hosts]]\naddress = "::1"\nrole = "worker"\n')
+    assert [h.role for h in inv.hosts] == ["chief", "ps", "worker"]
+    with pytest.raises(InventoryError, match="is this machine"):
+        parse_toml_inventory('[[hosts]]\naddress = "localhost"\nrole = "chief"\n[[hosts]]\naddress = "127.0.0.1"\n')
+
+
 def test_ipv6_addresses_keep_their_last_group() -> None:
     inv = parse_inline("::1,2001:db8::10,fe80::1%eth0,h1:2")
     assert [(h.address, h.slots) for h in inv.hosts] == [("::1", None), ("2001:db8::10", None),

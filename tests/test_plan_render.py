@@ -76,6 +76,8 @@ def test_tf_config_parameter_server_layout() -> None:
         make_plan(chief_and_ps, job_id="j", framework="tf-ps")
     with pytest.raises(PlanError, match="role = 'ps' needs --framework tf-ps"):
         make_plan(roles_inventory(), job_id="j", framework="tf")
+    for other in ("none", "torch"):  # an inventory written for tf-ps still runs other jobs
+        assert make_plan(roles_inventory(), job_id="j", framework=other).world_size == 5
 
 
 def test_tf_config_is_accepted_by_tensorflows_resolver(monkeypatch: pytest.MonkeyPatch) -> None:
