@@ -23,7 +23,9 @@ from dlrun.plan import Plan, RankSpec
 # names that hold secrets: HF_TOKEN, AWS_SECRET_ACCESS_KEY, DB_PASS, MYSQL_PWD, SMTP_PASSWD,
 # GIT_CREDENTIALS, HTTP_AUTH, WANDB_API_KEY, SESSION_COOKIE, SSH_PRIVATE…
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASS|PWD|CREDENTIAL|AUTH|KEY|COOKIE|PRIVATE", re.IGNORECASE)
-URL_PASSWORD = re.compile(r"(://[^/:@\s]*):[^/@\s]*@")  # scheme://user:password@host in any value
+# scheme://user:password@host in any value; the password runs to the last '@' before the host
+# (it may hold '@' or '/'), the host to the first '/', '?', '#' or space
+URL_PASSWORD = re.compile(r"(://[^/:@\s]*):\S*@(?=[^@\s/]*(?:[/?#\s]|$))")
 MASK = "****"
 
 

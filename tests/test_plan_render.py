@@ -138,9 +138,12 @@ def test_secrets_masked_everywhere() -> None:
     more = {n: "s3" for n in ("DB_PASS", "MYSQL_PWD", "SMTP_PASSWD", "GIT_CREDENTIALS", "HTTP_AUTH", "SSH_PRIVATE")}
     assert set(mask_env(more).values()) == {"****"}
     urls = {"DATABASE_URL": "postgres://u:s7@db/x", "PIP_INDEX_URL": "https://tok:s8@pypi.example/simple",
-            "MASTER": "spark://m:7077", "NOTE": "a:b@c"}
-    assert mask_env(urls) == {"DATABASE_URL": "postgres://u:****@db/x", "PIP_INDEX_URL": "https://tok:****@pypi.example/simple",
-                              "MASTER": "spark://m:7077", "NOTE": "a:b@c"}
+            "MASTER": "spark://m:7077", "NOTE": "a:b@c", "AT": "postgres://u:p@ss@db/x",
+            "SLASH": "redis://u:pa/ss@h:6379/0", "TWO": "http://a:b@h1/x http://c:d@h2/y"}
+    assert mask_env(urls) == {
+        "DATABASE_URL": "postgres://u:****@db/x", "PIP_INDEX_URL": "https://tok:****@pypi.example/simple",
+        "MASTER": "spark://m:7077", "NOTE": "a:b@c", "AT": "postgres://u:****@db/x",
+        "SLASH": "redis://u:****@h:6379/0", "TWO": "http://a:****@h1/x http://c:****@h2/y"}
     plan = make_plan(Inventory(hosts=(Host(address="h", name="h", env={"HF_TOKEN": "hunter2"}),)), job_id="j")
     doc = plan_to_json(worker_commands(plan, "t.py", [], python_for={"h": ["python3"]}))
     assert "hunter2" not in json.dumps(doc)
