@@ -53,6 +53,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -295,9 +296,18 @@ class _FastTransport(paramiko.Transport):
     # bench/push.py --baseline sets paramiko's own Packetizer here to time the path without it.
     packetizer_factory: type[Packetizer] = _FastPacketizer
 
-    def __init__(self, sock: Any, **options: Any) -> None:
+    def get_remote_server_key(self) -> paramiko.PKey:
+        # paramiko asks for the key right after the key exchange, before known_hosts and the
+        # login: a revoked key stops here, before --accept-new-host-keys could save it
+        key: paramiko.PKey = super().get_remote_server_key()
+        if any(key == bad for bad in self.revoked):
+            raise _RevokedHostKey(key)
+        return key
+
+    def __init__(self, sock: Any, *, revoked: Sequence[paramiko.PKey] = (), **options: Any) -> None:
         options.setdefault("packetizer_class", type(self).packetizer_factory)
         super().__init__(sock, **options)
+        self.revoked = tuple(revoked)  # known_hosts' @revoked keys: refused before any check or login
         security = self.get_security_options()
         security.ciphers = _preferred_first(security.ciphers, PREFERRED_CIPHERS)
         security.digests = _preferred_first(security.digests, PREFERRED_MACS)
@@ -358,6 +368,12 @@ class _RejectUnknown(paramiko.MissingHostKeyPolicy):
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
         raise _UnknownHostKey(hostname, key, self.known_hosts)
+
+
+class _RevokedHostKey(Exception):
+    def __init__(self, key: paramiko.PKey) -> None:
+        super().__init__(key.fingerprint)
+        self.key = key
 
 
 class _UnknownHostKey(Exception):
@@ -443,6 +459,7 @@ def read_ssh_config(path: str, depth: int = 0) -> str:
     except OSError as exc:
         raise UsageError(f"cannot read ssh config {path}: {exc.strerror or exc}") from exc
     out: list[str] = []
+    context = "Host *"  # the Host or Match block a line belongs to (top level: every host)
     for line in text.splitlines():
         words = line.strip().split(None, 1)
         if len(words) == 2 and words[0].lower() == "include":
@@ -451,7 +468,10 @@ def read_ssh_config(path: str, depth: int = 0) -> str:
                 if not os.path.isabs(pattern):
                     pattern = _expand(os.path.join("~/.ssh", pattern))
                 out.extend(read_ssh_config(f, depth + 1) for f in sorted(globmod.glob(pattern)) if os.path.isfile(f))
+            out.append(context)  # what follows the Include is back in the including block
             continue
+        if words and words[0].lower() in ("host", "match"):
+            context = line.strip()
         out.append(line)
     return "\n".join(out)
 
@@ -471,7 +491,7 @@ def load_known_hosts(keys: paramiko.HostKeys, path: str) -> list[paramiko.PKey]:
                 continue
             marker = ""
             if line.startswith("@"):
-                marker, _, line = line.partition(" ")
+                marker, line = [*line.split(None, 1), ""][:2]  # a space or a tab follows the marker
                 if marker != "@revoked":
                     continue
             try:
@@ -569,7 +589,10 @@ class SSHTransport(Transport):
         users = [_expand(self.known_hosts_override)] if self.known_hosts_override else files(
             cfg.get("userknownhostsfile"), "~/.ssh/known_hosts ~/.ssh/known_hosts2")
         proxy = cfg.get("proxyjump")
-        command = cfg.get("proxycommand")  # paramiko has put in %h, %p and %r
+        command = self._raw(address, "proxycommand") or cfg.get("proxycommand")
+        if command not in (None, "none"):  # tokens from the merged values: the inventory's port and user win
+            values = {"%h": hostname, "%p": str(port), "%r": user, "%n": address}
+            command = re.sub(r"%[%hprn]", lambda m: "%" if m[0] == "%%" else shlex.quote(values[m[0]]), command)
         return Target(
             name=name,
             hostname=hostname,
@@ -582,6 +605,14 @@ class SSHTransport(Transport):
             known_hosts_files=(*users, *files(cfg.get("globalknownhostsfile"),
                                               "/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2")),
         )
+
+    def _raw(self, address: str, key: str) -> str | None:
+        """A config value before paramiko put its own %-tokens in (None where that is not known)."""
+        try:
+            value = self.config._lookup(address).get(key)  # type: ignore[attr-defined]
+        except (AttributeError, TypeError):
+            return None
+        return value if isinstance(value, str) else None
 
     # ------------------------------------------------------------------ connect
     def connect(self, hosts: Sequence[Host]) -> Mapping[str, str]:
@@ -612,9 +643,10 @@ class SSHTransport(Transport):
     def _socket(self, target: Target) -> _Sock:
         if target.proxy_jump:
             return self._jump_channel(target)
-        if target.proxy_command:  # the user's own command from their ssh_config, as OpenSSH runs it
+        if target.proxy_command:  # the user's own command from their ssh_config, run as OpenSSH runs it
+            shell = os.environ.get("SHELL") or "/bin/sh"
             try:
-                return paramiko.ProxyCommand(target.proxy_command)
+                return paramiko.ProxyCommand(shlex.join([shell, "-c", "exec " + target.proxy_command]))
             except (paramiko.SSHException, OSError) as exc:
                 raise HostUnreachable(f"ProxyCommand {target.proxy_command!r} failed: {exc}", host=target.name) from exc
         try:
@@ -662,6 +694,9 @@ class SSHTransport(Transport):
     def _jump_client(self, spec: str, via: paramiko.SSHClient | None, seen: frozenset[str]) -> paramiko.SSHClient:
         """The connection to one hop. Hosts behind it wait for its one connection and share its
         failure: a dead bastion costs one connect timeout, not one per host."""
+        if via is None and parse_jump(spec)[1] in seen:
+            raise UsageError(f"ProxyJump loop: {spec} is reached through itself (via {', '.join(sorted(seen))})",
+                             hint=f"give {spec} 'ProxyJump none' in the ssh config, before a 'Host *' that sets one")
         with self._jump_lock:
             hop = self.jump_hops.setdefault(spec if via is None else f"{spec} via {id(via)}", _Hop())
         with hop.lock:
@@ -727,8 +762,12 @@ class SSHTransport(Transport):
                 banner_timeout=self.timeout,
                 auth_timeout=self.timeout,
                 channel_timeout=self.timeout,
-                transport_factory=_FastTransport,
+                transport_factory=partial(_FastTransport, revoked=revoked),
             )
+        except _RevokedHostKey as exc:
+            client.close()
+            raise HostKeyError(f"the host key of {target.hostname} ({exc.key.get_name()} {exc.key.fingerprint}) is"
+                               " marked @revoked in known_hosts; dlrun refuses to connect", host=target.name) from None
         except _UnknownHostKey as exc:
             client.close()
             shown = exc.hostname
@@ -768,11 +807,6 @@ class SSHTransport(Transport):
                                       f" within {self.timeout:g} s", host=target.name) from exc
             raise HostUnreachable(f"SSH connection failed: {exc or type(exc).__name__}", host=target.name) from exc
         transport = client.get_transport()
-        offered = transport.get_remote_server_key() if transport is not None else None
-        if offered is not None and any(offered == key for key in revoked):
-            client.close()
-            raise HostKeyError(f"the host key of {target.hostname} ({offered.get_name()} {offered.fingerprint}) is"
-                               " marked @revoked in known_hosts; dlrun refuses to connect", host=target.name)
         if transport is not None:
             self._watch(target.name, transport)
         return client

@@ -339,7 +339,7 @@ def test_known_hosts_markers_odd_lines_and_a_missing_final_newline(cluster, tmp_
     h0, h1 = cluster.hosts[0], cluster.hosts[1]
     known = tmp_path / "known_hosts"
     known.write_text(f"# hosts\n@cert-authority *.example.org {h1.public_key}\nnot a key line\n"
-                     f"{h0.known_hosts_line}\n{h1.known_hosts_line}\n@revoked * {h1.public_key}")  # no final \n
+                     f"{h0.known_hosts_line}\n{h1.known_hosts_line}\n@revoked\t* {h1.public_key}")  # no final \n
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     script = shared_script(cluster, "hi.py", "print('hi')\n")
     def launch(inventory: Path) -> subprocess.CompletedProcess[str]:
@@ -351,6 +351,14 @@ def test_known_hosts_markers_odd_lines_and_a_missing_final_newline(cluster, tmp_
     assert "host1: the host key of" in out.stderr and "marked @revoked" in out.stderr and "Traceback" not in out.stderr
     only0 = hosts_toml(cluster, tmp_path / "one.toml", 1)
     assert launch(only0).returncode == 0
+    # a revoked key is refused before --accept-new-host-keys could save it as trusted
+    known.write_text(f"@revoked * {h1.public_key}\n")
+    second = tmp_path / "second.toml"
+    second.write_text(f'[defaults]\npython = "{cluster.python}"\n[[hosts]]\naddress = "host1"\n')
+    out = run_dlrun("launch", "--plain", "--framework", "none", "--hosts", str(second), *ssh_args(cluster),
+                    "--known-hosts", str(known), "--accept-new-host-keys", str(script), cwd=tmp_path, timeout=60)
+    assert out.returncode == 255 and "marked @revoked" in out.stderr, out.stdout + out.stderr
+    assert known.read_text() == f"@revoked * {h1.public_key}\n"
     # --accept-new-host-keys appends on a line of its own to a file whose last line has no newline
     partial = tmp_path / "partial_known_hosts"
     partial.write_text("somehost ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIElQky63lZQRFBT5ndIt7842JawUOWS2goHj1rBFSSrp")
@@ -417,3 +425,23 @@ def test_proxyjump_hops_are_parsed_as_openssh_writes_them(spec: str, parsed: tup
     from dlrun.ssh import parse_jump
 
     assert parse_jump(spec) == parsed
+
+
+def test_ssh_config_loops_and_include_scope_are_read_as_openssh_reads_them(tmp_path: Path) -> None:
+    from dlrun.errors import UsageError
+    from dlrun.inventory import Host
+    from dlrun.ssh import SSHTransport
+
+    (tmp_path / "work.conf").write_text("Host work\n    HostName 10.0.0.7\n")
+    config = tmp_path / "config"
+    config.write_text(f"Include {tmp_path}/work.conf\nUser alice\n"  # after the Include: every host again
+                      "Host bastion\n    HostName 10.0.0.1\n"
+                      "Host *\n    ProxyJump bastion\n    ProxyCommand ssh -W %h:%p %r@jump\n")
+    transport = SSHTransport(config_file=str(config), connect_timeout=1)
+    assert transport.target("gpu1").user == "alice" and transport.target("work").hostname == "10.0.0.7"
+    with pytest.raises(UsageError, match="ProxyJump loop: bastion"):  # Host * sends the bastion through itself
+        transport.connect([Host(address="gpu1", name="gpu1")])
+    # ProxyCommand gets the inventory's port and user, as every other use of them does
+    config.write_text("Host *\n    ProxyCommand ssh -W %h:%p %r@jump\n")
+    target = SSHTransport(config_file=str(config)).target(Host(address="gpu1", name="gpu1", port=2222, user="bob"))
+    assert target.proxy_command == "ssh -W gpu1:2222 bob@jump"
