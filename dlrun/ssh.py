@@ -802,9 +802,13 @@ class SSHTransport(Transport):
             raise HostUnreachable(f"SSH handshake timed out after {self.timeout:g} s", host=target.name) from exc
         except (paramiko.SSHException, OSError, EOFError) as exc:
             client.close()
-            if "No existing session" in str(exc):  # the handshake timed out quietly (a frozen sshd)
+            # a frozen sshd: the banner wait times out, or the key exchange gives up quietly
+            if "No existing session" in str(exc) or isinstance(exc.__context__, TimeoutError):
                 raise HostUnreachable(f"no SSH answer (banner or key exchange) from {target.hostname}:{target.port}"
                                       f" within {self.timeout:g} s", host=target.name) from exc
+            if isinstance(exc.__context__, EOFError) and "banner" in str(exc):
+                raise HostUnreachable(f"{target.hostname}:{target.port} hung up before the SSH banner (is it an"
+                                      " SSH server?)", host=target.name) from exc
             raise HostUnreachable(f"SSH connection failed: {exc or type(exc).__name__}", host=target.name) from exc
         transport = client.get_transport()
         if transport is not None:
