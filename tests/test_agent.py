@@ -14,7 +14,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,8 @@ from dlrun.launch import LaunchConfig, launch
 from dlrun.probe import PROBE_SOURCE, parse_probe_output
 from dlrun.sync import HELPER_SOURCE
 from dlrun.transport import Channel, HostRouter, LocalTransport
+
+from conftest import wait_until
 
 
 def talk(argv: Sequence[str], messages: Sequence[dict[str, object]], env: dict[str, str] | None = None,
@@ -188,15 +190,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 SLEEPING_RANK = "import time\nprint('up', flush=True)\ntime.sleep(600)\n"
 
 
@@ -229,7 +222,7 @@ def test_pings_are_answered_and_keep_a_quiet_job_alive() -> None:
         time.sleep(0.3)
     assert _alive(pid) and proc.poll() is None
     proc.stdin.close()  # then the usual EOF path ends it
-    assert proc.wait(30) == 0 and _wait_until(lambda: not _alive(pid), 5)
+    assert proc.wait(30) == 0 and wait_until(lambda: not _alive(pid), 5)
 
 
 FLOOD_RANK = "import sys\nprint('up', flush=True)\nwhile True:\n    sys.stdout.write('x' * 65535 + '\\n')\n"
@@ -241,8 +234,8 @@ FLOOD_RANK = "import sys\nprint('up', flush=True)\nwhile True:\n    sys.stdout.w
 def test_a_silent_controller_makes_the_agent_stop_its_ranks(rank: str) -> None:
     proc, pid = start_silent_job(rank, host_timeout=1.0)
     try:
-        assert _wait_until(lambda: proc.poll() is not None, 15), "agent still running after 15 s of silence"
-        assert _wait_until(lambda: not _alive(pid), 5)
+        assert wait_until(lambda: proc.poll() is not None, 15), "agent still running after 15 s of silence"
+        assert wait_until(lambda: not _alive(pid), 5)
     finally:
         proc.kill()
         proc.wait()
@@ -260,7 +253,7 @@ def test_a_watch_arms_the_silence_clock_before_the_spec() -> None:
             proc.stdin.write(b'{"op": "ping"}\n')
             proc.stdin.flush()
         assert proc.poll() is None
-        assert _wait_until(lambda: proc.poll() is not None, 15), "agent still waiting after 15 s of silence"
+        assert wait_until(lambda: proc.poll() is not None, 15), "agent still waiting after 15 s of silence"
         assert proc.returncode == 0
     finally:
         proc.kill()

@@ -21,7 +21,7 @@ from dlrun.ssh import SSHTransport
 from dlrun.sync import SHARD_FILE, SHARD_POLICIES, push, shard_env
 from dlrun.transport import HostRouter
 
-from conftest import REPO
+from conftest import REPO, wait_until
 
 pytestmark = pytest.mark.ssh
 
@@ -211,15 +211,6 @@ push(HostRouter(remote=SSHTransport(config_file={config!r})), [host], code_dir=P
 """
 
 
-def wait_for(predicate, timeout: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return bool(predicate())
-
-
 def test_killed_push_leaves_no_partial_file_and_the_next_push_resumes(  # type: ignore[no-untyped-def]
     cluster, transport, tmp_path: Path
 ) -> None:
@@ -239,11 +230,11 @@ def test_killed_push_leaves_no_partial_file_and_the_next_push_resumes(  # type: 
         line = proc.stdout.readline()
         assert line.strip() == "stalled", proc.stderr.read() if proc.stderr else ""
         # three files are in place and the fourth is being written under a temporary name
-        assert wait_for(lambda: len([p for p in remote.glob("f*.bin")]) == 3 and list(remote.glob(PART + "*")))
+        assert wait_until(lambda: len([p for p in remote.glob("f*.bin")]) == 3 and list(remote.glob(PART + "*")), 15)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert wait_for(lambda: not list(remote.glob(PART + "*"))), "the helper left its partial file behind"
+    assert wait_until(lambda: not list(remote.glob(PART + "*")), 15), "the helper left its partial file behind"
     landed = tree(remote)
     assert landed == {f"f{i}.bin": files[f"f{i}.bin"] for i in range(3)}  # nothing partial under a final name
 
@@ -283,7 +274,7 @@ def test_a_host_that_goes_silent_fails_the_push_within_the_host_timeout(  # type
     # once thawed, host1's helper sees its connection gone and removes its partial file; every
     # file under a final name is whole
     remote = cluster.hosts[1].workdir / sub / "proj"
-    assert wait_for(lambda: not list(remote.parent.rglob(PART + "*"))), "the helper left its partial file behind"
+    assert wait_until(lambda: not list(remote.parent.rglob(PART + "*")), 15), "the helper left its partial file behind"
     assert all(path.read_bytes() == (src / path.name).read_bytes() for path in remote.glob("f*.bin"))
 
 

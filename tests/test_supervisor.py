@@ -14,6 +14,8 @@ from dlrun.supervisor import LineSplitter, RankState, Supervisor
 from dlrun.testing import FakeRank, FakeTransport
 from dlrun.view import PlainView
 
+from conftest import wait_until
+
 
 def commands(spec: str = "a:2,b:2", framework: str = "tf"):  # type: ignore[no-untyped-def]
     plan = make_plan(parse_inline(spec), job_id="job", framework=framework)
@@ -179,7 +181,7 @@ def test_agents_started_early_are_watched_and_pinged_before_the_spec() -> None:
     agents = HostAgents(transport, hosts, host_timeout=0.6)  # pings every 0.2 s
     agents.start(probe="print(1)")
     try:
-        assert _wait(lambda: all(sum(m.get("op") == "ping" for m in transport.channels[h.name].sent) >= 2
+        assert wait_until(lambda: all(sum(m.get("op") == "ping" for m in transport.channels[h.name].sent) >= 2
                                  for h in hosts), 10)
         for h in hosts:
             assert transport.channels[h.name].sent[0] == {"op": "watch", "host_timeout": 0.6}
@@ -188,12 +190,3 @@ def test_agents_started_early_are_watched_and_pinged_before_the_spec() -> None:
     sent = {h.name: len(transport.channels[h.name].sent) for h in hosts}
     time.sleep(0.5)
     assert {h.name: len(transport.channels[h.name].sent) for h in hosts} == sent  # closed: no more pings
-
-
-def _wait(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return bool(predicate())

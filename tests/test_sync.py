@@ -10,7 +10,6 @@ import posixpath
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 
@@ -55,6 +54,8 @@ from dlrun.sync import (
     split_points,
     survey_request,
 )
+
+from conftest import wait_until
 
 # --------------------------------------------------------------------------- shards
 
@@ -513,13 +514,6 @@ def test_a_helper_whose_dlrun_vanished_ends_and_removes_its_partial_file(tmp_pat
         proc.kill()
         proc.stdin.close()
         proc.stdout.close()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not predicate():
-        time.sleep(0.02)
-    return predicate()
 
 
 # --------------------------------------------------------------------------- the view
