@@ -7,12 +7,13 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from conftest import wait_until
 
 try:
     from tests import sshd_cluster as sc
@@ -43,15 +44,6 @@ def _ssh(
     return subprocess.run(
         argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30, check=False
     )
-
-
-def _poll(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return bool(predicate())
 
 
 def _expected_home(cluster: sc.SshdCluster) -> str:
@@ -167,7 +159,7 @@ def test_proxyjump_through_bastion(cluster: sc.SshdCluster) -> None:
         text=True,
     )
     try:
-        assert _poll(lambda: cluster.session_pids("bastion") and cluster.session_pids(1))
+        assert wait_until(lambda: cluster.session_pids("bastion") and cluster.session_pids(1))
         out, err = client.communicate("through the bastion\n", timeout=30)
     finally:
         client.kill()
@@ -185,7 +177,7 @@ def test_kill_sessions_leaves_listener_and_orphans_the_command(cluster: sc.SshdC
         stderr=subprocess.DEVNULL,
     )
     try:
-        assert _poll(lambda: len(sc.count_job_processes(job)) == 1)
+        assert wait_until(lambda: len(sc.count_job_processes(job)) == 1)
         (orphan,) = sc.count_job_processes(job)
         killed = cluster.kill_sessions(2)
         assert killed and cluster.hosts[2].pid not in killed
@@ -226,7 +218,7 @@ def test_stop_kills_listener_and_sessions(tmp_path: Path) -> None:
         stderr=subprocess.DEVNULL,
     )
     try:
-        assert _poll(lambda: len(sc.count_job_processes(job)) == 1)
+        assert wait_until(lambda: len(sc.count_job_processes(job)) == 1)
         listener = c.hosts[0].process
         c.stop(remove=True)
         assert listener is not None and listener.poll() is not None
