@@ -305,14 +305,12 @@ class _Locator:
         return None
 
     def defaults(self, key: str) -> int | None:
-        found = self._table("defaults", 0, key, fallback=True)
-        if found is None:  # a [defaults.env] table with no [defaults] before it
-            table, _, inner = key.partition(".")
-            for i, (name, _) in enumerate(self.sections):
-                if name == f"defaults.{table}":
-                    start, end = self._span(i)
-                    return (self._key_in(start, end, inner) if inner else None) or start + 1
-        return found
+        table, _, inner = key.partition(".")
+        for i, (name, _) in enumerate(self.sections):  # [defaults.env] may stand anywhere, even first
+            if name == f"defaults.{table}":
+                start, end = self._span(i)
+                return (self._key_in(start, end, inner) if inner else None) or start + 1
+        return self._table("defaults", 0, key, fallback=True)
 
     def host(self, index: int, key: str, *, fallback: bool = True) -> int | None:
         return self._table("hosts", index, key, fallback=fallback)

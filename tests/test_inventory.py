@@ -92,6 +92,8 @@ def test_localhost_without_port_or_user_is_local() -> None:
          "defaults.env.A", "string"),
         ('[defaults]\nuser = "ml"\nenv.A = 5\n[[hosts]]\naddress = "a"\n', 3, "defaults.env.A", "string"),
         ('[defaults.env]\nA = 5\n\n[[hosts]]\naddress = "a"\n', 2, "defaults.env.A", "string"),
+        ('[defaults.env]\nB = "1"\nA = 5\n[defaults]\nuser = "ml"\n[[hosts]]\naddress = "a"\n', 3,
+         "defaults.env.A", "string"),
         ('[defaults]\niface = "a-very-long-interface"\n[[hosts]]\naddress = "a"\n', 2, "defaults.iface",
          "1-15 characters"),
         ('[cluster]\nx = 1\n', 1, "cluster", "unknown top-level"),
