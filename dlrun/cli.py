@@ -381,7 +381,8 @@ def init(directory: str, framework: str, force: bool) -> None:
 @click.option("--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True)
 @click.option("--split-lines", is_flag=True, help="Split a single text/CSV dataset file into per-host parts.")
 @click.option("--project", help="Remote directory name under workdir (default: the code directory's name).")
-@click.option("--no-delete", is_flag=True, help="Keep remote files that were deleted locally.")
+@click.option("--no-delete", is_flag=True,
+              help="Keep remote code files that were deleted locally (a data shard always drops what left it).")
 @click.option("--json", "json_output", is_flag=True, help="Print the per-host summary as JSON.")
 @_with_ssh_options
 @_reports_errors

@@ -292,7 +292,8 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
     pending = [h for h in remote if h.name not in done]
     with PushView([h.name for h in remote]) as view:
         if pending:
-            fresh = push(transport, pending, code_dir=code_dir, progress=view.progress, file_progress=view.files)
+            fresh = push(transport, pending, code_dir=code_dir, progress=view.progress, file_progress=view.files,
+                         leave_out=Path(config.data) if config.data else None)  # the data went as shards
             done.update((s.host, s) for s in fresh)
         view.finish([done[h.name] for h in remote])
     cwd_for: dict[str, str | None] = {h.name: str(code_dir) for h in hosts if h.is_local}
@@ -435,6 +436,10 @@ def default_ranks_for_gpus(inventory: Inventory, reports: Sequence[HostReport]) 
 def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
     """Before any connection: a ``.py`` script that must be here (a local rank runs it, or its
     directory is pushed) exists, and the log directory can be written."""
+    code_dir = code_dir_to_push(config)
+    if code_dir is not None and config.data and code_dir.is_relative_to(Path(config.data).resolve()):
+        raise UsageError(f"--data {config.data} holds the script's directory {code_dir}, which is pushed as code:"
+                         " every file would go twice", hint="keep the dataset in a directory of its own")
     here = config.push or any(h.is_local for h in inventory.hosts)
     if here and config.script.endswith(".py") and not Path(config.script).is_file():
         raise UsageError(f"script not found: {config.script}",
@@ -500,7 +505,8 @@ def launch(config: LaunchConfig) -> int:
     if code_dir is not None and any(not h.is_local for h in used_hosts):
         from dlrun.sync import scan_code
 
-        manifest = pusher.submit(scan_code, code_dir)  # hashes (or reads the cache) while we connect
+        leave_out = Path(config.data) if config.data else None  # sent as shards, not with the code
+        manifest = pusher.submit(scan_code, code_dir, leave_out)  # hashes (or reads the cache) while we connect
     try:
         addresses = reachable_addresses(used_hosts, transport.connect(used_hosts))
         targets = survey_code(code_dir, used_hosts, manifest.result()) if code_dir and manifest is not None else {}

@@ -607,14 +607,18 @@ def scan_tree(
     ignore_files: Sequence[str] = CODE_IGNORE_FILES,
     extra_rules: Sequence[IgnoreRule] = (),
     cache: HashCache | None = None,
+    follow_links: bool = False,
 ) -> Manifest:
     """Walk ``root``: every file not ignored, with size, permission bits and sha256; links as links.
 
     Ignore files are read in every directory (deeper ones win); ``.git/`` and ``__pycache__/``
-    are always skipped, and so are sockets, fifos and devices. Symlinks are not followed.
+    are always skipped, and so are sockets, fifos and devices. Symlinks are not followed, unless
+    ``follow_links`` (a dataset: what the ranks read is the target's bytes, and a linked folder
+    of files must be dealt out like the others); then a dangling link or a loop is an error.
     """
     root = Path(root)
     entries: list[FileEntry] = []
+    walked = {os.path.realpath(root)}  # with follow_links: the folders under way, against loops
     always = default_rules()
     stack: list[tuple[str, IgnoreRules]] = [("", IgnoreRules())]
     while stack:
@@ -634,7 +638,23 @@ def scan_tree(
         for child in children:
             rel = f"{rel_dir}/{child.name}" if rel_dir else child.name
             try:
-                if child.is_symlink():
+                if child.is_symlink() and follow_links:
+                    if not os.path.exists(child.path):
+                        raise SyncError(f"{child.path} is a link to nothing ({os.readlink(child.path)})",
+                                        hint="fix or remove the link, or list it in .dlrunignore")
+                    if child.is_dir() and not effective.matches(rel, True):
+                        real = os.path.realpath(child.path)
+                        if any(real == w or w.startswith(real + os.sep) for w in walked):
+                            raise SyncError(f"{child.path} links back to a folder above it (a loop)")
+                        walked.add(real)
+                        stack.append((rel, rules))
+                    elif child.is_file() and not effective.matches(rel, False):
+                        st = child.stat()
+                        path = child.path
+                        digest = cache.digest(rel, st, partial(sha256_file, path)) if cache else sha256_file(path)
+                        entries.append(FileEntry(rel, st.st_size, stat.S_IMODE(st.st_mode), digest,
+                                                 source=Source(file=path, mtime=int(st.st_mtime))))
+                elif child.is_symlink():
                     if not effective.matches(rel, False):
                         target = os.readlink(child.path)
                         st = child.stat(follow_symlinks=False)
@@ -678,7 +698,12 @@ def plan_data(
         raise UsageError(f"unknown shard policy {policy!r} (expected one of {', '.join(SHARD_POLICIES)})")
     data = Path(data)
     if data.is_dir():
-        entries = scan_tree(data, ignore_files=DATA_IGNORE_FILES, cache=cache).entries
+        scanned = scan_tree(data, ignore_files=DATA_IGNORE_FILES, cache=cache, follow_links=True).entries
+        # .gitignore and .dlrunignore are rules for git and dlrun, not data
+        entries = tuple(e for e in scanned if posixpath.basename(e.path) not in CODE_IGNORE_FILES)
+        if not entries:  # an unmounted disk or a wrong path: pushing nothing would delete every shard
+            raise SyncError(f"{data} holds no files to shard",
+                            hint="check the path (a mount point that is not mounted looks like this)")
     elif data.is_file():
         st = data.stat()
         path = str(data)
@@ -1425,7 +1450,8 @@ class _HostPush:
             if first is None or "targets" not in first:
                 raise self._helper_failed("the push helper did not report the host's files", replies)
             trees = [_parse_tree(raw) for raw in first["targets"]]
-            plans = [diff_manifests(t.manifest, tree.entries, delete=self.delete)
+            # a data shard always drops what left it: kept, it would overlap another host's shard
+            plans = [diff_manifests(t.manifest, tree.entries, delete=self.delete or t.label == "data")
                      for t, tree in zip(self.targets, trees, strict=True)]
             settled = all(raw.get("settled") is True for raw in first["targets"])
             nothing = _summary_if_settled(self.host.name, self.targets, trees, plans, settled)
@@ -1599,6 +1625,7 @@ def push(
     delete: bool = True,
     progress: ProgressHook | None = None,
     file_progress: ProgressHook | None = None,
+    leave_out: Path | None = None,
 ) -> tuple[HostPushSummary, ...]:
     """Bring ``code_dir`` (to ``remote_code_dir``) and each host's shard of ``data_dir`` (to
     ``remote_data_dir``) up to date on every host, in parallel; one summary per host, in order.
@@ -1606,7 +1633,8 @@ def push(
     ``project`` defaults to the code directory's name. ``delete`` removes files an earlier push
     wrote that are gone locally (or, for data, no longer in the host's shard). ``progress(host,
     bytes_done, bytes_total)`` and ``file_progress(host, files_done, files_total)`` are called
-    from the hosts' threads. Raises ``SyncError`` (space, permissions, verification),
+    from the hosts' threads. ``leave_out``: a directory inside ``code_dir`` not to send with
+    the code (the dataset, pushed as shards on its own). Raises ``SyncError`` (space, permissions, verification),
     ``TransportError`` (unreachable, helper failed) or ``UsageError``; with several hosts
     failing, one ``SyncError`` lists them all. Hosts that succeeded keep what they received.
     """
@@ -1619,6 +1647,11 @@ def push(
         raise UsageError(f"unknown shard policy {shard!r} (expected one of {', '.join(SHARD_POLICIES)})")
     code_root = Path(code_dir).resolve() if code_dir is not None else None
     data_root = Path(data_dir).resolve() if data_dir is not None else None
+    for other in (data_root, leave_out.resolve() if leave_out is not None else None):
+        if code_root is not None and other is not None and code_root.is_relative_to(other):
+            raise UsageError(f"the data directory {other} holds the code directory {code_root}: every file would"
+                             " go twice, whole as code and dealt out as data",
+                             hint="keep the dataset in a directory of its own (it may lie inside the code's)")
     if code_root is not None:
         if not code_root.is_dir():
             raise UsageError(f"code directory not found: {code_dir}")
@@ -1629,7 +1662,8 @@ def push(
 
     with ThreadPoolExecutor(max_workers=1) as connector:
         connected = connector.submit(transport.connect, hosts)  # overlaps with hashing
-        code_manifest, data_manifests = _plan_local(code_root, data_root, len(hosts), shard, split_lines)
+        code_manifest, data_manifests = _plan_local(code_root, data_root, len(hosts), shard, split_lines,
+                                                    leave_out.resolve() if leave_out is not None else None)
         connected.result()
 
     host_targets = []
@@ -1667,13 +1701,16 @@ def push(
                     hint="hosts not listed are up to date")
 
 
-def _plan_local(code_root: Path | None, data_root: Path | None, count: int, shard: str,
-                split_lines: bool) -> tuple[Manifest | None, tuple[Manifest, ...] | None]:
+def _plan_local(code_root: Path | None, data_root: Path | None, count: int, shard: str, split_lines: bool,
+                leave_out: Path | None = None) -> tuple[Manifest | None, tuple[Manifest, ...] | None]:
+    """The code manifest (without the dataset, which goes in shards, when it lies inside the
+    code: ``data_root``, or ``leave_out`` when the data is pushed on its own) and the shards."""
     code_manifest = data_manifests = None
     if code_root is not None:
         extra: tuple[IgnoreRule, ...] = ()
-        if data_root is not None and data_root.is_relative_to(code_root) and data_root != code_root:
-            nested = data_root.relative_to(code_root).as_posix()
+        inside = leave_out or data_root
+        if inside is not None and inside.is_relative_to(code_root) and inside != code_root:
+            nested = inside.relative_to(code_root).as_posix()
             extra = (IgnoreRule(pattern=f"/{nested}", regex=re.escape(nested)),)
         cache = HashCache(default_cache_path(code_root))
         code_manifest = scan_tree(code_root, extra_rules=extra, cache=cache)
@@ -1699,9 +1736,10 @@ def survey_request(targets: Sequence[PushTarget]) -> dict[str, Any]:
             "idle": HELPER_IDLE_S}
 
 
-def scan_code(code_root: Path) -> Manifest:
-    """The code manifest ``push(code_dir=code_root)`` sends (hashes cached by stat)."""
-    manifest, _ = _plan_local(code_root.resolve(), None, 1, "files", False)
+def scan_code(code_root: Path, leave_out: Path | None = None) -> Manifest:
+    """The code manifest ``push(code_dir=code_root, leave_out=…)`` sends (hashes cached by stat)."""
+    manifest, _ = _plan_local(code_root.resolve(), None, 1, "files", False,
+                              leave_out.resolve() if leave_out is not None else None)
     assert manifest is not None
     return manifest
 
@@ -1729,7 +1767,8 @@ def settled_push(host: str, targets: Sequence[PushTarget], answer: Mapping[str, 
         return None
     if len(trees) != len(targets):
         return None
-    plans = [diff_manifests(t.manifest, tree.entries, delete=delete) for t, tree in zip(targets, trees, strict=True)]
+    plans = [diff_manifests(t.manifest, tree.entries, delete=delete or t.label == "data")
+             for t, tree in zip(targets, trees, strict=True)]
     return _summary_if_settled(host, targets, trees, plans, settled)
 
 

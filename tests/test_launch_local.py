@@ -241,7 +241,8 @@ def test_option_values_that_cannot_work_are_usage_errors(tmp_path: Path) -> None
                         (["--backend", "spark", "--master", "local[2]", "--ranks", "7"],
                          "--ranks 7: the job has ranks 0 to 1"),
                         (["--backend", "spark", "--master", "local[2]", "--log-dir", "/dev/null/logs"],
-                         "cannot create the log directory")):
+                         "cannot create the log directory"),
+                        (["--hosts", "gpu1:1", "--data", "."], "holds the script's directory")):
         out = run_dlrun("launch", "--plain", "--framework", "none", *args, str(script), cwd=tmp_path)
         assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
         assert "[0 localhost] ok" not in out.stdout

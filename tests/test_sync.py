@@ -54,6 +54,7 @@ from dlrun.sync import (
     split_points,
     survey_request,
 )
+from dlrun.transport import HostRouter
 
 from conftest import wait_until
 
@@ -781,3 +782,78 @@ def test_an_empty_code_directory_is_made_on_the_host(tmp_path: Path, monkeypatch
     assert (tmp_path / "host" / "empty").is_dir()  # ranks may run there (launch --no-push)
     (summary,) = push(HostRouter(remote=None), [host], code_dir=tmp_path / "empty")
     assert (summary.files_sent, summary.files_deleted) == (0, 0)
+
+
+# --------------------------------------------------------------------------- datasets as users keep them
+
+
+def _local_hosts(count: int, workdir: Path) -> list[Host]:
+    return [Host(address="localhost", name=f"h{i}", workdir=str(workdir)) for i in range(count)]
+
+
+def _files_under(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def test_data_links_are_followed_and_ignore_files_are_not_data(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for name in ("img1", "img2"):
+        (outside / name).write_text(name)
+    data = tmp_path / "ds"
+    data.mkdir()
+    (data / "x.txt").write_text("x")
+    (data / "y.txt").symlink_to("x.txt")  # its host reads x's bytes, wherever x.txt goes
+    (data / "images").symlink_to(outside)  # a linked folder's files are dealt out like the others
+    (data / ".gitignore").write_text("*\n")  # keeps the data out of git: not data itself
+    shards = plan_data(data, 2, "files")
+    dealt = sorted(e.path for m in shards for e in m.entries if e.path != SHARD_FILE)
+    assert dealt == ["images/img1", "images/img2", "x.txt", "y.txt"]
+    assert all(not e.is_link for m in shards for e in m.entries)
+    (data / "gone").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(SyncError, match="is a link to nothing"):
+        plan_data(data, 2, "files")
+
+
+def test_a_dataset_with_no_files_deletes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    data = tmp_path / "ds"
+    data.mkdir()
+    for i in range(4):
+        (data / f"f{i}").write_text(str(i))
+    push(HostRouter(remote=None), _local_hosts(2, tmp_path / "wd"), code_dir=None, data_dir=data)
+    for f in data.iterdir():
+        f.unlink()  # as an unmounted mount point looks
+    with pytest.raises(SyncError, match="holds no files to shard"):
+        push(HostRouter(remote=None), _local_hosts(2, tmp_path / "wd"), code_dir=None, data_dir=data)
+    assert _files_under(tmp_path / "wd" / "data" / "h0") == ["f0", "f2", "shard.json"]
+
+
+def test_code_and_data_go_once_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    project = tmp_path / "proj"
+    (project / "dataset").mkdir(parents=True)
+    (project / "train.py").write_text("print(1)\n")
+    for i in range(4):
+        (project / "dataset" / f"f{i}.bin").write_text(str(i))
+    hosts = _local_hosts(2, tmp_path / "wd")
+    # launch pushes the data as shards first, then the code without it
+    push(HostRouter(remote=None), hosts, code_dir=None, data_dir=project / "dataset")
+    push(HostRouter(remote=None), hosts, code_dir=project, leave_out=project / "dataset")
+    assert _files_under(tmp_path / "wd" / "proj") == ["train.py"]
+    for data_dir in (project, tmp_path):  # a dataset that holds the code: every file twice
+        with pytest.raises(UsageError, match="holds the code directory"):
+            push(HostRouter(remote=None), hosts, code_dir=project, data_dir=data_dir)
+
+
+def test_no_delete_keeps_code_files_but_data_shards_stay_disjoint(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    data = tmp_path / "ds"
+    data.mkdir()
+    for i in range(6):
+        (data / f"f{i}").write_text(str(i))
+    push(HostRouter(remote=None), _local_hosts(3, tmp_path / "wd"), code_dir=None, data_dir=data)
+    push(HostRouter(remote=None), _local_hosts(2, tmp_path / "wd"), code_dir=None, data_dir=data, delete=False)
+    shards = [set(_files_under(tmp_path / "wd" / "data" / f"h{i}")) - {SHARD_FILE} for i in range(2)]
+    assert shards[0].isdisjoint(shards[1]) and shards[0] | shards[1] == {f"f{i}" for i in range(6)}
