@@ -397,20 +397,54 @@ def shard_files(files: Sequence[tuple[str, int]], count: int, policy: str) -> tu
     return tuple(tuple(sorted(g)) for g in groups)
 
 
-def split_points(read: Callable[[int, int], bytes], size: int, start: int, parts: int) -> tuple[int, ...]:
+def split_points(read: Callable[[int, int], bytes], size: int, start: int, parts: int, *,
+                 quoted: bool = False) -> tuple[int, ...]:
     """Byte offsets that cut ``[start, size)`` into ``parts`` ranges of whole lines, near-equal in bytes.
 
     ``read(offset, n)`` returns up to ``n`` bytes at ``offset``. Returns ``parts + 1`` offsets,
     from ``start`` to ``size``; a cut lands just after a ``\\n``, so no line is split (parts may
-    be empty when there are fewer lines than parts).
+    be empty when there are fewer lines than parts). With ``quoted`` (CSV), a ``\\n`` inside a
+    ``"…"`` field is no line end: a record with a line break in a field stays whole.
     """
     cuts = [start]
     body = size - start
+    scanned, inside = start, False  # quoted: how far the quotes are counted, and the state there
     for k in range(1, parts):
         target = max(start + body * k // parts, cuts[-1])
-        cuts.append(_next_line_start(read, target, size))
+        if quoted:
+            cut, scanned, inside = _next_record_start(read, target, size, scanned, inside)
+            cuts.append(cut)
+        else:
+            cuts.append(_next_line_start(read, target, size))
     cuts.append(size)
     return tuple(cuts)
+
+
+def _next_record_start(read: Callable[[int, int], bytes], target: int, size: int, position: int,
+                       inside: bool) -> tuple[int, int, bool]:
+    """The smallest offset >= target that starts a line outside a quoted field (or ``size``),
+    counting quotes from ``position``, where a field is open if ``inside``; returns that offset
+    and the scan's position and state there. A doubled ``""`` toggles twice: no change."""
+    while position < size:
+        block = read(position, 65536)
+        if not block:
+            break
+        lead = min(len(block), max(0, target - 1 - position))  # bytes before the search starts
+        inside ^= bool(block.count(b'"', 0, lead) & 1)
+        i = lead
+        while i < len(block):
+            quote, newline = block.find(b'"', i), block.find(b"\n", i)
+            if newline >= 0 and (quote < 0 or newline < quote):
+                if not inside:
+                    end = position + newline + 1
+                    return end, end, False
+                i = newline + 1
+            elif quote >= 0:
+                inside, i = not inside, quote + 1
+            else:
+                break
+        position += len(block)
+    return size, size, inside
 
 
 def _next_line_start(read: Callable[[int, int], bytes], target: int, size: int) -> int:
@@ -766,7 +800,7 @@ def split_file(entry: FileEntry, parts: int, *, cache: HashCache | None = None) 
         header = b""
         if entry.path.lower().endswith(HEADER_SUFFIXES):
             header = read(0, _next_line_start(read, 1, entry.size))
-        cuts = split_points(read, entry.size, len(header), parts)
+        cuts = split_points(read, entry.size, len(header), parts, quoted=entry.path.lower().endswith(".csv"))
     st = os.stat(path)
     out = []
     for i in range(parts):

@@ -51,6 +51,7 @@ from dlrun.sync import (
     shard_document,
     shard_env,
     shard_files,
+    split_file,
     split_points,
     survey_request,
 )
@@ -857,3 +858,28 @@ def test_no_delete_keeps_code_files_but_data_shards_stay_disjoint(tmp_path: Path
     push(HostRouter(remote=None), _local_hosts(2, tmp_path / "wd"), code_dir=None, data_dir=data, delete=False)
     shards = [set(_files_under(tmp_path / "wd" / "data" / f"h{i}")) - {SHARD_FILE} for i in range(2)]
     assert shards[0].isdisjoint(shards[1]) and shards[0] | shards[1] == {f"f{i}" for i in range(6)}
+
+
+def test_split_lines_keeps_a_csv_record_with_line_breaks_in_its_fields_whole(tmp_path: Path) -> None:
+    import csv
+    import random
+
+    rng = random.Random(7)
+    rows = [["id", "text"]] + [[str(i), rng.choice(["plain", 'say "hi"', "two\nlines", "a,b\nc\n\nd"])]
+                               for i in range(200)]
+    path = tmp_path / "table.csv"
+    with open(path, "w", newline="") as fh:
+        csv.writer(fh).writerows(rows)
+    st = path.stat()
+    entry = FileEntry("table.csv", st.st_size, 0o644, "", source=Source(file=str(path)))
+    for parts in (2, 3, 7):
+        got = []
+        for part in split_file(entry, parts):
+            assert part.source is not None
+            with open(path, "rb") as fh:
+                fh.seek(part.source.offset)
+                body = part.source.prefix + fh.read(part.size - len(part.source.prefix))
+            records = list(csv.reader(io.StringIO(body.decode(), newline="")))
+            assert records[0] == ["id", "text"]  # the header in every part, then whole records only
+            got += records[1:]
+        assert got == rows[1:], parts
