@@ -413,6 +413,8 @@ def push_command(
 
     if code_dir is None and data is None:
         raise UsageError("nothing to push: give --code DIR and/or --data DIR")
+    _refuse_unused({"--shard": "shard", "--split-lines": "split_lines"}, data is None, "--data DIR")
+    _refuse_unused({"--project": "project", "--no-delete": "no_delete"}, code_dir is None, "--code DIR")
     inventory = load_inventory(hosts)
     ssh = SSHOptions(ssh_config, accept_new_host_keys, connect_timeout, known_hosts, host_timeout)
     transport = make_transport(inventory, ssh)

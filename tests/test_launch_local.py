@@ -360,3 +360,14 @@ def test_local_jobs_side_by_side_take_free_ports(tmp_path: Path) -> None:
         assert json.loads(given.stdout)["ranks"][0]["port"] == 23456
     finally:
         busy.close()
+
+
+def test_push_options_that_would_do_nothing_are_usage_errors(tmp_path: Path) -> None:
+    (tmp_path / "proj").mkdir()
+    for args, words in ((["--code", "proj", "--split-lines"], "--split-lines goes with --data DIR"),
+                        (["--code", "proj", "--shard", "size"], "--shard goes with --data DIR"),
+                        (["--data", "proj", "--no-delete"], "--no-delete goes with --code DIR"),
+                        (["--data", "proj", "--project", "p"], "--project goes with --code DIR"),
+                        ([], "nothing to push")):
+        out = run_dlrun("push", "--hosts", "gpu1:1", *args, cwd=tmp_path)
+        assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
