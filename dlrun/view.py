@@ -193,19 +193,23 @@ class LiveView:
         return table
 
     def line(self, rank: int, text: str, stream: str) -> None:
-        self.last[rank] = text
+        self.lines(rank, (text,), stream)
+
+    def lines(self, rank: int, texts: Sequence[str], stream: str) -> None:
+        """A chunk's lines in one print: each print redraws the status table under the log, so
+        a print per line held dlrun to ~1000 lines/s and let a fast rank's output pile up."""
+        if not texts:
+            return
+        self.last[rank] = texts[-1]
         if self.show is not None and rank not in self.show:
             return
         from rich.text import Text
 
         host = self.commands[rank].host_name if rank < len(self.commands) else "?"
         prefix = Text(f"[{rank} {host}] ", style=COLORS[rank % len(COLORS)])
-        body = Text(text, style="red" if stream == "stderr" else "")
-        self.console.print(prefix + body, soft_wrap=True, highlight=False, markup=False)
-
-    def lines(self, rank: int, texts: Sequence[str], stream: str) -> None:
-        for text in texts:
-            self.line(rank, text, stream)
+        style = "red" if stream == "stderr" else ""
+        block = Text("\n").join(prefix + Text(text, style=style) for text in texts)
+        self.console.print(block, soft_wrap=True, highlight=False, markup=False)
 
     def state(self, rank: int, state: RankState, exit_code: int | None) -> None:
         self.states[rank] = state

@@ -75,6 +75,21 @@ def test_live_view_renders_status_table_and_colored_prefixes() -> None:
     assert "root cause" in out
 
 
+def test_live_view_prints_a_chunk_of_lines_at_once() -> None:
+    # each print redraws the status table: one per line held dlrun to ~1000 lines/s on a terminal
+    console = Console(file=io.StringIO(), width=100, force_terminal=True, color_system="standard")
+    view = LiveView(console)
+    view.start(cmds(), None)
+    prints = []
+    real = console.print
+    console.print = lambda *a, **k: (prints.append(a), real(*a, **k))  # type: ignore[method-assign]
+    view.lines(1, ["step 1", "step 2", "step 3"], "stdout")
+    view.finish(FAILED)
+    assert len(prints[0]) == 1 and prints[0][0].plain.splitlines() == [
+        "[1 gpu-b] step 1", "[1 gpu-b] step 2", "[1 gpu-b] step 3"]
+    assert view.last[1] == "step 3"
+
+
 def test_names_that_look_like_markup_are_shown_as_written(tmp_path: object) -> None:
     # rich would read "a[/]b" as markup (and raise): host names and paths are plain text
     from pathlib import Path
