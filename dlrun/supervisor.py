@@ -168,6 +168,7 @@ class _HostLink:
     heard: float = 0.0  # time.monotonic() when the agent last sent anything
     silent: bool = False  # declared lost for silence: its late frames are ignored
     pinged: bool = False  # a thread pings its agent
+    ended: bool = False  # its reader saw the channel end: all it sent is queued, silence means nothing
 
 
 def _message(message: Mapping[str, Any]) -> bytes:
@@ -293,6 +294,7 @@ class HostAgents:
             frames = decoder.feed(data)
             if frames:
                 self.events.put(("frames", host, frames))
+        link.ended = True  # before the screen catches up (a paused pager): not a silent host
         code = channel.wait(5)
         self.events.put(("closed", host, code, channel.stderr_text()))
 
@@ -393,12 +395,16 @@ class Supervisor:
         self.root_cause: int | None = None
         self.lost_host: str | None = None
         self.interrupted_by: int | None = None
+        self.signals: list[int] = []  # interrupt()'s, handled before any queued event
+        self.hurry = False  # a second Ctrl-C: output still queued goes to the log files only
         self._lock = threading.Lock()
 
     # --------------------------------------------------------------------- public
     def interrupt(self, signum: int) -> None:
-        """Thread- and signal-safe: ask the job to stop (Ctrl-C / SIGTERM)."""
-        self.events.put(("interrupt", signum))
+        """Thread- and signal-safe: ask the job to stop (Ctrl-C / SIGTERM). The signal jumps the
+        queue: behind a fast rank's output it would wait for every frame read before it."""
+        self.signals.append(signum)
+        self.events.put(("wake",))
 
     def notify(self, text: str) -> None:
         """Thread- and signal-safe: show a notice between the job's lines."""
@@ -478,7 +484,7 @@ class Supervisor:
         while not stop.wait(interval):
             now = time.monotonic()
             for name, link in list(self.links.items()):
-                if link.channel is None or link.closed or link.done or link.silent:
+                if link.channel is None or link.closed or link.done or link.silent or link.ended:
                     continue
                 if now - link.heard > limit:
                     link.silent = True
@@ -492,9 +498,12 @@ class Supervisor:
                 event = self.events.get(timeout=0.2)
             except queue.Empty:
                 event = ("tick",)
+            self._take_signals()
             self._handle(event)
-            # drain what is queued before touching files and screen again
-            while True:
+            # drain what is queued before touching files and screen again (a bounded batch: a
+            # rank that never stops printing must not keep the logs unflushed)
+            for _ in range(1000):
+                self._take_signals()
                 try:
                     self._handle(self.events.get_nowait())
                 except queue.Empty:
@@ -509,6 +518,10 @@ class Supervisor:
                     if link.channel is not None and not link.closed:
                         _close_aside(link.channel)
                 self.stop_deadline = self.clock() + 30
+
+    def _take_signals(self) -> None:
+        while self.signals:
+            self._handle(("interrupt", self.signals.pop(0)))
 
     def _handle(self, event: tuple[object, ...]) -> None:
         kind = event[0]
@@ -533,6 +546,7 @@ class Supervisor:
                 self.view.notice(f"signal {signum}: stopping every rank (again to kill at once)")
                 self._stop_all(self.grace)
             else:
+                self.hurry = True  # what a fast rank wrote before may take long to draw: logs only
                 self._stop_all(0, kill=True)
 
     def _frame(self, host: str, kind: int, rank_no: int, payload: bytes) -> None:
@@ -552,7 +566,8 @@ class Supervisor:
                 rank.tail.extend(texts[-TAIL_LINES:])
                 if rank.log is not None:
                     rank.log.write("\n".join(texts) + "\n")
-                self.view.lines(rank_no, texts, stream)
+                if not self.hurry:
+                    self.view.lines(rank_no, texts, stream)
         elif kind == agent.STARTED:
             rank.state = RankState.RUNNING
             rank.started = self.clock()
@@ -571,7 +586,8 @@ class Supervisor:
         rank.tail.append(text)
         if rank.log is not None:
             rank.log.write(text + "\n")
-        self.view.line(rank_no, text, stream)
+        if not self.hurry:
+            self.view.line(rank_no, text, stream)
 
     def _exited(self, rank_no: int, rank: _Rank, code: int) -> None:
         rank.exit_code = code

@@ -371,3 +371,20 @@ def test_push_options_that_would_do_nothing_are_usage_errors(tmp_path: Path) -> 
                         ([], "nothing to push")):
         out = run_dlrun("push", "--hosts", "gpu1:1", *args, cwd=tmp_path)
         assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
+
+
+def test_a_paused_reader_loses_no_line_and_no_host(tmp_path: Path) -> None:
+    # the ranks are done in a moment while dlrun waits on a full pipe (a pager paused longer than
+    # --host-timeout): the hosts said everything and must not be declared silent, nor lines dropped
+    script = write(tmp_path / "flood.py", "import os, sys\nfor i in range(20000):\n"
+                   "    sys.stdout.write(f\"rank {os.environ['DLRUN_RANK']} line {i}\\n\")\n")
+    argv = dlrun_argv("launch", "--np", "2", "--framework", "none", "--host-timeout", "2", "--log-dir", "logs",
+                      str(script))
+    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    time.sleep(5)  # nothing reads dlrun's output for 2.5 host timeouts
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    logs = sorted((tmp_path / "logs").glob("*/rank-*.log"))
+    assert [len(p.read_text().splitlines()) for p in logs] == [20000, 20000]
+    assert out.decode().count("] rank 1 line ") == 20000
