@@ -173,23 +173,32 @@ class LiveView:
         from rich.table import Table
         from rich.text import Text
 
-        table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
-        for column in ("rank", "host", "state", "runtime", "last line"):
-            table.add_column(column, no_wrap=True, overflow="ellipsis")
         now = self.clock()
+        rows = []
         for c in self.commands:
             state = self.states[c.rank]
             runtime = None
             if c.rank in self.started:
                 runtime = self.ended.get(c.rank, now) - self.started[c.rank]
             label = state.value + ("" if self.codes.get(c.rank) in (None, 0) else f" ({self.codes[c.rank]})")
-            table.add_row(
+            rows.append((
                 Text(str(c.rank), style=COLORS[c.rank % len(COLORS)]),
                 Text(c.host_name),
                 Text(label, style=STATE_STYLE[state]),
-                _duration(runtime),
-                Text(self.last.get(c.rank, "")[:80]),
-            )
+                Text(_duration(runtime)),
+                # a rank's colours as colours, closed where the cell ends (not left on after exit)
+                Text.from_ansi(self.last.get(c.rank, "")[:200]),
+            ))
+        # who and how come first, whole; the last line gets what is left of the terminal's width
+        names = ("rank", "host", "state", "runtime")
+        fixed = sum(max([len(name), *(row[i].cell_len for row in rows)]) for i, name in enumerate(names))
+        room = max(8, self.console.width - fixed - 2 * len(names))  # two spaces between columns
+        table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
+        for column in (*names, "last line"):
+            table.add_column(column, no_wrap=True)
+        for row in rows:
+            row[-1].truncate(room, overflow="ellipsis")
+            table.add_row(*row)
         return table
 
     def line(self, rank: int, text: str, stream: str) -> None:
@@ -208,7 +217,8 @@ class LiveView:
         host = self.commands[rank].host_name if rank < len(self.commands) else "?"
         prefix = Text(f"[{rank} {host}] ", style=COLORS[rank % len(COLORS)])
         style = "red" if stream == "stderr" else ""
-        block = Text("\n").join(prefix + Text(text, style=style) for text in texts)
+        # a rank's ANSI colours are parsed, so rich closes each one at its line's end
+        block = Text("\n").join(prefix + Text.from_ansi(text, style=style) for text in texts)
         self.console.print(block, soft_wrap=True, highlight=False, markup=False)
 
     def state(self, rank: int, state: RankState, exit_code: int | None) -> None:

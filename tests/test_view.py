@@ -90,6 +90,22 @@ def test_live_view_prints_a_chunk_of_lines_at_once() -> None:
     assert view.last[1] == "step 3"
 
 
+def test_live_table_keeps_rank_host_and_state_whole_and_rank_colors_closed() -> None:
+    for width in (40, 80):
+        console = Console(file=io.StringIO(), width=width, color_system=None)
+        view = LiveView(console)
+        view.start(cmds(), None)
+        view.state(0, RankState.RUNNING, None)
+        view.lines(0, ["\x1b[33mWARNING " + "x" * 150 + "\x1b[0m"], "stdout")
+        with console.capture() as cap:
+            console.print(view.status_table())
+        view.finish(FAILED)
+        table = cap.get().splitlines()
+        assert table[0].startswith("rank  host   state") and table[1].startswith("0     gpu-a  running")
+        assert all(len(line) <= width for line in table) and "\x1b" not in cap.get()
+        assert "[0 gpu-a] WARNING xxx" in console.file.getvalue()  # type: ignore[attr-defined]
+
+
 def test_names_that_look_like_markup_are_shown_as_written(tmp_path: object) -> None:
     # rich would read "a[/]b" as markup (and raise): host names and paths are plain text
     from pathlib import Path
