@@ -100,6 +100,22 @@ class View(Protocol):
     def finish(self, result: RunResult) -> None: ...
 
 
+def _whole_characters(data: bytes) -> tuple[str, bytes]:
+    """An over-long line's text so far, and the bytes of a UTF-8 character it cuts in two
+    (kept for the next piece instead of becoming two replacement characters)."""
+    cut = len(data)
+    for back in range(1, min(4, len(data)) + 1):  # a lead byte within the last 4 bytes
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte
+            need = 2 if byte >= 0xC0 else 1
+            need = 3 if byte >= 0xE0 else need
+            need = 4 if byte >= 0xF0 else need
+            if back < need:
+                cut = len(data) - back
+            break
+    return data[:cut].decode("utf-8", errors="replace"), data[cut:]
+
+
 class LineSplitter:
     """Splits a byte stream into lines on ``\\n``, ``\\r\\n`` and ``\\r``."""
 
@@ -119,8 +135,8 @@ class LineSplitter:
                 lines = buf[:end].decode("utf-8", errors="replace").split("\n")
                 rest = buf[end + 1 :]
             if len(rest) > MAX_LINE:
-                lines.append(rest.decode("utf-8", errors="replace"))
-                rest = b""
+                line, rest = _whole_characters(rest)
+                lines.append(line)
             self.buf = rest
             return lines
         hold = b""
@@ -134,8 +150,8 @@ class LineSplitter:
             pos = match.end()
         rest = buf[pos:]
         if len(rest) > MAX_LINE:
-            lines.append(rest.decode("utf-8", errors="replace"))
-            rest = b""
+            line, rest = _whole_characters(rest)
+            lines.append(line)
         self.buf = rest + hold
         return lines
 

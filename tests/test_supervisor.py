@@ -190,3 +190,10 @@ def test_agents_started_early_are_watched_and_pinged_before_the_spec() -> None:
     sent = {h.name: len(transport.channels[h.name].sent) for h in hosts}
     time.sleep(0.5)
     assert {h.name: len(transport.channels[h.name].sent) for h in hosts} == sent  # closed: no more pings
+
+
+def test_an_over_long_line_is_cut_between_characters() -> None:
+    splitter = LineSplitter()
+    data = ("中" * 700_000 + "\n").encode()  # 2.1 MB: cut at the 1 MiB limit, mid-character unless careful
+    pieces = [text for i in range(0, len(data), 65536) for text in splitter.feed(data[i:i + 65536])]
+    assert "".join(pieces) == "中" * 700_000 and len(pieces) >= 2
