@@ -79,7 +79,10 @@ def summary_lines(result: RunResult) -> list[str]:
         code = "-" if r.exit_code is None else str(r.exit_code)
         lines.append(f"{r.rank:>4}  {r.host:<{width}}  {code:>4}  {r.state.value:<11}  {_duration(r.duration)}")
     ok = sum(1 for r in result.ranks if r.state == RankState.SUCCEEDED)
-    if result.ok:
+    stopped = sum(1 for r in result.ranks if r.state == RankState.STOPPED)
+    if result.ok and stopped:  # tf-ps: the chief's end ended the job, and dlrun stopped the servers
+        verdict = f"dlrun: job succeeded ({ok} ranks finished, {stopped} servers stopped by dlrun)"
+    elif result.ok:
         verdict = f"dlrun: all {len(result.ranks)} ranks succeeded"
     elif result.interrupted_by is not None and result.root_cause is None:
         verdict = f"dlrun: interrupted by signal {result.interrupted_by}; every rank stopped"

@@ -54,14 +54,14 @@ def main() -> None:
             loss = loss_fn(model(x_shard[idx]), y_shard[idx])
             loss.backward()
             optimizer.step()
-            total += float(loss) * len(idx)
+            total += loss.item() * len(idx)
         mean = hvd.allreduce(torch.tensor(total / len(x_shard)), name="epoch_loss")
         if hvd.rank() == 0:
             print(f"epoch {epoch + 1}/{args.epochs}: loss {float(mean):.4f}")
 
     with torch.no_grad():
         predicted = model(torch.from_numpy(x_test)).argmax(dim=1).numpy()
-    checksum = float(sum(p.double().sum() for p in model.parameters()))
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     print(f"rank {hvd.rank()} parameter checksum {checksum:.6f}")
     if hvd.rank() == 0:
         print(f"test accuracy: {float(np.mean(predicted == y_test)):.4f}")

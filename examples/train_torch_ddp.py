@@ -57,13 +57,13 @@ def main() -> None:
             loss = loss_fn(model(xb), yb)
             loss.backward()
             optimizer.step()
-            total += float(loss) * len(xb)
+            total += loss.item() * len(xb)
             rows += len(xb)
         print(f"epoch {epoch + 1}/{args.epochs}: loss {total / rows:.4f}")
 
     with torch.no_grad():
         predicted = model(torch.from_numpy(x_test)).argmax(dim=1).numpy()
-    checksum = float(sum(p.double().sum() for p in model.parameters()))
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     print(f"rank {rank} parameter checksum {checksum:.6f}")
     print(f"test accuracy: {float(np.mean(predicted == y_test)):.4f}")
     dist.destroy_process_group()

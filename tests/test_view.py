@@ -35,6 +35,13 @@ def test_root_cause_and_summary_text() -> None:
     assert summary[-1] == "dlrun: job failed (0/2 ranks succeeded); exit code 7"
 
 
+def test_a_tf_ps_success_says_the_servers_were_stopped() -> None:
+    done = RunResult(ranks=(RankResult(0, "c", RankState.SUCCEEDED, 0, 9.0),
+                            RankResult(1, "w", RankState.STOPPED, 143, 9.1),
+                            RankResult(2, "p", RankState.STOPPED, 143, 9.1)), exit_code=0)
+    assert summary_lines(done)[-1] == "dlrun: job succeeded (1 ranks finished, 2 servers stopped by dlrun); exit code 0"
+
+
 def test_root_cause_shortens_an_inline_program() -> None:
     plan = make_plan(parse_inline("gpu-a:1,gpu-b:1"), job_id="j")
     program = "import sys\n" * 30  # a tf-ps server rank runs dlrun's server as python -c

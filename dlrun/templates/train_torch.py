@@ -25,7 +25,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         if dist.get_rank() == 0:
-            print(f"epoch {epoch + 1}: loss {float(loss):.4f}")
+            print(f"epoch {epoch + 1}: loss {loss.item():.4f}")
     dist.destroy_process_group()
 
 
