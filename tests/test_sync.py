@@ -792,6 +792,14 @@ def _local_hosts(count: int, workdir: Path) -> list[Host]:
     return [Host(address="localhost", name=f"h{i}", workdir=str(workdir)) for i in range(count)]
 
 
+def _dataset(root: Path, count: int) -> Path:
+    data = root / "ds"
+    data.mkdir()
+    for i in range(count):
+        (data / f"f{i}").write_text(str(i))
+    return data
+
+
 def _files_under(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
@@ -818,10 +826,7 @@ def test_data_links_are_followed_and_ignore_files_are_not_data(tmp_path: Path) -
 
 def test_a_dataset_with_no_files_deletes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    data = tmp_path / "ds"
-    data.mkdir()
-    for i in range(4):
-        (data / f"f{i}").write_text(str(i))
+    data = _dataset(tmp_path, 4)
     push(HostRouter(remote=None), _local_hosts(2, tmp_path / "wd"), code_dir=None, data_dir=data)
     for f in data.iterdir():
         f.unlink()  # as an unmounted mount point looks
@@ -850,10 +855,7 @@ def test_code_and_data_go_once_each(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_no_delete_keeps_code_files_but_data_shards_stay_disjoint(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    data = tmp_path / "ds"
-    data.mkdir()
-    for i in range(6):
-        (data / f"f{i}").write_text(str(i))
+    data = _dataset(tmp_path, 6)
     push(HostRouter(remote=None), _local_hosts(3, tmp_path / "wd"), code_dir=None, data_dir=data)
     push(HostRouter(remote=None), _local_hosts(2, tmp_path / "wd"), code_dir=None, data_dir=data, delete=False)
     shards = [set(_files_under(tmp_path / "wd" / "data" / f"h{i}")) - {SHARD_FILE} for i in range(2)]
