@@ -1681,7 +1681,8 @@ def push(
         raise UsageError(f"unknown shard policy {shard!r} (expected one of {', '.join(SHARD_POLICIES)})")
     code_root = Path(code_dir).resolve() if code_dir is not None else None
     data_root = Path(data_dir).resolve() if data_dir is not None else None
-    for other in (data_root, leave_out.resolve() if leave_out is not None else None):
+    leave_root = Path(leave_out).resolve() if leave_out is not None else None
+    for other in (data_root, leave_root):
         if code_root is not None and other is not None and code_root.is_relative_to(other):
             raise UsageError(f"the data directory {other} holds the code directory {code_root}: every file would"
                              " go twice, whole as code and dealt out as data",
@@ -1697,7 +1698,7 @@ def push(
     with ThreadPoolExecutor(max_workers=1) as connector:
         connected = connector.submit(transport.connect, hosts)  # overlaps with hashing
         code_manifest, data_manifests = _plan_local(code_root, data_root, len(hosts), shard, split_lines,
-                                                    leave_out.resolve() if leave_out is not None else None)
+                                                    leave_root)
         connected.result()
 
     host_targets = []
