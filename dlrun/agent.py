@@ -36,8 +36,9 @@ host:
   Output never blocks that check: stdout is non-blocking and a full pipe is waited on with
   ``select`` alongside stdin.
 * **PID namespace**: the controller starts the agent through :func:`pidns_argv`, a ``sh``
-  wrapper that execs it under ``unshare --pid --fork --kill-child`` (with ``--user
-  --map-current-user`` when not root) if that works for the login user, and plainly
+  wrapper that execs it under ``unshare --pid --mount-proc --propagation slave --fork
+  --kill-child`` (with ``--user --map-current-user`` when not root) if that works for the login
+  user and gives the namespace its own ``/proc``, and plainly
   otherwise: one interpreter either way. Then the agent is PID 1 of the namespace and the
   kernel kills every process of the job when it exits (SSH hosts, localhost and Spark tasks
   alike). Where unshare is refused, the sweep is the fallback.
@@ -422,13 +423,17 @@ class Agent:
         return all(rank in self.exited for rank in self.procs)
 
 
-#: Starts ``"$@"`` (the agent's argv) as PID 1 of a new PID namespace when this login user may
-#: create one, else plainly: no extra interpreter, about a millisecond for the ``true`` test.
+#: Starts ``"$@"`` (the agent's argv) as PID 1 of a new PID namespace with its own ``/proc``
+#: when this login user may create one, else plainly. The test run checks, with shell builtins
+#: only, that ``/proc/self`` in there is the process itself (PID 1): the CUDA driver reads its
+#: own process through ``/proc`` and fails (error 304) under a namespace that shows the host's.
+#: ``--propagation slave`` lets mounts the host makes later (an automounted NFS) reach the ranks.
 PIDNS_WRAPPER = """\
 if [ -z "${DLRUN_NO_PIDNS:-}" ]; then
   for o in "--pid" "--user --map-current-user --pid" "--user --map-root-user --pid"; do
-    if unshare $o --fork --kill-child true </dev/null >/dev/null 2>&1; then
-      exec unshare $o --fork --kill-child "$@" --in-pidns
+    if unshare $o --mount-proc --propagation slave --fork --kill-child \\
+        sh -c 'read -r p _ </proc/self/stat && [ "$p" = 1 ] && [ "$$" = 1 ]' </dev/null >/dev/null 2>&1; then
+      exec unshare $o --mount-proc --propagation slave --fork --kill-child "$@" --in-pidns
     fi
   done
 fi
@@ -443,6 +448,15 @@ def become_subreaper() -> bool:
 
         return int(ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)) == 0
     except (OSError, AttributeError):
+        return False
+
+
+def own_proc() -> bool:
+    """Does ``/proc/self`` name this process? CUDA needs it; a PID namespace without its own
+    ``/proc`` breaks it."""
+    try:
+        return os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
         return False
 
 
@@ -473,6 +487,7 @@ def _run_agent(argv: list[str]) -> int:
                 "hostname": os.uname().nodename,
                 "pid": os.getpid(),
                 "pidns": in_namespace,
+                "own_proc": own_proc(),
                 "python": sys.version.split()[0],
             }
         ).encode(),

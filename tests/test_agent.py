@@ -136,6 +136,26 @@ def test_wrapper_falls_back_without_unshare_and_on_request(tmp_path: Path) -> No
     assert hello(talk(agent.pidns_argv(agent_cmd()), probe, env=env))["pidns"] is False
 
 
+@pytest.mark.skipif(not shutil.which("unshare"), reason="no unshare(1) here")
+def test_wrapper_refuses_a_namespace_that_shows_the_hosts_proc(tmp_path: Path) -> None:
+    """An unshare that makes the PID namespace but not its /proc (CUDA's error 304): run plainly."""
+    if not unshare_works():
+        pytest.skip("this user may not create PID namespaces here")
+    real = shutil.which("unshare")
+    fake = tmp_path / "unshare"
+    fake.write_text("#!/bin/sh\nargs=''\nfor a in \"$@\"; do case $a in --mount-proc|--propagation|slave) ;; "
+                    f"*) set -- \"$@\" \"$a\";; esac; shift; done\nexec {real} \"$@\"\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    facts = hello(talk(agent.pidns_argv(agent_cmd()), [{"op": "probe", "source": "print('{}')"}], env=env))
+    assert facts["pidns"] is False and facts["own_proc"] is True
+
+
+def test_hello_says_whether_proc_self_is_the_agent() -> None:
+    facts = hello(talk(agent.pidns_argv(agent_cmd()), [{"op": "probe", "source": "print('{}')"}]))
+    assert facts["own_proc"] is True
+
+
 class CountingTransport(LocalTransport):
     def __init__(self) -> None:
         self.opened: list[tuple[str, ...]] = []

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Smoke-test dlrun on a GPU machine: `dlrun topo`, an NCCL DDP job over every local GPU and a
+# Lightning GPU job, each also under torchrun with the same script, with throughput side by side.
+#   scripts/gpu_smoke.sh [python]      (default python3; needs torch, and lightning for its part)
+# Prints what each one did; exits non-zero when a dlrun job fails. docs/gpu.md records its runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+py=${1:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+status=0
+section() { printf '\n===== %s\n' "$*"; }
+timed() {  # timed LABEL CMD...: run, show the last lines, record wall time and exit code
+  local label=$1; shift
+  local start end code
+  start=$EPOCHREALTIME
+  "$@" >"/tmp/gpu_smoke.$label.log" 2>&1; code=$?
+  end=$EPOCHREALTIME
+  grep -E 'facts |img/s|lightning global rank|Error|error' "/tmp/gpu_smoke.$label.log" | tail -n 12
+  awk -v l="$label" -v c="$code" -v s="$start" -v e="$end" 'BEGIN { printf "%s: exit %s, %.1f s\n", l, c, e - s }'
+  return "$code"
+}
+
+section machine
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || exit 1
+nvidia-smi | sed -n 3p
+"$py" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "nccl", ".".join(map(str, torch.cuda.nccl.version())))'
+ngpu=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+echo "GPUs visible to torch: $ngpu"
+[ "$ngpu" -ge 1 ] || { echo "no GPU: nothing to smoke-test"; exit 1; }
+
+section "dlrun topo"
+timed topo "$py" -m dlrun topo || status=1
+tail -n 25 /tmp/gpu_smoke.topo.log
+
+section "DDP on NCCL, $ngpu rank(s), cuda:LOCAL_RANK"
+timed ddp-dlrun "$py" -m dlrun launch --plain --framework torch --np "$ngpu" scripts/gpu_ddp.py || status=1
+timed ddp-torchrun "$py" -m torch.distributed.run --standalone --nproc-per-node "$ngpu" scripts/gpu_ddp.py
+timed ddp-dlrun-no-pidns "$py" -m dlrun launch --plain --no-pidns --framework torch --np "$ngpu" scripts/gpu_ddp.py
+
+section "Lightning Trainer(accelerator='gpu', strategy='ddp'), $ngpu rank(s)"
+if "$py" -c 'import lightning' 2>/dev/null || "$py" -c 'import pytorch_lightning' 2>/dev/null; then
+  timed lightning-dlrun "$py" -m dlrun launch --plain --framework torch --np "$ngpu" scripts/gpu_lightning.py || status=1
+  timed lightning-torchrun "$py" -m torch.distributed.run --standalone --nproc-per-node "$ngpu" scripts/gpu_lightning.py
+else
+  echo "lightning is not installed: skipped"
+fi
+
+section result
+[ "$status" -eq 0 ] && echo "gpu smoke: every dlrun job passed" || echo "gpu smoke: a dlrun job FAILED (logs in /tmp/gpu_smoke.*.log)"
+exit "$status"
