@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Launch latency: ``dlrun launch`` against ``pdsh -R ssh`` and plain parallel OpenSSH.
 
-Starts one real sshd per fixture host (``tests/sshd_cluster.py``, 127.0.0.2… port 2222 as
+Starts one real sshd per fixture host (``tests/support/sshd_cluster.py``, 127.0.0.2… port 2222 as
 root) and times, on the first 4, 8 and 16 hosts (one rank each), the wall clock of:
 
 * ``dlrun launch --plain --hosts hosts-N.toml --ssh-config <cfg> --log-dir <dir> trivial.py``
@@ -63,7 +63,7 @@ TARGET_RATIO = 0.8
 
 def sshd_cluster_module() -> Any:
     sys.path.insert(0, str(REPO / "tests"))
-    import sshd_cluster
+    from support import sshd_cluster
 
     return sshd_cluster
 
@@ -350,11 +350,11 @@ def mark(kind, what=""):
 mark("interpreter")
 import dlrun.cli as cli
 mark("import dlrun.cli")
-import dlrun.launch as launch_mod
-mark("import dlrun.launch")
-import dlrun.ssh as ssh_mod
-import dlrun.supervisor as sup
-mark("import dlrun.ssh")
+import dlrun.run.launch as launch_mod
+mark("import dlrun.run.launch")
+import dlrun.transport.ssh as ssh_mod
+import dlrun.run.supervisor as sup
+mark("import dlrun.transport.ssh")
 def wrap(owner, name, label, host_arg=False):
     original = getattr(owner, name, None)
     if original is None:
@@ -470,10 +470,11 @@ def summarize_trace(trace: dict[str, Any]) -> list[tuple[str, float]]:
     return [
         ("interpreter up (python + site)", first("interpreter")),
         ("import click + dlrun.cli", first("import dlrun.cli") - first("interpreter")),
-        ("import dlrun.launch (view→rich, supervisor, importlib.metadata)",
-         first("import dlrun.launch") - first("import dlrun.cli")),
-        ("import dlrun.ssh (paramiko→invoke, cryptography)", first("import dlrun.ssh") - first("import dlrun.launch")),
-        ("inventory, keras check, plan, render", first("> connect") - first("import dlrun.ssh")),
+        ("import dlrun.run.launch (view→rich, supervisor, importlib.metadata)",
+         first("import dlrun.run.launch") - first("import dlrun.cli")),
+        ("import dlrun.transport.ssh (paramiko→invoke, cryptography)",
+         first("import dlrun.transport.ssh") - first("import dlrun.run.launch")),
+        ("inventory, keras check, plan, render", first("> connect") - first("import dlrun.transport.ssh")),
         ("connect: all hosts (parallel)", first("< connect") - first("> connect")),
         ("  one handshake, median", per_host("> handshake", "< handshake")),
         ("start agents: open channels + send probe request (parallel)",
@@ -597,7 +598,7 @@ def minify_source(source: str) -> str:
 
 def agent_costs(bench: Bench, repeat: int) -> list[dict[str, Any]]:
     sys.path.insert(0, str(REPO))
-    from dlrun import agent
+    from dlrun.remote import agent
 
     d = bench.trivial.parent
     source = agent.agent_source()
@@ -605,7 +606,7 @@ def agent_costs(bench: Bench, repeat: int) -> list[dict[str, Any]]:
     write_script(d, "agent_min.py", minify_source(source))
     write_script(d, "pidns_wrapper.sh", agent.PIDNS_WRAPPER)
     try:
-        from dlrun.probe import PROBE_SOURCE
+        from dlrun.topo.probe import PROBE_SOURCE
     except ImportError:
         pass
     else:

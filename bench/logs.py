@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Log throughput: ``dlrun launch --plain`` against a raw paramiko reader, N hosts × M numbered lines.
 
-Every fixture host (``tests/sshd_cluster.py``) runs ``<python> lines.py M``, which prints ``0`` …
+Every fixture host (``tests/support/sshd_cluster.py``) runs ``<python> lines.py M``, which prints ``0`` …
 ``M-1``, one number a line. Two ways to bring the lines home, each a fresh process, each run
 ``--repeat`` times, interleaved:
 

@@ -2,10 +2,10 @@
 
 Measures, in the same run and interleaved, the first push (empty hosts, cold local hash
 cache, dirty pages written back before it) and a no-change re-push, for dlrun
-(``dlrun.sync.push`` in this process, a fresh SSH connection per push), for "dlrun-cli" (the
+(``dlrun.push.session.push`` in this process, a fresh SSH connection per push), for "dlrun-cli" (the
 ``dlrun push`` command, interpreter start and imports included) and for four parallel
 ``rsync -a -e "ssh -F <ssh_config>"``. Median of 3; prints a markdown table with the ratios to
-stdout. Uses tests/sshd_cluster.py (root: hosts on 127.0.0.2-5 as user dlrun-test).
+stdout. Uses tests/support/sshd_cluster.py (root: hosts on 127.0.0.2-5 as user dlrun-test).
 
 Client and host CPU are reported next to the times (they do not change what is timed): client
 = this process and its children (dlrun's threads; rsync and its ssh clients), hosts = the four
@@ -16,7 +16,7 @@ hosts share the same cores here, so host CPU costs wall time too.
     python bench/push.py [--runs 3] [--files 200] [--mb 200] [--baseline]
 
 ``--baseline`` adds one more tool, "dlrun-paramiko": the same push with paramiko's own
-Packetizer and ``Channel.sendall`` (dlrun.ssh's fast path for channel data switched off), so
+Packetizer and ``Channel.sendall`` (dlrun.transport.ssh's fast path for channel data switched off), so
 before and after are timed in one run, against the same rsync.
 """
 
@@ -43,11 +43,11 @@ sys.path.insert(0, str(REPO))
 
 from paramiko.packet import Packetizer  # noqa: E402
 
-from dlrun import ssh as dlrun_ssh  # noqa: E402
 from dlrun.inventory import Host  # noqa: E402
-from dlrun.ssh import SSHTransport  # noqa: E402
-from dlrun.sync import push  # noqa: E402
-from dlrun.transport import HostRouter  # noqa: E402
+from dlrun.push.session import push  # noqa: E402
+from dlrun.transport import ssh as dlrun_ssh  # noqa: E402
+from dlrun.transport.local import HostRouter  # noqa: E402
+from dlrun.transport.ssh import SSHTransport  # noqa: E402
 
 
 def load_cluster_module() -> ModuleType:
@@ -212,8 +212,8 @@ def main() -> None:
                 else:
                     results["rsync first"].append(measured("rsync first", rsync_push))
                     results["rsync again"].append(measured("rsync again", rsync_push))
-        import_s = timed(lambda: subprocess.run([sys.executable, "-c", "import dlrun.sync, dlrun.ssh"],
-                                                cwd=REPO, check=True))
+        import_s = timed(lambda: subprocess.run(
+            [sys.executable, "-c", "import dlrun.push.session, dlrun.transport.ssh"], cwd=REPO, check=True))
         load_after = os.getloadavg()[0]
     finally:
         cluster.stop(remove=True)
@@ -246,7 +246,7 @@ def main() -> None:
         label = "first push" if case == "first" else "no-change re-push"
         for tool in tools:
             print(f"| {label} | {tool} | {cpu_median(f'{tool} {case}', 0)} | {cpu_median(f'{tool} {case}', 1)} |")
-    print(f"\n`python -c 'import dlrun.sync, dlrun.ssh'` (a CLI would pay it once): {import_s:.2f} s")
+    print(f"\n`python -c 'import dlrun.push.session, dlrun.transport.ssh'` (a CLI would pay it once): {import_s:.2f} s")
 
 
 if __name__ == "__main__":

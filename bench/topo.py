@@ -3,7 +3,7 @@
     python bench/topo.py [--hosts 16] [--repeat 5]
 
 Each host's python sees a fake `nvidia-smi` replaying a real 8-GPU capture and the real sysfs
-InfiniBand capture (tests/topo_fixtures.py), so the probe parses a full GPU/NIC topology.
+InfiniBand capture (tests/support/topo_fixtures.py), so the probe parses a full GPU/NIC topology.
 Target (issue 4): topo ≤ 1.2× a trivial launch — one round trip per host. `launch` here runs
 its own preflight probe too, so it is also shown with --no-preflight.
 """
@@ -30,7 +30,7 @@ from launch import (
 )
 
 sys.path.insert(0, str(REPO / "tests"))
-from topo_fixtures import FIXTURES, write_fake_tool
+from support.topo_fixtures import FIXTURES, write_fake_tool
 
 REPLIES = {
     "--query-gpu=": "query-gpu-csv/h100-80gb-hbm3-all-fields-idle-drv590.csv.txt",

@@ -1,4 +1,4 @@
-"""The ``dlrun`` command line: thin click wiring over ``dlrun.launch`` and friends.
+"""The ``dlrun`` command line: thin click wiring over ``dlrun.run.launch`` and friends.
 
 Each command parses its options into a config record and calls domain code. Every
 ``DlrunError`` becomes one ``dlrun: error: …`` message on stderr and its exit code, never a
@@ -25,7 +25,7 @@ from dlrun import __version__
 from dlrun.errors import DlrunError
 from dlrun.plan import DEFAULT_BASE_PORT, DEFAULT_HOST_TIMEOUT, FRAMEWORKS
 
-SHARD_POLICIES = ("files", "contiguous", "size", "replicate")  # dlrun.sync.SHARD_POLICIES, without its import
+SHARD_POLICIES = ("files", "contiguous", "size", "replicate")  # dlrun.push.session.SHARD_POLICIES, without its import
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -230,8 +230,8 @@ def launch(
     dlrun's options go before SCRIPT or right after it; from the first argument that is not
     one of them (or after --), the arguments are the script's.
     """
-    from dlrun.launch import LaunchConfig, SSHOptions
-    from dlrun.launch import launch as run_launch
+    from dlrun.run.launch import LaunchConfig, SSHOptions
+    from dlrun.run.launch import launch as run_launch
 
     if json_output and not dry_run:
         raise click.UsageError("--json goes with --dry-run")
@@ -275,7 +275,7 @@ def launch(
         ),
     )
     if backend == "spark":
-        from dlrun.spark import SparkConfig, run_spark
+        from dlrun.spark.driver import SparkConfig, run_spark
 
         if master is None:
             raise click.UsageError("--backend spark needs --master URL")
@@ -324,13 +324,13 @@ def topo(
 
     from rich.console import Console
 
-    from dlrun.findings import analyse, exit_code, suggested_env, topo_document
     from dlrun.inventory import load_inventory
-    from dlrun.launch import SSHOptions, make_transport
-    from dlrun.preflight import probe_hosts
-    from dlrun.probe import probe_local
-    from dlrun.topo_report import render_topo
-    from dlrun.topology import HostReport
+    from dlrun.run.launch import SSHOptions, make_transport
+    from dlrun.topo.findings import analyse, exit_code, suggested_env, topo_document
+    from dlrun.topo.preflight import probe_hosts
+    from dlrun.topo.probe import probe_local
+    from dlrun.topo.records import HostReport
+    from dlrun.topo.report import render_topo
 
     reports: tuple[HostReport, ...]
     if hosts is None:
@@ -407,9 +407,9 @@ def push_command(
 
     from dlrun.errors import UsageError
     from dlrun.inventory import load_inventory
-    from dlrun.launch import SSHOptions, make_transport
-    from dlrun.push_view import PushView, summary_json
-    from dlrun.sync import push
+    from dlrun.push.session import push
+    from dlrun.push.view import PushView, summary_json
+    from dlrun.run.launch import SSHOptions, make_transport
 
     if code_dir is None and data is None:
         raise UsageError("nothing to push: give --code DIR and/or --data DIR")

@@ -7,7 +7,7 @@ Gloo/NCCL interface variables: each host names its own, so hosts need not share 
 ``mask_env``, which every printed output goes through so that secrets are never shown.
 
 Commands are argv lists, never shell strings: TF_CONFIG is JSON and travels byte-exact to the
-agent that starts the rank (see ``dlrun.agent``), so no shell ever sees it.
+agent that starts the rank (see ``dlrun.remote.agent``), so no shell ever sees it.
 """
 
 from __future__ import annotations

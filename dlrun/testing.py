@@ -1,7 +1,7 @@
 """Test doubles that ship with dlrun: a scripted transport for supervisor unit tests.
 
 ``FakeTransport(behaviour)`` opens ``FakeChannel``s that play the host agent's part of the
-protocol (``dlrun.agent``) without starting any process: each rank prints the lines its
+protocol (``dlrun.remote.agent``) without starting any process: each rank prints the lines its
 ``FakeRank`` script gives, then exits with its code — unless it is told to stop first. A
 fake is for fast tests of policy (fail fast, root cause, interrupts); every feature is also
 tested with real processes and real sshd.
@@ -16,10 +16,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dlrun import agent
 from dlrun.errors import HostUnreachable
 from dlrun.inventory import Host
-from dlrun.transport import Channel, Transport
+from dlrun.remote import agent
+from dlrun.transport.base import Channel, Transport
 
 
 @dataclass(frozen=True)

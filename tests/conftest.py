@@ -48,7 +48,7 @@ def workdir(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """Four real sshd hosts (host0..host3 on 127.0.0.2..5) and a bastion, for the session."""
-    from sshd_cluster import find_sshd, start_cluster
+    from support.sshd_cluster import find_sshd, start_cluster
 
     if find_sshd() is None:
         pytest.skip("no sshd on this machine (install openssh-server; .ci/run does)")

@@ -1,0 +1,586 @@
+"""The host agent: starts one host's ranks, streams their output back, and is their watchdog.
+
+This module runs on the worker host, as ``python3 -c <this file's source>`` — over one SSH
+exec channel, or as a local subprocess for localhost ranks — so it imports only the standard
+library and runs on Python >= 3.8. It owns the lifecycle of every process of the job on its
+host:
+
+* **Input (stdin)**: newline-delimited JSON messages. ``{"op": "probe", "source"}``
+  (optional, before the spec) runs a probe program (``dlrun.topo.probe.PROBE_SOURCE``) inside this
+  process and answers with a PROBE frame holding what it printed: the launch preflight costs
+  no extra round trip and no extra interpreter. ``{"op": "survey", "source", "request"}``
+  (optional, before the spec) answers the code push's first question the same way: it runs
+  ``survey`` of the push helper's source (``dlrun.push.session.HELPER_SOURCE``) for the request and
+  sends the helper's reply as a SURVEY frame (JSON), so that a launch whose code is already on
+  the host needs no push session there. The spec ``{"job_id", "ranks": [{"rank",
+  "argv", "env", "cwd"}], "eof_grace"}`` (``"op": "start"`` or no op) starts the ranks; later
+  ``{"op": "stop", "grace": s}`` (SIGTERM every rank's process group, SIGKILL after ``s``) and
+  ``{"op": "kill"}``, and ``{"op": "ping"}`` (answered with a PONG frame: the controller's
+  heartbeat). Env and argv travel inside JSON, so no shell ever parses them.
+* **Output (stdout)**: binary frames ``>BiI`` (kind, rank, length) + payload: HELLO (JSON facts),
+  STARTED (JSON pid), STDOUT/STDERR (raw chunks up to 64 KiB), EXIT (JSON code), ERROR (text),
+  DONE, PROBE (the probe's stdout), SURVEY (JSON), PONG (empty). The controller splits lines itself. Output
+  is coalesced: a rank that writes tiny pieces (``PYTHONUNBUFFERED``) is forwarded every few
+  milliseconds or every 64 KiB, not write by write; lifecycle frames go out at once.
+* **Watchdog**: when stdin reaches EOF (dlrun killed, Ctrl-C, SSH connection dropped) every
+  rank's process group is terminated, then killed. Each rank runs in its own session and
+  process group; every process carries ``DLRUN_JOB_ID`` in its environment, which is how a
+  final sweep finds children that escaped with ``setsid`` — only this job's, never another's.
+  A controller that goes silent counts as gone too: with the spec's ``host_timeout`` (seconds),
+  no byte on stdin for that long (the controller pings every few seconds) stops the ranks the
+  same way; ``{"op": "watch", "host_timeout": s}`` arms that clock before the spec (an agent
+  started early for the probe and the push survey), so an agent whose controller vanished
+  while it waited for its spec ends too. That covers what EOF cannot: the controller's
+  machine losing power or the network being cut, where no FIN ever arrives and the
+  connection would linger for many minutes.
+  Output never blocks that check: stdout is non-blocking and a full pipe is waited on with
+  ``select`` alongside stdin.
+* **PID namespace**: the controller starts the agent through :func:`pidns_argv`, a ``sh``
+  wrapper that execs it under ``unshare --pid --mount-proc --propagation slave --fork
+  --kill-child`` (with ``--user --map-current-user`` when not root) if that works for the login
+  user and gives the namespace its own ``/proc``, and plainly
+  otherwise: one interpreter either way. Then the agent is PID 1 of the namespace and the
+  kernel kills every process of the job when it exits (SSH hosts, localhost and Spark tasks
+  alike). Where unshare is refused, the sweep is the fallback.
+* **Wake-ups**: SIGCHLD reaches the selector through ``signal.set_wakeup_fd``, so a rank's
+  exit is reported as soon as it happens, not at the next poll.
+
+Exit codes: a rank killed by signal N reports 128 + N, as shells do; a command that cannot be
+started reports 127 (not found) or 126 (not executable) with an ERROR frame naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import selectors
+import signal
+import struct
+import subprocess
+import sys
+import time
+from typing import IO, Any
+
+HEADER = struct.Struct(">BiI")
+HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE, SURVEY, PONG = range(1, 11)
+CHUNK = 65536
+COALESCE_S = 0.005  # output frames wait at most this long for more output
+SMALL_READ = 4096  # a read this small means a trickle: let it pile up for a moment
+AGENT_RANK = -1
+
+
+def frame(kind: int, rank: int, payload: bytes) -> bytes:
+    return HEADER.pack(kind, rank, len(payload)) + payload
+
+
+class FrameDecoder:
+    """Incremental decoder of the agent's output (used by the controller)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
+        self._buf += data
+        frames = []
+        view = self._buf
+        pos = 0
+        size = HEADER.size
+        while len(view) - pos >= size:
+            kind, rank, length = HEADER.unpack_from(view, pos)
+            if len(view) - pos - size < length:
+                break
+            start = pos + size
+            frames.append((kind, rank, bytes(view[start : start + length])))
+            pos = start + length
+        del self._buf[:pos]
+        return frames
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+
+# ----------------------------------------------------------------------------- agent side
+
+
+class Agent:
+    def __init__(self, out: IO[bytes], in_namespace: bool, stdin_fd: int | None = None) -> None:
+        self.out_fd = out.fileno()
+        os.set_blocking(self.out_fd, False)  # a full pipe must not stop the silence check
+        self.stdin_fd = stdin_fd
+        self.control = bytearray()  # what the controller sent, not yet handled
+        self.stdin_closed = False
+        self.heard = time.monotonic()  # when the controller last sent anything
+        self.silence_limit: float | None = None  # the spec's (or a watch's) host_timeout
+        self.in_namespace = in_namespace
+        # without a PID namespace: orphans of the job are re-parented to us (become_subreaper),
+        # so the sweep finds even one that left its session and dropped its environment
+        self.subreaper = False
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.open_streams: dict[int, int] = {}  # rank -> number of open pipes
+        self.exited: dict[int, int] = {}
+        self.kill_at: float | None = None
+        self.job_id = ""
+        self.tag = ""
+        self.out_broken = False
+        self.sel = selectors.DefaultSelector()
+        self.pending = bytearray()
+        self.urgent = False  # a lifecycle frame is pending: flush without waiting
+        self.held_since: float | None = None  # when the oldest unflushed output arrived
+
+    # output -------------------------------------------------------------------------
+    def emit(self, kind: int, rank: int, payload: bytes) -> None:
+        self.pending += frame(kind, rank, payload)
+        if kind != STDOUT and kind != STDERR:
+            self.urgent = True
+        elif self.held_since is None:
+            self.held_since = time.monotonic()
+
+    def flush_due(self, now: float) -> float | None:
+        """Flush if it is time; else how long the pending output may still wait (None: nothing pending)."""
+        if not self.pending:
+            return None
+        if self.urgent or len(self.pending) >= CHUNK or self.held_since is None:
+            self.flush()
+            return None
+        wait = self.held_since + COALESCE_S - now
+        if wait <= 0:
+            self.flush()
+            return None
+        return wait
+
+    def flush(self) -> None:
+        self.urgent = False
+        self.held_since = None
+        if self.out_broken:
+            self.pending.clear()
+            return
+        data = bytes(self.pending)
+        self.pending.clear()
+        while data:
+            try:
+                written = os.write(self.out_fd, data)
+            except BlockingIOError:
+                if not self.wait_writable():
+                    self.out_broken = True  # the controller went silent: nobody reads us
+                    return
+                continue
+            except OSError:
+                self.out_broken = True
+                return
+            data = data[written:]
+
+    def wait_writable(self) -> bool:
+        """Wait until stdout takes more, reading the controller meanwhile; False if it fell silent."""
+        while not self.controller_silent(time.monotonic()):
+            readers = [] if self.stdin_closed or self.stdin_fd is None else [self.stdin_fd]
+            try:
+                readable, writable, _ = select.select(readers, [self.out_fd], [], 0.2)
+            except InterruptedError:
+                continue
+            if readable:
+                self.read_control()
+            if writable:
+                return True
+        return False
+
+    # controller ---------------------------------------------------------------------
+    def read_control(self) -> None:
+        """Read what the controller sent (non-blocking) into ``control``; note EOF and when heard."""
+        if self.stdin_closed or self.stdin_fd is None:
+            return
+        while True:
+            try:
+                data = os.read(self.stdin_fd, CHUNK)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.stdin_closed = True
+                return
+            self.heard = time.monotonic()
+            self.control += data
+
+    def watch(self, message: dict[str, Any]) -> None:
+        """Arm (or, with 0, disarm) the silence clock with the message's ``host_timeout``."""
+        self.silence_limit = float(message.get("host_timeout") or 0) or None
+        self.heard = time.monotonic()
+
+    def controller_silent(self, now: float) -> bool:
+        return self.silence_limit is not None and now - self.heard > self.silence_limit
+
+    # ranks --------------------------------------------------------------------------
+    def start(self, spec: dict[str, Any]) -> None:
+        self.job_id = str(spec.get("job_id", ""))
+        self.tag = str(spec.get("tag") or self.job_id)
+        for item in spec["ranks"]:
+            rank = int(item["rank"])
+            env = dict(os.environ)
+            env.update({str(k): str(v) for k, v in item.get("env", {}).items()})
+            env["DLRUN_JOB_ID"] = self.job_id
+            env["DLRUN_AGENT_TAG"] = self.tag
+            argv = [str(a) for a in item["argv"]]
+            cwd = os.path.expanduser(item["cwd"]) if item.get("cwd") else None
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd=cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
+            except FileNotFoundError as exc:
+                missing = cwd if cwd and not os.path.isdir(cwd) else argv[0]
+                what = "working directory" if missing == cwd else "command"
+                self.emit(ERROR, rank, f"{what} not found: {missing} ({exc.strerror})".encode())
+                self.emit(EXIT, rank, json.dumps({"code": 127}).encode())
+                self.exited[rank] = 127
+                continue
+            except OSError as exc:
+                self.emit(ERROR, rank, f"cannot start {argv[0]}: {exc}".encode())
+                self.emit(EXIT, rank, json.dumps({"code": 126}).encode())
+                self.exited[rank] = 126
+                continue
+            self.procs[rank] = proc
+            self.open_streams[rank] = 2
+            assert proc.stdout is not None and proc.stderr is not None
+            for stream, kind in ((proc.stdout, STDOUT), (proc.stderr, STDERR)):
+                os.set_blocking(stream.fileno(), False)
+                self.sel.register(stream, selectors.EVENT_READ, (rank, kind))
+            self.emit(STARTED, rank, json.dumps({"pid": proc.pid}).encode())
+        self.flush()
+
+    def signal_all(self, sig: int) -> None:
+        for rank, proc in self.procs.items():
+            if rank not in self.exited:
+                try:
+                    os.killpg(proc.pid, sig)
+                except OSError:
+                    pass
+
+    def stop(self, grace: float) -> None:
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + max(grace, 0.0)
+        self.kill_at = deadline if self.kill_at is None else min(self.kill_at, deadline)
+
+    def read_ready(self, timeout: float) -> int:
+        """Wait up to ``timeout`` for output or a wake-up; the number of output bytes read."""
+        total = 0
+        for key, _ in self.sel.select(timeout):
+            if key.data == "control":
+                continue
+            if key.data == "wake":  # SIGCHLD: the caller reaps next
+                try:
+                    os.read(key.fd, 4096)
+                except OSError:
+                    pass
+                continue
+            rank, kind = key.data
+            total += self.drain(key.fileobj, rank, kind)  # type: ignore[arg-type]
+        return total
+
+    def drain(self, stream: IO[bytes], rank: int, kind: int) -> int:
+        try:
+            data = os.read(stream.fileno(), CHUNK)
+        except BlockingIOError:
+            return 0
+        except OSError:
+            data = b""
+        if data:
+            self.emit(kind, rank, data)
+        else:
+            self.sel.unregister(stream)
+            stream.close()
+            self.open_streams[rank] -= 1
+        return len(data)
+
+    def probe(self, message: dict[str, Any]) -> None:
+        """Run a probe program here (``dlrun.topo.probe.PROBE_SOURCE``) and send what it printed."""
+        import io
+
+        captured = io.StringIO()
+        namespace = {"__name__": "__dlrun_probe__"}
+        saved, sys.stdout = sys.stdout, captured
+        try:
+            exec(compile(str(message.get("source", "")), "<dlrun-probe>", "exec"), namespace)
+        except BaseException as exc:  # the controller must get an answer, whatever the probe did
+            captured.write(f"\nprobe failed in the agent: {type(exc).__name__}: {exc}\n")
+        finally:
+            sys.stdout = saved
+        self.emit(PROBE, AGENT_RANK, captured.getvalue().encode("utf-8", "replace"))
+
+    def survey(self, message: dict[str, Any]) -> None:
+        """Answer a push survey with the push helper's own code; an error is answered too."""
+        namespace: dict[str, Any] = {"__name__": "__dlrun_push_survey__"}
+        try:
+            exec(compile(str(message.get("source", "")), "<dlrun push helper>", "exec"), namespace)
+            replies = [namespace["survey"](spec)[0] for spec in message["request"]["targets"]]
+            answer: dict[str, Any] = {"targets": replies}
+        except Exception as exc:  # the controller then runs the helper, which reports properly
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        self.emit(SURVEY, AGENT_RANK, json.dumps(answer).encode())
+
+    def reap_orphans(self) -> None:
+        """As PID 1, reap every exited child: orphans, and ranks (their status kept for ``reap``).
+
+        A rank reaped here must keep its exit status: ``Popen.poll`` of an already reaped child
+        would report 0 (subprocess's answer to ECHILD), which once turned a killed rank into
+        "succeeded".
+        """
+        if not (self.in_namespace or self.subreaper):
+            return
+        ranks = {proc.pid: proc for proc in self.procs.values() if proc.returncode is None}
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            proc = ranks.get(pid)
+            if proc is not None:
+                proc.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+    def reap(self) -> None:
+        self.reap_orphans()
+        for rank, proc in self.procs.items():
+            if rank in self.exited:
+                continue
+            code = proc.poll()
+            if code is None:
+                continue
+            # collect what the rank wrote before it exited (a grandchild may keep the pipe open)
+            for stream, kind in ((proc.stdout, STDOUT), (proc.stderr, STDERR)):
+                if stream is not None and not stream.closed:
+                    for _ in range(64):
+                        before = self.open_streams[rank]
+                        self.drain(stream, rank, kind)
+                        if stream.closed or self.open_streams[rank] != before:
+                            break
+                        if not self._readable(stream):
+                            break
+            code = 128 - code if code < 0 else code
+            self.exited[rank] = code
+            try:  # whatever the rank left in its group goes with it
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None and not stream.closed:
+                    self.sel.unregister(stream)
+                    stream.close()
+            self.emit(EXIT, rank, json.dumps({"code": code}).encode())
+
+    @staticmethod
+    def _readable(stream: IO[bytes]) -> bool:
+        sel = selectors.DefaultSelector()
+        sel.register(stream, selectors.EVENT_READ)
+        ready = bool(sel.select(0))
+        sel.close()
+        return ready
+
+    def sweep(self) -> None:
+        """Kill every process of this user tagged by this agent (catches setsid escapes), and
+        as a subreaper every process left among our children (orphans re-parented to us).
+
+        The tag is job id + host name: several inventory hosts may be one machine (aliases,
+        loopback test hosts), and one agent must never kill another agent's ranks.
+        """
+        if not self.job_id or self.in_namespace:
+            return
+        tag = ("DLRUN_AGENT_TAG=" + self.tag).encode()
+        me = os.getpid()
+        uid = os.getuid()
+        for _ in range(3):
+            found = False
+            for entry in os.listdir("/proc"):
+                if not entry.isdigit() or int(entry) == me:
+                    continue
+                try:
+                    if os.stat("/proc/" + entry).st_uid != uid:
+                        continue
+                    with open("/proc/" + entry + "/environ", "rb") as fh:
+                        environ = fh.read().split(b"\0")
+                    with open("/proc/" + entry + "/stat", "rb") as fh:
+                        ppid = int(fh.read().rpartition(b")")[2].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                if tag in environ or (self.subreaper and ppid == me):
+                    found = True
+                    try:
+                        os.kill(int(entry), signal.SIGKILL)
+                    except OSError:
+                        pass
+            if not found:
+                return
+            time.sleep(0.05)
+
+    def all_exited(self) -> bool:
+        return all(rank in self.exited for rank in self.procs)
+
+
+#: Starts ``"$@"`` (the agent's argv) as PID 1 of a new PID namespace with its own ``/proc``
+#: when this login user may create one, else plainly. The test run checks, with shell builtins
+#: only, that ``/proc/self`` in there is the process itself (PID 1): the CUDA driver reads its
+#: own process through ``/proc`` and fails (error 304) under a namespace that shows the host's.
+#: ``--propagation slave`` lets mounts the host makes later (an automounted NFS) reach the ranks.
+PIDNS_WRAPPER = """\
+if [ -z "${DLRUN_NO_PIDNS:-}" ]; then
+  for o in "--pid" "--user --map-current-user --pid" "--user --map-root-user --pid"; do
+    if unshare $o --mount-proc --propagation slave --fork --kill-child \\
+        sh -c 'read -r p _ </proc/self/stat && [ "$p" = 1 ] && [ "$$" = 1 ]' </dev/null >/dev/null 2>&1; then
+      exec unshare $o --mount-proc --propagation slave --fork --kill-child "$@" --in-pidns
+    fi
+  done
+fi
+exec "$@"
+"""
+
+
+def become_subreaper() -> bool:
+    """``prctl(PR_SET_CHILD_SUBREAPER)``: orphaned descendants come to this process, not init."""
+    try:
+        import ctypes
+
+        return int(ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def own_proc() -> bool:
+    """Does ``/proc/self`` name this process? CUDA needs it; a PID namespace without its own
+    ``/proc`` breaks it."""
+    try:
+        return os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
+        return False
+
+
+def pidns_argv(agent_argv: list[str]) -> list[str]:
+    """``agent_argv`` wrapped so that it runs in a PID namespace where one can be made."""
+    return ["sh", "-c", PIDNS_WRAPPER, "dlrun-agent", *agent_argv]
+
+
+def _run_agent(argv: list[str]) -> int:
+    in_namespace = "--in-pidns" in argv  # set by PIDNS_WRAPPER
+    stdin_fd = sys.stdin.fileno()
+    os.set_blocking(stdin_fd, False)
+    agent = Agent(sys.stdout.buffer, in_namespace, stdin_fd)
+    agent.subreaper = not in_namespace and become_subreaper()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: _on_signal(agent, signum))
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda _signum, _frame: None)
+    agent.sel.register(wake_r, selectors.EVENT_READ, "wake")
+    agent.emit(
+        HELLO,
+        AGENT_RANK,
+        json.dumps(
+            {
+                "hostname": os.uname().nodename,
+                "pid": os.getpid(),
+                "pidns": in_namespace,
+                "own_proc": own_proc(),
+                "python": sys.version.split()[0],
+            }
+        ).encode(),
+    )
+    agent.flush()
+    agent.sel.register(stdin_fd, selectors.EVENT_READ, "control")
+    started = False
+    eof_grace = 2.0
+    timeout = 0.05
+    while True:
+        got = agent.read_ready(timeout)
+        if 0 < got < SMALL_READ and not agent.urgent:
+            time.sleep(0.002)  # a trickle of tiny writes: let it pile up into one frame
+        agent.read_control()
+        control = agent.control
+        while b"\n" in control:
+            line, _, rest = bytes(control).partition(b"\n")
+            control[:] = rest
+            if not line.strip():
+                continue
+            message = json.loads(line)
+            op = message.get("op", "start")
+            if op == "ping":
+                agent.emit(PONG, AGENT_RANK, b"")
+            elif op == "probe":
+                agent.probe(message)
+            elif op == "survey":
+                agent.survey(message)
+            elif op == "watch":
+                agent.watch(message)
+            elif op == "start" and not started:
+                started = True
+                eof_grace = float(message.get("eof_grace", eof_grace))
+                agent.watch(message)
+                agent.start(message)
+            elif message.get("op") == "stop":
+                agent.stop(float(message.get("grace", 10)))
+            elif message.get("op") == "kill":
+                agent.stop(0)
+        now = time.monotonic()
+        if not agent.stdin_closed and agent.controller_silent(now):
+            agent.read_control()  # a long probe or survey kept us from reading: what waits was heard
+            now = time.monotonic()
+        if agent.stdin_closed or agent.controller_silent(now):
+            # the controller is gone (EOF), or silent too long (its machine or the network is
+            # down): nobody will read us any more
+            agent.sel.unregister(stdin_fd)
+            agent.stop(eof_grace)
+            return _finish(agent)
+        agent.reap()
+        if agent.kill_at is not None and now >= agent.kill_at:
+            agent.signal_all(signal.SIGKILL)
+        wait = agent.flush_due(now)
+        timeout = 0.05 if wait is None else min(wait, 0.05)
+        if started and agent.all_exited():
+            agent.flush()
+            agent.sweep()
+            agent.emit(DONE, AGENT_RANK, b"")
+            agent.flush()
+            return 0
+
+
+def _finish(agent: Agent) -> int:
+    """stdin closed: stop every rank (TERM, grace, KILL), sweep, report what we can, exit."""
+    give_up = time.monotonic() + 60
+    while not agent.all_exited() and time.monotonic() < give_up:
+        agent.read_ready(0.02)
+        agent.reap()
+        if agent.kill_at is not None and time.monotonic() >= agent.kill_at:
+            agent.signal_all(signal.SIGKILL)
+        agent.flush()
+    agent.sweep()
+    agent.emit(DONE, AGENT_RANK, b"")
+    agent.flush()
+    return 0
+
+
+def _on_signal(agent: Agent, signum: int) -> None:
+    agent.signal_all(signal.SIGKILL)
+    agent.sweep()
+    os._exit(128 + signum)
+
+
+def main() -> None:
+    code = _run_agent(sys.argv[1:])
+    os._exit(code)  # DONE is written; skip the interpreter's teardown
+
+
+def agent_source() -> str:
+    """This file's source: the controller runs it on a host as ``python3 -c <source>``."""
+    with open(__file__, encoding="utf-8") as fh:
+        return fh.read()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,575 @@
+"""``dlrun launch``: the job pipeline from options to exit code.
+
+``LaunchConfig`` holds what the user asked for; ``launch`` walks the layers once:
+inventory → connect → start agents (each runs the preflight probe and answers the code push's
+survey) → plan → push → render → supervise → exit code. ``--dry-run`` stops after render. The
+agents start before the plan so that the probe and the survey cost no extra round trip or
+interpreter per host: the ranks' spec goes to the same agents once the plan is known, and an
+error finding closes them before anything starts. A host whose survey finds the code already
+in place gets no push session; the others get the push helper (``dlrun.push.session.push``).
+The CLI module only parses options into a ``LaunchConfig`` and calls this.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+from dlrun.errors import UsageError
+from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
+from dlrun.plan import DEFAULT_BASE_PORT, DEFAULT_HOST_TIMEOUT, Plan, is_loopback, make_plan
+from dlrun.remote.tf_server import server_source
+from dlrun.render import SocketIface, WorkerCommand, mask_env, plan_to_json, worker_commands
+from dlrun.run.supervisor import AgentAnswer, HostAgents, RunResult, Supervisor
+from dlrun.run.view import make_view
+from dlrun.transport.base import Transport, default_python
+from dlrun.transport.local import HostRouter
+
+if TYPE_CHECKING:
+    from dlrun.push.session import HostPushSummary, Manifest, PushTarget
+    from dlrun.topo.records import HostReport
+
+ANSWER_TIMEOUT = 120.0  # for the agents' probe and survey answers, as dlrun.topo.preflight.PROBE_TIMEOUT
+
+
+@dataclass(frozen=True)
+class SSHOptions:
+    config_file: str | None = None
+    accept_new_host_keys: bool = False
+    connect_timeout: float = 10.0
+    known_hosts: str | None = None
+    host_timeout: float = DEFAULT_HOST_TIMEOUT  # seconds of silence before a host is lost (0: never)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    script: str
+    args: tuple[str, ...] = ()
+    hosts: str | None = None
+    np: int | None = None
+    base_port: int | None = None  # None: DEFAULT_BASE_PORT, or the first free run here (local_base_port)
+    framework: str = "tf"
+    dry_run: bool = False
+    json_output: bool = False
+    log_dir: str | None = None
+    grace: float = 10.0
+    ranks_shown: tuple[int, ...] | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    ssh: SSHOptions = field(default_factory=SSHOptions)
+    pidns: bool = True
+    plain: bool = False
+    iface: str | None = None
+    preflight: bool = True
+    push: bool = True
+    data: str | None = None
+    shard: str = "files"
+    split_lines: bool = False
+
+
+def new_job_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def resolve_inventory(hosts: str | None, np: int | None) -> Inventory:
+    if hosts is None:
+        return localhost_inventory(2 if np is None else np)
+    return load_inventory(hosts)
+
+
+def make_transport(inventory: Inventory, ssh: SSHOptions) -> Transport:
+    """Local hosts need no SSH (and dlrun does not import paramiko for them)."""
+    if inventory.all_local:
+        return HostRouter(remote=None)
+    from dlrun.transport.ssh import SSHTransport
+
+    return HostRouter(
+        remote=SSHTransport(
+            config_file=ssh.config_file,
+            accept_new_host_keys=ssh.accept_new_host_keys,
+            connect_timeout=ssh.connect_timeout,
+            known_hosts=ssh.known_hosts,
+            host_timeout=ssh.host_timeout,
+        )
+    )
+
+
+def job_plan(config: LaunchConfig, inventory: Inventory, job_id: str,
+             addresses: Mapping[str, str] | None = None) -> Plan:
+    """The rank plan of this launch (``make_plan`` with the options that shape it)."""
+    return make_plan(inventory, job_id=job_id, np=config.np, base_port=config.base_port or DEFAULT_BASE_PORT,
+                     framework=config.framework, addresses=addresses)
+
+
+def render_commands(
+    config: LaunchConfig,
+    inventory: Inventory,
+    job_id: str,
+    addresses: Mapping[str, str] | None = None,
+    cwd_for: Mapping[str, str | None] | None = None,
+    rendezvous: tuple[str, int] | None = None,
+    gpus_for: Mapping[str, Sequence[str]] | None = None,
+    found_ifaces: Mapping[str, str] | None = None,
+) -> tuple[Plan, tuple[WorkerCommand, ...]]:
+    plan = job_plan(config, inventory, job_id, addresses)
+    if cwd_for is None:
+        cwd_for = {h.name: (os.getcwd() if h.is_local else h.workdir) for h in plan.hosts}
+    commands = worker_commands(
+        plan,
+        config.script,
+        config.args,
+        python_for={h.name: default_python(h) for h in plan.hosts},
+        cwd_for=cwd_for,
+        extra_env=config.env,
+        rendezvous=rendezvous or (("127.0.0.1", 0) if config.framework == "horovod" else None),
+        ifaces=socket_ifaces(plan, config.iface, found_ifaces or {}),
+        server_argv=["-c", server_source()] if config.framework == "tf-ps" else None,
+        gpus_for=gpus_for,
+    )
+    return plan, commands
+
+
+def local_base_port(inventory: Inventory, np: int | None) -> int:
+    """The base port for a job whose ranks all run on this machine: the first run of free ports
+    from ``DEFAULT_BASE_PORT`` up (two local jobs side by side, e.g. CI smoke tests, would
+    otherwise collide on 23456). Hosts elsewhere: ``DEFAULT_BASE_PORT``, which is checked there."""
+    import socket
+
+    if not all(h.is_local for h in inventory.hosts):
+        return DEFAULT_BASE_PORT
+    count = np or (inventory.total_slots if all(h.slots for h in inventory.hosts) else 16)  # 16: slots from GPUs
+
+    def free(port: int) -> bool:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                return False
+            return True
+
+    for base in range(DEFAULT_BASE_PORT, 65536 - count, count):
+        if all(free(base + i) for i in range(count)):
+            return base
+    return DEFAULT_BASE_PORT
+
+
+def check_ranks_shown(config: LaunchConfig, world_size: int) -> None:
+    """``--ranks`` names ranks of the job: nothing would be shown for others (a typo, not a wish)."""
+    unknown = sorted(set(config.ranks_shown or ()) - set(range(world_size)))
+    if unknown:
+        raise UsageError(f"--ranks {','.join(map(str, unknown))}: the job has ranks 0 to {world_size - 1}")
+
+
+def warn_replaced_env(config: LaunchConfig, commands: Sequence[WorkerCommand]) -> None:
+    """Say which ``--env`` values the ranks do not get (dlrun sets them: TF_CONFIG, RANK …)."""
+    for name in sorted(n for n in config.env if any(c.env.get(n) != config.env[n] for c in commands)):
+        print(f"dlrun: warning: --env {name} is set by dlrun for each rank; yours is replaced", file=sys.stderr)
+
+
+def socket_ifaces(plan: Plan, iface: str | None, found: Mapping[str, str]) -> dict[str, SocketIface]:
+    """Each host's Gloo/NCCL interface: the inventory's ``iface``, else ``--iface``, else ``lo``
+    when every rank is on this machine, else the one the preflight found holding the address
+    the other ranks reach the host at (``found``). Hosts need not share interface names."""
+    every_rank_here = all(is_loopback(r.address) for r in plan.ranks)
+    out: dict[str, SocketIface] = {}
+    for host in plan.hosts:
+        if host.iface or iface:
+            out[host.name] = SocketIface(host.iface or iface or "")
+        elif every_rank_here:  # gloo must not pick an interface the other ranks cannot reach
+            out[host.name] = SocketIface("lo")
+        elif host.name in found:
+            out[host.name] = SocketIface(found[host.name], named=False)
+    return out
+
+
+def interfaces_at(reports: Sequence[HostReport], addresses: Mapping[str, str]) -> dict[str, str]:
+    """host name → the interface (from its probe) holding the address dlrun reached it at."""
+    from dlrun.topo.findings import interface_holding
+
+    found = {}
+    for report in reports:
+        ipv4 = _ipv4_of(addresses.get(report.host, ""))
+        if ipv4 is not None and (name := interface_holding(report, ipv4)) is not None:
+            found[report.host] = name
+    return found
+
+
+def _ipv4_of(address: str) -> str | None:
+    try:
+        return str(ipaddress.IPv4Address(address))
+    except ValueError:
+        pass
+    try:  # a host name: resolved as the connection resolved it
+        return socket.gethostbyname(address) if address else None
+    except OSError:
+        return None
+
+
+def keras_warning(config: LaunchConfig, inventory: Inventory) -> str | None:
+    """Keras 3 cannot model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585)."""
+    if config.framework not in ("tf", "tf-ps"):
+        return None
+    if "TF_USE_LEGACY_KERAS" in config.env or "TF_USE_LEGACY_KERAS" in os.environ:
+        return None
+    if all("TF_USE_LEGACY_KERAS" in h.env for h in inventory.hosts):
+        return None
+    try:  # a script that opts in itself (as examples/train_digits.py does) needs no warning
+        if "TF_USE_LEGACY_KERAS" in Path(config.script).read_text(encoding="utf-8", errors="replace"):
+            return None
+    except OSError:
+        pass
+    from importlib import metadata
+
+    try:
+        version = metadata.version("keras")
+    except metadata.PackageNotFoundError:
+        return None
+    if not version.startswith("3."):
+        return None
+    return (
+        f"Keras {version} is installed and TF_USE_LEGACY_KERAS is unset: Keras 3 cannot model.fit under "
+        "MultiWorkerMirroredStrategy (keras-team/keras#20585). Install tf_keras and pass "
+        "--env TF_USE_LEGACY_KERAS=1, or use a custom training loop."
+    )
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """What the push changed for the launch: env per host, where ranks run, the script path."""
+
+    env_for: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    cwd_for: Mapping[str, str | None] | None = None
+    script: str | None = None
+
+    def apply(self, inventory: Inventory) -> Inventory:
+        """The inventory with each host's shard env (``DLRUN_DATA_DIR`` …) added."""
+        hosts = tuple(replace(h, env={**h.env, **self.env_for.get(h.name, {})}) for h in inventory.hosts)
+        return replace(inventory, hosts=hosts)
+
+
+def code_dir_to_push(config: LaunchConfig) -> Path | None:
+    """The script's directory when ``launch`` pushes it (``--push`` and a script file)."""
+    script = Path(config.script)
+    return script.resolve().parent if config.push and script.is_file() else None
+
+
+def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[Host],
+                    settled: Mapping[str, HostPushSummary] | None = None) -> Pushed:
+    """Push each host's data shard (``--data``) and the script's directory (remote hosts).
+
+    With code pushed, every rank runs in ``<workdir>/<script dir name>`` on its host and the
+    script is named relative to it; local hosts run in the script's directory for the same
+    relative name. ``settled``: hosts whose agent's survey found the code already in place
+    (``dlrun.push.session.settled_push``); no push session is opened there.
+    """
+    from dlrun.push.session import push, shard_env
+    from dlrun.push.view import PushView
+
+    env_for: dict[str, dict[str, str]] = {}
+    if config.data:
+        with PushView([h.name for h in hosts]) as view:
+            summaries = push(transport, hosts, code_dir=None, data_dir=Path(config.data), shard=config.shard,
+                             split_lines=config.split_lines, progress=view.progress, file_progress=view.files)
+            view.finish(summaries)
+        for index, (host, summary) in enumerate(zip(hosts, summaries, strict=True)):
+            env_for[host.name] = shard_env(index, len(hosts), host, data_dir=summary.data_dir)
+    code_dir = code_dir_to_push(config)
+    remote = [h for h in hosts if not h.is_local]
+    if code_dir is None or not remote:
+        return Pushed(env_for)
+    done = dict(settled or {})
+    pending = [h for h in remote if h.name not in done]
+    with PushView([h.name for h in remote]) as view:
+        if pending:
+            fresh = push(transport, pending, code_dir=code_dir, progress=view.progress, file_progress=view.files,
+                         leave_out=Path(config.data) if config.data else None)  # the data went as shards
+            done.update((s.host, s) for s in fresh)
+        view.finish([done[h.name] for h in remote])
+    cwd_for: dict[str, str | None] = {h.name: str(code_dir) for h in hosts if h.is_local}
+    cwd_for.update({h.name: done[h.name].code_dir for h in remote})
+    return Pushed(env_for, cwd_for, Path(config.script).resolve().name)  # a link: its target, in the pushed directory
+
+
+def planned_push(config: LaunchConfig, hosts: Sequence[Host]) -> Pushed:
+    """What ``push_for_launch`` would change, without pushing (``--dry-run``): the shard env
+    and, for a pushed script, each host's run directory as written (``~`` as on the host)."""
+    from dlrun.push.session import code_dir_on, shard_env
+
+    env_for = {h.name: shard_env(i, len(hosts), h) for i, h in enumerate(hosts)} if config.data else {}
+    code_dir = code_dir_to_push(config)
+    if code_dir is None or all(h.is_local for h in hosts):
+        return Pushed(env_for)
+    cwd_for = {h.name: str(code_dir) if h.is_local else code_dir_on(h, code_dir) for h in hosts}
+    return Pushed(env_for, cwd_for, Path(config.script).resolve().name)
+
+
+def survey_code(code_dir: Path, hosts: Sequence[Host], manifest: Manifest) -> dict[str, PushTarget]:
+    """The code push's target on each remote host, for the agents' survey."""
+    from dlrun.push.session import code_target
+
+    return {h.name: code_target(h, code_dir, manifest) for h in hosts if not h.is_local}
+
+
+def settled_hosts(targets: Mapping[str, PushTarget], answers: Mapping[str, AgentAnswer]) -> dict[str, HostPushSummary]:
+    """The hosts whose survey answer says the code push has nothing to do."""
+    from dlrun.push.session import settled_push
+
+    settled = {}
+    for name, target in targets.items():
+        answer = answers.get(name)
+        summary = settled_push(name, [target], answer.survey) if answer and answer.survey else None
+        if summary is not None:
+            settled[name] = summary
+    return settled
+
+
+def facing_address(addresses: Sequence[str]) -> str:
+    """This machine's address on the route to the hosts (127.0.0.1 when they are all local)."""
+    import socket
+
+    remote = [a for a in addresses if not is_loopback(a)]
+    if not remote:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((remote[0], 9))  # UDP: no packet is sent, the kernel picks the route
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "0.0.0.0"
+
+
+def reachable_addresses(hosts: Sequence[Host], addresses: Mapping[str, str]) -> dict[str, str]:
+    """Where the ranks reach each host. In a job that mixes this machine with remote hosts, a
+    local host's loopback address would send the remote ranks to themselves: it becomes this
+    machine's address on the route to them (unchanged when no route is known)."""
+    found = {h.name: addresses.get(h.name, h.address) for h in hosts}
+    remote = [found[h.name] for h in hosts if not h.is_local]
+    if not remote or all(not h.is_local for h in hosts):
+        return found
+    mine = facing_address(remote)
+    if mine == "0.0.0.0":
+        return found
+    local = {h.name for h in hosts if h.is_local}
+    return {name: mine if name in local and is_loopback(address) else address for name, address in found.items()}
+
+
+@contextmanager
+def horovod_rendezvous(plan: Plan) -> Iterator[tuple[str, int]]:
+    """dlrun's Horovod rendezvous server for this plan, stopped when the job ends."""
+    from dlrun.run.rendezvous import RendezvousServer, scope_sizes
+
+    server = RendezvousServer(
+        scope_sizes([(r.address, r.local_rank) for r in plan.ranks]),
+        host=facing_address([r.address for r in plan.ranks]),
+    )
+    with server:
+        address = server.address
+        assert address is not None
+        yield address
+
+
+def dry_run_text(commands: Sequence[WorkerCommand]) -> str:
+    lines = []
+    for c in commands:
+        s = c.spec
+        lines.append(
+            f"rank {s.rank}: host {s.host.name} ({s.address}) local_rank {s.local_rank}/{s.local_size} "
+            f"cross_rank {s.cross_rank}/{s.cross_size} task {s.task_type}:{s.task_index} port {s.port}"
+        )
+        shown = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in c.argv]
+        lines.append(f"  argv: {json.dumps(shown)}")
+        if c.cwd:
+            lines.append(f"  cwd:  {c.cwd}")
+        for name, value in sorted(mask_env(c.env).items()):
+            lines.append(f"  env:  {name}={value}")
+    return "\n".join(lines)
+
+
+@contextmanager
+def forward_signals(supervisor: Supervisor) -> Iterator[None]:
+    """SIGINT/SIGTERM to dlrun → the supervisor stops every rank (no process is left).
+
+    Ctrl-Z (SIGTSTP) is refused with a notice: a stopped dlrun reads no output, so the ranks
+    stall on their next print, and after the host timeout every agent stops the job.
+    """
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        supervisor.interrupt(signum)
+
+    def no_suspend(_signum: int, _frame: FrameType | None) -> None:
+        supervisor.notify("Ctrl-Z ignored: a suspended dlrun stalls the ranks' output, and its hosts stop the"
+                          " job after --host-timeout; Ctrl-C stops the job")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, no_suspend)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def default_ranks_for_gpus(inventory: Inventory, reports: Sequence[HostReport]) -> Inventory:
+    """The default job (no --hosts, no --np: 2 ranks here) on a machine with one GPU: 1 rank,
+    with a notice. Two would share the GPU, which the preflight refuses for a job that asks for
+    it; the default asked for nothing (a CPU smoke test on a one-GPU laptop)."""
+    (host,) = inventory.hosts
+    gpus = next((r.gpu_slots for r in reports if r.host == host.name and r.reachable), 0)
+    if not 0 < gpus < (host.slots or 1):
+        return inventory
+    print(f"dlrun: {gpus} GPU here: starting {gpus} rank, not {host.slots}, so that ranks do not share it"
+          f" (-n {host.slots} --no-preflight starts {host.slots} that do)", file=sys.stderr)
+    return localhost_inventory(gpus)
+
+
+def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
+    """Before any connection: a ``.py`` script that must be here (a local rank runs it, or its
+    directory is pushed) exists, and the log directory can be written."""
+    code_dir = code_dir_to_push(config)
+    if code_dir is not None and config.data and code_dir.is_relative_to(Path(config.data).resolve()):
+        raise UsageError(f"--data {config.data} holds the script's directory {code_dir}, which is pushed as code:"
+                         " every file would go twice", hint="keep the dataset in a directory of its own")
+    here = config.push or any(h.is_local for h in inventory.hosts)
+    if here and config.script.endswith(".py") and not Path(config.script).is_file():
+        raise UsageError(f"script not found: {config.script}",
+                         hint="with --no-push, a path on the hosts is not checked here")
+    log_root = Path(config.log_dir or "dlrun-logs")
+    try:
+        log_root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create the log directory {log_root}: {exc.strerror or exc}",
+                         hint="pass --log-dir DIR") from exc
+    if not os.access(log_root, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write to the log directory {log_root}", hint="pass --log-dir DIR")
+
+
+def _probe_source() -> str:
+    from dlrun.topo.probe import PROBE_SOURCE
+
+    return PROBE_SOURCE
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run the whole pipeline; return the exit code for the shell."""
+    if config.hosts is None and config.np is not None and config.np < 1:
+        raise UsageError("--np must be at least 1")
+    inventory = resolve_inventory(config.hosts, config.np)
+    if config.base_port is None:
+        config = replace(config, base_port=local_base_port(inventory, config.np))
+    job_id = new_job_id()
+    warning = keras_warning(config, inventory)
+    if config.dry_run:
+        planned_hosts = job_plan(config, inventory, job_id).hosts
+        pushed = planned_push(config, planned_hosts)
+        shown = replace(config, script=pushed.script) if pushed.script is not None else config
+        addresses = reachable_addresses(planned_hosts, {})
+        plan, commands = render_commands(shown, pushed.apply(inventory), job_id, cwd_for=pushed.cwd_for,
+                                         addresses=addresses)
+        if config.framework == "horovod":  # dlrun's rendezvous server binds a free port when the job starts
+            server = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": facing_address([r.address for r in plan.ranks]),
+                      "HOROVOD_GLOO_RENDEZVOUS_PORT": "<a free port, chosen at launch>"}
+            commands = tuple(replace(c, env={**c.env, **server}) for c in commands)
+        warn_replaced_env(config, commands)
+        if config.json_output:
+            print(json.dumps(plan_to_json(commands), indent=2))
+        else:
+            if warning:
+                print(f"dlrun: warning: {warning}", file=sys.stderr)
+            print(dry_run_text(commands))
+        return 0
+    if warning:
+        print(f"dlrun: warning: {warning}", file=sys.stderr)
+    slots_from_gpus = config.preflight and any(h.slots is None for h in inventory.hosts)
+    if slots_from_gpus:  # slots come from the probe: every host may be used
+        used_hosts = inventory.hosts
+    else:  # validate the plan before any connection
+        _, trial = render_commands(config, inventory, job_id)
+        used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
+    check_local_inputs(config, inventory)
+    transport = make_transport(inventory, config.ssh)
+    agents = HostAgents(transport, used_hosts, pidns=config.pidns, host_timeout=config.ssh.host_timeout)
+    code_dir = code_dir_to_push(config)
+    pusher = ThreadPoolExecutor(1, thread_name_prefix="dlrun-scan")
+    manifest: Future[Manifest] | None = None
+    if code_dir is not None and any(not h.is_local for h in used_hosts):
+        from dlrun.push.session import scan_code
+
+        leave_out = Path(config.data) if config.data else None  # sent as shards, not with the code
+        manifest = pusher.submit(scan_code, code_dir, leave_out)  # hashes (or reads the cache) while we connect
+    try:
+        addresses = reachable_addresses(used_hosts, transport.connect(used_hosts))
+        targets = survey_code(code_dir, used_hosts, manifest.result()) if code_dir and manifest is not None else {}
+        surveys = None
+        if targets:
+            from dlrun.push.session import survey_request
+
+            surveys = {name: survey_request([target]) for name, target in targets.items()}
+        # the agents start while we plan; each runs the probe and answers the push survey first
+        agents.start(probe=_probe_source() if config.preflight else None, surveys=surveys)
+        answers = agents.answers(ANSWER_TIMEOUT) if config.preflight or targets else {}
+        gpus: Mapping[str, Sequence[str]] = {}
+        found_ifaces: Mapping[str, str] = {}
+        if config.preflight:
+            from dlrun.topo.preflight import check_preflight, report_from_answer
+
+            reports = [report_from_answer(a.host, a.stdout, a.error) for a in answers.values()]
+            if config.hosts is None and config.np is None:
+                inventory = default_ranks_for_gpus(inventory, reports)
+            preflight = check_preflight(inventory, used_hosts, reports)  # an error finding raises here
+            for finding in preflight.findings:
+                if finding.severity == "warning":
+                    where = f"{finding.host}: " if finding.host else ""
+                    print(f"dlrun: preflight warning: {where}{finding.message}", file=sys.stderr)
+            inventory = inventory.with_slots(preflight.gpu_slots())
+            gpus = preflight.devices()
+            found_ifaces = interfaces_at(reports, addresses)
+        plan = job_plan(config, inventory, job_id, addresses)
+        pushed = push_for_launch(config, transport, plan.hosts, settled_hosts(targets, answers))
+        if pushed.script is not None:
+            config = replace(config, script=pushed.script)
+        with ExitStack() as stack:
+            rendezvous = stack.enter_context(horovod_rendezvous(plan)) if config.framework == "horovod" else None
+            plan, commands = render_commands(
+                config, pushed.apply(inventory), job_id, addresses=addresses, cwd_for=pushed.cwd_for,
+                rendezvous=rendezvous, gpus_for=gpus, found_ifaces=found_ifaces,
+            )
+            warn_replaced_env(config, commands)
+            return _supervise(config, transport, commands, job_id, agents)
+    finally:
+        pusher.shutdown(wait=False, cancel_futures=True)
+        agents.close()
+        transport.close()
+
+
+def _supervise(config: LaunchConfig, transport: Transport, commands: Sequence[WorkerCommand], job_id: str,
+               agents: HostAgents | None = None) -> int:
+    """Run the rendered ranks under the supervisor with the right view; the job's exit code."""
+    check_ranks_shown(config, len(commands))
+    log_dir = Path(config.log_dir or "dlrun-logs") / job_id
+    view = make_view(config.ranks_shown, force_plain=config.plain)
+    supervisor = Supervisor(
+        transport,
+        commands,
+        view,
+        log_dir=log_dir,
+        grace=config.grace,
+        host_timeout=config.ssh.host_timeout,
+        pidns=config.pidns,
+        ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None,
+        agents=agents,
+    )
+    with forward_signals(supervisor):
+        result: RunResult = supervisor.run()
+    return result.exit_code

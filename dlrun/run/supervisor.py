@@ -1,0 +1,736 @@
+"""The supervisor: runs a job's ranks on their hosts and decides when and how it ends.
+
+Mechanism sits below (``dlrun.remote.agent`` starts and kills processes on each host; a
+``Transport`` carries the bytes); policy sits here:
+
+* one agent per host, all started in parallel (``HostAgents``), each fed the spec of its
+  host's ranks. ``dlrun launch`` starts them before the ranks are rendered and asks each to
+  run the preflight probe first, and to answer the code push's survey: both come back on the
+  agent's own channel, so an unchanged tree needs no push session;
+* every output chunk is split into lines (on ``\\n`` and ``\\r``, so progress bars are lines),
+  written to ``<log_dir>/rank-<N>.log`` and handed to the view;
+* **fail fast**: the earliest rank to exit non-zero is the root cause; every agent is told to
+  stop (SIGTERM, then SIGKILL after ``grace``); the job's exit code is that rank's;
+* a dropped connection is a failure of every rank on that host (exit 255, host named);
+* **heartbeat**: a thread of its own pings every agent every few seconds (``{"op": "ping"}``,
+  answered by a PONG frame). A host from which nothing at all arrives for ``host_timeout``
+  seconds is lost — powered off, cut off, frozen: cases where no TCP reset comes and the
+  connection would hang for many minutes — and fails like a dropped connection. The agent
+  keeps the same clock: without a ping for ``host_timeout`` it stops its ranks by itself, so
+  the cut-off side leaves nothing running either. The pings do not wait for the screen or the
+  log files, so a blocked terminal (``dlrun … | less``) does not starve them;
+* ``interrupt(signum)`` (Ctrl-C, SIGTERM) stops every rank the same way; exit 128 + signum.
+  A second interrupt kills at once.
+
+Rank lifecycle (``RankState``): PENDING → RUNNING → SUCCEEDED | FAILED | STOPPED | LOST.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import queue
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from dlrun.errors import DlrunError
+from dlrun.inventory import Host
+from dlrun.plan import DEFAULT_HOST_TIMEOUT, heartbeat_interval
+from dlrun.remote import agent
+from dlrun.render import WorkerCommand
+from dlrun.transport.base import Channel, Transport, default_python
+
+TAIL_LINES = 20
+MAX_LINE = 1 << 20
+
+
+class RankState(enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"  # ended because dlrun stopped it
+    NOT_STARTED = "not started"  # dlrun stopped the job before this rank's process was started
+    LOST = "lost"  # its host's connection dropped before it reported an exit
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int
+    host: str
+    state: RankState
+    exit_code: int | None
+    duration: float | None
+    tail: tuple[str, ...] = ()
+    error: str | None = None  # agent's words when the rank could not start
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How a job ended: per-rank results, the root cause and the exit code for the shell."""
+
+    ranks: tuple[RankResult, ...]
+    exit_code: int
+    root_cause: RankResult | None = None
+    interrupted_by: int | None = None
+    log_dir: Path | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class View(Protocol):
+    """What the supervisor tells the screen (see ``dlrun.run.view``)."""
+
+    def start(self, commands: Sequence[WorkerCommand], log_dir: Path | None) -> None: ...
+    def line(self, rank: int, text: str, stream: str) -> None: ...
+    def lines(self, rank: int, texts: Sequence[str], stream: str) -> None: ...
+    def state(self, rank: int, state: RankState, exit_code: int | None) -> None: ...
+    def notice(self, text: str) -> None: ...
+    def flush(self) -> None: ...
+    def finish(self, result: RunResult) -> None: ...
+
+
+def _whole_characters(data: bytes) -> tuple[str, bytes]:
+    """An over-long line's text so far, and the bytes of a UTF-8 character it cuts in two
+    (kept for the next piece instead of becoming two replacement characters)."""
+    cut = len(data)
+    for back in range(1, min(4, len(data)) + 1):  # a lead byte within the last 4 bytes
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte
+            need = 2 if byte >= 0xC0 else 1
+            need = 3 if byte >= 0xE0 else need
+            need = 4 if byte >= 0xF0 else need
+            if back < need:
+                cut = len(data) - back
+            break
+    return data[:cut].decode("utf-8", errors="replace"), data[cut:]
+
+
+class LineSplitter:
+    """Splits a byte stream into lines on ``\\n``, ``\\r\\n`` and ``\\r``."""
+
+    _SEP = re.compile(rb"\r\n|\r|\n")
+
+    def __init__(self) -> None:
+        self.buf = b""
+
+    def feed(self, data: bytes) -> list[str]:
+        buf = self.buf + data
+        lines: list[str] = []
+        if b"\r" not in buf:  # the common case: one decode and one split, both in C
+            end = buf.rfind(b"\n")
+            if end < 0:
+                rest = buf
+            else:
+                lines = buf[:end].decode("utf-8", errors="replace").split("\n")
+                rest = buf[end + 1 :]
+            if len(rest) > MAX_LINE:
+                line, rest = _whole_characters(rest)
+                lines.append(line)
+            self.buf = rest
+            return lines
+        hold = b""
+        if buf.endswith(b"\r"):  # maybe the first half of \r\n
+            buf, hold = buf[:-1], b"\r"
+        pos = 0
+        for match in self._SEP.finditer(buf):
+            piece = buf[pos : match.start()]
+            if piece or match.group() != b"\r":
+                lines.append(piece.decode("utf-8", errors="replace"))
+            pos = match.end()
+        rest = buf[pos:]
+        if len(rest) > MAX_LINE:
+            line, rest = _whole_characters(rest)
+            lines.append(line)
+        self.buf = rest + hold
+        return lines
+
+    def flush(self) -> list[str]:
+        rest, self.buf = self.buf.rstrip(b"\r"), b""
+        return [rest.decode("utf-8", errors="replace")] if rest else []
+
+
+@dataclass
+class _Rank:
+    command: WorkerCommand
+    state: RankState = RankState.PENDING
+    exit_code: int | None = None
+    started: float | None = None
+    ended: float | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    splitters: dict[int, LineSplitter] = field(default_factory=dict)
+    log: IO[str] | None = None
+    error: str | None = None
+
+
+@dataclass
+class _HostLink:
+    host: Host
+    ranks: list[int] = field(default_factory=list)
+    channel: Channel | None = None
+    closed: bool = False
+    done: bool = False
+    error: str | None = None  # why the agent could not be started
+    heard: float = 0.0  # time.monotonic() when the agent last sent anything
+    silent: bool = False  # declared lost for silence: its late frames are ignored
+    pinged: bool = False  # a thread pings its agent
+    ended: bool = False  # its reader saw the channel end: all it sent is queued, silence means nothing
+
+
+def _message(message: Mapping[str, Any]) -> bytes:
+    return json.dumps(message).encode() + b"\n"
+
+
+def _with_agent_words(reason: str, stderr: str, code: int | None) -> str:
+    """``reason``, then the last lines the agent (or what started it) wrote, and its exit code."""
+    detail = stderr.strip().splitlines()[-3:]
+    return reason + (": " + " / ".join(detail) if detail else "") + ("" if code is None else f" (agent exit {code})")
+
+
+def _close_aside(channel: Channel) -> None:
+    """Close a channel in a thread of its own: over a dead connection closing can block."""
+    threading.Thread(target=channel.close, name="dlrun-close", daemon=True).start()
+
+
+def agent_argv(host: Host, *, pidns: bool = True) -> list[str]:
+    """How a host's agent is started: its python running the agent's source (in a PID namespace)."""
+    argv = [*default_python(host), "-c", agent.agent_source()]
+    return agent.pidns_argv(argv) if pidns else argv
+
+
+@dataclass(frozen=True)
+class AgentAnswer:
+    """What one host's agent answered before the spec: the probe's output and the push survey's
+    reply (each None when not asked or not answered), or why there is no answer."""
+
+    host: str
+    stdout: str | None
+    error: str | None = None
+    survey: Mapping[str, Any] | None = None
+
+
+class HostAgents:
+    """The job's agents, one per host, each on its own channel, with one event queue.
+
+    ``start`` opens every channel in parallel (and may ask each agent to run a probe and a push
+    survey first); the ``Supervisor`` then sends the spec of each host's ranks on the same
+    channels. Every frame and every closed channel becomes an event on ``events``, in arrival
+    order. With ``host_timeout``, each agent's silence clock runs from its start, and a thread per
+    host pings it (``keep_alive``) until ``close``: an agent whose controller vanishes during the
+    preflight or the push ends by itself, as it does during the job.
+    """
+
+    def __init__(self, transport: Transport, hosts: Sequence[Host], *, pidns: bool = True,
+                 host_timeout: float | None = None) -> None:
+        self.transport = transport
+        self.pidns = pidns
+        self.host_timeout = host_timeout or None
+        self.quiet = threading.Event()  # set: the pingers stop
+        self.links = {h.name: _HostLink(h) for h in hosts}
+        self.events: queue.Queue[tuple[object, ...]] = queue.Queue()
+        self.asked: dict[str, frozenset[int]] = {}  # host -> the answer frames it was asked for
+
+    def start(self, probe: str | None = None, surveys: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        """Start every agent not started yet (in parallel). With ``probe``, each runs it first;
+        with ``surveys`` (host → ``dlrun.push.session.survey_request``), those hosts answer it first."""
+        links = [link for link in self.links.values() if link.channel is None and link.error is None]
+        if not links:
+            return
+        requests: dict[str, bytes] = {}
+        watch = _message({"op": "watch", "host_timeout": self.host_timeout}) if self.host_timeout else b""
+        for link in links:
+            name, asked, request = link.host.name, set(), watch
+            survey = (surveys or {}).get(name)
+            if survey is not None:
+                from dlrun.push.session import HELPER_SOURCE
+
+                request += _message({"op": "survey", "source": HELPER_SOURCE, "request": survey})
+                asked.add(agent.SURVEY)
+            if probe is not None:
+                request += _message({"op": "probe", "source": probe})
+                asked.add(agent.PROBE)
+            self.asked[name] = frozenset(asked)
+            requests[name] = request
+        with ThreadPoolExecutor(max_workers=min(32, len(links))) as pool:
+            list(pool.map(lambda link: self._start(link, requests[link.host.name]), links))
+        if self.host_timeout is not None:
+            self.keep_alive(self.host_timeout)
+
+    def keep_alive(self, limit: float) -> None:
+        """Ping every started agent that no thread pings yet, every ``heartbeat_interval(limit)``.
+        Each host has a thread of its own: a send stuck on one dead connection must not starve
+        the others."""
+        interval = heartbeat_interval(limit)
+        for name, link in self.links.items():
+            if link.channel is not None and not link.pinged:
+                link.pinged = True
+                threading.Thread(target=self._pinger, args=(link, interval), name=f"dlrun-ping-{name}",
+                                 daemon=True).start()
+
+    def _pinger(self, link: _HostLink, interval: float) -> None:
+        ping = _message({"op": "ping"})
+        while not self.quiet.wait(interval):
+            if link.channel is None or link.closed or link.done or link.silent:
+                return
+            try:
+                link.channel.send(ping)
+            except DlrunError:
+                return  # the reader sees the connection end and reports it
+
+    def _start(self, link: _HostLink, request: bytes) -> None:
+        try:
+            channel = self.transport.open(link.host, agent_argv(link.host, pidns=self.pidns))
+            if request:
+                channel.send(request)
+        except DlrunError as exc:
+            link.error = str(exc.message)
+            return
+        link.channel = channel
+        link.heard = time.monotonic()
+        threading.Thread(target=self._reader, args=(link, channel), daemon=True).start()
+
+    def _reader(self, link: _HostLink, channel: Channel) -> None:
+        host = link.host.name
+        decoder = agent.FrameDecoder()
+        while True:
+            data = channel.recv(65536)
+            if not data:
+                break
+            link.heard = time.monotonic()
+            frames = decoder.feed(data)
+            if frames:
+                self.events.put(("frames", host, frames))
+        link.ended = True  # before the screen catches up (a paused pager): not a silent host
+        code = channel.wait(5)
+        self.events.put(("closed", host, code, channel.stderr_text()))
+
+    def answers(self, timeout: float) -> dict[str, AgentAnswer]:
+        """Wait until every started agent has answered what ``start`` asked (or ended); other
+        events stay queued for the supervisor. A host asked nothing answers at once."""
+        probes: dict[str, str] = {}
+        surveys: dict[str, Mapping[str, Any]] = {}
+        errors = {name: f"agent not started: {link.error}" for name, link in self.links.items()
+                  if link.error is not None}
+        waiting = {name for name in self.links if name not in errors and self.asked.get(name)}
+        held: list[tuple[object, ...]] = []
+        deadline = time.monotonic() + timeout
+        while waiting:
+            try:
+                event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            held.append(event)
+            host = str(event[1])
+            if event[0] == "frames":
+                for kind, _rank, payload in event[2]:  # type: ignore[attr-defined]
+                    if kind == agent.PROBE:
+                        probes[host] = payload.decode("utf-8", errors="replace")
+                    elif kind == agent.SURVEY:
+                        with contextlib.suppress(ValueError):
+                            surveys[host] = json.loads(payload)
+                        surveys.setdefault(host, {"error": "unreadable survey answer"})
+            elif event[0] == "closed" and host in waiting:
+                detail = " / ".join(str(event[3]).strip().splitlines()[-3:])
+                errors[host] = f"the agent ended (exit {event[2]}) before answering" + (f": {detail}" if detail else "")
+            got = {agent.PROBE} if host in probes else set()
+            got |= {agent.SURVEY} if host in surveys else set()
+            if host in errors or self.asked.get(host, frozenset()) <= got:
+                waiting.discard(host)
+        for name in waiting:
+            errors.setdefault(name, f"no probe answer within {timeout:g} s")
+        for event in held:  # the supervisor sees every event, in order
+            self.events.put(event)
+        return {name: AgentAnswer(name, probes.get(name), None if name in probes else errors.get(name),
+                                  surveys.get(name)) for name in self.links}
+
+    def release(self, names: Sequence[str]) -> None:
+        """Close these hosts' channels: their agents exit without starting anything."""
+        for name in names:
+            link = self.links.pop(name, None)
+            if link is not None and link.channel is not None:
+                link.closed = True
+                link.channel.close()
+
+    def close(self) -> None:
+        self.quiet.set()
+        for link in self.links.values():
+            if link.channel is not None:
+                link.channel.close()
+
+
+class Supervisor:
+    """Runs ``commands`` (already rendered) through ``transport`` and returns a RunResult."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        commands: Sequence[WorkerCommand],
+        view: View,
+        *,
+        log_dir: Path | None,
+        grace: float = 10.0,
+        pidns: bool = True,
+        ends_job: Callable[[WorkerCommand], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        stop_margin: float = 15.0,
+        agents: HostAgents | None = None,
+        host_timeout: float | None = DEFAULT_HOST_TIMEOUT,
+    ) -> None:
+        self.view = view
+        self.log_dir = log_dir
+        self.grace = grace
+        # tf-ps: the chief's exit ends the job; by default every rank must finish
+        self.ends_job = ends_job
+        self.clock = clock
+        self.stop_margin = stop_margin  # how long past grace an agent may take to report
+        self.host_timeout = host_timeout or None  # 0 / None: no heartbeat
+        self.ranks = {c.rank: _Rank(c) for c in commands}
+        hosts = {c.host_name: c.spec.host for c in commands}
+        if agents is None:
+            agents = HostAgents(transport, tuple(hosts.values()), pidns=pidns, host_timeout=host_timeout)
+        else:  # agents started earlier (dlrun launch): hosts the plan does not use end now
+            agents.release([name for name in agents.links if name not in hosts])
+            agents.links.update({h.name: _HostLink(h) for name, h in hosts.items() if name not in agents.links})
+        self.agents = agents
+        self.links = agents.links
+        for c in commands:
+            self.links[c.host_name].ranks.append(c.rank)
+        self.events = agents.events
+        self.stopping = False
+        self.stop_deadline: float | None = None
+        self.root_cause: int | None = None
+        self.lost_host: str | None = None
+        self.interrupted_by: int | None = None
+        self.signals: list[int] = []  # interrupt()'s, handled before any queued event
+        self.hurry = False  # a second Ctrl-C: output still queued goes to the log files only
+        self._lock = threading.Lock()
+
+    # --------------------------------------------------------------------- public
+    def interrupt(self, signum: int) -> None:
+        """Thread- and signal-safe: ask the job to stop (Ctrl-C / SIGTERM). The signal jumps the
+        queue: behind a fast rank's output it would wait for every frame read before it."""
+        self.signals.append(signum)
+        self.events.put(("wake",))
+
+    def notify(self, text: str) -> None:
+        """Thread- and signal-safe: show a notice between the job's lines."""
+        self.events.put(("notice", text))
+
+    def run(self) -> RunResult:
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            for number, rank in self.ranks.items():
+                rank.log = open(self.log_dir / f"rank-{number}.log", "w", encoding="utf-8")  # noqa: SIM115
+        self.view.start([r.command for r in self.ranks.values()], self.log_dir)
+        stop_beating = threading.Event()
+        try:
+            self._start_all()
+            if self.host_timeout is not None:
+                threading.Thread(target=self._heartbeat, args=(self.host_timeout, stop_beating),
+                                 name="dlrun-heartbeat", daemon=True).start()
+            self._loop()
+        finally:
+            stop_beating.set()
+            self.agents.quiet.set()
+            for link in self.links.values():
+                if link.channel is not None and not link.silent:  # a silent link is closed aside
+                    link.channel.close()
+            for rank in self.ranks.values():
+                if rank.log is not None:
+                    rank.log.close()
+        result = self._result()
+        self.view.finish(result)
+        return result
+
+    # --------------------------------------------------------------------- start
+    def _start_all(self) -> None:
+        self.agents.start()  # the agents not started yet: now, in parallel
+        for name, link in self.links.items():
+            error = link.error if link.channel is None else self._send_spec(link)
+            if error is not None:
+                self._host_failed(name, error)
+
+    def _send_spec(self, link: _HostLink) -> str | None:
+        assert link.channel is not None
+        spec = {
+            "job_id": self._job_id(),
+            "tag": f"{self._job_id()}:{link.host.name}",
+            "eof_grace": min(self.grace, 2.0),
+            "host_timeout": self.host_timeout or 0,
+            "ranks": [
+                {
+                    "rank": r,
+                    "argv": list(self.ranks[r].command.argv),
+                    "env": dict(self.ranks[r].command.env),
+                    "cwd": self.ranks[r].command.cwd,
+                }
+                for r in link.ranks
+            ],
+        }
+        try:
+            link.channel.send(_message(spec))
+        except DlrunError as exc:  # the agent is gone: what it said last is the reason
+            code = link.channel.wait(2)
+            return _with_agent_words(str(exc.message), link.channel.stderr_text(), code)
+        # the silence clock starts now: an agent started early (dlrun launch) waited quietly
+        # through the preflight and the push, which may take longer than host_timeout
+        link.heard = time.monotonic()
+        return None
+
+    def _job_id(self) -> str:
+        first = next(iter(self.ranks.values()))
+        return first.command.env.get("DLRUN_JOB_ID", "")
+
+    # --------------------------------------------------------------------- heartbeat
+    def _heartbeat(self, limit: float, stop: threading.Event) -> None:
+        """Report a host that has sent nothing for ``limit`` seconds (``HostAgents.keep_alive``
+        pings every agent)."""
+        interval = heartbeat_interval(limit)
+        self.agents.keep_alive(limit)
+        while not stop.wait(interval):
+            now = time.monotonic()
+            for name, link in list(self.links.items()):
+                if link.channel is None or link.closed or link.done or link.silent or link.ended:
+                    continue
+                if now - link.heard > limit:
+                    link.silent = True
+                    self.events.put(("silent", name, now - link.heard))
+
+    # --------------------------------------------------------------------- loop
+    def _loop(self) -> None:
+        # an agent's DONE is its last word: no need to wait for its channel to close
+        while not all(link.closed or link.done for link in self.links.values()):
+            try:
+                event = self.events.get(timeout=0.2)
+            except queue.Empty:
+                event = ("tick",)
+            self._take_signals()
+            self._handle(event)
+            # drain what is queued before touching files and screen again (a bounded batch: a
+            # rank that never stops printing must not keep the logs unflushed)
+            for _ in range(1000):
+                self._take_signals()
+                try:
+                    self._handle(self.events.get_nowait())
+                except queue.Empty:
+                    break
+            for rank in self.ranks.values():
+                if rank.log is not None:
+                    rank.log.flush()
+            self.view.flush()
+            if self.stop_deadline is not None and self.clock() > self.stop_deadline:
+                # agents did not finish in time: drop the channels, their watchdogs kill all
+                for link in self.links.values():
+                    if link.channel is not None and not link.closed:
+                        _close_aside(link.channel)
+                self.stop_deadline = self.clock() + 30
+
+    def _take_signals(self) -> None:
+        while self.signals:
+            self._handle(("interrupt", self.signals.pop(0)))
+
+    def _handle(self, event: tuple[object, ...]) -> None:
+        kind = event[0]
+        if kind in ("frames", "closed", "silent") and event[1] not in self.links:
+            return  # an agent released before the start (its host is not in the plan)
+        if kind in ("frames", "closed") and self.links[str(event[1])].silent:
+            return  # declared lost already: what comes late changes nothing
+        if kind == "frames":
+            host = str(event[1])
+            for frame_kind, rank, payload in event[2]:  # type: ignore[attr-defined]
+                self._frame(host, frame_kind, rank, payload)
+        elif kind == "closed":
+            self._closed(str(event[1]), event[2], str(event[3]))  # type: ignore[arg-type]
+        elif kind == "silent":
+            self._silent(str(event[1]), float(event[2]))  # type: ignore[arg-type]
+        elif kind == "notice":
+            self.view.notice(str(event[1]))
+        elif kind == "interrupt":
+            signum = int(event[1])  # type: ignore[call-overload]
+            if self.interrupted_by is None:
+                self.interrupted_by = signum
+                self.view.notice(f"signal {signum}: stopping every rank (again to kill at once)")
+                self._stop_all(self.grace)
+            else:
+                self.hurry = True  # what a fast rank wrote before may take long to draw: logs only
+                self._stop_all(0, kill=True)
+
+    def _frame(self, host: str, kind: int, rank_no: int, payload: bytes) -> None:
+        if kind == agent.DONE:
+            self.links[host].done = True
+            return
+        if kind == agent.HELLO or kind == agent.PONG:
+            return
+        rank = self.ranks.get(rank_no)
+        if rank is None:
+            return
+        if kind in (agent.STDOUT, agent.STDERR):
+            stream = "stdout" if kind == agent.STDOUT else "stderr"
+            splitter = rank.splitters.setdefault(kind, LineSplitter())
+            texts = splitter.feed(payload)
+            if texts:  # a chunk's lines go to the tail, the file and the screen in one step each
+                rank.tail.extend(texts[-TAIL_LINES:])
+                if rank.log is not None:
+                    rank.log.write("\n".join(texts) + "\n")
+                if not self.hurry:
+                    self.view.lines(rank_no, texts, stream)
+        elif kind == agent.STARTED:
+            rank.state = RankState.RUNNING
+            rank.started = self.clock()
+            self.view.state(rank_no, rank.state, None)
+        elif kind == agent.ERROR:
+            rank.error = payload.decode(errors="replace")
+            self._line(rank_no, rank, f"dlrun: {rank.error}", "stderr")
+        elif kind == agent.EXIT:
+            code = int(json.loads(payload)["code"])
+            for kind_, splitter in rank.splitters.items():
+                for text in splitter.flush():
+                    self._line(rank_no, rank, text, "stdout" if kind_ == agent.STDOUT else "stderr")
+            self._exited(rank_no, rank, code)
+
+    def _line(self, rank_no: int, rank: _Rank, text: str, stream: str) -> None:
+        rank.tail.append(text)
+        if rank.log is not None:
+            rank.log.write(text + "\n")
+        if not self.hurry:
+            self.view.line(rank_no, text, stream)
+
+    def _exited(self, rank_no: int, rank: _Rank, code: int) -> None:
+        rank.exit_code = code
+        rank.ended = self.clock()
+        if rank.started is None:
+            rank.started = rank.ended
+        if code == 0:
+            rank.state = RankState.SUCCEEDED
+        elif self.stopping:
+            rank.state = RankState.STOPPED
+        else:
+            rank.state = RankState.FAILED
+        self.view.state(rank_no, rank.state, code)
+        if self.stopping:
+            return
+        if code != 0:
+            self.root_cause = rank_no
+            self.view.notice(
+                f"rank {rank_no} on {rank.command.host_name} exited with code {code}: stopping every rank"
+            )
+            self._stop_all(self.grace)
+        elif self.ends_job is not None and self.ends_job(rank.command):
+            self.view.notice(f"rank {rank_no} ({rank.command.spec.task_type}) finished: stopping the servers")
+            self._stop_all(self.grace)
+
+    def _closed(self, host: str, code: int | None, stderr: str) -> None:
+        link = self.links[host]
+        link.closed = True
+        missing = [r for r in link.ranks if self.ranks[r].exit_code is None]
+        if self.stopping:  # ranks the agent never started: nothing was lost with the channel
+            for rank_no in [r for r in missing if self.ranks[r].started is None]:
+                self.ranks[rank_no].state = RankState.NOT_STARTED
+                self.ranks[rank_no].ended = self.clock()
+                self.view.state(rank_no, RankState.NOT_STARTED, None)
+                missing.remove(rank_no)
+        if not missing:
+            return
+        if link.channel is None:
+            reason = "could not start"
+        else:
+            reason = link.channel.lost_reason() or "connection to the host was lost"
+        self._host_failed(host, _with_agent_words(reason, stderr, code))
+
+    def _silent(self, host: str, seconds: float) -> None:
+        link = self.links[host]
+        if link.closed or link.done:
+            return
+        self._host_failed(host, f"no word from the host for {seconds:.0f} s (host timeout {self.host_timeout:g} s):"
+                          " it is down, cut off from the network or frozen; its agent stops its ranks by"
+                          " itself when it hears nothing either")
+        if link.channel is not None:
+            _close_aside(link.channel)
+
+    def _host_failed(self, host: str, message: str) -> None:
+        link = self.links[host]
+        link.closed = True
+        self.view.notice(f"{host}: {message}")
+        for rank_no in link.ranks:
+            rank = self.ranks[rank_no]
+            if rank.exit_code is not None:
+                continue
+            rank.exit_code = 255
+            rank.error = message
+            rank.ended = self.clock()
+            if not self.stopping:
+                rank.state = RankState.LOST
+            else:
+                rank.state = RankState.NOT_STARTED if rank.started is None else RankState.STOPPED
+            self.view.state(rank_no, rank.state, 255)
+            if not self.stopping and self.root_cause is None:
+                self.root_cause = rank_no
+                self.lost_host = host
+        if not self.stopping:
+            self._stop_all(self.grace)
+
+    def _stop_all(self, grace: float, *, kill: bool = False) -> None:
+        self.stopping = True
+        message = _message({"op": "kill"} if kill else {"op": "stop", "grace": grace})
+        for link in self.links.values():
+            if link.channel is not None and not link.closed:
+                try:
+                    link.channel.send(message)
+                except DlrunError:
+                    pass
+        deadline = self.clock() + grace + self.stop_margin
+        self.stop_deadline = deadline if self.stop_deadline is None else min(self.stop_deadline, deadline)
+
+    # --------------------------------------------------------------------- result
+    def _result(self) -> RunResult:
+        results = []
+        for number, rank in sorted(self.ranks.items()):
+            duration = None
+            if rank.started is not None and rank.ended is not None:
+                duration = rank.ended - rank.started
+            state = rank.state
+            if state == RankState.PENDING and self.stopping:
+                state = RankState.NOT_STARTED
+            elif state in (RankState.PENDING, RankState.RUNNING):
+                state = RankState.STOPPED if self.stopping else RankState.LOST
+            results.append(
+                RankResult(
+                    rank=number,
+                    host=rank.command.host_name,
+                    state=state,
+                    exit_code=rank.exit_code,
+                    duration=duration,
+                    tail=tuple(rank.tail),
+                    error=rank.error,
+                )
+            )
+        root = results[self.root_cause] if self.root_cause is not None else None
+        if root is not None:
+            exit_code = root.exit_code if root.exit_code else 1
+        elif self.interrupted_by is not None:
+            exit_code = 128 + self.interrupted_by
+        elif all(r.exit_code == 0 for r in results):
+            exit_code = 0
+        elif self.ends_job is not None:
+            # the job's end was decided by the ranks that end it (tf-ps chief)
+            enders = [r for r, c in zip(results, self.ranks.values(), strict=True) if self.ends_job(c.command)]
+            exit_code = next((r.exit_code or 0 for r in enders), 0)
+        else:
+            exit_code = next((r.exit_code for r in results if r.exit_code), 1) or 1
+        return RunResult(
+            ranks=tuple(results),
+            exit_code=exit_code,
+            root_cause=root,
+            interrupted_by=self.interrupted_by,
+            log_dir=self.log_dir,
+        )

@@ -1,0 +1,3 @@
+"""The Spark backend: a barrier stage whose tasks run dlrun's host agent and connect back to
+the driver. The only pyspark importer.
+"""

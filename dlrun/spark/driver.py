@@ -1,0 +1,1147 @@
+"""``--backend spark``: run a job's ranks as the tasks of one Spark barrier stage.
+
+The whole job machinery is the SSH path's: the ranks get the same env (``worker_commands``),
+the same ``Supervisor`` runs them (live view, per-rank logs, fail fast, root cause, exit
+codes); only the way a "host" is reached differs. Each barrier task is one host with one slot:
+
+1. The driver listens on a TCP port (``HelloServer``) and submits one barrier stage of N
+   tasks (``rdd.barrier().mapPartitions``) from a background thread.
+2. Each task (``_task_main``, on an executor) connects to the driver, picks a free port on its
+   host, ``allGather``s ``host:port`` with the other tasks (the barrier: every task is running),
+   reads its GPUs from ``TaskContext.resources()`` and sends one hello line (JSON: token,
+   partition, host, port, gpus, python, script). Then it starts ``dlrun.remote.agent`` (its source
+   travels in the closure) with the connected socket as the agent's stdin and stdout and a
+   parent-death signal, and waits for it.
+3. Once all N hellos are in (within ``start_timeout``), the driver builds one ``Host`` per
+   task, a ``Plan`` with the ports the tasks picked (rank = partition id), renders the
+   commands, and runs the ``Supervisor`` over ``SparkTransport``, whose ``open`` returns a
+   ``SparkChannel`` over that task's socket: the agent already runs there and reads the spec.
+   Tasks share executor hosts, and the agent's fallback sweep kills every process carrying
+   its tag: a spec without a per-host ``tag`` gets the job id ``<job>.task<partition>``.
+4. After the agent exits, the task appends a ``TASK_END`` frame (the agent's exit code and
+   stderr tail; the supervisor ignores it, the channel reads it) and half-closes; the driver
+   answers every task with a verdict line once the job has ended, and a task raises when the
+   job failed — so the Spark stage fails too. ``max_restarts`` runs a fresh stage (new ports,
+   new job id ``<job>-r<k>``) after a failed one.
+
+A task that dies takes its agent and ranks along (parent-death signal) and its closed socket
+makes it the lost host of the root cause; a stage that Spark ends mid-job for any other reason
+drops the remaining tasks' connections, so no rank waits for peers that are gone. For
+Horovod, tasks on one machine count as one Horovod host (``horovod_topology``).
+
+Before submitting: dynamic allocation is refused (barrier mode needs it off), and N must fit
+the free task slots — Spark itself would wait about ten minutes before failing.
+
+The script's directory reaches the executors inside a zip archive, with the files a push
+would send (``SparkContext.addArchive``; ``addFile`` refuses directories on non-local
+masters), unpacked next to each task, where the ranks run: no shared filesystem is needed.
+Only this module imports pyspark, and only when it runs; the task side imports nothing from
+dlrun (it is pickled by value), so executors need pyspark and Python only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import importlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import socket
+import struct
+import sys
+import threading
+import time
+import zipfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from dlrun.errors import BackendError, BackendUnavailable, HostUnreachable, UsageError
+from dlrun.inventory import Host, Inventory
+from dlrun.plan import Plan, make_plan
+from dlrun.remote import agent
+from dlrun.render import WorkerCommand, worker_argv, worker_commands
+from dlrun.run.launch import (
+    LaunchConfig,
+    check_local_inputs,
+    check_ranks_shown,
+    forward_signals,
+    keras_warning,
+    new_job_id,
+    socket_ifaces,
+    warn_replaced_env,
+)
+from dlrun.run.supervisor import RankState, RunResult, Supervisor, View
+from dlrun.run.view import make_view
+from dlrun.transport.base import Channel, Transport
+
+__all__ = [
+    "SparkChannel",
+    "SparkConfig",
+    "SparkTransport",
+    "TaskHello",
+    "run_spark",
+    "slots_message",
+    "task_commands",
+]
+
+TASK_END = 100  # frame kind a task appends after its agent exited: {"code", "stderr"}
+SLOT_WAIT = 10.0  # seconds for executors to register before the slot check fails (count unknown)
+MAX_HELLO = 1 << 20
+INSTALL_HINT = "pip install 'dlrun[spark]'"
+JAVA_HINT = "apt-get install openjdk-17-jre-headless (or set JAVA_HOME to a Java 17+ runtime)"
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class SparkConfig:
+    """Where and how big the barrier stage is (``dlrun launch --backend spark``)."""
+
+    master: str
+    num_workers: int
+    cores_per_worker: int = 1
+    gpus_per_worker: int = 0
+    conf: Mapping[str, str] = field(default_factory=dict)
+    max_restarts: int = 0
+    start_timeout: float = 120.0
+
+
+@dataclass(frozen=True)
+class TaskHello:
+    """What a barrier task told the driver about itself."""
+
+    partition: int
+    host: str  # this task's address on the route to the driver
+    port: int  # the free port it picked for its rank
+    gpus: tuple[str, ...] = ()
+    python: str = "python3"
+    script: str | None = None  # the shipped script, unpacked on the executor
+    pid: int = 0
+    iface: str | None = None  # the executor's interface holding ``host`` (for Gloo)
+
+    @property
+    def name(self) -> str:
+        """The host name dlrun shows for this task (unique per task; no ``/``)."""
+        return f"task{self.partition}@{self.host}"
+
+
+# ============================================================================ entry point
+
+
+def run_spark(config: LaunchConfig, spark: SparkConfig, *, view: View | None = None) -> int:
+    """Run ``config``'s script as ``spark.num_workers`` barrier tasks; return the exit code.
+
+    ``view`` replaces the terminal view (tests); by default it is ``make_view``'s.
+    """
+    check_request(config, spark)
+    # the hosts are not known yet: one stand-in without env, so only config and script count
+    stand_in = Inventory(hosts=(Host(address="spark", name="spark"),))
+    # the logs are written here; a script that is no file here runs as given on the executors
+    check_local_inputs(replace(config, push=False), stand_in)
+    pyspark = import_pyspark()
+    job_id = new_job_id()
+    warning = keras_warning(config, stand_in)
+    if warning:
+        print(f"dlrun: warning: {warning}", file=sys.stderr)
+    shown = view or make_view(config.ranks_shown, force_plain=config.plain)
+    with spark_context(pyspark, spark, app_name=f"dlrun {Path(config.script).name}") as sc:
+        check_context(sc, spark)
+        wait_for_slots(sc, spark)
+        # a registered file must outlive the job: executors fetch every one before any later task
+        staging = Path(pyspark.SparkFiles.getRootDirectory()) / f"dlrun-staging-{job_id}"
+        shipped = ship_script(sc, config.script, job_id, staging)
+        pyspark.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        attempt = 0
+        while True:
+            attempt_id = job_id if attempt == 0 else f"{job_id}-r{attempt}"
+            with _quiet_task_failures(sc):
+                result = _run_stage(sc, config, spark, attempt_id, shipped, shown)
+            if result.ok or result.interrupted_by is not None or attempt == spark.max_restarts:
+                return result.exit_code
+            attempt += 1
+            shown.notice(
+                f"attempt {attempt} failed (exit code {result.exit_code}): relaunching the barrier stage"
+                f" ({attempt} of {spark.max_restarts} restarts)"
+            )
+            wait_for_slots(sc, spark)
+
+
+def check_request(config: LaunchConfig, spark: SparkConfig) -> None:
+    """Refuse what cannot work, before pyspark is even imported."""
+    if spark.num_workers < 1:
+        raise UsageError(f"-n must be at least 1, not {spark.num_workers}")
+    if spark.cores_per_worker < 1:
+        raise UsageError(f"--cores-per-worker must be at least 1, not {spark.cores_per_worker}")
+    if spark.gpus_per_worker < 0 or spark.max_restarts < 0 or spark.start_timeout <= 0:
+        raise UsageError("--gpus-per-worker and --max-restarts must be >= 0 and the start timeout > 0")
+    if config.np is not None and config.np != spark.num_workers:
+        raise UsageError(f"--np {config.np} and -n {spark.num_workers} disagree; with --backend spark use -n")
+    if config.hosts is not None:
+        raise UsageError("--hosts does not go with --backend spark: Spark places the tasks")
+    if config.dry_run:
+        raise UsageError("--dry-run is not available with --backend spark: tasks pick hosts and ports when they run")
+    if config.framework == "tf-ps":
+        raise UsageError("--framework tf-ps is not supported with --backend spark (use tf, horovod, torch or none)")
+    check_ranks_shown(config, spark.num_workers)
+    if _dynamic_allocation(spark.conf):
+        raise _dynamic_allocation_error()
+
+
+def _dynamic_allocation(conf: Mapping[str, str]) -> bool:
+    return str(conf.get("spark.dynamicAllocation.enabled", "false")).strip().lower() in _TRUE
+
+
+def _dynamic_allocation_error() -> BackendError:
+    return BackendError(
+        "Spark dynamic allocation is enabled, and barrier execution cannot run with it"
+        " (executors could come and go under a stage that needs every task at once)",
+        hint="pass --conf spark.dynamicAllocation.enabled=false"
+        " (or remove it from spark-defaults.conf / the cluster's configuration)",
+    )
+
+
+# ============================================================================ the session
+
+
+def import_pyspark() -> ModuleType:
+    """pyspark, or a BackendError saying how to install it."""
+    try:
+        pyspark = importlib.import_module("pyspark")
+        importlib.import_module("pyspark.cloudpickle")
+    except ImportError as exc:
+        raise BackendError(f"--backend spark needs pyspark, which is not installed ({exc})", hint=INSTALL_HINT) from exc
+    return pyspark
+
+
+def java_command() -> str | None:
+    """The java that pyspark will start, or None."""
+    home = os.environ.get("JAVA_HOME")
+    if home:
+        candidate = Path(home) / "bin" / "java"
+        return str(candidate) if os.access(candidate, os.X_OK) else None
+    return shutil.which("java")
+
+
+@contextmanager
+def spark_context(pyspark: ModuleType, spark: SparkConfig, *, app_name: str) -> Iterator[Any]:
+    """The SparkContext already running in this process (kept), or a new one (stopped after)."""
+    active = pyspark.SparkContext._active_spark_context
+    if active is not None:
+        if active.master != spark.master:
+            raise BackendError(
+                f"a SparkContext for {active.master} already runs in this process; cannot use {spark.master}"
+            )
+        yield active
+        return
+    if java_command() is None:
+        where = f"JAVA_HOME={os.environ['JAVA_HOME']} has no bin/java" if os.environ.get("JAVA_HOME") else "no java"
+        raise BackendError(f"--backend spark needs Java 17 or newer ({where} on PATH)", hint=JAVA_HINT)
+    if spark.master.startswith("local"):  # executors on this machine: the driver's interpreter
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    settings = {
+        "spark.task.cpus": str(spark.cores_per_worker),
+        "spark.ui.showConsoleProgress": "false",  # its progress bar would tear the dlrun view
+        **({"spark.task.resource.gpu.amount": str(spark.gpus_per_worker)} if spark.gpus_per_worker else {}),
+        **spark.conf,
+    }
+    try:
+        conf = pyspark.SparkConf().setMaster(spark.master).setAppName(app_name)
+        for key, value in settings.items():
+            conf.set(key, value)
+        logging.disable(logging.ERROR)  # py4j logs a traceback when Ctrl-C interrupts the JVM's start
+        try:
+            sc = pyspark.SparkContext(conf=conf)
+        finally:
+            logging.disable(logging.NOTSET)
+    except Exception as exc:
+        raise BackendUnavailable(f"cannot start Spark ({spark.master}): {spark_error_text(exc)}") from exc
+    try:
+        yield sc
+    finally:
+        sc.stop()
+
+
+def check_context(sc: Any, spark: SparkConfig) -> None:
+    """The running context must allow barrier mode and give each task what was asked."""
+    conf = sc.getConf()
+    if _dynamic_allocation({"spark.dynamicAllocation.enabled": conf.get("spark.dynamicAllocation.enabled", "false")}):
+        raise _dynamic_allocation_error()
+    task_cpus = int(conf.get("spark.task.cpus", "1"))
+    if task_cpus != spark.cores_per_worker:
+        raise BackendError(
+            f"--cores-per-worker {spark.cores_per_worker} but the Spark context has spark.task.cpus={task_cpus}",
+            hint="use the same value for both (a running context keeps its spark.task.cpus)",
+        )
+    gpus = float(conf.get("spark.task.resource.gpu.amount", "0"))
+    if spark.gpus_per_worker and gpus < spark.gpus_per_worker:
+        raise BackendError(
+            f"--gpus-per-worker {spark.gpus_per_worker} but the Spark context has"
+            f" spark.task.resource.gpu.amount={gpus:g}",
+            hint="executors need spark.executor.resource.gpu.amount and a discovery script"
+            " (spark.executor.resource.gpu.discoveryScript)",
+        )
+    if spark.gpus_per_worker and _is_local(sc.master):
+        raise BackendError(
+            f"{sc.master} does not schedule tasks that ask for GPUs (the stage would wait forever)",
+            hint="use a cluster master, or local-cluster[...] with spark.worker.resource.gpu.* set",
+        )
+
+
+def ship_script(sc: Any, script: str, job_id: str, staging: Path) -> tuple[str, str] | None:
+    """Send the script's directory to the executors in ``dlrun-<job>.zip``, as ``dlrun push``
+    would send it (``.gitignore``, ``.dlrunignore``, no ``.git`` or ``__pycache__``): the
+    script's own modules and files go along. (archive, script's name in it) or None.
+
+    ``staging`` must live as long as the SparkContext (it is under Spark's own driver temp
+    directory): executors fetch every registered file before running any later task.
+
+    A ``script`` that is no file here (a command on the executors' PATH) is not shipped.
+    """
+    from dlrun.push.session import scan_code
+
+    if not Path(script).is_file():
+        return None
+    path = Path(script).resolve()  # a link to the script: its directory is the target's, as a push sends it
+    root = path.parent
+    staging.mkdir(parents=True, exist_ok=True)
+    archive = staging / f"dlrun-{job_id}.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
+        names = {e.path for e in scan_code(root).entries if not e.is_link or (root / e.path).is_file()}
+        for name in sorted(names | {path.name}):  # a link to a file goes as that file's bytes
+            zf.write(root / name, name)
+    try:
+        sc.addArchive(str(archive))
+    except Exception as exc:
+        raise BackendUnavailable(f"cannot ship {script} to the executors: {spark_error_text(exc)}") from exc
+    return archive.name, path.name
+
+
+# ============================================================================ task slots
+
+
+@dataclass(frozen=True)
+class Slots:
+    """How many barrier tasks the cluster can run at once right now."""
+
+    total: int
+    busy: int
+    executors: int
+    task_cpus: int
+
+    @property
+    def free(self) -> int:
+        return max(self.total - self.busy, 0)
+
+
+def count_slots(sc: Any) -> Slots:
+    """Spark's own count (``maxNumConcurrentTasks``, what its barrier check uses) minus busy tasks."""
+    task_cpus = int(sc.getConf().get("spark.task.cpus", "1"))
+    jsc = sc._jsc.sc()
+    try:
+        total = int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+        executors = max(len(jsc.statusTracker().getExecutorInfos()) - (0 if _is_local(sc.master) else 1), 0)
+    except Exception:  # an internal API that moved: fall back to the public estimate
+        total, executors = int(sc.defaultParallelism) // task_cpus, 0
+    tracker = sc.statusTracker()
+    busy = 0
+    for stage_id in tracker.getActiveStageIds():
+        info = tracker.getStageInfo(stage_id)
+        busy += int(info.numActiveTasks) if info is not None else 0
+    return Slots(total=total, busy=busy, executors=executors, task_cpus=task_cpus)
+
+
+def _is_local(master: str) -> bool:
+    return re.fullmatch(r"local(\[.*\])?", master) is not None
+
+
+def wait_for_slots(sc: Any, spark: SparkConfig, *, clock: Callable[[], float] = time.monotonic) -> Slots:
+    """Wait for executors to register, then check that N tasks fit, or raise with the numbers.
+
+    Where the executor count is known (``local-cluster[n,...]``, ``spark.executor.instances``)
+    the check waits for all of them (up to the start timeout), then judges at once; elsewhere
+    it gives executors ``SLOT_WAIT`` seconds to appear.
+    """
+    started = clock()
+    expected = _expected_executors(sc)
+    wait = 0.0 if _is_local(sc.master) else spark.start_timeout if expected is not None else SLOT_WAIT
+    while True:
+        slots = count_slots(sc)
+        if slots.free >= spark.num_workers:
+            return slots
+        registered = expected is not None and slots.executors >= expected
+        if registered or clock() - started >= wait:
+            message = slots_message(spark.num_workers, slots, sc.master)
+            if expected is not None and not registered:
+                message += f"; {slots.executors} of {expected} executors registered after {wait:.0f} s"
+            raise BackendError(message, hint=_slots_hint(spark))
+        time.sleep(0.25)
+
+
+def _expected_executors(sc: Any) -> int | None:
+    """How many executors will register, where the master or the conf says so."""
+    match = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,.*\]", sc.master)
+    if match:
+        return int(match.group(1))
+    instances = sc.getConf().get("spark.executor.instances")
+    return int(instances) if instances and instances.isdigit() else None
+
+
+def slots_message(n: int, slots: Slots, master: str) -> str:
+    where = f"{slots.executors} executor{'s' if slots.executors != 1 else ''}, " if slots.executors else ""
+    return (
+        f"-n {n} needs {n} task slots at once (barrier mode) but {master} has {slots.free} free"
+        f" ({slots.total} in all: {where}spark.task.cpus={slots.task_cpus}; {slots.busy} busy)"
+    )
+
+
+def _slots_hint(spark: SparkConfig) -> str:
+    return "lower -n, add executors or cores" + (
+        ", or lower --cores-per-worker" if spark.cores_per_worker > 1 else ""
+    ) + " (Spark itself would wait about ten minutes before failing)"
+
+
+# ============================================================================ driver: hellos
+
+
+@dataclass
+class TaskLink:
+    """One task's connection to the driver, with the bytes read past its hello line."""
+
+    hello: TaskHello
+    sock: socket.socket
+    leftover: bytes = b""
+
+
+class HelloServer:
+    """Accepts the barrier tasks' connections; keeps each one that says the right hello."""
+
+    def __init__(self, token: str, job_id: str, size: int) -> None:
+        self.token = token
+        self.job_id = job_id
+        self.size = size
+        self.links: dict[int, TaskLink] = {}
+        self.rejected: list[str] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._listener = socket.create_server(("0.0.0.0", 0), backlog=max(128, size))
+        self._listener.settimeout(0.2)
+        self.port = int(self._listener.getsockname()[1])
+        self._thread = threading.Thread(target=self._accept_loop, name="dlrun-spark-hello", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._greet, args=(conn, peer), daemon=True).start()
+
+    def _greet(self, conn: socket.socket, peer: tuple[Any, ...]) -> None:
+        conn.settimeout(30)
+        buf = b""
+        try:
+            while b"\n" not in buf and len(buf) < MAX_HELLO:
+                data = conn.recv(65536)
+                if not data:
+                    break
+                buf += data
+        except OSError:
+            pass
+        line, sep, leftover = buf.partition(b"\n")
+        try:
+            hello = json.loads(line) if sep else None
+        except ValueError:
+            hello = None
+        if (
+            not isinstance(hello, dict)
+            or not hmac.compare_digest(str(hello.get("token", "")), self.token)
+            or hello.get("job_id") != self.job_id
+        ):
+            self._reject(conn, f"{peer[0]}: connection without this job's hello")
+            return
+        try:
+            task = TaskHello(
+                partition=int(hello["partition"]),
+                host=str(hello["host"]),
+                port=int(hello["port"]),
+                gpus=tuple(str(g) for g in hello.get("gpus", ())),
+                python=str(hello.get("python") or "python3"),
+                script=hello.get("script"),
+                pid=int(hello.get("pid", 0)),
+                iface=str(hello["iface"]) if hello.get("iface") else None,
+            )
+        except (KeyError, TypeError, ValueError):
+            self._reject(conn, f"{peer[0]}: malformed hello")
+            return
+        conn.settimeout(None)
+        with self._cond:
+            if self._closed or task.partition in self.links or not 0 <= task.partition < self.size:
+                self._reject(conn, f"{task.name}: duplicate or late hello")
+                return
+            self.links[task.partition] = TaskLink(task, conn, leftover)
+            self._cond.notify_all()
+
+    def _reject(self, conn: socket.socket, why: str) -> None:
+        self.rejected.append(why)
+        conn.close()
+
+    def wait(self, timeout: float, failed: Callable[[], str | None]) -> dict[int, TaskLink]:
+        """Every task's link, in partition order; BackendUnavailable if the stage fails or is slow."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self.links) < self.size:
+                error = failed()
+                if error is not None:
+                    raise BackendUnavailable(
+                        f"the Spark stage failed before every task reported ({len(self.links)} of {self.size}):"
+                        f" {error}"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(self.size)) - set(self.links))
+                    raise BackendUnavailable(
+                        f"only {len(self.links)} of {self.size} Spark tasks reported within {timeout:.0f} s"
+                        f" (missing partitions {', '.join(map(str, missing))})",
+                        hint="are the slots taken by another job? can the executors reach the driver"
+                        " (spark.driver.host)? raise --start-timeout for slow clusters",
+                    )
+                self._cond.wait(min(left, 0.2))
+            return dict(sorted(self.links.items()))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+        self._listener.close()
+        self._thread.join(2)
+
+
+# ============================================================================ driver: transport
+
+
+class SparkChannel(Channel):
+    """A task's socket: the agent's stdin and stdout, then the task's end frame and verdict."""
+
+    def __init__(self, link: TaskLink) -> None:
+        self.host = link.hello.name
+        self.partition = link.hello.partition
+        self._spec_sent = False
+        self._sock = link.sock
+        self._pending = link.leftover
+        self._decoder = agent.FrameDecoder()
+        self._send_lock = threading.Lock()
+        self._eof = threading.Event()
+        self._closes = 0
+        self._agent_done = False  # the agent sent DONE: its ranks are over and it exits by itself
+        self.end: dict[str, Any] | None = None  # the task's TASK_END payload
+        self.reason = "the Spark task ended without a word (executor lost or task killed?)"
+
+    def send(self, data: bytes) -> None:
+        if not self._spec_sent:
+            self._spec_sent = True
+            data = self.tag_spec(data)
+        with self._send_lock:
+            try:
+                self._sock.sendall(data)
+            except OSError as exc:
+                raise HostUnreachable(f"the Spark task is gone ({exc.strerror or exc})", host=self.host) from exc
+
+    def tag_spec(self, data: bytes) -> bytes:
+        """Give this task's agent its own sweep tag, where the spec does not carry one.
+
+        The agent's fallback sweep (no PID namespace) kills every process of the user tagged
+        like its ranks once they are done; tasks of one job often share an executor host, so
+        a job-wide tag would let one task's agent kill its neighbours' ranks. A spec with a
+        per-host ``tag`` is sent as it is; an older one gets the job id ``<job>.task<p>``.
+        """
+        line, newline, rest = data.partition(b"\n")
+        try:
+            spec = json.loads(line)
+        except ValueError:
+            return data
+        if not isinstance(spec, dict) or "ranks" not in spec or spec.get("tag"):
+            return data
+        spec["job_id"] = f"{spec.get('job_id', '')}.task{self.partition}"
+        return json.dumps(spec).encode() + newline + rest
+
+    def recv(self, max_bytes: int = 65536) -> bytes:
+        if self._pending:
+            data, self._pending = self._pending, b""
+        else:
+            try:
+                data = self._sock.recv(max_bytes)
+            except OSError:
+                data = b""
+        if not data:
+            self._eof.set()
+            return b""
+        for kind, _rank, payload in self._decoder.feed(data):
+            if kind == agent.DONE:
+                self._agent_done = True
+            elif kind == TASK_END:
+                try:
+                    self.end = json.loads(payload)
+                except ValueError:
+                    self.end = {"code": None, "stderr": payload.decode(errors="replace")}
+        return data
+
+    def close_stdin(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if not self._eof.wait(timeout):
+            return None
+        code = (self.end or {}).get("code")
+        return int(code) if code is not None else None
+
+    def stderr_text(self) -> str:
+        if self.end is None:
+            return self.reason if self._eof.is_set() else ""
+        return str(self.end.get("stderr", ""))
+
+    def close(self) -> None:
+        """First: EOF to the agent (its watchdog stops the ranks); again: drop the connection.
+
+        Once the agent said DONE, or the task has half-closed (its agent exited), the socket
+        stays open: the task waits on it for the verdict, and a write side shut here would
+        leave it none (its stage would fail although every rank succeeded).
+        """
+        if self._eof.is_set() or (self._agent_done and self._closes == 0):
+            return
+        self._closes += 1
+        try:
+            self._sock.shutdown(socket.SHUT_WR if self._closes == 1 else socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def abandon(self, reason: str) -> None:
+        """Drop a task that Spark no longer runs: its agent sees EOF, the supervisor a lost host."""
+        if self._eof.is_set():
+            return
+        self.reason = reason
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def finish(self, verdict: bytes) -> None:
+        """Tell the task how the job ended, and hang up."""
+        with self._send_lock:
+            try:
+                self._sock.sendall(verdict)
+            except OSError:
+                pass
+            self._sock.close()
+
+
+class SparkTransport(Transport):
+    """Hosts are barrier tasks whose agents already run: ``open`` hands out their sockets."""
+
+    def __init__(self, links: Mapping[int, TaskLink]) -> None:
+        self.links = {link.hello.name: link for link in links.values()}
+        self.channels: dict[str, SparkChannel] = {}
+
+    def connect(self, hosts: Sequence[Host]) -> Mapping[str, str]:
+        return {h.name: self.links[h.name].hello.host for h in hosts}
+
+    def open(self, host: Host, argv: Sequence[str]) -> Channel:
+        link = self.links.get(host.name)
+        if link is None or host.name in self.channels:
+            raise HostUnreachable("no Spark task (or its channel is already open)", host=host.name)
+        channel = SparkChannel(link)
+        self.channels[host.name] = channel
+        return channel
+
+    def finish(self, result: RunResult) -> None:
+        """Send every task the verdict (its stage fails unless the job succeeded)."""
+        verdict = json.dumps({"verdict": result.exit_code, "message": verdict_message(result)}).encode() + b"\n"
+        for name, link in self.links.items():
+            channel = self.channels.get(name)
+            if channel is not None:
+                channel.finish(verdict)
+            else:
+                link.sock.close()
+
+    def abandon(self, reason: str) -> None:
+        for channel in self.channels.values():
+            channel.abandon(reason)
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.sock.close()
+
+
+def verdict_message(result: RunResult) -> str:
+    root = result.root_cause
+    if result.ok:
+        return "every rank succeeded"
+    if root is not None:
+        if root.state == RankState.LOST:
+            return f"host {root.host} (rank {root.rank}) was lost: {root.error}"
+        return f"rank {root.rank} on {root.host} exited with code {root.exit_code}"
+    if result.interrupted_by is not None:
+        return f"dlrun was interrupted by signal {result.interrupted_by}"
+    return f"the job failed with exit code {result.exit_code}"
+
+
+# ============================================================================ rendering
+
+
+def task_commands(
+    config: LaunchConfig,
+    hellos: Sequence[TaskHello],
+    job_id: str,
+    *,
+    rendezvous: tuple[str, int] | None = None,
+) -> tuple[Plan, tuple[WorkerCommand, ...]]:
+    """One host per task (rank = partition id), the ports the tasks picked, the SSH path's env.
+
+    Each rank runs the script as unpacked on its executor, with that executor's python, and
+    sees the GPUs Spark gave its task as ``CUDA_VISIBLE_DEVICES``.
+    """
+    ordered = sorted(hellos, key=lambda h: h.partition)
+    if [h.partition for h in ordered] != list(range(len(ordered))):
+        raise BackendError(f"Spark tasks reported partitions {[h.partition for h in ordered]}, not 0..N-1")
+    inventory = Inventory(
+        hosts=tuple(Host(address=h.host, name=h.name, slots=1, python=h.python) for h in ordered),
+        source="<spark barrier stage>",
+    )
+    plan = make_plan(
+        inventory,
+        job_id=job_id,
+        np=len(ordered),
+        framework=config.framework,
+        ports={h.partition: h.port for h in ordered},
+    )
+    commands = worker_commands(
+        plan,
+        config.script,
+        config.args,
+        python_for={h.name: [h.python] for h in ordered},
+        # as pushed over SSH: a rank runs in its unpacked project directory
+        cwd_for={h.name: os.path.dirname(h.script) if h.script else None for h in ordered},
+        extra_env=config.env,
+        rendezvous=rendezvous or (("127.0.0.1", 0) if config.framework == "horovod" else None),
+        ifaces=socket_ifaces(plan, config.iface, {h.name: h.iface for h in ordered if h.iface}),
+        gpus_for={h.name: [",".join(h.gpus)] for h in ordered if h.gpus},
+    )
+    by_name = {h.name: h for h in ordered}
+    topology = horovod_topology(ordered) if config.framework == "horovod" else {}
+    rendered = []
+    for c in commands:
+        task = by_name[c.host_name]
+        env = dict(c.env)
+        if task.partition in topology:  # Horovod's hosts are machines, not tasks
+            local_rank, local_size, cross_rank, cross_size = topology[task.partition]
+            env.update({
+                "HOROVOD_LOCAL_RANK": str(local_rank),
+                "HOROVOD_LOCAL_SIZE": str(local_size),
+                "HOROVOD_CROSS_RANK": str(cross_rank),
+                "HOROVOD_CROSS_SIZE": str(cross_size),
+            })
+        argv = worker_argv(task.script or config.script, config.args, [task.python])
+        rendered.append(replace(c, argv=argv, env=env))
+    return plan, tuple(rendered)
+
+
+def horovod_topology(hellos: Sequence[TaskHello]) -> dict[int, tuple[int, int, int, int]]:
+    """partition → (local_rank, local_size, cross_rank, cross_size), grouping tasks by address.
+
+    Each task is its own dlrun host, but gloo groups ranks by ``HOROVOD_HOSTNAME`` (the
+    address), so tasks that share an executor machine must count as one Horovod host — as
+    ``make_plan`` counts slots. (Spark's CUDA_VISIBLE_DEVICES holds only a task's own GPUs, so
+    pin device 0 there, not ``hvd.local_rank()``.)
+    """
+    ordered = sorted(hellos, key=lambda h: h.partition)
+    local: dict[int, int] = {}
+    per_host: dict[str, list[int]] = {}
+    for h in ordered:
+        local[h.partition] = len(per_host.setdefault(h.host, []))
+        per_host[h.host].append(h.partition)
+    hosts = list(per_host)
+    topology = {}
+    for h in ordered:
+        with_rank = [host for host in hosts if len(per_host[host]) > local[h.partition]]
+        topology[h.partition] = (local[h.partition], len(per_host[h.host]), with_rank.index(h.host), len(with_rank))
+    return topology
+
+
+# ============================================================================ one stage
+
+
+class _StageJob:
+    """The barrier stage, submitted from a thread (``collect`` blocks until it ends)."""
+
+    def __init__(self, sc: Any, group: str, size: int, task: Callable[[Iterable[Any]], Iterator[str]]) -> None:
+        self.sc = sc
+        self.group = group
+        self.size = size
+        self.task = task
+        self.error: BaseException | None = None
+        self.results: list[str] = []
+        self.thread = threading.Thread(target=self._run, name=f"dlrun-spark-{group}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.sc.setJobGroup(self.group, f"dlrun job {self.group}", interruptOnCancel=True)
+            rdd = self.sc.parallelize(range(self.size), self.size)
+            self.results = list(rdd.barrier().mapPartitions(self.task).collect())
+        except BaseException as exc:  # reported through failed() / after the supervisor
+            self.error = exc
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def failed(self) -> str | None:
+        if self.thread.is_alive():
+            return None
+        return spark_error_text(self.error) if self.error is not None else "the stage ended without starting"
+
+    def end(self, timeout: float) -> None:
+        """Wait for the stage to finish (the tasks got their verdicts); cancel it if it does not."""
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            try:
+                self.sc.cancelJobGroup(self.group)
+            except Exception:
+                pass
+            self.thread.join(15)
+
+
+class _HeldView:
+    """Passes everything to ``view`` but the summary, which waits until the Spark stage ended
+    (so Spark's own task-failure log lines come before dlrun's summary, not after it)."""
+
+    def __init__(self, view: View) -> None:
+        self.view = view
+        self.result: RunResult | None = None
+
+    def start(self, commands: Sequence[WorkerCommand], log_dir: Path | None) -> None:
+        self.view.start(commands, log_dir)
+
+    def line(self, rank: int, text: str, stream: str) -> None:
+        self.view.line(rank, text, stream)
+
+    def lines(self, rank: int, texts: Sequence[str], stream: str) -> None:
+        self.view.lines(rank, texts, stream)
+
+    def state(self, rank: int, state: RankState, exit_code: int | None) -> None:
+        self.view.state(rank, state, exit_code)
+
+    def notice(self, text: str) -> None:
+        self.view.notice(text)
+
+    def flush(self) -> None:
+        self.view.flush()
+
+    def finish(self, result: RunResult) -> None:
+        self.result = result
+
+
+def _run_stage(
+    sc: Any,
+    config: LaunchConfig,
+    spark: SparkConfig,
+    job_id: str,
+    shipped: tuple[str, str] | None,
+    view: View,
+) -> RunResult:
+    """One barrier stage: hellos, plan, supervisor, verdicts. Returns the supervisor's result."""
+    n = spark.num_workers
+    token = secrets.token_hex(16)
+    server = HelloServer(token, job_id, n)
+    driver_host = str(sc.getConf().get("spark.driver.host", socket.gethostname()))
+    setup = {
+        "driver": [driver_host, server.port],
+        "token": token,
+        "job_id": job_id,
+        "agent_source": agent.agent_source(),
+        "pidns_wrapper": agent.PIDNS_WRAPPER,  # the task may not import dlrun: it gets both as text
+        "pidns": config.pidns,
+        "archive": shipped[0] if shipped else None,
+        "script": shipped[1] if shipped else None,
+    }
+    job = _StageJob(sc, job_id, n, partial(_task_main, setup))
+    view.notice(f"spark: submitting a barrier stage of {n} tasks to {sc.master} (job {job_id})")
+    job.start()
+    transport: SparkTransport | None = None
+    try:
+        links = server.wait(spark.start_timeout, job.failed)
+        server.close()  # every task is in: a retried or stray task finds no door
+        hellos = [link.hello for link in links.values()]
+        missing_gpus = [h.name for h in hellos if len(h.gpus) < spark.gpus_per_worker]
+        if missing_gpus:
+            raise BackendError(
+                f"--gpus-per-worker {spark.gpus_per_worker} but Spark gave {', '.join(missing_gpus)} fewer GPUs",
+                hint="set spark.executor.resource.gpu.amount and spark.executor.resource.gpu.discoveryScript",
+            )
+        transport = SparkTransport(links)
+        held = _HeldView(view)
+        with ExitStack() as stack:
+            rendezvous = None
+            if config.framework == "horovod":
+                rendezvous = stack.enter_context(_horovod_rendezvous(hellos, driver_host))
+            _, commands = task_commands(config, hellos, job_id, rendezvous=rendezvous)
+            if not re.search(r"-r\d+$", job_id):  # once, not again for each restart
+                warn_replaced_env(config, commands)
+            supervisor = Supervisor(
+                transport,
+                commands,
+                held,
+                log_dir=Path(config.log_dir or "dlrun-logs") / job_id,
+                grace=config.grace,
+                host_timeout=config.ssh.host_timeout,
+                pidns=config.pidns,
+            )
+            with forward_signals(supervisor), _watch_stage(job, transport):
+                result = supervisor.run()
+        transport.finish(result)
+        job.end(timeout=10.0 if result.ok else 30.0)
+        view.finish(result)
+        return result
+    finally:
+        server.close()
+        if transport is not None:
+            transport.close()
+        for link in server.links.values():
+            link.sock.close()
+        if job.thread.is_alive():
+            job.end(timeout=0)
+
+
+#: What Spark logs for every failed task: the whole Python traceback of ``_task_main``'s
+#: verdict, once per task (~150 lines for 2 tasks), whose one line of news the root cause holds.
+_TASK_FAILURE_LOGGERS = ("org.apache.spark.executor.Executor", "org.apache.spark.scheduler.TaskSetManager")
+
+
+@contextmanager
+def _quiet_task_failures(sc: Any) -> Iterator[None]:
+    """Silence ``_TASK_FAILURE_LOGGERS`` (log4j2, in the driver's JVM) while a stage runs."""
+    try:
+        log4j = sc._jvm.org.apache.logging.log4j
+        manager, configurator = log4j.LogManager, log4j.core.config.Configurator
+        before = {name: manager.getLogger(name).getLevel() for name in _TASK_FAILURE_LOGGERS}
+        for name in _TASK_FAILURE_LOGGERS:
+            configurator.setLevel(name, log4j.Level.OFF)
+    except Exception:  # another logging backend, or no JVM view: Spark keeps its say
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            for name, level in before.items():
+                configurator.setLevel(name, level)
+
+
+@contextmanager
+def _watch_stage(job: _StageJob, transport: SparkTransport, grace: float = 3.0) -> Iterator[None]:
+    """While the job runs, a stage that Spark ended (task or executor lost) ends the job too.
+
+    A task that dies takes its agent along (parent-death signal), and its closed socket makes
+    it the root cause; ``grace`` lets that happen first. Then every task still connected is
+    dropped, so no rank waits for peers that are gone.
+    """
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if not job.thread.is_alive():
+                if not done.wait(grace):
+                    transport.abandon(f"the Spark stage ended: {job.failed()}")
+                return
+            done.wait(0.5)
+
+    watcher = threading.Thread(target=watch, name=f"dlrun-spark-watch-{job.group}", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(2)
+
+
+@contextmanager
+def _horovod_rendezvous(hellos: Sequence[TaskHello], driver_host: str) -> Iterator[tuple[str, int]]:
+    """dlrun's gloo rendezvous on the driver, its scopes sized as ``horovod_topology`` counts."""
+    from dlrun.run.rendezvous import RendezvousServer, scope_sizes
+
+    try:
+        address = socket.gethostbyname(driver_host)
+    except OSError:
+        address = driver_host
+    topology = horovod_topology(hellos)
+    ranks = [(h.host, topology[h.partition][0]) for h in sorted(hellos, key=lambda h: h.partition)]
+    with RendezvousServer(scope_sizes(ranks), host="0.0.0.0") as server:
+        bound = server.address
+        assert bound is not None
+        yield address, bound[1]
+
+
+def spark_error_text(exc: BaseException | None) -> str:
+    """The useful part of a (Py4J) Spark error: the stage failure and the task's Python error."""
+    if exc is None:
+        return "unknown error"
+    text = str(exc)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    summary = next((line for line in lines if "Job aborted" in line or "Exception:" in line), lines[0] if lines else "")
+    summary = re.sub(r"^:\s*", "", summary)[:300]
+    python = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b: ", line)]
+    if python and python[-1] not in summary:
+        summary += f" | {python[-1][:300]}"
+    return summary or type(exc).__name__
+
+
+# ============================================================================ task side
+# Runs on the executors: the standard library and pyspark only. dlrun.spark.driver is pickled by
+# value (cloudpickle.register_pickle_by_value), so executors need not have dlrun installed.
+
+
+def interface_holding(address: str) -> str | None:
+    """The name of this machine's interface holding IPv4 ``address`` (Linux), else None."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's primary IPv4 address
+                got = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(got[20:24]) == address:
+                return name
+    return None
+
+
+_SPARK_WORKER_ENV = ("PYTHON_WORKER_", "PYTHON_UDF_", "PYTHON_DAEMON_", "_PYSPARK_", "SPARK_PYTHON_RUNTIME",
+                     "SPARK_REUSE_WORKER", "SPARK_CONNECT_MODE", "SPARK_JOB_ARTIFACT_UUID", "SPARK_LOCAL_DIRS")
+
+
+def rank_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The task's environment without what Spark set up for its own Python worker: ranks get
+    what an SSH host's would. Gone: the worker's secret (``PYTHON_WORKER_FACTORY_SECRET``, which
+    authenticates it to the executor), Spark's worker settings, its default ``PYTHONHASHSEED=0``
+    and pyspark's and py4j's entries in ``PYTHONPATH``. Kept: ``SPARK_HOME`` and the like, and
+    ``OMP_NUM_THREADS`` (Spark sets it to the task's CPUs)."""
+    env = {k: v for k, v in environ.items() if not k.startswith(_SPARK_WORKER_ENV)}
+    if env.get("PYTHONHASHSEED") == "0":
+        del env["PYTHONHASHSEED"]
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+             if p and not re.search(r"pyspark|py4j|spark-core", os.path.basename(p))]
+    env.pop("PYTHONPATH", None)
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def _task_main(setup: Mapping[str, Any], _rows: Iterable[Any]) -> Iterator[str]:
+    import ctypes
+    import signal
+    import subprocess
+    import tempfile
+
+    pyspark = importlib.import_module("pyspark")
+    ctx = pyspark.BarrierTaskContext.get()
+    partition = int(ctx.partitionId())
+    sock = socket.create_connection((setup["driver"][0], int(setup["driver"][1])), timeout=60)
+    host = sock.getsockname()[0]  # the address on the route to the driver
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        port = int(probe.getsockname()[1])
+    # the barrier: no task starts its agent before every task runs (and each learns the others)
+    ctx.allGather(json.dumps({"host": host, "port": port}))
+    resources = ctx.resources()
+    gpus = [str(a) for a in resources["gpu"].addresses] if "gpu" in resources else []
+    script = None
+    if setup["archive"]:
+        script = os.path.join(pyspark.SparkFiles.get(setup["archive"]), setup["script"])
+    hello = {
+        "token": setup["token"],
+        "job_id": setup["job_id"],
+        "partition": partition,
+        "host": host,
+        "port": port,
+        "gpus": gpus,
+        "python": sys.executable,
+        "script": script,
+        "pid": os.getpid(),
+        "iface": interface_holding(host),
+    }
+    sock.settimeout(None)
+    sock.sendall(json.dumps(hello).encode() + b"\n")
+
+    # the agent: the socket is its stdin and stdout; its stderr goes to a file whose tail the
+    # driver gets in TASK_END. It dies with this task: SIGHUP, not SIGTERM, because in a PID
+    # namespace the child is `unshare --fork` (the wrapper execs it), which blocks SIGTERM and
+    # SIGINT while it waits; SIGHUP ends unshare (whose --kill-child then ends the whole
+    # namespace) or, without a namespace, makes the agent kill its ranks.
+    parent = os.getpid()
+    try:
+        libc: Any = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        libc = None
+
+    def die_with_parent() -> None:
+        if libc is not None:
+            libc.prctl(1, int(signal.SIGHUP), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    argv = [sys.executable, "-c", setup["agent_source"]]
+    if setup["pidns"]:  # as agent.pidns_argv does on the driver's side
+        argv = ["sh", "-c", setup["pidns_wrapper"], "dlrun-agent", *argv]
+    with tempfile.TemporaryFile() as errors:
+        try:
+            proc = subprocess.Popen(argv, stdin=sock.fileno(), stdout=sock.fileno(), stderr=errors,
+                                    env=rank_environ(os.environ), preexec_fn=die_with_parent)
+            code = proc.wait()
+            code = 128 - code if code < 0 else code
+        except OSError as exc:
+            code = 127
+            errors.write(f"cannot start the dlrun agent with {sys.executable}: {exc}".encode())
+        errors.seek(0)
+        stderr = errors.read()[-8192:].decode(errors="replace")
+    payload = json.dumps({"code": code, "stderr": stderr}).encode()
+    sock.setblocking(True)  # the agent made the shared socket non-blocking
+    verdict: dict[str, Any] | None = None
+    try:
+        sock.sendall(struct.pack(">BiI", TASK_END, -1, len(payload)) + payload)
+        sock.shutdown(socket.SHUT_WR)
+        buf = b""
+        while verdict is None:
+            data = sock.recv(65536)
+            if not data:
+                break
+            buf += data
+            while b"\n" in buf and verdict is None:
+                line, _, buf = buf.partition(b"\n")
+                try:
+                    message = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(message, dict) and "verdict" in message:  # not a late "stop" for the agent
+                    verdict = message
+    except OSError:
+        pass
+    finally:
+        sock.close()
+    if verdict is None:
+        raise RuntimeError(f"dlrun job {setup['job_id']}: the driver hung up before the job ended (agent exit {code})")
+    if int(verdict["verdict"]) != 0:
+        raise RuntimeError(f"dlrun job {setup['job_id']} failed: {verdict.get('message', '')}")
+    yield json.dumps({"partition": partition, "host": host, "agent_exit": code})

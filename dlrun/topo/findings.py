@@ -1,0 +1,406 @@
+"""Judging host reports: findings with a severity, the suggested environment, the --json document.
+
+Pure: takes :class:`~dlrun.topo.records.HostReport` records, returns records. ``dlrun topo`` shows
+the findings and exits 1 when one is an ``error`` (:func:`exit_code`); ``dlrun launch`` stops on
+an error finding unless ``--no-preflight``.
+
+Severities, on purpose:
+
+- ``error`` — the job cannot run as asked: a host unreachable or its probe failed; more slots
+  than GPUs (GPU slots count MIG devices where MIG is on) on a host that has GPUs.
+- ``warning`` — it runs, but slower or fragile: GPU count or model differs across hosts; driver,
+  CUDA, python (major.minor) or TensorFlow versions differ; an RDMA port not ACTIVE, or slower
+  than its peers (same link layer and HCA type, on any host); GPUs whose P2P graph at NCCL's
+  default level (PXB or better, NVLink included) is split, so some traffic must take a
+  PHB/NODE/SYS path; on a multi-host job, a GPU with no NIC at PXB or better (no GPUDirect RDMA
+  by NCCL's default); a tool that failed or timed out (``HostReport.problems``).
+- ``info`` — worth knowing: PHB/NODE/SYS pairs when every GPU still reaches the others over P2P
+  paths (DGX-1 hybrid cube mesh); python patch levels differ; MIG enabled; socket interface or
+  HCA names that differ across hosts (which is why a suggested variable is a prefix or missing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from dlrun.topo.records import (
+    HostReport,
+    Nic,
+    host_report_to_json,
+    is_p2p_by_default,
+    link_class,
+    link_rank,
+    natural_key,
+)
+
+Severity = Literal["error", "warning", "info"]
+SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
+
+#: Interfaces never suggested for NCCL/Gloo sockets unless they carry the default route.
+_VIRTUAL_PREFIXES = ("lo", "docker", "virbr", "veth", "br-", "cni", "flannel", "cali", "tun", "tap")
+_MAX_LISTED = 8
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One judgement about the hosts; ``host`` is None for a cross-host finding."""
+
+    severity: Severity
+    message: str
+    host: str | None = None
+
+
+def has_errors(findings: Iterable[Finding]) -> bool:
+    """True when any finding is an ``error``."""
+    return any(f.severity == "error" for f in findings)
+
+
+def exit_code(findings: Iterable[Finding]) -> int:
+    """``dlrun topo``'s exit status: 1 with error findings, else 0."""
+    return 1 if has_errors(findings) else 0
+
+
+def _listed(items: Sequence[str]) -> str:
+    shown = ", ".join(items[:_MAX_LISTED])
+    if len(items) > _MAX_LISTED:
+        shown += f" and {len(items) - _MAX_LISTED} more"
+    return shown
+
+
+def _by_value(values: Mapping[str, str]) -> str:
+    """``{"h1": "a", "h2": "b", "h3": "a"}`` → ``a on h1, h3; b on h2``."""
+    groups: dict[str, list[str]] = {}
+    for host, value in values.items():
+        groups.setdefault(value, []).append(host)
+    return "; ".join(f"{value} on {_listed(hosts)}" for value, hosts in groups.items())
+
+
+def _differs(what: str, values: Mapping[str, str], severity: Severity = "warning") -> list[Finding]:
+    if len(set(values.values())) <= 1:
+        return []
+    return [Finding(severity, f"{what} differ across hosts: {_by_value(values)}")]
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def _cross_host(ok: Sequence[HostReport]) -> list[Finding]:
+    found: list[Finding] = []
+    if len(ok) < 2:
+        return found
+    found += _differs("GPU counts", {r.host: str(len(r.gpus)) for r in ok})
+    models = {r.host: " + ".join(sorted({g.name for g in r.gpus})) for r in ok if r.gpus}
+    found += _differs("GPU models", models)
+    found += _differs("NVIDIA driver versions", {r.host: r.driver for r in ok if r.driver})
+    found += _differs("CUDA versions", {r.host: r.cuda_version for r in ok if r.cuda_version})
+    pythons = {r.host: r.python for r in ok if r.python}
+    minor = _differs("Python versions", {h: _major_minor(v) for h, v in pythons.items()})
+    found += minor or _differs("Python patch levels", pythons, "info")
+    if any(r.tensorflow for r in ok):
+        found += _differs(
+            "TensorFlow versions", {r.host: r.tensorflow or "not installed" for r in ok}
+        )
+    return found
+
+
+def _per_host_gpus(report: HostReport, multi_host: bool) -> list[Finding]:
+    found: list[Finding] = []
+    host = report.host
+    names = sorted({g.name for g in report.gpus})
+    if len(names) > 1:
+        found.append(Finding("warning", f"mixed GPU models on one host: {', '.join(names)}", host))
+    for gpu in report.gpus:
+        if gpu.mig and gpu.mig_devices:
+            count = f" ({len(gpu.mig_devices)} MIG devices)"
+            found.append(Finding("info", f"MIG is enabled on GPU{gpu.index}{count}", host))
+        elif gpu.mig:
+            found.append(
+                Finding(
+                    "warning",
+                    f"MIG is enabled on GPU{gpu.index} but no MIG device is listed: "
+                    "CUDA sees no device there",
+                    host,
+                )
+            )
+    found += _p2p(report)
+    found += _gpu_nic(report, multi_host)
+    return found
+
+
+def _p2p(report: HostReport) -> list[Finding]:
+    labels = [g.label for g in report.gpus] or [k for k in report.links if k.startswith("GPU")]
+    bad: list[str] = []
+    adjacent: dict[str, set[str]] = {label: set() for label in labels}
+    for i, a in enumerate(labels):
+        for b in labels[i + 1 :]:
+            cell = report.links.get(a, {}).get(b) or report.links.get(b, {}).get(a)
+            if cell is None or link_class(cell) == "?":
+                continue
+            if is_p2p_by_default(cell):
+                adjacent[a].add(b)
+                adjacent[b].add(a)
+            else:
+                bad.append(f"{a}-{b} ({cell})")
+    if not bad:
+        return []
+    # Is the P2P graph connected? Then NCCL's rings still find P2P paths (DGX-1 cube mesh).
+    seen = {labels[0]}
+    todo = [labels[0]]
+    while todo:
+        for nxt in adjacent[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    split = len(seen) < len(labels)
+    severity: Severity = "warning" if split else "info"
+    tail = (
+        "NCCL will route some traffic through host memory"
+        if split
+        else "every GPU still reaches the others over P2P paths"
+    )
+    return [
+        Finding(
+            severity,
+            f"{len(bad)} GPU pair(s) without NVLink and with only a PHB/NODE/SYS path (no P2P "
+            f"by NCCL's default): {_listed(bad)}; {tail}",
+            report.host,
+        )
+    ]
+
+
+def _gpu_nic(report: HostReport, multi_host: bool) -> list[Finding]:
+    topo_nics = set(report.topo.nics) or {
+        col for cols in report.links.values() for col in cols if not col.startswith("GPU")
+    }
+    if not topo_nics:
+        return []
+    active = {n.name for n in report.nics if n.active} & topo_nics
+    candidates = active or topo_nics
+    lonely: list[str] = []
+    for gpu_label in sorted(report.links, key=natural_key):
+        if not gpu_label.startswith("GPU"):
+            continue
+        cells = [c for col, c in report.links[gpu_label].items() if col in candidates]
+        if cells and not any(is_p2p_by_default(c) for c in cells):
+            best = min(cells, key=link_rank)
+            lonely.append(f"{gpu_label} (best {best})")
+    if not lonely:
+        return []
+    which = "active NIC" if active else "NIC"
+    severity: Severity = "warning" if multi_host else "info"
+    return [
+        Finding(
+            severity,
+            f"{len(lonely)} GPU(s) with no {which} at PXB or better (no GPUDirect RDMA by NCCL's "
+            f"default): {_listed(lonely)}",
+            report.host,
+        )
+    ]
+
+
+def _ports(ok: Sequence[HostReport]) -> list[Finding]:
+    found: list[Finding] = []
+    for report in ok:
+        down = [
+            f"{n.name} port {n.port} {n.state or 'state unknown'}"
+            + (f" ({n.phys_state})" if n.phys_state else "")
+            for n in report.nics
+            if not n.active
+        ]
+        if down:
+            found.append(
+                Finding("warning", f"RDMA port(s) not ACTIVE: {_listed(down)}", report.host)
+            )
+    peers: dict[tuple[str, str], list[tuple[str, Nic]]] = {}
+    for report in ok:
+        for nic in report.nics:
+            if nic.active and nic.rate_gbps is not None:
+                key = (nic.link_layer or "?", nic.hca_type or "?")
+                peers.setdefault(key, []).append((report.host, nic))
+    for (layer, hca), members in peers.items():
+        best = max(n.rate_gbps or 0.0 for _, n in members)
+        slow: dict[str, list[str]] = {}
+        for host, nic in members:
+            if (nic.rate_gbps or 0.0) < best:
+                slow.setdefault(host, []).append(f"{nic.name} port {nic.port} at {nic.rate_gbps:g}")
+        kind = layer if hca == "?" else f"{layer} {hca}"
+        for host, ports in slow.items():
+            found.append(
+                Finding(
+                    "warning",
+                    f"RDMA port(s) slower than their peers ({kind} at {best:g} Gb/s): "
+                    f"{_listed(ports)} Gb/s",
+                    host,
+                )
+            )
+    return found
+
+
+def _slots(ok: Sequence[HostReport], slots_by_host: Mapping[str, int] | None) -> list[Finding]:
+    found: list[Finding] = []
+    for report in ok:
+        slots = (slots_by_host or {}).get(report.host)
+        if slots is None or not report.gpus:
+            continue
+        capacity = report.gpu_slots
+        if slots > capacity:
+            unit = "GPU slots (MIG devices counted)" if capacity != len(report.gpus) else "GPUs"
+            found.append(
+                Finding(
+                    "error",
+                    f"{slots} slots but only {capacity} {unit}: ranks would have to share a GPU",
+                    report.host,
+                )
+            )
+    return found
+
+
+def analyse(
+    reports: Sequence[HostReport], slots_by_host: Mapping[str, int] | None = None
+) -> tuple[Finding, ...]:
+    """All findings for these hosts, errors first, then warnings, then infos (stable within)."""
+    found: list[Finding] = []
+    for report in reports:
+        if not report.reachable:
+            reason = report.error or "no reason given"
+            found.append(Finding("error", f"unreachable: {reason}", report.host))
+        elif report.error:
+            found.append(Finding("error", f"probe failed: {report.error}", report.host))
+    ok = [r for r in reports if r.ok]
+    found += _cross_host(ok)
+    multi_host = len(reports) > 1
+    for report in ok:
+        found += _per_host_gpus(report, multi_host)
+        found += [Finding("warning", problem, report.host) for problem in report.problems]
+    found += _ports(ok)
+    found += _slots(ok, slots_by_host)
+    found += _env_plan(ok)[1]
+    order = {s: i for i, s in enumerate(SEVERITIES)}
+    return tuple(sorted(found, key=lambda f: order[f.severity]))
+
+
+# --------------------------------------------------------------------------------------------
+# Suggested environment
+# --------------------------------------------------------------------------------------------
+
+
+def _hcas(report: HostReport) -> list[str]:
+    """``name:port`` of the host's active HCAs: InfiniBand if any, else RoCE; the fastest only
+    (a 100 Gb/s front-end port next to 400 Gb/s back-end ports is left out)."""
+    active = [n for n in report.nics if n.active]
+    chosen = [n for n in active if n.link_layer == "InfiniBand"] or [
+        n for n in active if n.link_layer == "Ethernet"
+    ]
+    rates = [n.rate_gbps for n in chosen if n.rate_gbps is not None]
+    if rates:
+        chosen = [n for n in chosen if n.rate_gbps is None or n.rate_gbps == max(rates)]
+    chosen.sort(key=lambda n: (natural_key(n.name), n.port))
+    return [f"{n.name}:{n.port}" for n in chosen]
+
+
+def _socket_interface(report: HostReport) -> str | None:
+    usable = [i for i in report.interfaces if i.ipv4 and not i.loopback]
+    for iface in usable:
+        if iface.default_route:
+            return iface.name
+    for iface in usable:
+        if not iface.name.startswith(_VIRTUAL_PREFIXES):
+            return iface.name
+    return None
+
+
+def interface_holding(report: HostReport, ipv4: str) -> str | None:
+    """The host's interface that holds this IPv4 address (the one its peers reach it at)."""
+    return next((i.name for i in report.interfaces if ipv4 in i.ipv4), None)
+
+
+def _common_prefix(names: Sequence[str]) -> str:
+    first, last = min(names), max(names)
+    size = 0
+    while size < min(len(first), len(last)) and first[size] == last[size]:
+        size += 1
+    return first[:size]
+
+
+def _env_plan(ok: Sequence[HostReport]) -> tuple[dict[str, str], list[Finding]]:
+    env: dict[str, str] = {}
+    notes: list[Finding] = []
+
+    per_host = {r.host: _hcas(r) for r in ok}
+    with_hcas = {h: v for h, v in per_host.items() if v}
+    if with_hcas:
+        lists = list(with_hcas.values())
+        common = [e for e in lists[0] if all(e in other for other in lists[1:])]
+        if common:
+            env["NCCL_IB_HCA"] = "=" + ",".join(common)
+        else:
+            union = sorted({e for v in lists for e in v}, key=natural_key)
+            env["NCCL_IB_HCA"] = "=" + ",".join(union)
+            notes.append(
+                Finding(
+                    "info",
+                    "the active HCAs differ across hosts, so NCCL_IB_HCA lists all of them: "
+                    + _by_value({h: ",".join(v) for h, v in with_hcas.items()}),
+                )
+            )
+
+    names = {r.host: name for r in ok if (name := _socket_interface(r)) is not None}
+    if names:
+        distinct = sorted(set(names.values()))
+        if len(distinct) == 1:
+            env["NCCL_SOCKET_IFNAME"] = distinct[0]
+            env["GLOO_SOCKET_IFNAME"] = distinct[0]
+        else:
+            prefix = _common_prefix(distinct)
+            if len(prefix) >= 2 and not any(prefix.startswith(v) for v in _VIRTUAL_PREFIXES):
+                env["NCCL_SOCKET_IFNAME"] = prefix
+                how = f"NCCL_SOCKET_IFNAME is their common prefix {prefix!r}"
+            else:
+                env["NCCL_SOCKET_IFNAME"] = "^lo,docker"
+                how = "NCCL_SOCKET_IFNAME excludes lo and docker instead"
+            notes.append(
+                Finding(
+                    "info",
+                    f"socket interfaces differ across hosts ({_by_value(names)}): {how}; "
+                    "GLOO_SOCKET_IFNAME needs an exact name per host, which dlrun launch sets (or the"
+                    " inventory's iface)",
+                )
+            )
+    return env, notes
+
+
+def suggested_env(reports: Sequence[HostReport]) -> dict[str, str]:
+    """Environment worth setting for NCCL/Gloo on these hosts.
+
+    ``NCCL_IB_HCA`` lists the active HCA ports (``=mlx5_0:1,…``: the ``=`` makes NCCL match
+    names exactly, so ``mlx5_1`` does not also pick ``mlx5_10``), those common to every host
+    that has one. ``NCCL_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` name the interface of each
+    host's default route (else its first non-loopback IPv4 interface) when all hosts agree;
+    otherwise ``NCCL_SOCKET_IFNAME`` is a common prefix or ``^lo,docker`` and Gloo's is left out
+    (:func:`analyse` says so in an info finding). Unreachable hosts are ignored.
+    """
+    return _env_plan([r for r in reports if r.ok])[0]
+
+
+def finding_to_json(finding: Finding) -> dict[str, Any]:
+    """A finding in the ``dlrun topo --json`` shape (``host`` is null for cross-host ones)."""
+    return {"severity": finding.severity, "message": finding.message, "host": finding.host}
+
+
+def topo_document(
+    reports: Sequence[HostReport],
+    findings: Sequence[Finding],
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The whole ``dlrun topo --json`` document: ``{"hosts": [...], "findings": [...], "env"}``.
+
+    Each host carries its own findings (``severity``, ``message``); the top-level list holds
+    every finding, with ``host`` (null for cross-host findings).
+    """
+    return {
+        "hosts": [host_report_to_json(r, findings) for r in reports],
+        "findings": [finding_to_json(f) for f in findings],
+        "env": dict(env) if env is not None else suggested_env(reports),
+    }

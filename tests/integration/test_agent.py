@@ -1,0 +1,304 @@
+"""The host agent's protocol, run for real as a local subprocess: probe, start, PID namespace, output.
+
+These talk to ``python -c <agent source>`` exactly as the controller does (JSON lines in,
+frames out); the SSH tests run the same program over sshd.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from dlrun.inventory import Host
+from dlrun.push.session import HELPER_SOURCE
+from dlrun.remote import agent
+from dlrun.run.launch import LaunchConfig, launch
+from dlrun.topo.probe import PROBE_SOURCE, parse_probe_output
+from dlrun.transport.base import Channel
+from dlrun.transport.local import HostRouter, LocalTransport
+
+from conftest import wait_until
+
+
+def talk(argv: Sequence[str], messages: Sequence[dict[str, object]], env: dict[str, str] | None = None,
+         timeout: float = 60) -> list[tuple[int, int, bytes]]:
+    """Send the messages, close stdin once the agent is done, return every frame it sent."""
+    proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in messages))
+    proc.stdin.flush()
+    decoder = agent.FrameDecoder()
+    frames: list[tuple[int, int, bytes]] = []
+    starts = any(m.get("op", "start") == "start" for m in messages)
+    while True:
+        data = proc.stdout.read1(65536)
+        if not data:
+            break
+        frames += decoder.feed(data)
+        kinds = {k for k, _, _ in frames}
+        if agent.DONE in kinds or (not starts and kinds & {agent.PROBE, agent.SURVEY}):
+            proc.stdin.close()
+    proc.wait(timeout)
+    return frames
+
+
+def agent_cmd(*extra: str) -> list[str]:
+    return [sys.executable, "-c", agent.agent_source(), *extra]
+
+
+def hello(frames: list[tuple[int, int, bytes]]) -> dict[str, object]:
+    return dict(json.loads(next(p for k, _, p in frames if k == agent.HELLO)))
+
+
+def test_probe_runs_inside_the_agent_before_the_spec() -> None:
+    spec = {"job_id": "j1", "ranks": [{"rank": 0, "argv": [sys.executable, "-c", "print('hi')"], "env": {}}]}
+    frames = talk(agent_cmd(), [{"op": "probe", "source": PROBE_SOURCE}, spec])
+    kinds = [k for k, _, _ in frames]
+    assert kinds.index(agent.PROBE) < kinds.index(agent.STARTED)
+    report = parse_probe_output("here", next(p for k, _, p in frames if k == agent.PROBE).decode())
+    assert report.ok and report.error is None and report.cpu_count == os.cpu_count()
+    assert b"".join(p for k, r, p in frames if k == agent.STDOUT and r == 0) == b"hi\n"
+    assert json.loads(next(p for k, _, p in frames if k == agent.EXIT)) == {"code": 0}
+
+
+def test_a_broken_probe_still_gets_an_answer() -> None:
+    frames = talk(agent_cmd(), [{"op": "probe", "source": "raise SystemExit(3)"}])
+    answer = next(p for k, _, p in frames if k == agent.PROBE).decode()
+    assert "probe failed in the agent: SystemExit" in answer
+    assert parse_probe_output("h", answer).error
+
+
+def test_survey_answers_what_the_push_helper_would_before_the_probe(tmp_path: Path) -> None:
+    root = tmp_path / "code"
+    root.mkdir()
+    (root / "a.py").write_text("A = 1\n")
+    request = {"targets": [{"root": str(root), "paths": ["a.py", "gone.py"]}]}
+    frames = talk(agent_cmd(), [{"op": "survey", "source": HELPER_SOURCE, "request": request},
+                                {"op": "probe", "source": "print('{}')"}])
+    kinds = [k for k, _, _ in frames]
+    assert kinds.index(agent.SURVEY) < kinds.index(agent.PROBE)
+    answer = json.loads(next(p for k, _, p in frames if k == agent.SURVEY))
+    helper = subprocess.run([sys.executable, "-c", HELPER_SOURCE], input=json.dumps(request) + "\n",
+                            capture_output=True, text=True, timeout=60)
+    assert answer == json.loads(helper.stdout.splitlines()[0])
+    (entry,) = answer["targets"]
+    assert entry["entries"] == {"a.py": ["file", 6, 0o644, hashlib.sha256(b"A = 1\n").hexdigest(), False]}
+    assert entry["settled"] is False  # a.py is there but no push recorded it
+
+
+def test_a_broken_survey_is_answered_with_its_error() -> None:
+    frames = talk(agent_cmd(), [{"op": "survey", "source": "def survey(spec):\n    raise OSError('no')\n",
+                                 "request": {"targets": [{"root": "/", "paths": []}]}}])
+    assert json.loads(next(p for k, _, p in frames if k == agent.SURVEY)) == {"error": "OSError: no"}
+
+
+def test_tiny_unbuffered_writes_arrive_whole_in_fewer_frames() -> None:
+    script = "import sys\nfor i in range(3000):\n    sys.stdout.write(f'{i}\\n'); sys.stdout.flush()\n"
+    spec = {"job_id": "j2", "ranks": [{"rank": 0, "argv": [sys.executable, "-c", script], "env": {}}]}
+    frames = talk(agent_cmd(), [spec])
+    out = [p for k, _, p in frames if k == agent.STDOUT]
+    assert b"".join(out).decode().split() == [str(i) for i in range(3000)]
+    assert len(out) < 1500  # coalesced: never a frame per write
+
+
+def unshare_works() -> bool:
+    probe = subprocess.run(agent.pidns_argv(["sh", "-c", 'case "$*" in *--in-pidns*) exit 0;; esac; exit 1', "x"]),
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not shutil.which("unshare"), reason="no unshare(1) here")
+def test_wrapper_runs_the_agent_as_pid_1_of_a_namespace() -> None:
+    if not unshare_works():
+        pytest.skip("this user may not create PID namespaces here")
+    frames = talk(agent.pidns_argv(agent_cmd()), [{"op": "probe", "source": "print('{}')"}])
+    facts = hello(frames)
+    assert facts["pidns"] is True and facts["pid"] == 1
+
+
+def test_wrapper_falls_back_without_unshare_and_on_request(tmp_path: Path) -> None:
+    fake = tmp_path / "unshare"
+    fake.write_text("#!/bin/sh\necho 'unshare: operation not permitted' >&2\nexit 1\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    probe = [{"op": "probe", "source": "print('{}')"}]
+    assert hello(talk(agent.pidns_argv(agent_cmd()), probe, env=env))["pidns"] is False
+    env = {**os.environ, "DLRUN_NO_PIDNS": "1"}
+    assert hello(talk(agent.pidns_argv(agent_cmd()), probe, env=env))["pidns"] is False
+
+
+@pytest.mark.skipif(not shutil.which("unshare"), reason="no unshare(1) here")
+def test_wrapper_refuses_a_namespace_that_shows_the_hosts_proc(tmp_path: Path) -> None:
+    """An unshare that makes the PID namespace but not its /proc (CUDA's error 304): run plainly."""
+    if not unshare_works():
+        pytest.skip("this user may not create PID namespaces here")
+    real = shutil.which("unshare")
+    fake = tmp_path / "unshare"
+    fake.write_text("#!/bin/sh\nargs=''\nfor a in \"$@\"; do case $a in --mount-proc|--propagation|slave) ;; "
+                    f"*) set -- \"$@\" \"$a\";; esac; shift; done\nexec {real} \"$@\"\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    facts = hello(talk(agent.pidns_argv(agent_cmd()), [{"op": "probe", "source": "print('{}')"}], env=env))
+    assert facts["pidns"] is False and facts["own_proc"] is True
+
+
+def test_hello_says_whether_proc_self_is_the_agent() -> None:
+    facts = hello(talk(agent.pidns_argv(agent_cmd()), [{"op": "probe", "source": "print('{}')"}]))
+    assert facts["own_proc"] is True
+
+
+class CountingTransport(LocalTransport):
+    def __init__(self) -> None:
+        self.opened: list[tuple[str, ...]] = []
+
+    def open(self, host: Host, argv: Sequence[str]) -> Channel:
+        self.opened.append(tuple(argv))
+        return super().open(host, argv)
+
+
+def test_launch_preflight_costs_no_extra_process_per_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("import os\nprint('rank', os.environ['DLRUN_RANK'])\n")
+    counting = CountingTransport()
+    monkeypatch.setattr("dlrun.run.launch.make_transport", lambda inventory, ssh: HostRouter(None, counting))
+    monkeypatch.chdir(tmp_path)
+    code = launch(LaunchConfig(script=str(script), hosts="localhost:2", plain=True, framework="torch"))
+    assert code == 0
+    assert len(counting.opened) == 1  # one agent for the host's ranks, which also ran the probe; nothing else
+    assert all("-c" in argv and agent.agent_source() in argv for argv in counting.opened)
+
+
+REAPED_FIRST = r"""
+import json, os, sys, time
+from dlrun.remote import agent
+r, w = os.pipe()
+out = os.fdopen(w, "wb")  # kept: the agent only holds its fd
+a = agent.Agent(out, in_namespace=True)
+a.start({"job_id": "j", "ranks": [{"rank": 0, "argv": [sys.executable, "-c", "raise SystemExit(7)"], "env": {}}]})
+pid = a.procs[0].pid
+while open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z":
+    time.sleep(0.01)
+a.reap_orphans()  # as PID 1 does for orphans: this reaps the rank too
+a.reap()
+a.flush()
+frames = agent.FrameDecoder().feed(os.read(r, 65536))
+print(json.dumps([json.loads(p) for k, _, p in frames if k == agent.EXIT]))
+"""
+
+
+def test_a_rank_reaped_with_the_orphans_keeps_its_exit_code() -> None:
+    out = subprocess.run([sys.executable, "-c", REAPED_FIRST], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [{"code": 7}]  # not 0: Popen.poll's answer for a child reaped elsewhere
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+SLEEPING_RANK = "import time\nprint('up', flush=True)\ntime.sleep(600)\n"
+
+
+def start_silent_job(script: str, host_timeout: float) -> tuple[subprocess.Popen[bytes], int]:
+    """An agent (no PID namespace) whose controller sends the spec, then nothing: returns the
+    agent and its rank's pid. stdin stays open, as over a connection whose far end vanished."""
+    proc = subprocess.Popen(agent_cmd(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    spec = {"job_id": "silent", "eof_grace": 0.5, "host_timeout": host_timeout,
+            "ranks": [{"rank": 0, "argv": [sys.executable, "-c", script], "env": {}}]}
+    proc.stdin.write(json.dumps(spec).encode() + b"\n")
+    proc.stdin.flush()
+    decoder, frames = agent.FrameDecoder(), []
+    while not any(k == agent.STARTED for k, _, _ in frames):
+        frames += decoder.feed(proc.stdout.read1(65536))
+    pid = int(json.loads(next(p for k, _, p in frames if k == agent.STARTED))["pid"])
+    return proc, pid
+
+
+def test_pings_are_answered_and_keep_a_quiet_job_alive() -> None:
+    proc, pid = start_silent_job(SLEEPING_RANK, host_timeout=1.0)
+    assert proc.stdin is not None and proc.stdout is not None
+    decoder, pongs = agent.FrameDecoder(), 0
+    for _ in range(8):  # 2.4 s of pings, well past the 1 s limit
+        proc.stdin.write(b'{"op": "ping"}\n')
+        proc.stdin.flush()
+        while not pongs:
+            pongs += sum(k == agent.PONG for k, _, _ in decoder.feed(proc.stdout.read1(65536)))
+        pongs = 0
+        time.sleep(0.3)
+    assert _alive(pid) and proc.poll() is None
+    proc.stdin.close()  # then the usual EOF path ends it
+    assert proc.wait(30) == 0 and wait_until(lambda: not _alive(pid), 5)
+
+
+FLOOD_RANK = "import sys\nprint('up', flush=True)\nwhile True:\n    sys.stdout.write('x' * 65535 + '\\n')\n"
+
+
+# quiet: no EOF ever comes (stdin stays open), silence alone must end the job. flood: the rank
+# fills a pipe nobody reads, and the agent's writes must not hold the silence check back.
+@pytest.mark.parametrize("rank", [SLEEPING_RANK, FLOOD_RANK], ids=["quiet", "flood"])
+def test_a_silent_controller_makes_the_agent_stop_its_ranks(rank: str) -> None:
+    proc, pid = start_silent_job(rank, host_timeout=1.0)
+    try:
+        assert wait_until(lambda: proc.poll() is not None, 15), "agent still running after 15 s of silence"
+        assert wait_until(lambda: not _alive(pid), 5)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_watch_arms_the_silence_clock_before_the_spec() -> None:
+    # an agent started early (probe, push survey) whose controller then vanishes: it ends by itself
+    proc = subprocess.Popen(agent_cmd(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(b'{"op": "watch", "host_timeout": 1.0}\n')
+        proc.stdin.flush()
+        for _ in range(6):  # pings keep it waiting well past the limit
+            time.sleep(0.3)
+            proc.stdin.write(b'{"op": "ping"}\n')
+            proc.stdin.flush()
+        assert proc.poll() is None
+        assert wait_until(lambda: proc.poll() is not None, 15), "agent still waiting after 15 s of silence"
+        assert proc.returncode == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_probe_longer_than_the_host_timeout_does_not_end_a_pinged_agent() -> None:
+    # the pings wait unread while the probe runs; they count as heard once it returns
+    proc = subprocess.Popen(agent_cmd(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(b'{"op": "watch", "host_timeout": 1.0}\n'
+                         b'{"op": "probe", "source": "import time; time.sleep(1.5); print(1)"}\n')
+        proc.stdin.flush()
+        for _ in range(10):
+            time.sleep(0.25)
+            proc.stdin.write(b'{"op": "ping"}\n')
+            proc.stdin.flush()
+        decoder, kinds = agent.FrameDecoder(), []
+        while agent.PONG not in kinds:
+            kinds += [k for k, _, _ in decoder.feed(proc.stdout.read1(65536))]
+        assert agent.PROBE in kinds and agent.DONE not in kinds and proc.poll() is None
+        proc.stdin.close()
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()

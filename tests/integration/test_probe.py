@@ -1,0 +1,281 @@
+"""The probe program run for real (fake ``nvidia-smi``/``ibstat`` on PATH replaying captures, the
+sysfs root redirected to a capture tree), and its pure output parser."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dlrun.topo.probe import PROBE_SOURCE, parse_probe_output, probe_local
+
+from support.topo_fixtures import FIXTURES, env_with_path, needs_fixtures, write_fake_tool
+
+SYSFS_H100 = FIXTURES / "sysfs-ib" / "gpud-h100-testdata"
+SMI_REPLIES = {
+    "--query-gpu=": "query-gpu-csv/h100-mig-enabled-all-fields-idle-drv590.csv.txt",
+    "topo -m": "topo-m/h20-8gpu-nv18-8nic-2numa-legend-offset-mlx5_1-drv535-raw-tabs.txt",
+    "-L": "smi-L/h100-mig-4-instances-drv590.txt",
+    "": "smi-q/h100-mig-enabled-q-text-drv590.txt",  # plain `nvidia-smi`: has "CUDA Version"
+}
+
+
+def run_probe(env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", PROBE_SOURCE],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_probe_source_is_python38_syntax() -> None:
+    ast.parse(PROBE_SOURCE, feature_version=(3, 8))
+    assert "import tensorflow" not in PROBE_SOURCE
+
+
+def _python38() -> str | None:
+    found = shutil.which("python3.8")
+    if found is None:
+        return None
+    try:
+        check = subprocess.run(
+            [found, "-c", "import sys; print(sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return found if check.returncode == 0 and "(3, 8)" in check.stdout else None
+
+
+def test_probe_runs_on_python38_when_one_is_installed(tmp_path: Path) -> None:
+    python38 = _python38()
+    if python38 is None:
+        pytest.skip("no working python3.8 on PATH")
+    env = env_with_path(None, PATH=str(tmp_path), DLRUN_SYSFS_ROOT=str(tmp_path))
+    proc = subprocess.run(
+        [python38, "-c", PROBE_SOURCE], capture_output=True, text=True, env=env, timeout=60
+    )
+    report = parse_probe_output("old-python", proc.stdout)
+    assert report.ok and report.python is not None and report.python.startswith("3.8.")
+
+
+@needs_fixtures
+def test_probe_replays_fixtures_end_to_end(tmp_path: Path) -> None:
+    write_fake_tool(tmp_path, "nvidia-smi", SMI_REPLIES)
+    proc = run_probe(env_with_path(tmp_path, DLRUN_SYSFS_ROOT=str(SYSFS_H100)))
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.strip().splitlines()) == 1  # one JSON document
+    doc = json.loads(proc.stdout)
+    assert doc["commands"]["query_gpu"]["rc"] == 0
+    assert "ibstat" not in doc["commands"]  # sysfs had devices: no fallback needed
+
+    report = parse_probe_output("node1", proc.stdout)
+    assert report.ok and report.reachable and report.host == "node1"
+    assert report.nvidia_smi == str(tmp_path / "nvidia-smi")
+    (gpu,) = report.gpus
+    assert (gpu.name, gpu.memory_mib, gpu.driver, gpu.pci_address) == (
+        "NVIDIA H100 80GB HBM3",
+        81559,
+        "590.48.01",
+        "0000:00:09.0",
+    )
+    assert gpu.mig is True
+    assert [m.profile for m in gpu.mig_devices] == ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]
+    assert report.gpu_slots == 4
+    assert report.cuda_version == "13.1"
+    assert report.links["GPU0"]["GPU1"] == "NV18"
+    assert report.links["GPU0"]["mlx5_1"] == "PIX"
+    nics = {n.name: n for n in report.nics}
+    assert len(nics) == 9
+    assert (nics["mlx5_1"].state, nics["mlx5_1"].rate_gbps, nics["mlx5_1"].link_layer) == (
+        "ACTIVE",
+        400.0,
+        "InfiniBand",
+    )
+    assert (nics["mlx5_1"].nearest_gpus, nics["mlx5_1"].nearest_link) == ((0,), "PIX")
+    assert nics["mlx5_bond_0"].link_layer == "Ethernet" and nics["mlx5_bond_0"].rate_gbps == 200.0
+    assert nics["mlx5_0"].nearest_gpus == ()  # not in that topo capture, no NUMA file
+    assert report.python == ".".join(str(v) for v in sys.version_info[:3])
+    assert report.cpu_count is not None and report.cpu_count >= 1
+    assert not any("nvidia-smi" in n for n in report.notes)
+
+
+@needs_fixtures
+def test_probe_retries_query_with_basic_fields_on_an_old_driver(tmp_path: Path) -> None:
+    write_fake_tool(tmp_path, "nvidia-smi", SMI_REPLIES, refuse="compute_cap")
+    proc = run_probe(env_with_path(tmp_path, DLRUN_SYSFS_ROOT=str(SYSFS_H100)))
+    report = parse_probe_output("old", proc.stdout)
+    assert [g.name for g in report.gpus] == ["NVIDIA H100 80GB HBM3"]
+    assert any("exit 2" in n and "compute_cap" in n for n in report.notes)
+
+
+@needs_fixtures
+def test_probe_with_a_broken_driver_reports_one_problem(tmp_path: Path) -> None:
+    message = (
+        "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+        "Make sure that the latest NVIDIA driver is installed and running."
+    )
+    write_fake_tool(tmp_path, "nvidia-smi", SMI_REPLIES, broken=message)
+    proc = run_probe(env_with_path(tmp_path, DLRUN_SYSFS_ROOT=str(SYSFS_H100)))
+    report = parse_probe_output("broken", proc.stdout)
+    assert report.ok and report.gpus == () and report.links == {}
+    assert report.problems == (f"nvidia-smi: exit 9: {message}",)
+    assert len(report.nics) == 9  # the rest of the probe still ran
+
+
+@needs_fixtures
+def test_probe_falls_back_to_ibstat_that_exits_255(tmp_path: Path) -> None:
+    empty_root = tmp_path / "root"
+    empty_root.mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    write_fake_tool(
+        bin_dir,
+        "ibstat",
+        {"": "ibstat/gpud-a100-ibpanic-partial-output-exit255.txt"},
+        default_rc=255,
+    )
+    proc = run_probe(env_with_path(bin_dir, DLRUN_SYSFS_ROOT=str(empty_root)))
+    doc = json.loads(proc.stdout)
+    assert doc["commands"]["ibstat"]["rc"] == 255
+    report = parse_probe_output("azure", proc.stdout)
+    assert [n.name for n in report.nics] == [f"mlx5_{i}" for i in range(8)]
+    assert {n.source for n in report.nics} == {"ibstat"}
+    assert report.ok  # exit 255 after valid output is a note, not an error
+    assert any(n.startswith("ibstat: exit 255") for n in report.notes)
+
+
+def test_probe_without_nvidia_smi_reports_facts_not_errors(tmp_path: Path) -> None:
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir()
+    env = env_with_path(None, PATH=str(empty_bin), DLRUN_SYSFS_ROOT=str(tmp_path))
+    proc = run_probe(env)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["commands"]["query_gpu"]["missing"] is True
+    assert "fatal" not in doc
+    report = parse_probe_output("cpu-box", proc.stdout)
+    assert report.ok and report.error is None
+    assert report.gpus == () and report.nics == () and report.links == {}
+    assert report.nvidia_smi is None and report.cuda_version is None
+    assert "nvidia-smi: not found on PATH (no NVIDIA GPU facts)" in report.notes
+    assert "no RDMA (InfiniBand/RoCE) device" in report.notes
+    assert report.cpu_count is not None and report.python is not None
+    assert report.numa_nodes is None  # the redirected root has no sys/devices/system/node
+
+
+@needs_fixtures
+def test_probe_times_out_a_hung_nvidia_smi(tmp_path: Path) -> None:
+    write_fake_tool(tmp_path, "nvidia-smi", SMI_REPLIES, sleep=30)
+    env = env_with_path(tmp_path, DLRUN_SYSFS_ROOT=str(SYSFS_H100), DLRUN_PROBE_TIMEOUT="0.5")
+    proc = run_probe(env, timeout=20)
+    report = parse_probe_output("hung", proc.stdout)
+    assert report.ok and report.gpus == ()
+    assert any("timed out after 0.5 s" in p for p in report.problems)
+
+
+def test_tensorflow_version_from_metadata_only(tmp_path: Path) -> None:
+    from importlib import metadata
+
+    expected = None
+    for dist in (
+        "tensorflow",
+        "tensorflow-cpu",
+        "tensorflow-gpu",
+        "tensorflow-macos",
+        "tensorflow-intel",
+        "tf-nightly",
+        "tf-nightly-cpu",
+    ):
+        try:
+            expected = metadata.version(dist)
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    env = env_with_path(None, PATH=str(tmp_path), DLRUN_SYSFS_ROOT=str(tmp_path))
+    proc = run_probe(env)
+    report = parse_probe_output("h", proc.stdout)
+    assert report.tensorflow == expected
+
+
+def test_tensorflow_version_is_the_first_on_sys_path(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    (site / "tensorflow_cpu-9.9.9.dist-info").mkdir(parents=True)
+    (site / "tensorflow-8.8.8.dist-info").mkdir()
+    (site / "tf_keras-9.9.9.dist-info").mkdir()
+    env = env_with_path(None, PATH=str(tmp_path), DLRUN_SYSFS_ROOT=str(tmp_path), PYTHONPATH=str(site))
+    report = parse_probe_output("h", run_probe(env).stdout)
+    assert report.tensorflow == "8.8.8"  # "tensorflow" before "tensorflow-cpu", as importlib.metadata orders
+
+
+def test_without_ip_the_interfaces_come_from_the_kernel(tmp_path: Path) -> None:
+    env = env_with_path(None, PATH=str(tmp_path), DLRUN_SYSFS_ROOT=str(tmp_path))  # no `ip`, no nvidia-smi
+    report = parse_probe_output("h", run_probe(env).stdout)
+    assert report.ok
+    assert any(i.name == "lo" and "127.0.0.1" in i.ipv4 for i in report.interfaces)
+
+
+def test_probe_local_runs_without_ssh() -> None:
+    report = probe_local()
+    assert report.host == "localhost" and report.reachable
+    assert report.error is None, report.error
+    assert report.python is not None and report.cpu_count is not None
+
+
+def test_probe_local_reports_a_missing_python() -> None:
+    report = probe_local(python="/nonexistent/python3")
+    assert report.error is not None and "could not start" in report.error
+
+
+@pytest.mark.parametrize(
+    ("stdout", "needle"),
+    [
+        ("", "empty output"),
+        ("bash: python3: command not found\n", "command not found"),
+        ("[1, 2]", "no JSON"),
+    ],
+)
+def test_parse_probe_output_without_a_document(stdout: str, needle: str) -> None:
+    report = parse_probe_output("h", stdout)
+    assert report.reachable and report.error is not None and needle in report.error
+
+
+def test_parse_probe_output_skips_login_noise_and_bad_types() -> None:
+    doc = {
+        "version": 1,
+        "cpu_count": "many",  # wrong type: ignored
+        "python": "3.8.18",
+        "numa_nodes": [0, 1],
+        "commands": {"query_gpu": {"missing": True}, "ip_addr": {"rc": 0, "stdout": 42}},
+        "sysfs": {"sys/class/infiniband/mlx5_0/ports/1/state": "4: ACTIVE", "bad": 3},
+        "interfaces_ioctl": [{"name": "eth0", "ipv4": ["10.1.2.3", 7]}, "junk"],
+        "proc_net_route": "Iface\tDestination\tGateway\tFlags\tRefCnt\tUse\tMetric\tMask\n"
+        "eth0\t00000000\t0102010A\t0003\t0\t0\t0\t00000000\n",
+        "tensorflow": {"dist": "tensorflow", "version": "2.21.0"},
+    }
+    stdout = "Welcome to node7!\n" + json.dumps(doc) + "\n"
+    report = parse_probe_output("node7", stdout)
+    assert report.ok and report.cpu_count is None and report.numa_nodes == 2
+    assert report.python == "3.8.18" and report.tensorflow == "2.21.0"
+    assert [(n.name, n.state) for n in report.nics] == [("mlx5_0", "ACTIVE")]
+    assert [(i.name, i.ipv4, i.default_route) for i in report.interfaces] == [
+        ("eth0", ("10.1.2.3",), True)
+    ]
+    assert report.default_interface is not None and report.default_interface.name == "eth0"
+
+
+def test_parse_probe_output_fatal_is_an_error() -> None:
+    report = parse_probe_output(
+        "h", json.dumps({"version": 1, "fatal": "OSError: boom\ntraceback"})
+    )
+    assert report.reachable and report.error == "the probe failed: OSError: boom"

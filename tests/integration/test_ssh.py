@@ -1,0 +1,447 @@
+"""dlrun over real sshd hosts (tests/support/sshd_cluster.py): start, fail fast, cleanup, hostile input, keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+from support.sshd_cluster import count_job_processes, wait_job_processes_gone
+
+pytestmark = pytest.mark.ssh
+
+SLEEPER = """
+import os, subprocess, sys, time
+print("ready", flush=True)
+if "--setsid" in sys.argv:
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+time.sleep(600)
+"""
+
+
+def ssh_args(cluster) -> list[str]:  # type: ignore[no-untyped-def]
+    return ["--ssh-config", str(cluster.ssh_config)]
+
+
+def start_job(cluster, tmp_path: Path, n: int, *script: str, ready: int) -> tuple[subprocess.Popen[str], str]:  # type: ignore[no-untyped-def]
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", n)
+    proc = subprocess.Popen(dlrun_argv("launch", "--plain", "--grace", "2", "--hosts", str(hosts), *ssh_args(cluster),
+                                       *script), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout is not None
+    job_id, seen, lines = None, 0, []
+    deadline = time.monotonic() + 60
+    while seen < ready and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if match := re.search(r"logs in dlrun-logs/([\w-]+)/", line):
+            job_id = match.group(1)
+        seen += "] ready" in line
+    assert job_id and seen == ready, "".join(lines)
+    time.sleep(0.5)
+    return proc, job_id
+
+
+def test_hello_across_hosts_uses_each_hosts_env(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "env.py", "import json, os, socket\n"
+                           "print(json.dumps({k: os.environ.get(k) for k in ('DLRUN_RANK', 'DLRUN_HOST', 'USER',"
+                           " 'DLRUN_LOCAL_RANK', 'TF_CONFIG')}), os.getcwd())\n")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2, slots=2)
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), str(script), cwd=tmp_path,
+                    timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {}
+    for line in out.stdout.splitlines():
+        if m := re.match(r"\[(\d) (host\d)\] (\{.*\}) (.*)$", line):
+            rows[int(m.group(1))] = (m.group(2), json.loads(m.group(3)), m.group(4))
+    assert sorted(rows) == [0, 1, 2, 3]
+    host, env, cwd = rows[3]
+    assert host == "host1" and env["DLRUN_HOST"] == "host1" and env["DLRUN_LOCAL_RANK"] == "1"
+    # the script's directory was pushed to <workdir>/<dir name> and the rank ran there
+    assert env["USER"] == cluster.user and cwd == str(cluster.hosts[1].workdir / "scripts")
+    assert (cluster.hosts[1].workdir / "scripts" / "env.py").read_text() == script.read_text()
+    tf = json.loads(env["TF_CONFIG"])
+    # ssh_config aliases are resolved to their HostName for the other ranks
+    assert tf["cluster"]["worker"][2].startswith(cluster.hosts[1].address + ":")
+
+
+def test_each_hosts_ranks_get_its_socket_interface(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "ifname.py", "import os\nprint('ifname', os.environ.get('GLOO_SOCKET_IFNAME'))\n")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    hosts.write_text(hosts.read_text().replace('address = "host1"', 'address = "host1"\niface = "lo:1"', 1))
+    out = run_dlrun("launch", "--plain", "--framework", "torch", "--hosts", str(hosts), *ssh_args(cluster),
+                    str(script), cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # host0: every rank is on loopback, so lo; host1: the inventory's own name for it
+    assert "[0 host0] ifname lo" in out.stdout and "[1 host1] ifname lo:1" in out.stdout, out.stdout
+
+
+def test_failing_rank_stops_every_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "fail2.py", "import os, sys, time\nprint('ready', flush=True)\n"
+                           "time.sleep(1.5)\nsys.exit(7) if os.environ['DLRUN_RANK'] == '2' else time.sleep(600)\n")
+    proc, job_id = start_job(cluster, tmp_path, 4, str(script), ready=4)
+    assert len(count_job_processes(job_id)) >= 4
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 7, out
+    assert "root cause: rank 2 on host host2 exited with code 7" in out
+    assert wait_job_processes_gone(job_id, timeout=5) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_dlrun_killed_leaves_nothing_on_any_host(cluster, tmp_path: Path, sig: signal.Signals) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleep.py", SLEEPER)
+    proc, job_id = start_job(cluster, tmp_path, 3, str(script), ready=3)
+    assert len(count_job_processes(job_id)) >= 3
+    proc.send_signal(sig)
+    proc.communicate(timeout=60)
+    if sig != signal.SIGKILL:
+        assert proc.returncode == 128 + sig
+    assert wait_job_processes_gone(job_id, timeout=10) == []
+
+
+def test_dropped_ssh_session_kills_that_hosts_ranks_and_fails_the_job(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleep.py", SLEEPER)
+    proc, job_id = start_job(cluster, tmp_path, 2, str(script), ready=2)
+    cluster.kill_sessions(1)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 255, out
+    assert "host host1 (rank 1)" in out and "connection to the host was lost" in out
+    assert wait_job_processes_gone(job_id, timeout=10) == []
+
+
+def test_silent_host_is_lost_within_the_host_timeout_and_both_sides_stop(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleep.py", SLEEPER)
+    proc, job_id = start_job(cluster, tmp_path, 2, "--host-timeout", "3", str(script), ready=2)
+    frozen = cluster.freeze_sessions(1)  # host1: no FIN, no reset, no byte either way
+    try:
+        out, _ = proc.communicate(timeout=60)  # without the heartbeat: TCP's ~15 min
+        assert proc.returncode == 255, out
+        # the agent heartbeat and the connection's own liveness check race; either names the silence
+        assert "host host1 (rank 1)" in out and re.search(r"no (word|answer) from the host for \d+ s", out), out
+        # host1's agent heard no ping either and stopped its rank, though its sshd is still frozen
+        assert wait_job_processes_gone(job_id, timeout=15) == []
+    finally:
+        cluster.thaw(frozen)
+
+
+def test_without_pid_namespaces_hosts_on_one_machine_do_not_kill_each_other(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # every test host is this machine: one agent's final sweep must not touch another host's ranks
+    script = shared_script(cluster, "staggered.py", "import os, time\n"
+                           "time.sleep(0.2 + 1.0 * int(os.environ['DLRUN_RANK']))\nprint('finished')\n")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 3)
+    out = run_dlrun("launch", "--plain", "--no-pidns", "--hosts", str(hosts), *ssh_args(cluster), str(script),
+                    cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("] finished") == 3
+
+
+def test_workdir_with_tilde_is_expanded_on_the_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "cwd.py", "import os\nprint('CWD', os.getcwd())\n")
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[[hosts]]\naddress = "host0"\npython = "{cluster.python}"\nworkdir = "~"\n')
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), str(script), cwd=tmp_path,
+                    timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "CWD /" in out.stdout and "~" not in out.stdout.split("CWD", 1)[1].splitlines()[0]
+
+
+def test_setsid_child_dies_in_pid_namespace(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    probe = cluster.run(0, "unshare --user --map-current-user --pid --fork --kill-child true")
+    if probe.returncode != 0:
+        pytest.skip(f"unprivileged PID namespaces are refused here: {probe.stderr.strip()}")
+    script = shared_script(cluster, "sleep.py", SLEEPER)
+    proc, job_id = start_job(cluster, tmp_path, 2, str(script), "--setsid", ready=2)
+    assert len(count_job_processes(job_id)) >= 4
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert wait_job_processes_gone(job_id, timeout=10) == []
+
+
+def test_hostile_values_arrive_verbatim(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    marker = Path("/tmp/pwned-by-dlrun-test")
+    marker.unlink(missing_ok=True)
+    spaced = cluster.scripts / "dir with spaces"
+    spaced.mkdir(exist_ok=True)
+    spaced.chmod(0o755)
+    script = spaced / "show args.py"
+    script.write_text("import json, os, sys\nprint('ARGS', json.dumps({'argv': sys.argv[1:], 'v': os.environ['EVIL'],"
+                      " 'w': os.environ['WEIRD'], 'host': os.environ['DLRUN_HOST']}))\n")
+    script.chmod(0o644)
+    names = ["my host 'one' \"x\"", "$(touch /tmp/pwned-by-dlrun-test)"]
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2, names=names,
+                       extra='env = { WEIRD = "a; touch /tmp/pwned-by-dlrun-test #" }')
+    value = "$(id) `id` \"dq\" 'sq' ; touch /tmp/pwned-by-dlrun-test\nline two"
+    arg = "'; touch /tmp/pwned-by-dlrun-test"
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "-e", f"EVIL={value}",
+                    str(script), arg, "two words", cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = [json.loads(line.split("ARGS ", 1)[1]) for line in out.stdout.splitlines() if "ARGS " in line]
+    assert len(got) == 2
+    for item in got:
+        assert item["argv"] == [arg, "two words"]
+        assert item["v"] == value and item["w"] == "a; touch /tmp/pwned-by-dlrun-test #"
+    assert sorted(item["host"] for item in got) == sorted(names)
+    assert not marker.exists()
+
+
+def test_job_through_a_proxyjump_bastion(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "hi.py", "import os\nprint('hi from', os.environ['DLRUN_RANK'])\n")
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[defaults]\npython = "{cluster.python}"\n'
+                     f'[[hosts]]\naddress = "{cluster.jump_alias(0)}"\n'
+                     f'[[hosts]]\naddress = "{cluster.jump_alias(1)}"\n')
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), str(script), cwd=tmp_path,
+                    timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "hi from 0" in out.stdout and "hi from 1" in out.stdout
+
+
+def test_unknown_host_key_refused_then_accepted_on_request(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "hi.py", "print('hi')\n")
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
+    base = ["launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "--known-hosts", str(empty)]
+    out = run_dlrun(*base, str(script), cwd=tmp_path, timeout=60)
+    assert out.returncode == 255
+    assert "host0: unknown host key" in out.stderr and "--accept-new-host-keys" in out.stderr
+    assert "ssh-keyscan -p 2222" in out.stderr or "ssh-keyscan -p" in out.stderr
+    out = run_dlrun(*base, "--accept-new-host-keys", str(script), cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert cluster.hosts[0].address in empty.read_text()
+    out = run_dlrun(*base, str(script), cwd=tmp_path, timeout=60)  # now known
+    assert out.returncode == 0, out.stderr
+
+
+def test_changed_host_key_always_refused(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    known = tmp_path / "known_hosts"
+    other = cluster.hosts[1].public_key
+    known.write_text(f"{cluster.hosts[0].known_hosts_name} {other}\n")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
+    script = shared_script(cluster, "hi.py", "print('hi')\n")
+    for extra in ([], ["--accept-new-host-keys"]):
+        out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "--known-hosts", str(known),
+                        *extra, str(script), cwd=tmp_path, timeout=60)
+        assert out.returncode == 255
+        assert "HOST KEY CHANGED" in out.stderr
+
+
+def test_unreachable_host_named_quickly_and_nothing_started(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    marker = cluster.hosts[0].workdir / "started-marker"
+    script = shared_script(cluster, "mark.py", f"open({str(marker)!r}, 'w').write('x')\n")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
+    with hosts.open("a") as fh:
+        fh.write('[[hosts]]\naddress = "127.0.0.9"\nport = 2299\n'
+                 '[[hosts]]\naddress = "no-such-host.invalid"\nport = 22\n')
+    start = time.monotonic()
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "--connect-timeout", "3",
+                    str(script), cwd=tmp_path, timeout=60)
+    assert out.returncode == 255
+    assert time.monotonic() - start < 30
+    assert "2 hosts cannot be reached; no rank was started" in out.stderr
+    assert "127.0.0.9: connection refused by 127.0.0.9:2299" in out.stderr
+    assert "no-such-host.invalid: cannot resolve host name" in out.stderr
+    assert not marker.exists()
+
+
+def test_wrong_key_is_an_authentication_error(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    key = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1, extra=f'identity_file = "{key}"')
+    (tmp_path / "hi.py").write_text("print('hi')\n")
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "hi.py", cwd=tmp_path, timeout=60)
+    assert out.returncode == 255
+    assert "host0: authentication failed for user" in out.stderr
+
+
+@pytest.mark.slow
+def test_tf_example_across_two_ssh_hosts(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("tf_keras")
+    script = shared_script(cluster, "train_digits.py", (REPO / "examples" / "train_digits.py").read_text())
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), str(script), "--epochs", "12",
+                    cwd=tmp_path, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    accuracies = [float(m) for m in re.findall(r"\] test accuracy: ([0-9.]+)", out.stdout)]
+    assert len(accuracies) == 2 and min(accuracies) >= 0.90
+    assert (cluster.hosts[0].workdir / "scripts" / "dlrun-model" / "digits.keras").exists()
+
+
+def test_match_exec_in_ssh_config_works_though_invoke_is_imported_late(tmp_path: Path) -> None:
+    config = tmp_path / "config"
+    config.write_text('Match exec "test -n yes"\n  HostName 10.9.8.7\n  Port 2201\n')
+    code = ("import sys; from dlrun.transport.ssh import SSHTransport; assert 'invoke' not in sys.modules; "
+            f"t = SSHTransport(config_file={str(config)!r}).target('nodeX'); print(t.hostname, t.port)")
+    out = subprocess.run([*dlrun_argv()[:1], "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["10.9.8.7", "2201"]
+
+
+def test_a_port_that_is_no_ssh_server_is_named_without_a_traceback(tmp_path: Path) -> None:
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts, then hangs up: no SSH banner
+    port = listener.getsockname()[1]
+
+    def hang_up() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[[hosts]]\naddress = "127.0.0.1"\nport = {port}\n')
+    (tmp_path / "ssh_config").write_text("")
+    (tmp_path / "job.py").write_text("print('never')\n")
+    try:
+        out = run_dlrun("launch", "--plain", "--hosts", str(hosts), "--ssh-config", str(tmp_path / "ssh_config"),
+                        "--connect-timeout", "3", "--framework", "none", "job.py", cwd=tmp_path, timeout=60)
+    finally:
+        listener.close()
+    assert out.returncode == 255, out.stdout + out.stderr
+    assert f"127.0.0.1:{port} hung up before the SSH banner" in out.stderr
+    assert "Traceback" not in out.stderr and "Exception (client)" not in out.stderr  # paramiko's own log
+
+
+def test_stderr_from_the_hosts_python_wrapper_does_not_break_the_job(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # a wrapper (or a login rc file) writing to stderr while the agent talks on stdout once made
+    # dlrun's reader thread die on the second chunk, and a healthy host was declared lost
+    wrapper = cluster.hosts[0].workdir / "py-wrapper.sh"
+    wrapper.write_text("#!/bin/sh\necho 'py-wrapper: a first warning on stderr' >&2\n"
+                       "(sleep 1; echo 'py-wrapper: a second warning on stderr' >&2) &\n"
+                       f"exec {cluster.python} \"$@\"\n")
+    wrapper.chmod(0o755)
+    script = shared_script(cluster, "ticks.py", "import time\nfor i in range(3):\n"
+                           "    print('tick', i, flush=True)\n    time.sleep(0.8)\n")
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[[hosts]]\naddress = "host0"\npython = "{wrapper}"\n')
+    out = run_dlrun("launch", "--plain", "--no-preflight", "--hosts", str(hosts), *ssh_args(cluster), str(script),
+                    cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[0 host0] tick 2" in out.stdout
+
+
+def test_known_hosts_markers_odd_lines_and_a_missing_final_newline(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    h0, h1 = cluster.hosts[0], cluster.hosts[1]
+    known = tmp_path / "known_hosts"
+    known.write_text(f"# hosts\n@cert-authority *.example.org {h1.public_key}\nnot a key line\n"
+                     f"{h0.known_hosts_line}\n{h1.known_hosts_line}\n@revoked\t* {h1.public_key}")  # no final \n
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    script = shared_script(cluster, "hi.py", "print('hi')\n")
+    def launch(inventory: Path) -> subprocess.CompletedProcess[str]:
+        return run_dlrun("launch", "--plain", "--framework", "none", "--hosts", str(inventory), *ssh_args(cluster),
+                         "--known-hosts", str(known), str(script), cwd=tmp_path, timeout=60)
+
+    out = launch(hosts)
+    assert out.returncode == 255, out.stdout + out.stderr  # no traceback over the marker lines
+    assert "host1: the host key of" in out.stderr and "marked @revoked" in out.stderr and "Traceback" not in out.stderr
+    only0 = hosts_toml(cluster, tmp_path / "one.toml", 1)
+    assert launch(only0).returncode == 0
+    # a revoked key is refused before --accept-new-host-keys could save it as trusted
+    known.write_text(f"@revoked * {h1.public_key}\n")
+    second = tmp_path / "second.toml"
+    second.write_text(f'[defaults]\npython = "{cluster.python}"\n[[hosts]]\naddress = "host1"\n')
+    out = run_dlrun("launch", "--plain", "--framework", "none", "--hosts", str(second), *ssh_args(cluster),
+                    "--known-hosts", str(known), "--accept-new-host-keys", str(script), cwd=tmp_path, timeout=60)
+    assert out.returncode == 255 and "marked @revoked" in out.stderr, out.stdout + out.stderr
+    assert known.read_text() == f"@revoked * {h1.public_key}\n"
+    # --accept-new-host-keys appends on a line of its own to a file whose last line has no newline
+    partial = tmp_path / "partial_known_hosts"
+    partial.write_text("somehost ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIElQky63lZQRFBT5ndIt7842JawUOWS2goHj1rBFSSrp")
+    out = run_dlrun("launch", "--plain", "--framework", "none", "--hosts", str(only0), *ssh_args(cluster),
+                    "--known-hosts", str(partial), "--accept-new-host-keys", str(script), cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = partial.read_text().splitlines()
+    assert lines[0].endswith("Srp") and lines[1].startswith(h0.known_hosts_name)
+    created = tmp_path / "new" / "known_hosts"
+    run_dlrun("launch", "--plain", "--framework", "none", "--hosts", str(only0), *ssh_args(cluster),
+              "--known-hosts", str(created), "--accept-new-host-keys", str(script), cwd=tmp_path, timeout=60)
+    assert oct(created.stat().st_mode & 0o777) == "0o600"
+
+
+def test_hosts_behind_a_frozen_bastion_fail_together_each_named(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    assert cluster.bastion is not None and cluster.bastion.pid is not None
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text("".join(f'[[hosts]]\naddress = "{cluster.jump_alias(i)}"\n' for i in range(3)))
+    (tmp_path / "job.py").write_text("print('never')\n")
+    os.kill(cluster.bastion.pid, signal.SIGSTOP)  # accepts TCP (the kernel does), answers nothing
+    try:
+        out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "--connect-timeout", "2",
+                        "job.py", cwd=tmp_path, timeout=120)
+    finally:
+        os.kill(cluster.bastion.pid, signal.SIGCONT)
+    assert out.returncode == 255, out.stdout + out.stderr
+    assert "3 hosts cannot be reached" in out.stderr
+    for i in range(3):  # the host asked for, then the hop that failed
+        assert f"{cluster.jump_alias(i)}: bastion bastion: no SSH answer" in out.stderr, out.stderr
+
+
+def test_ssh_config_include_global_known_hosts_and_proxycommand(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    h0, h1 = cluster.hosts[0], cluster.hosts[1]
+    known = tmp_path / "global_known_hosts"
+    known.write_text(f"{h0.known_hosts_line}\n{h1.known_hosts_line}\n")
+    key = next(line.split(None, 1)[1] for line in cluster.ssh_config.read_text().splitlines()
+               if line.strip().startswith("IdentityFile"))
+    included = tmp_path / "conf.d" / "cluster.conf"
+    included.parent.mkdir()
+    included.write_text(
+        f"Host inc0\n    HostName {h0.address}\n    Port {h0.port}\n    User {h0.user}\n    IdentityFile {key}\n"
+        f"    UserKnownHostsFile /dev/null\n    GlobalKnownHostsFile {known}\n"
+        f"Host pc1\n    HostName {h1.address}\n    Port {h1.port}\n    User {h1.user}\n    IdentityFile {key}\n"
+        f"    UserKnownHostsFile {known}\n"
+        f"    ProxyCommand {cluster.ssh_path} -F {cluster.ssh_config} -W %h:%p bastion\n")
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Include {tmp_path}/conf.d/*.conf\n")
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[defaults]\npython = "{cluster.python}"\n'
+                     '[[hosts]]\naddress = "inc0"\n[[hosts]]\naddress = "pc1"\n')
+    script = shared_script(cluster, "where.py", "import os\nprint('on', os.environ['DLRUN_HOST'])\n")
+    out = run_dlrun("launch", "--plain", "--framework", "none", "--hosts", str(hosts), "--ssh-config", str(config),
+                    str(script), cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[0 inc0] on inc0" in out.stdout and "[1 pc1] on pc1" in out.stdout
+
+
+@pytest.mark.parametrize(("spec", "parsed"), [
+    ("bastion", (None, "bastion", None)), ("admin@bastion:2200", ("admin", "bastion", 2200)),
+    ("ssh://admin@bastion:2200", ("admin", "bastion", 2200)), ("[::1]:2222", (None, "::1", 2222)),
+    ("admin@::1", ("admin", "::1", None)), ("ops@[fe80::1%eth0]", ("ops", "fe80::1%eth0", None)),
+])
+def test_proxyjump_hops_are_parsed_as_openssh_writes_them(spec: str, parsed: tuple[object, ...]) -> None:
+    from dlrun.transport.ssh import parse_jump
+
+    assert parse_jump(spec) == parsed
+
+
+def test_ssh_config_loops_and_include_scope_are_read_as_openssh_reads_them(tmp_path: Path) -> None:
+    from dlrun.errors import UsageError
+    from dlrun.inventory import Host
+    from dlrun.transport.ssh import SSHTransport
+
+    (tmp_path / "work.conf").write_text("Host work\n    HostName 10.0.0.7\n")
+    config = tmp_path / "config"
+    config.write_text(f"Include {tmp_path}/work.conf\nUser alice\n"  # after the Include: every host again
+                      "Host bastion\n    HostName 10.0.0.1\n"
+                      "Host *\n    ProxyJump bastion\n    ProxyCommand ssh -W %h:%p %r@jump\n")
+    transport = SSHTransport(config_file=str(config), connect_timeout=1)
+    assert transport.target("gpu1").user == "alice" and transport.target("work").hostname == "10.0.0.7"
+    with pytest.raises(UsageError, match="ProxyJump loop: bastion"):  # Host * sends the bastion through itself
+        transport.connect([Host(address="gpu1", name="gpu1")])
+    # ProxyCommand gets the inventory's port and user, as every other use of them does
+    config.write_text("Host *\n    ProxyCommand ssh -W %h:%p %r@jump\n")
+    target = SSHTransport(config_file=str(config)).target(Host(address="gpu1", name="gpu1", port=2222, user="bob"))
+    assert target.proxy_command == "ssh -W gpu1:2222 bob@jump"

@@ -1,0 +1,365 @@
+"""Findings, suggested environment, the --json document and the rich report, on hosts built from
+the real captures."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from rich.console import Console
+
+from dlrun.topo.findings import Finding, analyse, exit_code, has_errors, suggested_env, topo_document
+from dlrun.topo.records import (
+    Gpu,
+    HostReport,
+    MigDevice,
+    NetInterface,
+    Nic,
+    attach_nic_affinity,
+    parse_ibstat,
+    parse_sysfs_ib,
+    parse_topo_matrix,
+)
+from dlrun.topo.report import render_topo
+
+from support.topo_fixtures import fixture, needs_fixtures, sysfs_tree
+
+pytestmark = needs_fixtures
+
+
+def host(
+    name: str,
+    topo: str | None = None,
+    *,
+    model: str = "NVIDIA H100 80GB HBM3",
+    gpus: int | None = None,
+    nics: tuple[Nic, ...] = (),
+    sysfs: str | None = None,
+    ibstat: str | None = None,
+    **facts: object,
+) -> HostReport:
+    """A reachable host whose matrix and NICs come from captures; GPUs follow the matrix."""
+    m = parse_topo_matrix(fixture(f"topo-m/{topo}")) if topo else parse_topo_matrix("")
+    count = len(m.gpus) if gpus is None else gpus
+    gpu_list = tuple(Gpu(i, model, f"GPU-{name}-{i}", driver="535.161.08") for i in range(count))
+    if sysfs:
+        nics = parse_sysfs_ib(sysfs_tree(f"sysfs-ib/{sysfs}"))
+    if ibstat:
+        nics = parse_ibstat(fixture(f"ibstat/{ibstat}"))
+    base = HostReport(
+        host=name,
+        gpus=gpu_list,
+        cuda_version="12.2",
+        links=m.links,
+        nics=attach_nic_affinity(nics, m, gpu_list),
+        python="3.11.7",
+        tensorflow="2.21.0",
+        topo=m,
+        interfaces=(NetInterface("lo", ("127.0.0.1",)), NetInterface("eth0", ("10.0.0.1",), True)),
+    )
+    return replace(base, **facts)  # type: ignore[arg-type]
+
+
+H20 = "h20-8gpu-nv18-8nic-2numa-legend-offset-mlx5_1-drv535-raw-tabs.txt"
+A100_NICS = "a100-8gpu-nv12-10nic-8numa-epyc-nic-rows-raw-tabs.txt"
+DGX1 = "dgx1-v100-hybrid-cube-mesh-nv1-nv2-one-mlx5-drv440.txt"
+
+
+def messages(findings: tuple[Finding, ...], severity: str | None = None) -> list[str]:
+    return [f.message for f in findings if severity is None or f.severity == severity]
+
+
+def test_identical_healthy_hosts_have_no_findings() -> None:
+    reports = [host(f"n{i}", A100_NICS) for i in range(2)]
+    reports = [
+        replace(
+            r, nics=tuple(Nic(f"mlx5_{i}", 1, "ACTIVE", 200.0, "InfiniBand") for i in range(10))
+        )
+        for r in reports
+    ]
+    reports = [replace(r, nics=attach_nic_affinity(r.nics, r.topo, r.gpus)) for r in reports]
+    findings = analyse(reports, {"n0": 8, "n1": 8})
+    assert findings == ()
+    assert exit_code(findings) == 0
+
+
+def test_unreachable_host_is_an_error() -> None:
+    reports = [host("a", H20), HostReport.unreachable("b", "connection refused")]
+    findings = analyse(reports)
+    assert findings[0] == Finding("error", "unreachable: connection refused", "b")
+    assert has_errors(findings) and exit_code(findings) == 1
+    failed = analyse([HostReport("c", error="the probe printed no JSON document (empty output)")])
+    assert failed[0].severity == "error" and failed[0].message.startswith("probe failed:")
+
+
+def test_gpu_count_model_and_versions_differ() -> None:
+    a = host("a", H20)
+    b = host(
+        "b",
+        "consumer-dual-gpu-nv2-bridge.txt",
+        model="NVIDIA GeForce RTX 3090",
+        cuda_version="12.4",
+        python="3.10.12",
+        tensorflow=None,
+    )
+    b = replace(b, gpus=tuple(replace(g, driver="550.54.14") for g in b.gpus))
+    found = analyse([a, b])
+    warnings = messages(found, "warning")
+    assert "GPU counts differ across hosts: 8 on a; 2 on b" in warnings
+    assert (
+        "GPU models differ across hosts: NVIDIA H100 80GB HBM3 on a; NVIDIA GeForce RTX 3090 on b"
+        in warnings
+    )
+    assert "NVIDIA driver versions differ across hosts: 535.161.08 on a; 550.54.14 on b" in warnings
+    assert "CUDA versions differ across hosts: 12.2 on a; 12.4 on b" in warnings
+    assert "Python versions differ across hosts: 3.11 on a; 3.10 on b" in warnings
+    assert "TensorFlow versions differ across hosts: 2.21.0 on a; not installed on b" in warnings
+    assert not has_errors(found)
+
+
+def test_python_patch_levels_are_only_info() -> None:
+    found = analyse([host("a", H20), host("b", H20, python="3.11.2")])
+    assert messages(found, "info") == [
+        "Python patch levels differ across hosts: 3.11.7 on a; 3.11.2 on b"
+    ]
+
+
+def test_ports_down_and_slower_than_peers() -> None:
+    down = host("down", H20, ibstat="gpud-h100-some-ports-down.txt")
+    found = analyse([down])
+    (msg,) = [m for m in messages(found, "warning") if "not ACTIVE" in m]
+    assert "mlx5_2 port 1 DOWN (Disabled)" in msg and "mlx5_7" in msg and "mlx5_8" in msg
+    slow_nics = tuple(
+        replace(n, rate_gbps=200.0) if n.name == "mlx5_9" else n
+        for n in parse_sysfs_ib(sysfs_tree("sysfs-ib/gpud-h100-testdata"))
+    )
+    fast = host("fast", H20, sysfs="gpud-h100-testdata")
+    slow = host("slow", H20, nics=slow_nics)
+    found = analyse([fast, slow])
+    slower = [f for f in found if "slower than their peers" in f.message]
+    assert slower == [
+        Finding(
+            "warning",
+            "RDMA port(s) slower than their peers (InfiniBand MT4129 at 400 Gb/s): "
+            "mlx5_9 port 1 at 200 Gb/s",
+            "slow",
+        )
+    ]
+    # The 200 Gb/s BlueField bond (Ethernet, MT41692) is not compared with the 400 Gb/s IB ports.
+    assert not [f for f in analyse([fast]) if "slower" in f.message]
+
+
+def test_gpu_pairs_without_p2p() -> None:
+    phb = analyse([host("ws", "consumer-dual-gpu-phb-no-nvlink.txt")])
+    assert [(f.severity, f.host) for f in phb if "P2P" in f.message] == [("warning", "ws")]
+    assert "GPU0-GPU1 (PHB)" in phb[0].message
+    # DGX-1 hybrid cube mesh: SYS pairs, but every GPU reaches the others over NVLink: info.
+    dgx = [f for f in analyse([host("dgx", DGX1)]) if "P2P" in f.message]
+    assert [f.severity for f in dgx] == ["info"] and "12 GPU pair(s)" in dgx[0].message
+    soc = [
+        f
+        for f in analyse([host("k40", "k40m-4gpu-2socket-mlx4-soc-legacy-tabs.txt")])
+        if "P2P" in f.message
+    ]
+    assert soc[0].severity == "warning" and "GPU0-GPU2 (SOC)" in soc[0].message
+    assert not [
+        f
+        for f in analyse([host("h100", "h100-8gpu-nv18-2numa-ht-affinity.txt")])
+        if "P2P" in f.message
+    ]
+
+
+def test_gpu_without_a_close_nic() -> None:
+    single = [f for f in analyse([host("dgx", DGX1)]) if "no NIC" in f.message]
+    assert single[0].severity == "info"  # one host: inter-node traffic does not matter
+    assert "6 GPU(s)" in single[0].message and "GPU0 (best NODE)" in single[0].message
+    two = [f for f in analyse([host("dgx", DGX1), host("dgx2", DGX1)]) if "no NIC" in f.message]
+    assert [f.severity for f in two] == ["warning", "warning"]
+    assert not [f for f in analyse([host("a100", A100_NICS)]) if "no NIC" in f.message]
+    # No NIC in the matrix at all: nothing to say.
+    assert not [
+        f
+        for f in analyse([host("h100", "h100-8gpu-nv18-2numa-ht-affinity.txt")])
+        if "NIC" in f.message
+    ]
+
+
+def test_only_active_nics_count_for_gpu_nic_affinity() -> None:
+    nics = tuple(
+        Nic(f"mlx5_{i}", 1, "ACTIVE" if i >= 4 else "DOWN", 200.0, "InfiniBand") for i in range(10)
+    )
+    found = [
+        f for f in analyse([host("a100", A100_NICS, nics=nics)]) if "no active NIC" in f.message
+    ]
+    assert found and "GPU0 (best SYS)" in found[0].message and "GPU4" not in found[0].message
+
+
+def test_slots_greater_than_gpus() -> None:
+    reports = [host("a", "consumer-dual-gpu-nv2-bridge.txt"), host("cpu", None, gpus=0)]
+    found = analyse(reports, {"a": 4, "cpu": 16})
+    errors = [f for f in found if f.severity == "error"]
+    assert errors == [
+        Finding("error", "4 slots but only 2 GPUs: ranks would have to share a GPU", "a")
+    ]
+    assert not [f for f in analyse(reports, {"a": 2}) if f.severity == "error"]
+    mig_gpu = Gpu(
+        0,
+        "NVIDIA H100 80GB HBM3",
+        mig=True,
+        mig_devices=tuple(MigDevice("1g.10gb", i, f"MIG-{i}") for i in range(4)),
+    )
+    mig = replace(host("m", None, gpus=0), gpus=(mig_gpu,))
+    assert not has_errors(analyse([mig], {"m": 4}))
+    assert has_errors(analyse([mig], {"m": 5}))
+    assert any("MIG is enabled on GPU0 (4 MIG devices)" in m for m in messages(analyse([mig])))
+
+
+def test_timed_out_tool_is_a_warning() -> None:
+    r = host("a", None, gpus=0, problems=("nvidia-smi topo -m: timed out after 30 s",))
+    assert messages(analyse([r]), "warning") == ["nvidia-smi topo -m: timed out after 30 s"]
+
+
+def test_suggested_env_from_active_hcas_and_default_route() -> None:
+    a = host("a", H20, sysfs="gpud-h100-testdata")
+    b = host("b", H20, sysfs="gpud-h100-testdata")
+    env = suggested_env([a, b])
+    assert env == {
+        "NCCL_IB_HCA": "=mlx5_0:1,mlx5_1:1,mlx5_4:1,mlx5_5:1,mlx5_6:1,mlx5_7:1,mlx5_8:1,mlx5_9:1",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "GLOO_SOCKET_IFNAME": "eth0",
+    }
+    # RoCE only: the 400 Gb/s back-end ports, not the 100 Gb/s front-end ones.
+    roce = suggested_env([host("r", None, gpus=0, ibstat="gpud-h100-all-active.txt")])
+    assert (
+        roce["NCCL_IB_HCA"]
+        == "=mlx5_0:1,mlx5_3:1,mlx5_4:1,mlx5_5:1,mlx5_6:1,mlx5_9:1,mlx5_10:1,mlx5_11:1"
+    )
+    mixed = suggested_env([host("x", None, gpus=0, ibstat="gpud-a100-8x-hdr200-all-active.txt")])
+    assert mixed["NCCL_IB_HCA"] == "=" + ",".join(
+        f"mlx5_{i}:1" for i in range(1, 9)
+    )  # IB, not the Ethernet mlx5_0
+    down = host("d", None, gpus=0, ibstat="gpud-h100-some-ports-down.txt")
+    assert "mlx5_2:1" not in suggested_env([down])["NCCL_IB_HCA"]
+    assert "NCCL_IB_HCA" not in suggested_env([host("none", None, gpus=0)])
+    assert suggested_env([HostReport.unreachable("u", "timeout")]) == {}
+
+
+def test_socket_interface_names_that_differ() -> None:
+    def with_iface(name: str, iface: str) -> HostReport:
+        return host(
+            name,
+            None,
+            gpus=0,
+            interfaces=(
+                NetInterface("lo", ("127.0.0.1",)),
+                NetInterface("docker0", ("172.17.0.1",)),
+                NetInterface(iface, ("10.0.0.2",), True),
+            ),
+        )
+
+    prefix = [with_iface("a", "enp1s0f0"), with_iface("b", "enp65s0f0")]
+    assert suggested_env(prefix) == {"NCCL_SOCKET_IFNAME": "enp"}
+    (note,) = [f for f in analyse(prefix) if "socket interfaces" in f.message]
+    assert note.severity == "info" and "GLOO_SOCKET_IFNAME needs an exact name" in note.message
+    assert suggested_env([with_iface("a", "eth0"), with_iface("b", "ens5")]) == {
+        "NCCL_SOCKET_IFNAME": "^lo,docker"
+    }
+    no_route = host(
+        "n",
+        None,
+        gpus=0,
+        interfaces=(
+            NetInterface("docker0", ("172.17.0.1",)),
+            NetInterface("ib0", ("192.168.1.2",)),
+        ),
+    )
+    assert suggested_env([no_route])["NCCL_SOCKET_IFNAME"] == "ib0"
+    loop = host("l", None, gpus=0, interfaces=(NetInterface("lo", ("127.0.0.1",)),))
+    assert "NCCL_SOCKET_IFNAME" not in suggested_env([loop])
+
+
+def test_topo_document_shape() -> None:
+    reports = [
+        host("a", H20, sysfs="gpud-h100-testdata"),
+        HostReport.unreachable("b", "no route to host"),
+    ]
+    findings = analyse(reports, {"a": 8})
+    doc = topo_document(reports, findings)
+    json.dumps(doc)
+    assert set(doc) >= {"hosts", "findings"}
+    a, b = doc["hosts"]
+    assert a["host"] == "a" and a["reachable"] is True and len(a["gpus"]) == 8
+    assert a["links"]["GPU0"]["mlx5_1"] == "PIX" and "NIC0" not in a["links"]["GPU0"]
+    nic = next(n for n in a["nics"] if n["name"] == "mlx5_1")
+    assert {k: nic[k] for k in ("name", "port", "state", "rate_gbps", "link_layer", "netdev")} == {
+        "name": "mlx5_1",
+        "port": 1,
+        "state": "ACTIVE",
+        "rate_gbps": 400.0,
+        "link_layer": "InfiniBand",
+        "netdev": None,
+    }
+    assert b["reachable"] is False
+    assert b["findings"] == [{"severity": "error", "message": "unreachable: no route to host"}]
+    assert {"severity": "error", "message": "unreachable: no route to host", "host": "b"} in doc[
+        "findings"
+    ]
+    assert all(set(f) == {"severity", "message"} for h in doc["hosts"] for f in h["findings"])
+    assert doc["env"]["NCCL_IB_HCA"].startswith("=mlx5_0:1")
+
+
+@pytest.mark.parametrize("topo", [H20, DGX1, "k40m-4gpu-2socket-mlx4-soc-legacy-tabs.txt", None])
+def test_render_topo(topo: str | None) -> None:
+    reports = [
+        host("a", topo, sysfs="gpud-h100-testdata", os="Ubuntu 22.04.4 LTS"),
+        HostReport.unreachable("b", "connection refused"),
+    ]
+    findings = analyse(reports, {"a": 99})
+    renderable = render_topo(reports, findings, suggested_env(reports))
+    console = Console(width=240, color_system=None, force_terminal=False, record=True)
+    console.print(renderable)
+    out = console.export_text()
+    assert "unreachable: connection refused" in out
+    assert "Findings" in out
+    assert ("99 slots" in out) == (topo is not None)  # no GPUs: slots are not judged
+    assert "export NCCL_IB_HCA==mlx5_0:1" in out
+    assert "mlx5_bond_0" in out and "Ubuntu 22.04.4 LTS" in out
+    if topo == H20:
+        assert "NV18" in out and "GPU0 PIX" in out  # mlx5_1's nearest GPU
+        assert "NIC0" not in out
+    if topo and topo.startswith("k40m"):
+        assert "SOC" in out
+
+
+def test_host_names_that_look_like_markup_render_as_written() -> None:
+    reports = [HostReport.unreachable("a[/]b", "no route [/] to host")]
+    console = Console(width=200, color_system=None, record=True)
+    console.print(render_topo(reports, analyse(reports), {}))
+    out = console.export_text()
+    assert "a[/]b" in out and "no route [/] to host" in out
+
+
+def test_render_colors_link_classes() -> None:
+    reports = [host("a", DGX1)]
+    console = Console(width=200, color_system="truecolor", force_terminal=True, record=True)
+    console.print(render_topo(reports, analyse(reports), {}))
+    styled = console.export_text(styles=True)
+    assert "\x1b[" in styled  # cells carry their class colour
+
+
+def test_cuda_devices_and_mig_without_instances() -> None:
+    plain = host("p", "consumer-dual-gpu-nv2-bridge.txt")
+    assert plain.cuda_devices == ("GPU-p-0", "GPU-p-1") and plain.gpu_slots == 2
+    migs = tuple(MigDevice("3g.40gb", i, f"MIG-{i}") for i in range(2))
+    mixed = replace(
+        plain,
+        gpus=(
+            replace(plain.gpus[0], mig=True, mig_devices=migs),
+            replace(plain.gpus[1], mig=True),  # MIG on, no instance
+        ),
+    )
+    assert mixed.cuda_devices == ("MIG-0", "MIG-1") and mixed.gpu_slots == 2
+    (warning,) = [f for f in analyse([mixed]) if "no MIG device" in f.message]
+    assert warning.severity == "warning" and "GPU1" in warning.message
+    assert replace(plain, gpus=(Gpu(3, "T4"),)).cuda_devices == ("3",)

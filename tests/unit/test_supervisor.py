@@ -1,0 +1,199 @@
+"""Policy tests of the supervisor over the scripted FakeTransport (real processes: test_launch_local)."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from pathlib import Path
+
+from dlrun.inventory import parse_inline
+from dlrun.plan import make_plan
+from dlrun.render import worker_commands
+from dlrun.run.supervisor import LineSplitter, RankState, Supervisor
+from dlrun.run.view import PlainView
+from dlrun.testing import FakeRank, FakeTransport
+
+from conftest import wait_until
+
+
+def commands(spec: str = "a:2,b:2", framework: str = "tf"):  # type: ignore[no-untyped-def]
+    plan = make_plan(parse_inline(spec), job_id="job", framework=framework)
+    return worker_commands(plan, "t.py", [], python_for={h.name: ["python3"] for h in plan.hosts})
+
+
+def run(transport: FakeTransport, tmp_path: Path, spec: str = "a:2,b:2", **kw: object):  # type: ignore[no-untyped-def]
+    out = io.StringIO()
+    sup = Supervisor(transport, commands(spec), PlainView(out), log_dir=tmp_path / "logs", grace=0.2, **kw)  # type: ignore[arg-type]
+    return sup, sup.run(), out.getvalue()
+
+
+def test_all_succeed(tmp_path: Path) -> None:
+    _, result, out = run(FakeTransport({0: FakeRank(["hello"]), 3: FakeRank(["bye"])}), tmp_path)
+    assert result.exit_code == 0 and result.root_cause is None
+    assert [r.state for r in result.ranks] == [RankState.SUCCEEDED] * 4
+    assert "[0 a] hello" in out and "[3 b] bye" in out
+    assert (tmp_path / "logs" / "rank-3.log").read_text() == "bye\n"
+    assert "all 4 ranks succeeded" in out
+
+
+def test_first_failure_is_root_cause_and_stops_everyone(tmp_path: Path) -> None:
+    transport = FakeTransport({0: FakeRank(code=None), 1: FakeRank(code=None), 2: FakeRank(["boom"], code=7),
+                               3: FakeRank(code=None)})
+    _, result, out = run(transport, tmp_path)
+    assert result.exit_code == 7
+    assert result.root_cause is not None and result.root_cause.rank == 2 and result.root_cause.host == "b"
+    assert result.root_cause.tail == ("boom",)
+    assert {r.rank: r.state for r in result.ranks} == {0: RankState.STOPPED, 1: RankState.STOPPED,
+                                                       2: RankState.FAILED, 3: RankState.STOPPED}
+    assert all(any(m.get("op") == "stop" for m in ch.sent) for ch in transport.channels.values())
+    assert out.index("root cause: rank 2 on host b exited with code 7") < out.index("rank  host")
+
+
+def test_rank_ignoring_term_is_killed_after_grace(tmp_path: Path) -> None:
+    transport = FakeTransport({0: FakeRank(code=3), 1: FakeRank(code=None, ignores_term=True)})
+    _, result, _ = run(transport, tmp_path, spec="a:2", stop_margin=0.3)
+    assert result.exit_code == 3
+    # the supervisor drops the channel after grace + margin; the agent then kills
+    assert result.ranks[1].state == RankState.STOPPED
+
+
+def test_lost_host_is_root_cause_with_255(tmp_path: Path) -> None:
+    transport = FakeTransport({r: FakeRank(code=None) for r in range(4)}, drop={"b": 0.05})
+    _, result, out = run(transport, tmp_path)
+    assert result.exit_code == 255
+    assert result.root_cause is not None and result.root_cause.host == "b"
+    assert result.root_cause.state == RankState.LOST
+    assert "connection to the host was lost" in out
+
+
+def test_silent_host_is_lost_after_the_host_timeout(tmp_path: Path) -> None:
+    # host b stops answering (no output, no PONG, no EOF), as a host that lost power
+    transport = FakeTransport({r: FakeRank(code=None) for r in range(4)}, silent={"b": 0.05})
+    _, result, out = run(transport, tmp_path, host_timeout=0.5)
+    assert result.exit_code == 255
+    assert result.root_cause is not None and result.root_cause.host == "b"
+    assert result.root_cause.state == RankState.LOST
+    assert "b: no word from the host for" in out and "host timeout 0.5 s" in out
+    assert any(m.get("op") == "stop" for m in transport.channels["a"].sent)  # fail fast on the rest
+    assert all(m.get("host_timeout") == 0.5 for ch in transport.channels.values() for m in ch.sent if "ranks" in m)
+
+
+def test_pings_keep_a_quiet_host_alive(tmp_path: Path) -> None:
+    # nothing printed for 1.2 s, timeout 0.4 s: the PONGs are what keeps the job going
+    transport = FakeTransport({0: FakeRank(["late"], delay=1.2), 1: FakeRank(["late"], delay=1.2)})
+    _, result, out = run(transport, tmp_path, spec="a:2", host_timeout=0.4)
+    assert result.exit_code == 0, out
+    assert sum(m.get("op") == "ping" for m in transport.channels["a"].sent) >= 3
+
+
+def test_no_heartbeat_with_host_timeout_0(tmp_path: Path) -> None:
+    transport = FakeTransport({0: FakeRank(["x"], delay=0.3)})
+    _, result, _ = run(transport, tmp_path, spec="a:1", host_timeout=0)
+    assert result.exit_code == 0
+    assert not any(m.get("op") == "ping" for m in transport.channels["a"].sent)
+
+
+def test_unreachable_host_at_start(tmp_path: Path) -> None:
+    _, result, out = run(FakeTransport({0: FakeRank(code=None)}, unreachable=["b"]), tmp_path)
+    assert result.exit_code == 255 and result.root_cause is not None and result.root_cause.host == "b"
+    assert "b: connection refused" in out
+
+
+def test_interrupt_stops_all_and_exits_130(tmp_path: Path) -> None:
+    transport = FakeTransport({r: FakeRank(code=None, delay=0.01) for r in range(4)})
+    out = io.StringIO()
+    sup = Supervisor(transport, commands(), PlainView(out), log_dir=None, grace=0.2)
+    threading.Timer(0.2, sup.interrupt, args=(2,)).start()
+    result = sup.run()
+    assert result.exit_code == 130 and result.interrupted_by == 2 and result.root_cause is None
+    assert all(r.state == RankState.STOPPED for r in result.ranks)
+
+
+def test_chief_exit_ends_tf_ps_job(tmp_path: Path) -> None:
+    transport = FakeTransport({0: FakeRank(["done"], code=0), 1: FakeRank(code=None)})
+    _, result, _ = run(transport, tmp_path, spec="a:2", ends_job=lambda c: c.rank == 0)
+    assert result.exit_code == 0
+    assert result.ranks[1].state == RankState.STOPPED
+
+
+def test_ranks_filter_hides_lines_but_files_keep_them(tmp_path: Path) -> None:
+    out = io.StringIO()
+    sup = Supervisor(FakeTransport({0: FakeRank(["zero"]), 1: FakeRank(["one"])}), commands("a:2"),
+                     PlainView(out, ranks=[1]), log_dir=tmp_path)
+    sup.run()
+    assert "[1 a] one" in out.getvalue() and "zero" not in out.getvalue()
+    assert (tmp_path / "rank-0.log").read_text() == "zero\n"
+
+
+def test_line_splitter_gives_the_same_lines_however_the_stream_is_cut() -> None:
+    import random
+
+    rng = random.Random(7)
+    pieces = [b"ab", b"\n", b"\r", b"\r\n", "\u00e9".encode(), b"x" * 5]
+    for _ in range(300):
+        data = b"".join(rng.choice(pieces if rng.random() < 0.5 else pieces[:2] + pieces[4:]) for _ in range(40))
+        whole = LineSplitter()
+        expected = whole.feed(data) + whole.flush()
+        cut = LineSplitter()
+        got: list[str] = []
+        pos = 0
+        while pos < len(data):
+            step = rng.randint(1, 9)
+            got += cut.feed(data[pos : pos + step])
+            pos += step
+        assert got + cut.flush() == expected, data
+        if b"\r" not in data:  # plain newlines: exactly str.split, without the empty piece after a last \n
+            reference = data.decode().split("\n")
+            if reference[-1] == "":
+                reference.pop()
+            assert expected == reference
+
+
+def test_line_splitter_handles_cr_crlf_and_chunks() -> None:
+    s = LineSplitter()
+    assert s.feed(b"a\nb") == ["a"]
+    assert s.feed(b"c\r") == []
+    assert s.feed(b"\nprogress 1\rprogress 2\r") == ["bc", "progress 1"]
+    assert s.feed(b"progress 3\n\n") == ["progress 2", "progress 3", ""]
+    assert s.feed("é".encode()[:1]) == []
+    assert s.feed("é\n".encode()[1:]) == ["é"]
+    assert s.feed(b"tail") == [] and s.flush() == ["tail"]
+
+
+def test_rank_never_started_is_not_started_not_stopped(tmp_path: Path) -> None:
+    # host b's agent was told to stop before it started its rank: nothing of b's was lost
+    transport = FakeTransport({0: FakeRank(["boom"], code=5), 1: FakeRank(code=None)}, start_after={"b": 5.0})
+    _, result, out = run(transport, tmp_path, spec="a:1,b:1")
+    assert result.exit_code == 5 and result.root_cause is not None and result.root_cause.rank == 0
+    assert result.ranks[1].state == RankState.NOT_STARTED and result.ranks[1].exit_code is None
+    assert "   1  b        -  not started  -" in out
+    assert "connection to the host was lost" not in out
+    assert "last 1 line of rank 0:" in out
+    assert out.count("exited with code 5") == 2  # the notice and the root cause, no third line
+
+
+def test_agents_started_early_are_watched_and_pinged_before_the_spec() -> None:
+    from dlrun.run.supervisor import HostAgents
+
+    transport = FakeTransport()
+    hosts = parse_inline("a:1,b:1").hosts
+    agents = HostAgents(transport, hosts, host_timeout=0.6)  # pings every 0.2 s
+    agents.start(probe="print(1)")
+    try:
+        assert wait_until(lambda: all(sum(m.get("op") == "ping" for m in transport.channels[h.name].sent) >= 2
+                                 for h in hosts), 10)
+        for h in hosts:
+            assert transport.channels[h.name].sent[0] == {"op": "watch", "host_timeout": 0.6}
+    finally:
+        agents.close()
+    sent = {h.name: len(transport.channels[h.name].sent) for h in hosts}
+    time.sleep(0.5)
+    assert {h.name: len(transport.channels[h.name].sent) for h in hosts} == sent  # closed: no more pings
+
+
+def test_an_over_long_line_is_cut_between_characters() -> None:
+    splitter = LineSplitter()
+    data = ("中" * 700_000 + "\n").encode()  # 2.1 MB: cut at the 1 MiB limit, mid-character unless careful
+    pieces = [text for i in range(0, len(data), 65536) for text in splitter.feed(data[i:i + 65536])]
+    assert "".join(pieces) == "中" * 700_000 and len(pieces) >= 2
