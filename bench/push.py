@@ -51,7 +51,7 @@ from dlrun.transport.ssh import SSHTransport  # noqa: E402
 
 
 def load_cluster_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sshd_cluster", REPO / "tests" / "sshd_cluster.py")
+    spec = importlib.util.spec_from_file_location("sshd_cluster", REPO / "tests" / "support" / "sshd_cluster.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["sshd_cluster"] = module
