@@ -6,11 +6,11 @@ library and runs on Python >= 3.8. It owns the lifecycle of every process of the
 host:
 
 * **Input (stdin)**: newline-delimited JSON messages. ``{"op": "probe", "source"}``
-  (optional, before the spec) runs a probe program (``dlrun.topo.probe.PROBE_SOURCE``) inside this
+  (optional, before the spec) runs a probe program (``dlrun/remote/probe.py``) inside this
   process and answers with a PROBE frame holding what it printed: the launch preflight costs
   no extra round trip and no extra interpreter. ``{"op": "survey", "source", "request"}``
   (optional, before the spec) answers the code push's first question the same way: it runs
-  ``survey`` of the push helper's source (``dlrun.push.session.HELPER_SOURCE``) for the request and
+  ``survey`` of the push helper's source (``dlrun/remote/push_helper.py``) for the request and
   sends the helper's reply as a SURVEY frame (JSON), so that a launch whose code is already on
   the host needs no push session there. The spec ``{"job_id", "ranks": [{"rank",
   "argv", "env", "cwd"}], "eof_grace"}`` (``"op": "start"`` or no op) starts the ranks; later
@@ -299,7 +299,7 @@ class Agent:
         return len(data)
 
     def probe(self, message: dict[str, Any]) -> None:
-        """Run a probe program here (``dlrun.topo.probe.PROBE_SOURCE``) and send what it printed."""
+        """Run a probe program here (``dlrun/remote/probe.py``) and send what it printed."""
         import io
 
         captured = io.StringIO()
@@ -568,12 +568,14 @@ def _finish(agent: Agent) -> int:
 def _on_signal(agent: Agent, signum: int) -> None:
     agent.signal_all(signal.SIGKILL)
     agent.sweep()
+    # Not for speed: a SystemExit raised here could land inside a probe or survey run by exec
+    # (which answer any BaseException) and the agent would go on without its ranks.
     os._exit(128 + signum)
 
 
 def main() -> None:
     code = _run_agent(sys.argv[1:])
-    os._exit(code)  # DONE is written; skip the interpreter's teardown
+    sys.exit(code)
 
 
 def agent_source() -> str:
