@@ -65,6 +65,8 @@ class Plan:
     framework: str
     ranks: tuple[RankSpec, ...]
     uses_roles: bool
+    restart_count: int = 0  # which attempt this is (0: the first)
+    max_restarts: int = 0
 
     @property
     def world_size(self) -> int:

@@ -119,8 +119,16 @@ def horovod_env(plan: Plan, spec: RankSpec, *, rendezvous: tuple[str, int]) -> d
     return env
 
 
+def error_file(plan: Plan, spec: RankSpec) -> str:
+    """Where a rank's ``@record`` writes its exception: per job, attempt and rank, as torchrun's
+    ``…/attempt_N/<rank>/error.json``. The host's agent makes the folder and sends the file back."""
+    return f"/tmp/dlrun-{plan.job_id}/attempt_{plan.restart_count}/{spec.rank}/error.json"
+
+
 def torch_env(plan: Plan, spec: RankSpec, *, master_port: int | None = None) -> dict[str, str]:
-    """torch.distributed's env:// variables (what torchrun sets)."""
+    """What torchrun sets for each rank (torch's env:// rendezvous, the elastic contract that
+    Lightning and accelerate read), less what only torchrun's own agent uses
+    (``TORCHELASTIC_USE_AGENT_STORE``: there is no agent store; ``TORCHELASTIC_SIGNALS_TO_HANDLE``)."""
     master = plan.ranks[0]
     env = {
         "MASTER_ADDR": master.address,
@@ -130,8 +138,32 @@ def torch_env(plan: Plan, spec: RankSpec, *, master_port: int | None = None) -> 
         "LOCAL_RANK": str(spec.local_rank),
         "LOCAL_WORLD_SIZE": str(spec.local_size),
         "GROUP_RANK": str(spec.host_index),
+        "GROUP_WORLD_SIZE": str(len(plan.hosts)),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(spec.rank),
+        "ROLE_WORLD_SIZE": str(plan.world_size),
+        # is_torchelastic_launched() is this being set: Lightning then checks devices × num_nodes
+        "TORCHELASTIC_RUN_ID": plan.job_id,
+        "TORCHELASTIC_RESTART_COUNT": str(plan.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(plan.max_restarts),
+        "TORCHELASTIC_ERROR_FILE": error_file(plan, spec),
     }
     return env
+
+
+def shares_host_gpus(framework: str, devices: Sequence[str]) -> bool:
+    """Do a host's ranks all see the job's GPUs of that host (as torchrun and horovodrun leave
+    them), so that ``cuda:LOCAL_RANK`` is each rank's GPU? For torch and Horovod, yes. TF workers
+    get one GPU each (a TF process takes every visible GPU's memory), and MIG instances are
+    pinned per rank (a CUDA process sees only one)."""
+    return framework in ("torch", "horovod") and not any(d.startswith("MIG-") for d in devices)
+
+
+def visible_devices(framework: str, devices: Sequence[str], spec: RankSpec) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` for one rank, from its host's GPUs for the job (or None)."""
+    if shares_host_gpus(framework, devices):
+        return ",".join(devices[: spec.local_size]) or None
+    return devices[spec.local_rank] if spec.local_rank < len(devices) else None
 
 
 def framework_env(
@@ -176,8 +208,9 @@ def worker_commands(
 
     ``python_for`` maps host name → the python argv prefix on that host. With ``tf-ps``,
     ps and worker ranks run ``server_argv`` after that prefix (dlrun's tf_server); the chief
-    and the evaluator run the script. ``gpus_for`` maps host name → one CUDA_VISIBLE_DEVICES
-    value per local rank (from the preflight probe); a value the user set is kept. ``ifaces``
+    and the evaluator run the script. ``gpus_for`` maps host name → the GPUs (or MIG instances)
+    of that host for the job, one per local rank, from the preflight probe; each rank's
+    ``CUDA_VISIBLE_DEVICES`` follows :func:`visible_devices`, and a value the user set is kept. ``ifaces``
     maps host name → its socket interface (``socket_env``); interface variables the user set
     (inventory env, ``--env``) are kept too.
     """
@@ -190,11 +223,13 @@ def worker_commands(
         env.update(framework_env(plan, spec, rendezvous=rendezvous))
         for name, value in socket_env(plan.framework, (ifaces or {}).get(spec.host.name)).items():
             env.setdefault(name, value)
-        devices = (gpus_for or {}).get(spec.host.name, ())
-        if spec.local_rank < len(devices) and "CUDA_VISIBLE_DEVICES" not in env:
-            env["CUDA_VISIBLE_DEVICES"] = devices[spec.local_rank]
-        if plan.framework == "torch" and spec.local_size > 1 and "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = "1"
+        visible = visible_devices(plan.framework, (gpus_for or {}).get(spec.host.name, ()), spec)
+        if visible is not None and "CUDA_VISIBLE_DEVICES" not in env:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        if plan.framework == "torch":  # torchrun's defaults, where the job sets nothing
+            if spec.local_size > 1:
+                env.setdefault("OMP_NUM_THREADS", "1")
+            env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # an NCCL error fails, not hangs
         argv = worker_argv(script, args, python_for[spec.host.name])
         if plan.framework == "tf-ps" and spec.task_type in ("ps", "worker") and server_argv is not None:
             argv = (*python_for[spec.host.name], *server_argv)

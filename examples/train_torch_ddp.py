@@ -1,11 +1,13 @@
-"""Train a small classifier on scikit-learn's digits with PyTorch DistributedDataParallel (gloo, CPU).
+"""Train a small classifier on scikit-learn's digits with PyTorch DistributedDataParallel.
 
     dlrun launch --framework torch examples/train_torch_ddp.py --hosts h1:2,h2:2
 
 dlrun sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and
-GROUP_RANK, exactly what torchrun would, so ``init_process_group("gloo")`` reads them from the
-environment. Every rank prints its loss, and at the end a checksum of its parameters (identical
-on every rank when DDP kept them in sync) and the test accuracy.
+GROUP_RANK, exactly what torchrun would, so ``init_process_group`` reads them from the
+environment. With CUDA, each rank trains on ``cuda:LOCAL_RANK`` over NCCL; without it, on the
+CPU over gloo: the same file serves a laptop's CI and a GPU cluster. Every rank prints its loss,
+and at the end a checksum of its parameters (identical on every rank when DDP kept them in
+sync) and the test accuracy.
 """
 
 from __future__ import annotations
@@ -31,8 +33,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.01)
     args = parser.parse_args()
 
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     # torch's default collective timeout is 30 minutes; a dead peer should fail the job sooner
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     digits = load_digits()
@@ -44,17 +50,19 @@ def main() -> None:
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
 
     model = DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+        torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).to(device),
+        device_ids=[device.index] if cuda else None,
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     loss_fn = torch.nn.CrossEntropyLoss()
-    print(f"rank {rank}/{world} (local {os.environ.get('LOCAL_RANK')}, host group {os.environ.get('GROUP_RANK')})")
+    print(f"rank {rank}/{world} (local {os.environ.get('LOCAL_RANK')}, host group {os.environ.get('GROUP_RANK')})"
+          f" on {device}")
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         total, rows = 0.0, 0
         for xb, yb in loader:
             optimizer.zero_grad()
-            loss = loss_fn(model(xb), yb)
+            loss = loss_fn(model(xb.to(device)), yb.to(device))
             loss.backward()
             optimizer.step()
             total += loss.item() * len(xb)
@@ -62,7 +70,7 @@ def main() -> None:
         print(f"epoch {epoch + 1}/{args.epochs}: loss {total / rows:.4f}")
 
     with torch.no_grad():
-        predicted = model(torch.from_numpy(x_test)).argmax(dim=1).numpy()
+        predicted = model(torch.from_numpy(x_test).to(device)).argmax(dim=1).cpu().numpy()
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     print(f"rank {rank} parameter checksum {checksum:.6f}")
     print(f"test accuracy: {float(np.mean(predicted == y_test)):.4f}")

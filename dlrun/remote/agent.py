@@ -120,6 +120,7 @@ class Agent:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.open_streams: dict[int, int] = {}  # rank -> number of open pipes
         self.exited: dict[int, int] = {}
+        self.error_files: dict[int, str] = {}  # rank -> its TORCHELASTIC_ERROR_FILE
         self.kill_at: float | None = None
         self.job_id = ""
         self.tag = ""
@@ -223,6 +224,10 @@ class Agent:
             env["DLRUN_AGENT_TAG"] = self.tag
             argv = [str(a) for a in item["argv"]]
             cwd = os.path.expanduser(item["cwd"]) if item.get("cwd") else None
+            error_file = env.get("TORCHELASTIC_ERROR_FILE")
+            if error_file:
+                self.error_files[rank] = error_file
+                prepare_error_file(error_file)
             try:
                 proc = subprocess.Popen(
                     argv,
@@ -373,7 +378,12 @@ class Agent:
                 if stream is not None and not stream.closed:
                     self.sel.unregister(stream)
                     stream.close()
-            self.emit(EXIT, rank, json.dumps({"code": code}).encode())
+            exit_info: dict[str, Any] = {"code": code}
+            if code != 0 and rank in self.error_files:
+                recorded = read_error_file(self.error_files[rank])
+                if recorded is not None:
+                    exit_info["error_file"] = recorded
+            self.emit(EXIT, rank, json.dumps(exit_info).encode())
 
     @staticmethod
     def _readable(stream: IO[bytes]) -> bool:
@@ -419,6 +429,18 @@ class Agent:
                 return
             time.sleep(0.05)
 
+    def remove_error_files(self) -> None:
+        """Take the ranks' error files and their folders away (read already, at each exit)."""
+        for path in self.error_files.values():
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            try:
+                os.removedirs(os.path.dirname(path))  # up to the first folder that is not empty
+            except OSError:
+                pass
+
     def all_exited(self) -> bool:
         return all(rank in self.exited for rank in self.procs)
 
@@ -439,6 +461,33 @@ if [ -z "${DLRUN_NO_PIDNS:-}" ]; then
 fi
 exec "$@"
 """
+
+
+#: What the controller takes of a rank's TORCHELASTIC_ERROR_FILE (torch's ``@record`` output).
+ERROR_FILE_LIMIT = 256 * 1024
+
+
+def prepare_error_file(path: str) -> None:
+    """torch's ``@record`` writes the rank's exception to ``path`` but makes no folder (torchrun
+    does): make it, private, and drop a file an earlier attempt left there."""
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def read_error_file(path: str) -> Any:
+    """The JSON a failed rank's ``@record`` wrote (or its text), or None."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(ERROR_FILE_LIMIT)
+    except OSError:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
+        return data.decode("utf-8", "replace")
 
 
 def become_subreaper() -> bool:
@@ -545,6 +594,7 @@ def _run_agent(argv: list[str]) -> int:
         if started and agent.all_exited():
             agent.flush()
             agent.sweep()
+            agent.remove_error_files()
             agent.emit(DONE, AGENT_RANK, b"")
             agent.flush()
             return 0
@@ -560,6 +610,7 @@ def _finish(agent: Agent) -> int:
             agent.signal_all(signal.SIGKILL)
         agent.flush()
     agent.sweep()
+    agent.remove_error_files()
     agent.emit(DONE, AGENT_RANK, b"")
     agent.flush()
     return 0

@@ -302,3 +302,20 @@ def test_a_probe_longer_than_the_host_timeout_does_not_end_a_pinged_agent() -> N
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_failed_ranks_error_file_comes_back_with_its_exit(tmp_path: Path) -> None:
+    """torch's ``@record`` contract: the agent makes the file's folder, returns what the rank
+    wrote there with the EXIT frame, and takes the folder away at the end."""
+    error_file = tmp_path / "dlrun-j3" / "attempt_0" / "0" / "error.json"
+    write = ("import json, os; open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w').write("
+             "json.dumps({'message': {'message': 'ValueError: bad batch'}})); raise SystemExit(1)")
+    spec = {"job_id": "j3", "ranks": [
+        {"rank": 0, "argv": [sys.executable, "-c", write], "env": {"TORCHELASTIC_ERROR_FILE": str(error_file)}},
+        {"rank": 1, "argv": [sys.executable, "-c", "pass"], "env": {"TORCHELASTIC_ERROR_FILE": str(error_file)[:-6]}},
+    ]}
+    frames = talk(agent_cmd(), [spec])
+    exits = {r: json.loads(p) for k, r, p in frames if k == agent.EXIT}
+    assert exits[0] == {"code": 1, "error_file": {"message": {"message": "ValueError: bad batch"}}}
+    assert exits[1] == {"code": 0}
+    assert not (tmp_path / "dlrun-j3").exists()

@@ -125,7 +125,10 @@ def test_torch_env() -> None:
     plan = make_plan(parse_inline("a:2,b:2"), job_id="j", framework="torch", addresses={"a": "10.1.1.1"})
     env = torch_env(plan, plan.ranks[3])
     assert env == {"MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "23456", "RANK": "3", "WORLD_SIZE": "4",
-                   "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+                   "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2",
+                   "ROLE_NAME": "default", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "j",
+                   "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                   "TORCHELASTIC_ERROR_FILE": "/tmp/dlrun-j/attempt_0/3/error.json"}
     cmds = worker_commands(plan, "t.py", [], python_for={"a": ["p"], "b": ["p"]})
     assert cmds[0].env["OMP_NUM_THREADS"] == "1"
 
