@@ -19,7 +19,8 @@ host:
   heartbeat). Env and argv travel inside JSON, so no shell ever parses them.
 * **Output (stdout)**: binary frames ``>BiI`` (kind, rank, length) + payload: HELLO (JSON facts),
   STARTED (JSON pid), STDOUT/STDERR (raw chunks up to 64 KiB), EXIT (JSON code), ERROR (text),
-  DONE, PROBE (the probe's stdout), SURVEY (JSON), PONG (empty). The controller splits lines itself. Output
+  DONE, PROBE (the probe's stdout), SURVEY (JSON), PONG (empty), GPU (JSON: one sample of the
+  host's GPUs, or why sampling failed). The controller splits lines itself. Output
   is coalesced: a rank that writes tiny pieces (``PYTHONUNBUFFERED``) is forwarded every few
   milliseconds or every 64 KiB, not write by write; lifecycle frames go out at once.
 * **Watchdog**: when stdin reaches EOF (dlrun killed, Ctrl-C, SSH connection dropped) every
@@ -63,7 +64,7 @@ import time
 from typing import IO, Any
 
 HEADER = struct.Struct(">BiI")
-HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE, SURVEY, PONG = range(1, 11)
+HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE, SURVEY, PONG, GPU = range(1, 12)
 CHUNK = 65536
 COALESCE_S = 0.005  # output frames wait at most this long for more output
 SMALL_READ = 4096  # a read this small means a trickle: let it pile up for a moment
@@ -101,6 +102,123 @@ class FrameDecoder:
         return len(self._buf)
 
 
+# ----------------------------------------------------------------------------- GPU sampling
+
+#: What one sample asks nvidia-smi, in this order (``nounits``: %, MiB, MiB, W, °C).
+GPU_QUERY = "index,uuid,utilization.gpu,memory.used,memory.total,power.draw,temperature.gpu"
+GPU_TIMEOUT = 5.0  # a sample that takes longer is killed and reported
+GPU_GIVE_UP = 3  # consecutive failures after which a host stops sampling
+
+
+def which(name: str) -> str | None:
+    """``shutil.which`` for a bare name (nvidia-smi is found on PATH, as the probe finds it)."""
+    for folder in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        path = os.path.join(folder or ".", name)
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+class GpuSampler:
+    """Runs ``nvidia-smi --query-gpu`` every ``every`` seconds without blocking the agent.
+
+    The child's output is read through the agent's selector; a sample that outlives
+    ``GPU_TIMEOUT`` is killed. Each finished sample becomes one GPU frame: ``{"time", "csv"}``,
+    or ``{"time", "error"}``. A host without nvidia-smi samples nothing and says nothing.
+    """
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self.path = which("nvidia-smi") if every > 0 else None
+        self.next_at = time.monotonic()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started = 0.0
+        self.wall = 0.0
+        self.output = bytearray()
+        self.failures = 0
+        self.result: dict[str, Any] | None = None  # a sample that failed to start, to report
+
+    @property
+    def active(self) -> bool:
+        return self.path is not None and self.failures < GPU_GIVE_UP
+
+    def due(self, now: float) -> bool:
+        return self.active and self.proc is None and now >= self.next_at
+
+    def start(self, sel: selectors.BaseSelector, now: float) -> None:
+        assert self.path is not None
+        self.next_at = now + self.every
+        self.output.clear()
+        env = dict(os.environ)
+        env["LC_ALL"] = "C"
+        try:
+            self.proc = subprocess.Popen([self.path, "--query-gpu=" + GPU_QUERY, "--format=csv,noheader,nounits"],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, env=env)
+        except OSError as exc:
+            self.proc = None
+            self.failures += 1
+            self.result = {"time": time.time(), "error": f"cannot run nvidia-smi: {exc}"}
+            return
+        self.started, self.wall = now, time.time()
+        assert self.proc.stdout is not None
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        sel.register(self.proc.stdout, selectors.EVENT_READ, "gpu")
+
+    def read(self, sel: selectors.BaseSelector) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        try:
+            data = os.read(self.proc.stdout.fileno(), CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.output += data[: max(0, (1 << 20) - len(self.output))]
+            return
+        sel.unregister(self.proc.stdout)
+        self.proc.stdout.close()
+
+    def finish(self, sel: selectors.BaseSelector, now: float) -> dict[str, Any] | None:
+        """A finished (or overdue) sample's frame payload; None while it runs."""
+        if self.result is not None:
+            result, self.result = self.result, None
+            return result
+        proc = self.proc
+        if proc is None:
+            return None
+        overdue = now - self.started > GPU_TIMEOUT
+        if not overdue and (proc.poll() is None or (proc.stdout is not None and not proc.stdout.closed)):
+            return None
+        if overdue:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None and not proc.stdout.closed:
+            sel.unregister(proc.stdout)
+            proc.stdout.close()
+        self.proc = None
+        text = self.output.decode("utf-8", "replace")
+        if overdue:
+            self.failures += 1
+            return {"time": self.wall, "error": f"nvidia-smi did not answer within {GPU_TIMEOUT:g} s"}
+        if proc.returncode != 0:
+            self.failures += 1
+            last = text.strip().splitlines()[-1:] or [""]
+            return {"time": self.wall, "error": f"nvidia-smi exited {proc.returncode}: {last[0]}"}
+        self.failures = 0
+        return {"time": self.wall, "csv": text}
+
+    def stop(self, sel: selectors.BaseSelector) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            if self.proc.stdout is not None and not self.proc.stdout.closed:
+                sel.unregister(self.proc.stdout)
+                self.proc.stdout.close()
+            self.proc = None
+        self.path = None
+
+
 # ----------------------------------------------------------------------------- agent side
 
 
@@ -121,6 +239,7 @@ class Agent:
         self.open_streams: dict[int, int] = {}  # rank -> number of open pipes
         self.exited: dict[int, int] = {}
         self.error_files: dict[int, str] = {}  # rank -> its TORCHELASTIC_ERROR_FILE
+        self.gpus = GpuSampler(0)
         self.kill_at: float | None = None
         self.job_id = ""
         self.tag = ""
@@ -213,8 +332,17 @@ class Agent:
         return self.silence_limit is not None and now - self.heard > self.silence_limit
 
     # ranks --------------------------------------------------------------------------
+    def sample_gpus(self, now: float) -> None:
+        """Start a GPU sample when one is due; send the one that finished."""
+        result = self.gpus.finish(self.sel, now)
+        if result is not None:
+            self.emit(GPU, AGENT_RANK, json.dumps(result).encode())
+        if self.gpus.due(now):
+            self.gpus.start(self.sel, now)
+
     def start(self, spec: dict[str, Any]) -> None:
         self.job_id = str(spec.get("job_id", ""))
+        self.gpus = GpuSampler(float(spec.get("gpu_every", 0) or 0))
         self.tag = str(spec.get("tag") or self.job_id)
         for item in spec["ranks"]:
             rank = int(item["rank"])
@@ -278,6 +406,9 @@ class Agent:
         for key, _ in self.sel.select(timeout):
             if key.data == "control":
                 continue
+            if key.data == "gpu":
+                self.gpus.read(self.sel)
+                continue
             if key.data == "wake":  # SIGCHLD: the caller reaps next
                 try:
                     os.read(key.fd, 4096)
@@ -338,7 +469,8 @@ class Agent:
         """
         if not (self.in_namespace or self.subreaper):
             return
-        ranks = {proc.pid: proc for proc in self.procs.values() if proc.returncode is None}
+        children = [*self.procs.values(), *([self.gpus.proc] if self.gpus.proc is not None else [])]
+        ranks = {proc.pid: proc for proc in children if proc.returncode is None}
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -584,14 +716,18 @@ def _run_agent(argv: list[str]) -> int:
             # the controller is gone (EOF), or silent too long (its machine or the network is
             # down): nobody will read us any more
             agent.sel.unregister(stdin_fd)
+            agent.gpus.stop(agent.sel)
             agent.stop(eof_grace)
             return _finish(agent)
         agent.reap()
+        if started:
+            agent.sample_gpus(now)
         if agent.kill_at is not None and now >= agent.kill_at:
             agent.signal_all(signal.SIGKILL)
         wait = agent.flush_due(now)
         timeout = 0.05 if wait is None else min(wait, 0.05)
         if started and agent.all_exited():
+            agent.gpus.stop(agent.sel)
             agent.flush()
             agent.sweep()
             agent.remove_error_files()

@@ -319,3 +319,50 @@ def test_a_failed_ranks_error_file_comes_back_with_its_exit(tmp_path: Path) -> N
     assert exits[0] == {"code": 1, "error_file": {"message": {"message": "ValueError: bad batch"}}}
     assert exits[1] == {"code": 0}
     assert not (tmp_path / "dlrun-j3").exists()
+
+
+def fake_nvidia_smi(folder: Path, body: str) -> dict[str, str]:
+    tool = folder / "nvidia-smi"
+    tool.write_text("#!/bin/sh\n" + body)
+    tool.chmod(0o755)
+    return {**os.environ, "PATH": f"{folder}:{os.environ['PATH']}"}
+
+
+def gpu_frames(frames: list[tuple[int, int, bytes]]) -> list[dict[str, object]]:
+    return [json.loads(p) for k, _, p in frames if k == agent.GPU]
+
+
+def sleeper(seconds: float) -> dict[str, object]:
+    return {"job_id": "jg", "gpu_every": 0.2, "ranks": [
+        {"rank": 0, "argv": [sys.executable, "-c", f"import time; time.sleep({seconds})"], "env": {}}]}
+
+
+def test_the_agent_samples_the_hosts_gpus_while_ranks_run(tmp_path: Path) -> None:
+    env = fake_nvidia_smi(tmp_path, 'echo "$@" > "$(dirname "$0")/args"\n'
+                                    "echo '0, GPU-a, 97, 71680, 81559, 650.5, 71'\n"
+                                    "echo '1, GPU-b, 0, 4, 81559, 70, 30'\n")
+    frames = talk(agent_cmd(), [sleeper(1.2)], env=env)
+    samples = gpu_frames(frames)
+    assert len(samples) >= 3 and all("csv" in s and str(s["csv"]).startswith("0, GPU-a, 97") for s in samples)
+    expected = ["--query-gpu=" + agent.GPU_QUERY, "--format=csv,noheader,nounits"]
+    assert (tmp_path / "args").read_text().split() == expected
+    assert json.loads(next(p for k, _, p in frames if k == agent.EXIT)) == {"code": 0}
+
+
+def test_no_nvidia_smi_no_samples_and_no_error(tmp_path: Path) -> None:
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
+    frames = talk(agent_cmd(), [sleeper(0.6)], env=env)
+    assert gpu_frames(frames) == [] and not [p for k, _, p in frames if k == agent.ERROR]
+
+
+def test_a_failing_or_hanging_nvidia_smi_is_reported_and_the_job_goes_on(tmp_path: Path) -> None:
+    env = fake_nvidia_smi(tmp_path, "echo 'NVIDIA-SMI has failed because it could not communicate' >&2\nexit 9\n")
+    frames = talk(agent_cmd(), [sleeper(1.5)], env=env)
+    errors = [s["error"] for s in gpu_frames(frames)]
+    assert errors and len(errors) <= agent.GPU_GIVE_UP
+    assert errors[0] == "nvidia-smi exited 9: NVIDIA-SMI has failed because it could not communicate"
+    assert json.loads(next(p for k, _, p in frames if k == agent.EXIT)) == {"code": 0}
+    env = fake_nvidia_smi(tmp_path, "exec sleep 60\n")
+    frames = talk(agent_cmd(), [sleeper(agent.GPU_TIMEOUT + 1.5)], env=env)
+    assert gpu_frames(frames)[0]["error"] == f"nvidia-smi did not answer within {agent.GPU_TIMEOUT:g} s"
+    assert json.loads(next(p for k, _, p in frames if k == agent.EXIT)) == {"code": 0}
