@@ -18,6 +18,7 @@ and worker 0 is the chief; with a ``chief`` host, that host's rank is the chief.
 
 from __future__ import annotations
 
+import ast
 import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +27,55 @@ from dlrun.errors import PlanError
 from dlrun.inventory import Host, Inventory
 
 FRAMEWORKS = ("tf", "tf-ps", "horovod", "torch", "none")
+#: What ``--framework auto`` plans when a script's imports name no framework: both the TF and
+#: the torch contracts, which do not collide (TF_CONFIG beside MASTER_ADDR, RANK …).
+TF_AND_TORCH = "tf+torch"
+#: Imports that name a framework (the top-level package), checked in this order.
+FRAMEWORK_IMPORTS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("horovod", frozenset({"horovod"})),
+    ("torch", frozenset({"torch", "lightning", "pytorch_lightning", "accelerate", "transformers"})),
+    ("tf", frozenset({"tensorflow", "keras", "tf_keras"})),
+)
+
+
+@dataclass(frozen=True)
+class Detected:
+    """The framework ``--framework auto`` chose, and why (``import lightning in train.py``)."""
+
+    framework: str
+    reason: str
+
+
+def detect_framework(script: str, source: str | None) -> Detected:
+    """Read a script's imports (``ast``, never running it) for the rank contract it needs.
+
+    Horovod wins over torch and TF (``horovod.torch`` scripts import torch too); a script that
+    imports both torch and TF, names none, is not Python or cannot be parsed gets both
+    contracts (:data:`TF_AND_TORCH`).
+    """
+    name = script.rsplit("/", 1)[-1]
+    if source is None:
+        return Detected(TF_AND_TORCH, f"{name} is not a Python script: both the tf and the torch contracts")
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError) as exc:
+        return Detected(TF_AND_TORCH, f"could not read the imports of {name} ({type(exc).__name__}): both contracts")
+    imported: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported += [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            imported.append(node.module.split(".")[0])
+    found = {framework: next(m for m in imported if m in modules)
+             for framework, modules in FRAMEWORK_IMPORTS if any(m in modules for m in imported)}
+    if "horovod" in found:
+        return Detected("horovod", f"import {found['horovod']} in {name}")
+    if "torch" in found and "tf" in found:
+        return Detected(TF_AND_TORCH, f"import {found['torch']} and {found['tf']} in {name}: both contracts")
+    for framework in ("torch", "tf"):
+        if framework in found:
+            return Detected(framework, f"import {found[framework]} in {name}")
+    return Detected(TF_AND_TORCH, f"no framework imported in {name}: both the tf and the torch contracts")
 DEFAULT_BASE_PORT = 23456
 DEFAULT_HOST_TIMEOUT = 30.0  # seconds of silence after which a host counts as lost
 
@@ -108,7 +158,7 @@ def make_plan(
 ) -> Plan:
     """Assign ranks host by host. ``addresses`` maps host name → address the ranks use;
     ``ports`` (rank → port) overrides the port rule where the ranks picked their own (Spark)."""
-    if framework not in FRAMEWORKS:
+    if framework not in (*FRAMEWORKS, TF_AND_TORCH):
         raise PlanError(f"unknown framework {framework!r} (expected one of {', '.join(FRAMEWORKS)})")
     total = inventory.total_slots
     if np is None:

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlrun.plan import Plan, RankSpec
+from dlrun.plan import TF_AND_TORCH, Plan, RankSpec
 
 # names that hold secrets: HF_TOKEN, AWS_SECRET_ACCESS_KEY, DB_PASS, MYSQL_PWD, SMTP_PASSWD,
 # GIT_CREDENTIALS, HTTP_AUTH, WANDB_API_KEY, SESSION_COOKIE, SSH_PRIVATE…
@@ -93,7 +93,8 @@ def socket_env(framework: str, iface: SocketIface | None) -> dict[str, str]:
     ``HOROVOD_GLOO_IFACE``, torch's ``GLOO_SOCKET_IFNAME``) and, for a named one, NCCL's."""
     if iface is None or framework == "none":
         return {}
-    gloo = {"horovod": "HOROVOD_GLOO_IFACE", "torch": "GLOO_SOCKET_IFNAME"}.get(framework)
+    gloo = {"horovod": "HOROVOD_GLOO_IFACE", "torch": "GLOO_SOCKET_IFNAME", TF_AND_TORCH: "GLOO_SOCKET_IFNAME"}.get(
+        framework)
     env = {gloo: iface.name} if gloo else {}
     if iface.named:
         env["NCCL_SOCKET_IFNAME"] = iface.name
@@ -173,6 +174,8 @@ def framework_env(
     rendezvous: tuple[str, int] | None = None,
 ) -> dict[str, str]:
     """The framework part of a rank's env (``plan.framework`` picks which)."""
+    if plan.framework == TF_AND_TORCH:  # --framework auto found no framework: both contracts
+        return {"TF_CONFIG": json.dumps(tf_config(plan, spec), separators=(",", ":")), **torch_env(plan, spec)}
     if plan.framework in ("tf", "tf-ps"):
         return {"TF_CONFIG": json.dumps(tf_config(plan, spec), separators=(",", ":"))}
     if plan.framework == "horovod":
@@ -226,7 +229,7 @@ def worker_commands(
         visible = visible_devices(plan.framework, (gpus_for or {}).get(spec.host.name, ()), spec)
         if visible is not None and "CUDA_VISIBLE_DEVICES" not in env:
             env["CUDA_VISIBLE_DEVICES"] = visible
-        if plan.framework == "torch":  # torchrun's defaults, where the job sets nothing
+        if plan.framework in ("torch", TF_AND_TORCH):  # torchrun's defaults, where the job sets nothing
             if spec.local_size > 1:
                 env.setdefault("OMP_NUM_THREADS", "1")
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # an NCCL error fails, not hangs
