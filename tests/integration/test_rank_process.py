@@ -47,8 +47,18 @@ print("FACTS " + json.dumps({
     "pid": pid, "proc_self": os.readlink("/proc/self"), "status_pid": status_pid, "cmdline": cmdline,
     "argv": sys.argv, "pidns": os.readlink("/proc/self/ns/pid"), "devices": devices, "mounts": mounts,
     "shm": [shm.st_dev, shm.st_ino], "shm_writable": os.access("/dev/shm", os.W_OK), "limits": limits,
-    "rank": os.environ.get("DLRUN_RANK")}), flush=True)
+    "rank": os.environ.get("DLRUN_RANK"), "env": dict(os.environ)}), flush=True)
 """
+
+
+#: What differs between two starts of the same program by nature: the connection, the folder.
+VOLATILE = {"SSH_CLIENT", "SSH_CONNECTION", "PWD", "OLDPWD", "SHLVL", "_", "SSH_TTY", "DLRUN_AGENT_TAG"}
+
+
+def inherited_env(env: dict[str, str]) -> dict[str, str]:
+    """A rank's env less what dlrun adds on purpose and what differs by nature."""
+    return {k: v for k, v in env.items() if k not in VOLATILE and not k.startswith("DLRUN_")
+            and k != "PYTHONUNBUFFERED"}
 
 
 def facts_of(text: str) -> list[dict[str, Any]]:
@@ -64,6 +74,8 @@ def assert_own_process(rank: dict[str, Any], plain: dict[str, Any]) -> None:
     assert rank["shm"] == plain["shm"] and rank["shm_writable"] and plain["shm_writable"]
     assert rank["limits"] == plain["limits"]
     assert rank["mounts"] == plain["mounts"]
+    # PATH, LD_LIBRARY_PATH, CUDA_HOME …: the rank inherits the login's environment untouched
+    assert inherited_env(rank["env"]) == inherited_env(plain["env"])
 
 
 def unshare_works() -> bool:
@@ -80,8 +92,8 @@ def unshare_works() -> bool:
 def test_localhost_ranks_see_their_own_proc_devices_shm_and_limits(tmp_path: Path, pidns: bool) -> None:
     script = tmp_path / "facts.py"
     script.write_text(FACTS)
-    plain = facts_of(subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                                    check=True).stdout)[0]
+    plain = facts_of(subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True,
+                                    env={**os.environ, "PYTHONPATH": str(REPO)}).stdout)[0]
     out = run_dlrun("launch", "--plain", "--framework", "none", *([] if pidns else ["--no-pidns"]), str(script),
                     cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
