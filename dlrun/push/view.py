@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress, TaskID
 
-from dlrun.push.session import HostPushSummary, human_bytes
+from dlrun.push.session import HostPushSummary
+from dlrun.push.tree import human_bytes
 
 
 def summary_line(summary: HostPushSummary) -> str:

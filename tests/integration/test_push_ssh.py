@@ -17,7 +17,8 @@ import pytest
 
 from dlrun.errors import DlrunError, SyncError
 from dlrun.inventory import Host
-from dlrun.push.session import SHARD_FILE, SHARD_POLICIES, push, shard_env
+from dlrun.push.session import push
+from dlrun.push.shard import SHARD_FILE, SHARD_POLICIES, shard_env
 from dlrun.transport.local import HostRouter
 from dlrun.transport.ssh import SSHTransport
 
@@ -364,7 +365,6 @@ def test_launch_with_data_gives_each_rank_its_shard(cluster, tmp_path: Path) -> 
 
 def test_launch_opens_a_push_session_only_where_the_code_changed(  # type: ignore[no-untyped-def]
         cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
-    from dlrun.push.session import HELPER_SOURCE
     from dlrun.run.launch import LaunchConfig, SSHOptions, launch
 
     from conftest import hosts_toml
@@ -376,7 +376,7 @@ def test_launch_opens_a_push_session_only_where_the_code_changed(  # type: ignor
 
     class Counting(SSHTransport):
         def open(self, host: Host, argv):  # type: ignore[no-untyped-def]
-            opened.append("push" if HELPER_SOURCE in argv else "agent")
+            opened.append("push" if "dlrun-push_helper" in argv else "agent")
             return super().open(host, argv)
 
     monkeypatch.setattr("dlrun.run.launch.make_transport",

@@ -1,4 +1,5 @@
-"""The pure parts of dlrun.push.session (shards, ignore rules, manifest diff, split-lines) and dlrun.push_view."""
+"""The pure parts of dlrun.push (tree: ignore rules, manifest diff; shard: policies, split-lines), the helper
+run as a local process, and dlrun.push.view."""
 
 from __future__ import annotations
 
@@ -19,40 +20,44 @@ from rich.console import Console
 from dlrun.errors import SyncError, UsageError
 from dlrun.inventory import Host
 from dlrun.push.session import (
-    HELPER_SOURCE,
     SEND_CHUNK,
+    HostPushSummary,
+    _file_body,
+    _Pieces,
+    code_target,
+    helper_source,
+    push,
+    scan_code,
+    settled_push,
+    survey_request,
+)
+from dlrun.push.shard import (
     SHARD_FILE,
     SHARD_POLICIES,
+    part_name,
+    plan_data,
+    remote_data_dir,
+    shard_document,
+    shard_env,
+    shard_files,
+    split_file,
+    split_points,
+)
+from dlrun.push.tree import (
     FileEntry,
     HashCache,
-    HostPushSummary,
     IgnoreRules,
     Manifest,
     RemoteEntry,
     RemoteTree,
     Source,
     TransferPlan,
-    _file_body,
-    _Pieces,
     bytes_needed,
     check_space,
-    code_target,
     diff_manifests,
     parse_ignore,
-    part_name,
-    plan_data,
-    push,
     remote_code_dir,
-    remote_data_dir,
-    scan_code,
     scan_tree,
-    settled_push,
-    shard_document,
-    shard_env,
-    shard_files,
-    split_file,
-    split_points,
-    survey_request,
 )
 from dlrun.push.view import PushView, summary_json, summary_line
 from dlrun.transport.local import HostRouter
@@ -478,7 +483,7 @@ def test_helper_widens_the_pipe_sshd_writes_into() -> None:
     limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
     if limit < 1 << 20 and os.geteuid() != 0:
         pytest.skip("pipe-max-size is below 1 MiB here")
-    proc = subprocess.Popen([sys.executable, "-c", HELPER_SOURCE], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", helper_source()], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         before = fcntl.fcntl(proc.stdin.fileno(), fcntl.F_GETPIPE_SZ)
@@ -497,7 +502,7 @@ def test_a_helper_whose_dlrun_vanished_ends_and_removes_its_partial_file(tmp_pat
     import tarfile
 
     root = tmp_path / "proj"
-    proc = subprocess.Popen([sys.executable, "-c", HELPER_SOURCE], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", helper_source()], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         proc.stdin.write(json.dumps({"targets": [{"root": str(root), "paths": ["a.bin"]}], "idle": 1}).encode()
@@ -587,7 +592,7 @@ def test_settled_push_only_when_there_is_nothing_to_send_delete_or_record(
     (code / "lib" / "b.py").write_text("B = 2\n")
     host = Host(address="localhost", name="localhost", workdir=str(tmp_path / "host"))
     helper: dict[str, object] = {"__name__": "survey-only"}
-    exec(compile(HELPER_SOURCE, "<helper>", "exec"), helper)  # what the agent runs for op "survey"
+    exec(compile(helper_source(), "<helper>", "exec"), helper)  # what the agent runs for op "survey"
 
     def settled() -> HostPushSummary | None:
         target = code_target(host, code, scan_code(code))
