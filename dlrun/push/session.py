@@ -48,10 +48,12 @@ from dlrun.inventory import Host
 from dlrun.push.shard import SHARD_POLICIES, plan_data, remote_data_dir, shard_env
 from dlrun.push.tree import (
     DATA_DIR_NAME,
+    DEFAULT_LOG_DIR,
     FileEntry,
     HashCache,
     IgnoreRule,
     Manifest,
+    PushLimit,
     RemoteEntry,
     RemoteTree,
     TransferPlan,
@@ -59,6 +61,7 @@ from dlrun.push.tree import (
     check_space,
     default_cache_path,
     diff_manifests,
+    largest_items,
     remote_code_dir,
     scan_tree,
 )
@@ -75,6 +78,7 @@ SEND_CHUNK = 32 * 1024 - 64
 READ_CHUNKS = 8  # SEND_CHUNKs per read of a local file
 
 ProgressHook = Callable[[str, int, int], None]
+DEFAULT_LIMIT = PushLimit()  # 200 MiB, 20,000 files (dlrun.push.tree)
 
 
 def helper_source() -> str:
@@ -112,6 +116,9 @@ class HostPushSummary:
     seconds: float
     code_dir: str | None = None
     data_dir: str | None = None
+    dry_run: bool = False  # nothing was written: the counts say what a push would do
+    largest: tuple[tuple[str, int, int], ...] = ()  # what would be sent: (name, bytes, files), largest first
+    deleting: tuple[str, ...] = ()  # what would be deleted (a dry run)
 
 
 @dataclass(frozen=True)
@@ -274,8 +281,9 @@ class _HostPush:
 
     def __init__(self, transport: Transport, host: Host, targets: Sequence[PushTarget], *, delete: bool,
                  progress: ProgressHook | None, file_progress: ProgressHook | None,
-                 cancel: threading.Event) -> None:
+                 cancel: threading.Event, dry_run: bool = False) -> None:
         self.transport = transport
+        self.dry_run = dry_run
         self.host = host
         self.targets = targets
         self.delete = delete
@@ -304,7 +312,7 @@ class _HostPush:
             nothing = _summary_if_settled(self.host.name, self.targets, trees, plans, settled)
             if nothing is not None:  # nothing to send, delete or record: the helper may end now
                 self._send_line({"abort": True}, replies)
-                return replace(nothing, seconds=time.monotonic() - started)
+                return replace(nothing, seconds=time.monotonic() - started, dry_run=self.dry_run)
             try:
                 self._check(trees, plans)
             except SyncError:
@@ -312,6 +320,11 @@ class _HostPush:
                 channel.close_stdin()
                 channel.wait(10)
                 raise
+            if self.dry_run:  # the helper ends on "abort" having written nothing
+                self._send_line({"abort": True}, replies)
+                channel.close_stdin()
+                channel.wait(10)
+                return self._dry_run_summary(trees, plans, time.monotonic() - started)
             sent, failures, deleted = self._transfer(trees, plans, replies)
             if failures:
                 raise self._write_failed(failures)
@@ -329,6 +342,26 @@ class _HostPush:
             )
         finally:
             channel.close()
+
+    def _dry_run_summary(self, trees: Sequence[RemoteTree], plans: Sequence[TransferPlan],
+                         seconds: float) -> HostPushSummary:
+        named = [(f"{'[data] ' if t.label == 'data' else ''}{e.path}", e.size)
+                 for t, plan in zip(self.targets, plans, strict=True) for e in plan.send]
+        roots = {t.label: tree.root for t, tree in zip(self.targets, trees, strict=True)}
+        return HostPushSummary(
+            host=self.host.name,
+            files_sent=sum(len(p.send) for p in plans),
+            bytes_sent=sum(p.bytes_to_send for p in plans),
+            files_unchanged=sum(len(p.unchanged) for p in plans),
+            files_deleted=sum(len(p.delete) for p in plans),
+            seconds=seconds,
+            code_dir=roots.get("code"),
+            data_dir=roots.get("data"),
+            dry_run=True,
+            largest=largest_items(named),
+            deleting=tuple(f"{'[data] ' if t.label == 'data' else ''}{path}"
+                           for t, plan in zip(self.targets, plans, strict=True) for path in plan.delete),
+        )
 
     def _send_line(self, message: Mapping[str, Any], replies: _Replies) -> None:
         self._send(json.dumps(message).encode() + b"\n", replies)
@@ -473,6 +506,9 @@ def push(
     progress: ProgressHook | None = None,
     file_progress: ProgressHook | None = None,
     leave_out: Path | None = None,
+    log_dir: str | Path | None = DEFAULT_LOG_DIR,
+    limit: PushLimit | None = DEFAULT_LIMIT,
+    dry_run: bool = False,
 ) -> tuple[HostPushSummary, ...]:
     """Bring ``code_dir`` (to ``remote_code_dir``) and each host's shard of ``data_dir`` (to
     ``remote_data_dir``) up to date on every host, in parallel; one summary per host, in order.
@@ -481,7 +517,11 @@ def push(
     wrote that are gone locally (or, for data, no longer in the host's shard). ``progress(host,
     bytes_done, bytes_total)`` and ``file_progress(host, files_done, files_total)`` are called
     from the hosts' threads. ``leave_out``: a directory inside ``code_dir`` not to send with
-    the code (the dataset, pushed as shards on its own). Raises ``SyncError`` (space, permissions, verification),
+    the code (the dataset, pushed as shards on its own). ``log_dir``: the job's log folder, left
+    out of the code wherever it is (relative: from the current directory). ``limit``: a code
+    push over it stops before anything is hashed or sent (data shards are not limited).
+    ``dry_run``: survey each host and return what a push would send and delete
+    (``HostPushSummary.dry_run``), writing nothing anywhere. Raises ``SyncError`` (space, permissions, verification),
     ``TransportError`` (unreachable, helper failed) or ``UsageError``; with several hosts
     failing, one ``SyncError`` lists them all. Hosts that succeeded keep what they received.
     """
@@ -510,8 +550,9 @@ def push(
 
     with ThreadPoolExecutor(max_workers=1) as connector:
         connected = connector.submit(transport.connect, hosts)  # overlaps with hashing
-        code_manifest, data_manifests = _plan_local(code_root, data_root, len(hosts), shard, split_lines,
-                                                    leave_root)
+        code_manifest, data_manifests = _plan_local(
+            code_root, data_root, len(hosts), shard, split_lines, leave_root,
+            log_dir=Path(log_dir).resolve() if log_dir is not None else None, limit=limit, save_cache=not dry_run)
         connected.result()
 
     host_targets = []
@@ -526,7 +567,7 @@ def push(
 
     cancel = threading.Event()
     jobs = [_HostPush(transport, host, targets, delete=delete, progress=progress, file_progress=file_progress,
-                      cancel=cancel) for host, targets in zip(hosts, host_targets, strict=True)]
+                      cancel=cancel, dry_run=dry_run) for host, targets in zip(hosts, host_targets, strict=True)]
     pool = ThreadPoolExecutor(max_workers=min(32, len(jobs)), thread_name_prefix="dlrun-push")
     futures: list[Future[HostPushSummary]] = [pool.submit(job.run) for job in jobs]
     try:
@@ -550,9 +591,11 @@ def push(
 
 
 def _plan_local(code_root: Path | None, data_root: Path | None, count: int, shard: str, split_lines: bool,
-                leave_out: Path | None = None) -> tuple[Manifest | None, tuple[Manifest, ...] | None]:
+                leave_out: Path | None = None, *, log_dir: Path | None = None, limit: PushLimit | None = None,
+                save_cache: bool = True) -> tuple[Manifest | None, tuple[Manifest, ...] | None]:
     """The code manifest (without the dataset, which goes in shards, when it lies inside the
-    code: ``data_root``, or ``leave_out`` when the data is pushed on its own) and the shards."""
+    code: ``data_root``, or ``leave_out`` when the data is pushed on its own; without the
+    folders left out by default and the log folder ``log_dir``; within ``limit``) and the shards."""
     code_manifest = data_manifests = None
     if code_root is not None:
         extra: tuple[IgnoreRule, ...] = ()
@@ -560,13 +603,18 @@ def _plan_local(code_root: Path | None, data_root: Path | None, count: int, shar
         if inside is not None and inside.is_relative_to(code_root) and inside != code_root:
             nested = inside.relative_to(code_root).as_posix()
             extra = (IgnoreRule(pattern=f"/{nested}", regex=re.escape(nested)),)
+        logs = ([log_dir.relative_to(code_root).as_posix()]
+                if log_dir is not None and log_dir.is_relative_to(code_root) and log_dir != code_root else [])
         cache = HashCache(default_cache_path(code_root))
-        code_manifest = scan_tree(code_root, extra_rules=extra, cache=cache)
-        cache.save()
+        code_manifest = scan_tree(code_root, extra_rules=extra, cache=cache, leave_out_defaults=True,
+                                  left_out_folders=logs, limit=limit)
+        if save_cache:
+            cache.save()
     if data_root is not None:
         cache = HashCache(default_cache_path(data_root))
         data_manifests = plan_data(data_root, count, shard, split_lines=split_lines, cache=cache)
-        cache.save()
+        if save_cache:
+            cache.save()
     return code_manifest, data_manifests
 
 
@@ -584,10 +632,14 @@ def survey_request(targets: Sequence[PushTarget]) -> dict[str, Any]:
             "idle": HELPER_IDLE_S}
 
 
-def scan_code(code_root: Path, leave_out: Path | None = None) -> Manifest:
-    """The code manifest ``push(code_dir=code_root, leave_out=…)`` sends (hashes cached by stat)."""
+def scan_code(code_root: Path, leave_out: Path | None = None, *, log_dir: str | Path | None = DEFAULT_LOG_DIR,
+              limit: PushLimit | None = DEFAULT_LIMIT, save_cache: bool = True) -> Manifest:
+    """The code manifest ``push(code_dir=code_root, leave_out=…, log_dir=…, limit=…)`` sends
+    (hashes cached by stat; a push over ``limit`` raises ``UsageError`` before any hashing)."""
     manifest, _ = _plan_local(code_root.resolve(), None, 1, "files", False,
-                              leave_out.resolve() if leave_out is not None else None)
+                              leave_out.resolve() if leave_out is not None else None,
+                              log_dir=Path(log_dir).resolve() if log_dir is not None else None, limit=limit,
+                              save_cache=save_cache)
     assert manifest is not None
     return manifest
 

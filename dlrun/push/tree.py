@@ -20,10 +20,11 @@ import os
 import posixpath
 import re
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,13 @@ CODE_IGNORE_FILES = (".gitignore", ".dlrunignore")
 DATA_IGNORE_FILES = (".dlrunignore",)
 ALWAYS_IGNORED = (".git/", "__pycache__/")
 HASH_BLOCK = 1 << 20
+#: Left out of a code push unless a ``!pattern`` in ``.dlrunignore`` brings them back; so is
+#: any folder holding ``pyvenv.cfg`` or ``conda-meta/`` (an environment), and the job's logs.
+DEFAULT_LEFT_OUT = ("node_modules/", ".tox/", ".nox/", ".mypy_cache/", ".pytest_cache/", ".ruff_cache/",
+                    ".ipynb_checkpoints/", "wandb/", "mlruns/", "lightning_logs/")
+DEFAULT_LOG_DIR = "dlrun-logs"
+DEFAULT_MAX_PUSH_BYTES = 200 * 1024 * 1024
+DEFAULT_MAX_PUSH_FILES = 20_000
 RACY_NS = 100_000_000  # a file modified this close to its hashing is hashed again next time
 
 
@@ -53,6 +61,7 @@ class IgnoreRule:
     base: str = ""  # directory of the ignore file, relative to the walked root ("" = the root)
     negate: bool = False
     dir_only: bool = False
+    origin: str = ""  # "default": one of the folders a push leaves out unless told otherwise
     _compiled: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +92,13 @@ class IgnoreRules:
             if rule.matches(path, is_dir):
                 return not rule.negate
         return False
+
+    def deciding(self, path: str, is_dir: bool) -> IgnoreRule | None:
+        """The rule that decides about ``path`` itself (the last that matches), or None."""
+        for rule in reversed(self.rules):
+            if rule.matches(path, is_dir):
+                return rule
+        return None
 
     def ignored(self, path: str, is_dir: bool = False) -> bool:
         """Whether ``path`` is excluded, itself or through an excluded parent directory."""
@@ -169,6 +185,19 @@ def default_rules() -> tuple[IgnoreRule, ...]:
     return parse_ignore("\n".join(ALWAYS_IGNORED))
 
 
+def left_out_rules(folders: Sequence[str] = ()) -> tuple[IgnoreRule, ...]:
+    """``DEFAULT_LEFT_OUT`` at any depth, and ``folders`` (paths relative to the root, such as
+    the job's log folder), anchored; placed first, so a ``!pattern`` brings any back."""
+    named = parse_ignore("\n".join(DEFAULT_LEFT_OUT))
+    anchored = tuple(IgnoreRule(pattern=f"/{f}/", regex=re.escape(f), dir_only=True) for f in folders if f)
+    return tuple(replace(rule, origin="default") for rule in (*named, *anchored))
+
+
+def is_environment(folder: str) -> bool:
+    """A Python virtual environment or a conda environment, whatever its name."""
+    return os.path.isfile(os.path.join(folder, "pyvenv.cfg")) or os.path.isdir(os.path.join(folder, "conda-meta"))
+
+
 # =============================================================================== manifests
 
 
@@ -204,6 +233,7 @@ class Manifest:
     """Entries sorted by path."""
 
     entries: tuple[FileEntry, ...] = ()
+    left_out: tuple[str, ...] = field(default=(), compare=False)  # folders the defaults left out
 
     @property
     def total_bytes(self) -> int:
@@ -399,6 +429,66 @@ def sha256_file(path: str, offset: int = 0, length: int | None = None, prefix: b
     return digest.hexdigest()
 
 
+@dataclass(frozen=True)
+class PushLimit:
+    """The most a code push may send before it stops with a usage error (None: no limit)."""
+
+    max_bytes: int | None = DEFAULT_MAX_PUSH_BYTES
+    max_files: int | None = DEFAULT_MAX_PUSH_FILES
+
+
+NO_LIMIT = PushLimit(None, None)
+
+
+def parse_size(text: str) -> PushLimit:
+    """``--max-push-size``: ``500M``, ``2G``, ``1.5GiB``, ``300000000`` (bytes) keep the file limit;
+    ``none`` (or ``0``) lifts both limits."""
+    value = text.strip().lower()
+    if value in ("none", "0", "off", "unlimited"):
+        return NO_LIMIT
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?", value)
+    if match is None:
+        raise UsageError(f"--max-push-size {text!r}: expected a size like 500M, 2G or 1.5GiB, or none")
+    number, unit = match.groups()
+    size = int(float(number) * 1024 ** " kmgt".index(unit or " "))
+    return PushLimit(max_bytes=size)
+
+
+def largest_items(sizes: Iterable[tuple[str, int]], count: int = 5) -> tuple[tuple[str, int, int], ...]:
+    """The ``count`` largest top-level items of a tree, as ``(name, bytes, files)``; a folder's
+    name ends with ``/``."""
+    totals: dict[str, list[int]] = {}
+    for path, size in sizes:
+        head, sep, _ = path.partition("/")
+        key = head + sep
+        total = totals.setdefault(key, [0, 0])
+        total[0] += size
+        total[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: (-item[1][0], item[0]))
+    return tuple((name, size, files) for name, (size, files) in ranked[:count])
+
+
+def check_push_size(root: Path, sizes: Sequence[tuple[str, int]], limit: PushLimit) -> None:
+    """Raise ``UsageError`` (exit 2) when a code push of ``sizes`` (path, bytes) from ``root``
+    is over ``limit``, naming the five largest folders and the ways out."""
+    total = sum(size for _, size in sizes)
+    over_bytes = limit.max_bytes is not None and total > limit.max_bytes
+    over_files = limit.max_files is not None and len(sizes) > limit.max_files
+    if not (over_bytes or over_files):
+        return
+    what = (f"over the {human_bytes(limit.max_bytes or 0)} limit" if over_bytes
+            else f"over the {limit.max_files} files limit")
+    lines = "\n".join(f"    {name:<40} {human_bytes(size):>10}  {files} file{'s' if files != 1 else ''}"
+                      for name, size, files in largest_items(sizes))
+    raise UsageError(
+        f"the code push from {root} is {human_bytes(total)} in {len(sizes)} files, {what}; nothing was sent."
+        f" Largest:\n{lines}",
+        hint=f"leave folders out in {root / '.dlrunignore'} (one pattern a line, e.g. 'checkpoints/'); "
+        "pass a dataset with --data DIR (sharded, not limited); raise the limit with --max-push-size 1G "
+        "(none: no limit); or run what is on the hosts with --no-push",
+    )
+
+
 def scan_tree(
     root: Path,
     *,
@@ -406,6 +496,9 @@ def scan_tree(
     extra_rules: Sequence[IgnoreRule] = (),
     cache: HashCache | None = None,
     follow_links: bool = False,
+    leave_out_defaults: bool = False,
+    left_out_folders: Sequence[str] = (),
+    limit: PushLimit | None = None,
 ) -> Manifest:
     """Walk ``root``: every file not ignored, with size, permission bits and sha256; links as links.
 
@@ -413,12 +506,17 @@ def scan_tree(
     are always skipped, and so are sockets, fifos and devices. Symlinks are not followed, unless
     ``follow_links`` (a dataset: what the ranks read is the target's bytes, and a linked folder
     of files must be dealt out like the others); then a dangling link or a loop is an error.
+    ``leave_out_defaults`` (code): ``DEFAULT_LEFT_OUT``, environments and ``left_out_folders``
+    (relative paths) are left out unless a ``!pattern`` brings them back; the manifest names
+    them in ``left_out``. ``limit``: checked after the walk, before any file is read.
     """
     root = Path(root)
-    entries: list[FileEntry] = []
+    found: list[tuple[str, str, os.stat_result, str | None]] = []  # rel, path, stat, link target
+    left_out: list[str] = []
     walked = {os.path.realpath(root)}  # with follow_links: the folders under way, against loops
     always = default_rules()
-    stack: list[tuple[str, IgnoreRules]] = [("", IgnoreRules())]
+    defaults = left_out_rules(left_out_folders) if leave_out_defaults else ()
+    stack: list[tuple[str, IgnoreRules]] = [("", IgnoreRules(defaults))]
     while stack:
         rel_dir, inherited = stack.pop()
         folder = os.path.join(root, rel_dir) if rel_dir else str(root)
@@ -433,6 +531,18 @@ def scan_tree(
                 children = sorted(it, key=lambda e: e.name)
         except OSError as exc:
             raise SyncError(f"cannot read directory {folder}: {exc.strerror or exc}") from exc
+
+        def wanted_dir(rel: str, path: str, effective: IgnoreRules = effective) -> bool:
+            rule = effective.deciding(rel, True)
+            if rule is not None and not rule.negate:
+                if rule.origin == "default":
+                    left_out.append(rel + "/")
+                return False
+            if leave_out_defaults and rule is None and is_environment(path):
+                left_out.append(rel + "/")
+                return False
+            return True
+
         for child in children:
             rel = f"{rel_dir}/{child.name}" if rel_dir else child.name
             try:
@@ -440,36 +550,38 @@ def scan_tree(
                     if not os.path.exists(child.path):
                         raise SyncError(f"{child.path} is a link to nothing ({os.readlink(child.path)})",
                                         hint="fix or remove the link, or list it in .dlrunignore")
-                    if child.is_dir() and not effective.matches(rel, True):
+                    if child.is_dir() and wanted_dir(rel, child.path):
                         real = os.path.realpath(child.path)
                         if any(real == w or w.startswith(real + os.sep) for w in walked):
                             raise SyncError(f"{child.path} links back to a folder above it (a loop)")
                         walked.add(real)
                         stack.append((rel, rules))
                     elif child.is_file() and not effective.matches(rel, False):
-                        st = child.stat()
-                        path = child.path
-                        digest = cache.digest(rel, st, partial(sha256_file, path)) if cache else sha256_file(path)
-                        entries.append(FileEntry(rel, st.st_size, stat.S_IMODE(st.st_mode), digest,
-                                                 source=Source(file=path, mtime=int(st.st_mtime))))
+                        found.append((rel, child.path, child.stat(), None))
                 elif child.is_symlink():
                     if not effective.matches(rel, False):
-                        target = os.readlink(child.path)
-                        st = child.stat(follow_symlinks=False)
-                        entries.append(FileEntry(rel, 0, 0o777, "", link=target,
-                                                 source=Source(mtime=int(st.st_mtime))))
+                        found.append((rel, child.path, child.stat(follow_symlinks=False), os.readlink(child.path)))
                 elif child.is_dir(follow_symlinks=False):
-                    if not effective.matches(rel, True):
+                    if wanted_dir(rel, child.path):
                         stack.append((rel, rules))
                 elif child.is_file(follow_symlinks=False) and not effective.matches(rel, False):
-                    st = child.stat(follow_symlinks=False)
-                    path = child.path
-                    digest = cache.digest(rel, st, partial(sha256_file, path)) if cache else sha256_file(path)
-                    entries.append(FileEntry(rel, st.st_size, stat.S_IMODE(st.st_mode), digest,
-                                             source=Source(file=path, mtime=int(st.st_mtime))))
+                    found.append((rel, child.path, child.stat(follow_symlinks=False), None))
             except OSError as exc:
                 raise SyncError(f"cannot read {child.path}: {exc.strerror or exc}") from exc
-    return Manifest(tuple(sorted(entries, key=lambda e: e.path)))
+    if limit is not None:
+        check_push_size(root, [(rel, st.st_size if link is None else 0) for rel, _, st, link in found], limit)
+    entries: list[FileEntry] = []
+    for rel, path, st, link in found:
+        if link is not None:
+            entries.append(FileEntry(rel, 0, 0o777, "", link=link, source=Source(mtime=int(st.st_mtime))))
+            continue
+        try:
+            digest = cache.digest(rel, st, partial(sha256_file, path)) if cache else sha256_file(path)
+        except OSError as exc:
+            raise SyncError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        entries.append(FileEntry(rel, st.st_size, stat.S_IMODE(st.st_mode), digest,
+                                 source=Source(file=path, mtime=int(st.st_mtime))))
+    return Manifest(tuple(sorted(entries, key=lambda e: e.path)), left_out=tuple(sorted(left_out)))
 
 
 def _read_text(path: str) -> str | None:
@@ -479,3 +591,37 @@ def _read_text(path: str) -> str | None:
     except OSError:
         return None
 
+
+
+# =============================================================================== which folder a launch pushes
+
+
+def system_folders() -> tuple[Path, ...]:
+    """Folders that hold installed programs, never a user's project: ``/bin``, ``/sbin``,
+    ``/usr``, ``/opt`` and this Python's installation (``sys.prefix``, ``sys.base_prefix``)."""
+    return tuple(dict.fromkeys(Path(p) for p in ("/bin", "/sbin", "/usr", "/opt", sys.prefix, sys.base_prefix)))
+
+
+def push_root_for(script: Path, *, home: Path, system: Sequence[Path]) -> Path | None:
+    """The folder a launch pushes for ``script`` (an absolute path to a file): its directory
+    (resolved), or None when the script is an installed program (under one of ``system``,
+    or in a ``site-packages``/``dist-packages`` folder: run as given, nothing pushed).
+
+    A script directly in ``home`` or in ``/`` is refused (``UsageError``): its directory is
+    not a project, and pushing it would send the whole home folder.
+    """
+    for path in dict.fromkeys((script, Path(os.path.realpath(script)))):
+        if any(path.is_relative_to(folder) for folder in system):
+            return None
+        if any(part in ("site-packages", "dist-packages") for part in path.parts):
+            return None
+    root = Path(os.path.realpath(script)).parent
+    if root == Path(root.anchor) or root == Path(os.path.realpath(home)):
+        where = "the home folder" if root != Path(root.anchor) else "/"
+        raise UsageError(
+            f"{script} is directly in {where} ({root}): dlrun pushes the script's folder, and that would be "
+            f"all of {root}; nothing was pushed",
+            hint="move the script into a project folder, name the folder to push with --code DIR, "
+            "or run what is already on the hosts with --no-push",
+        )
+    return root
