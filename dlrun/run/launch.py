@@ -379,8 +379,8 @@ def run_setup_step(config: LaunchConfig, transport: Transport, hosts: Sequence[H
     if manifest is None and code_dir is not None:
         from dlrun.push.session import scan_code
 
-        manifest = scan_code(code_dir, Path(config.data) if config.data else None,
-                             log_dir=config.log_dir or DEFAULT_LOG_DIR, limit=push_limit(config))
+        manifest = scan_code(code_dir, Path(config.data) if config.data else None,  # only for the key:
+                             log_dir=config.log_dir or DEFAULT_LOG_DIR, limit=None)  # nothing is sent
     folders = {h.name: (pushed.cwd_for or {}).get(h.name) or (os.getcwd() if h.is_local else h.workdir or "")
                for h in hosts}
     keys = {name: setup_key(command, manifest) for name, command in commands.items()}
