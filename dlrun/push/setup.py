@@ -25,7 +25,7 @@ from dlrun.errors import DlrunError, TransportError
 from dlrun.inventory import Host
 from dlrun.push.shard import host_dir_name
 from dlrun.push.tree import Manifest
-from dlrun.transport.base import Transport
+from dlrun.transport.base import Channel, Transport
 
 #: ``$1`` folder ("" or ``~``-relative allowed), ``$2`` stamp file ("": next to the folder),
 #: ``$3`` key, ``$4`` "always" or "changed", ``$5`` the command. First line: a marker.
@@ -129,22 +129,33 @@ def run_setup(
         return ()
     log_dir.mkdir(parents=True, exist_ok=True)
 
+    channels: list[Channel] = []
+
     def one(host: Host) -> SetupResult:
         folder = folders.get(host.name) or ""
         stamp = local_stamp(folder) if host.is_local else ""
         argv = setup_argv(host, commands[host.name], folder, keys.get(host.name, ""), always=always, stamp=stamp)
         log = log_dir / f"setup-{host_dir_name(host.name)}.log"
-        return _run_one(transport, host, argv, log, output)
+        channel = transport.open(host, argv)
+        channels.append(channel)
+        return _run_one(channel, host, log, output)
 
-    with ThreadPoolExecutor(max_workers=min(32, len(chosen)), thread_name_prefix="dlrun-setup") as pool:
-        futures = [pool.submit(one, host) for host in chosen]
-        results: list[SetupResult] = []
-        errors: list[BaseException] = []
+    pool = ThreadPoolExecutor(max_workers=min(32, len(chosen)), thread_name_prefix="dlrun-setup")
+    futures = [pool.submit(one, host) for host in chosen]
+    results: list[SetupResult] = []
+    errors: list[BaseException] = []
+    try:
         for future in futures:
             try:
                 results.append(future.result())
             except TransportError as exc:
                 errors.append(exc)
+    except BaseException:  # Ctrl-C: drop every host's setup (its command loses its channel)
+        for channel in list(channels):
+            channel.close()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     if errors:
         raise errors[0]
     failed = [r for r in results if r.exit_code != 0]
@@ -162,8 +173,7 @@ def run_setup(
     return tuple(results)
 
 
-def _run_one(transport: Transport, host: Host, argv: Sequence[str], log: Path, output: Output) -> SetupResult:
-    channel = transport.open(host, argv)
+def _run_one(channel: Channel, host: Host, log: Path, output: Output) -> SetupResult:
     ran = True
     tail: list[str] = []
     pending = b""
