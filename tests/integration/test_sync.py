@@ -957,3 +957,39 @@ def test_the_push_root_is_a_project_never_a_system_folder_or_the_home(tmp_path: 
     with pytest.raises(UsageError, match="directly in /"):
         push_root_for(Path("/train.py"), home=home, system=system)
     assert Path(sys.prefix) in system_folders() and Path("/usr") in system_folders()
+
+
+def oldest_python() -> str | None:
+    """A Python 3.8 here (PATH or pyenv), the oldest the host programs support."""
+    import glob
+    import shutil
+
+    for found in (*sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.8*/bin/python"))),
+                  shutil.which("python3.8")):
+        if found and subprocess.run([found, "-c", ""], capture_output=True).returncode == 0:  # not a bare shim
+            return found
+    return None
+
+
+def test_the_push_helper_runs_on_python_3_8(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    python = oldest_python()
+    if python is None:
+        pytest.skip("no Python 3.8 on this machine")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code = tmp_path / "code"
+    (code / "sub").mkdir(parents=True)
+    (code / "a.py").write_text("A = 1\n")
+    (code / "sub" / "b.txt").write_text("b\n")
+    (code / "link.py").symlink_to("a.py")
+    host = Host(address="localhost", name="localhost", workdir=str(tmp_path / "host"), python=python)
+    router = HostRouter(remote=None)
+    (first,) = push(router, [host], code_dir=code)
+    assert (first.files_sent, first.code_dir) == (3, str(tmp_path / "host" / "code"))
+    (code / "a.py").write_text("A = 2\n")
+    (code / "sub" / "b.txt").unlink()
+    (planned,) = push(router, [host], code_dir=code, dry_run=True)
+    assert (planned.files_sent, planned.files_deleted, planned.deleting) == (1, 1, ("sub/b.txt",))
+    (again,) = push(router, [host], code_dir=code)
+    assert (again.files_sent, again.files_deleted) == (1, 1)
+    assert (tmp_path / "host" / "code" / "a.py").read_text() == "A = 2\n"
+    assert not (tmp_path / "host" / "code" / "sub").exists()
