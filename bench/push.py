@@ -159,7 +159,7 @@ def main() -> None:
         def dlrun_push(expect_sent: int) -> None:
             transport = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
             try:
-                summaries = push(transport, hosts, code_dir=src)
+                summaries = push(transport, hosts, code_dir=src, limit=None)  # --mb may exceed the guard
             finally:
                 transport.close()
             assert all(s.files_sent == expect_sent for s in summaries), summaries
@@ -171,7 +171,8 @@ def main() -> None:
 
         def dlrun_cli(expect_sent: int) -> None:
             out = subprocess.run([sys.executable, "-m", "dlrun", "push", "--json", "--hosts", str(inventory),
-                                  "--ssh-config", str(cluster.ssh_config), "--code", str(src)],
+                                  "--ssh-config", str(cluster.ssh_config), "--code", str(src),
+                                  "--max-push-size", "none"],
                                  capture_output=True, text=True, check=True)
             sent = [h["files_sent"] for h in json.loads(out.stdout)["hosts"]]
             assert sent == [expect_sent] * len(hosts), out.stdout

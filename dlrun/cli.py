@@ -163,7 +163,9 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
 @click.option("--base-port", type=click.IntRange(1, 65535),
               help=f"Port of local rank 0 (default {DEFAULT_BASE_PORT}; on this machine alone, the first free run "
               "of ports from there, so that jobs side by side do not collide).")
-@click.option("--dry-run", is_flag=True, help="Print each rank's host, env and argv; start nothing.")
+@click.option("--dry-run", is_flag=True,
+              help="Print each rank's host, env and argv, and what the push would send and delete per host;"
+              " start nothing, write nothing.")
 @click.option("--json", "json_output", is_flag=True, help="With --dry-run: print the plan as JSON.")
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Where rank-N.log files go (default dlrun-logs/).")
 @click.option("--grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
@@ -176,6 +178,14 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
 @click.option("--no-preflight", is_flag=True, help="Skip the topology probe (slots, GPUs, error findings).")
 @click.option("--push/--no-push", default=True, show_default=True,
               help="Push the script's directory to <workdir>/<dir name> on remote hosts and run there.")
+@click.option("--code", "code_dir", type=click.Path(exists=True, file_okay=False),
+              help="Push this folder (it holds the script) instead of the script's own directory.")
+@click.option("--max-push-size", metavar="SIZE",
+              help="Stop a code push over SIZE (e.g. 500M, 2G; none: no limit). Default 200M and 20000 files.")
+@click.option("--setup", "setup_command", metavar="CMD",
+              help="Run `sh -c CMD` on every host in the pushed folder before any rank (overrides the"
+              " inventory's setup); again only when CMD or the pushed files changed.")
+@click.option("--setup-always", is_flag=True, help="Run the setup even when nothing changed since its last success.")
 @click.option("--data", type=click.Path(exists=True), help="Dataset directory (or file): each host gets its shard.")
 @click.option("--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True)
 @click.option("--split-lines", is_flag=True, help="Split a single text/CSV dataset file into per-host parts.")
@@ -209,6 +219,10 @@ def launch(
     no_pidns: bool,
     no_preflight: bool,
     push: bool,
+    code_dir: str | None,
+    max_push_size: str | None,
+    setup_command: str | None,
+    setup_always: bool,
     data: str | None,
     shard: str,
     split_lines: bool,
@@ -240,7 +254,10 @@ def launch(
                     "gpus_per_worker", "--conf": "conf_pairs", "--max-restarts": "max_restarts",
                     "--start-timeout": "start_timeout"},
                    backend != "spark", "--backend spark")
+    _refuse_unused({"--code": "code_dir", "--max-push-size": "max_push_size"}, not push, "--push (not --no-push)")
     _refuse_unused({"--data": "data", "--shard": "shard", "--split-lines": "split_lines", "--push/--no-push": "push",
+                    "--code": "code_dir", "--max-push-size": "max_push_size", "--setup": "setup_command",
+                    "--setup-always": "setup_always",
                     "--base-port": "base_port", "--no-preflight": "no_preflight", "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
                     "--connect-timeout": "connect_timeout"},
@@ -266,6 +283,10 @@ def launch(
         data=data,
         shard=shard,
         split_lines=split_lines,
+        code=code_dir,
+        max_push_size=max_push_size,
+        setup=setup_command,
+        setup_always=setup_always,
         ssh=SSHOptions(
             config_file=ssh_config,
             accept_new_host_keys=accept_new_host_keys,
@@ -383,6 +404,9 @@ def init(directory: str, framework: str, force: bool) -> None:
 @click.option("--project", help="Remote directory name under workdir (default: the code directory's name).")
 @click.option("--no-delete", is_flag=True,
               help="Keep remote code files that were deleted locally (a data shard always drops what left it).")
+@click.option("--max-push-size", metavar="SIZE",
+              help="Stop a code push over SIZE (e.g. 500M, 2G; none: no limit). Default 200M and 20000 files.")
+@click.option("--dry-run", is_flag=True, help="Show per host what would be sent and deleted; write nothing.")
 @click.option("--json", "json_output", is_flag=True, help="Print the per-host summary as JSON.")
 @_with_ssh_options
 @_reports_errors
@@ -394,6 +418,8 @@ def push_command(
     split_lines: bool,
     project: str | None,
     no_delete: bool,
+    max_push_size: str | None,
+    dry_run: bool,
     json_output: bool,
     ssh_config: str | None,
     known_hosts: str | None,
@@ -408,19 +434,23 @@ def push_command(
     from dlrun.errors import UsageError
     from dlrun.inventory import load_inventory
     from dlrun.push.session import push
+    from dlrun.push.tree import PushLimit, parse_size
     from dlrun.push.view import PushView, summary_json
     from dlrun.run.launch import SSHOptions, make_transport
 
     if code_dir is None and data is None:
         raise UsageError("nothing to push: give --code DIR and/or --data DIR")
     _refuse_unused({"--shard": "shard", "--split-lines": "split_lines"}, data is None, "--data DIR")
-    _refuse_unused({"--project": "project", "--no-delete": "no_delete"}, code_dir is None, "--code DIR")
+    _refuse_unused({"--project": "project", "--no-delete": "no_delete", "--max-push-size": "max_push_size"},
+                   code_dir is None, "--code DIR")
+    limit = parse_size(max_push_size) if max_push_size is not None else PushLimit()
     inventory = load_inventory(hosts)
     ssh = SSHOptions(ssh_config, accept_new_host_keys, connect_timeout, known_hosts, host_timeout)
     transport = make_transport(inventory, ssh)
     try:
         transport.connect(inventory.hosts)
-        with PushView([h.name for h in inventory.hosts], live=None if not json_output else False) as view:
+        live = False if json_output or dry_run else None  # a dry run prints what it would send
+        with PushView([h.name for h in inventory.hosts], live=live) as view:
             summaries = push(
                 transport,
                 inventory.hosts,
@@ -432,6 +462,8 @@ def push_command(
                 delete=not no_delete,
                 progress=view.progress,
                 file_progress=view.files,
+                limit=limit,
+                dry_run=dry_run,
             )
             if not json_output:
                 view.finish(summaries)

@@ -25,11 +25,12 @@ from dlrun.errors import InventoryError
 ROLES = ("chief", "worker", "ps", "evaluator")
 LOCAL_ADDRESSES = frozenset({"localhost", "127.0.0.1", "::1"})
 
-_DEFAULT_KEYS = frozenset({"user", "port", "identity_file", "python", "workdir", "iface", "env"})
+_DEFAULT_KEYS = frozenset({"user", "port", "identity_file", "python", "workdir", "iface", "env", "setup"})
 _HOST_KEYS = frozenset(
-    {"address", "name", "slots", "port", "user", "identity_file", "python", "workdir", "iface", "role", "env"}
+    {"address", "name", "slots", "port", "user", "identity_file", "python", "workdir", "iface", "role", "env",
+     "setup"}
 )
-_STR_KEYS = frozenset({"address", "name", "user", "identity_file", "python", "workdir", "iface", "role"})
+_STR_KEYS = frozenset({"address", "name", "user", "identity_file", "python", "workdir", "iface", "role", "setup"})
 # a Linux interface name: 1-15 bytes, no whitespace and no "/" (dev_valid_name in the kernel)
 _IFACE_NAME = re.compile(r"[^\s/]{1,15}")
 _INT_KEYS = frozenset({"port", "slots"})
@@ -54,6 +55,7 @@ class Host:
     role: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     iface: str | None = None  # this host's interface for Gloo/NCCL sockets (names may differ per host)
+    setup: str | None = None  # run as `sh -c setup` in the pushed code folder before any rank (dlrun.push.setup)
 
     @property
     def is_local(self) -> bool:
@@ -197,6 +199,7 @@ def parse_toml_inventory(text: str, *, source: str = "hosts.toml") -> Inventory:
                 role=role,
                 env=env,
                 iface=merged.get("iface"),
+                setup=merged.get("setup"),
             )
         )
     inv = Inventory(hosts=tuple(hosts), source=source, defaults_env=dict(defaults.get("env", {})))
@@ -234,6 +237,9 @@ def _check_table(
         if key == "iface" and not _IFACE_NAME.fullmatch(value):
             raise InventoryError("must be a network interface name (1-15 characters, no spaces or '/')",
                                  source=source, line=line_of(key), key=f"{where}.{key}")
+        if key == "setup" and (not value.strip() or "\0" in value):
+            raise InventoryError("must be a shell command (not empty, no NUL byte)", source=source,
+                                 line=line_of(key), key=f"{where}.{key}")
         if key == "slots" and value < 1:
             raise InventoryError("must be at least 1", source=source, line=line_of(key), key=f"{where}.{key}")
         if key == "port" and not 0 < value < 65536:

@@ -19,15 +19,33 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress, TaskID
 
-from dlrun.push.session import HostPushSummary, human_bytes
+from dlrun.push.session import HostPushSummary
+from dlrun.push.tree import human_bytes
 
 
 def summary_line(summary: HostPushSummary) -> str:
-    """``host0: 12 files sent (3.1 MiB), 40 unchanged, 1 deleted in 0.8 s``."""
+    """``host0: 12 files sent (3.1 MiB), 40 unchanged, 1 deleted in 0.8 s``; a dry run's lines
+    say what would be sent and deleted, with the largest items."""
+    if summary.dry_run:
+        return dry_run_lines(summary)
     return (
         f"{summary.host}: {summary.files_sent} files sent ({human_bytes(summary.bytes_sent)}), "
         f"{summary.files_unchanged} unchanged, {summary.files_deleted} deleted in {summary.seconds:.1f} s"
     )
+
+
+def dry_run_lines(s: HostPushSummary, shown: int = 10) -> str:
+    """``host0: would send 12 files (3.1 MiB), delete 1, 40 unchanged (nothing written)`` and
+    the largest items to send and the files to delete, one a line."""
+    where = ", ".join(d for d in (s.code_dir, s.data_dir) if d)
+    lines = [f"{s.host}: would send {s.files_sent} files ({human_bytes(s.bytes_sent)}), delete {s.files_deleted},"
+             f" {s.files_unchanged} unchanged{f' in {where}' if where else ''} (dry run: nothing written)"]
+    lines += [f"  send   {name:<40} {human_bytes(size):>10}  {files} file{'s' if files != 1 else ''}"
+              for name, size, files in s.largest]
+    lines += [f"  delete {path}" for path in s.deleting[:shown]]
+    if len(s.deleting) > shown:
+        lines.append(f"  … and {len(s.deleting) - shown} more to delete")
+    return "\n".join(lines)
 
 
 def summary_json(summaries: Sequence[HostPushSummary]) -> dict[str, Any]:
@@ -42,6 +60,8 @@ def summary_json(summaries: Sequence[HostPushSummary]) -> dict[str, Any]:
             "seconds": round(s.seconds, 3),
             "code_dir": s.code_dir,
             "data_dir": s.data_dir,
+            **({"dry_run": True, "largest": [{"name": n, "bytes": b, "files": f} for n, b, f in s.largest],
+                "deleting": list(s.deleting)} if s.dry_run else {}),
         }
         for s in summaries
     ]
@@ -52,7 +72,10 @@ def summary_json(summaries: Sequence[HostPushSummary]) -> dict[str, Any]:
         "files_deleted": sum(s.files_deleted for s in summaries),
         "seconds": round(max((s.seconds for s in summaries), default=0.0), 3),  # hosts run in parallel
     }
-    return {"hosts": hosts, "total": total}
+    document: dict[str, Any] = {"hosts": hosts, "total": total}
+    if any(s.dry_run for s in summaries):
+        document["dry_run"] = True
+    return document
 
 
 class PushView:

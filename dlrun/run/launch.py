@@ -40,8 +40,10 @@ from dlrun.transport.local import HostRouter
 
 if TYPE_CHECKING:
     from dlrun.push.session import HostPushSummary, Manifest, PushTarget
+    from dlrun.push.tree import PushLimit
     from dlrun.topo.records import HostReport
 
+DEFAULT_LOG_DIR = "dlrun-logs"  # dlrun.push.tree.DEFAULT_LOG_DIR
 ANSWER_TIMEOUT = 120.0  # for the agents' probe and survey answers, as dlrun.topo.preflight.PROBE_TIMEOUT
 
 
@@ -77,6 +79,10 @@ class LaunchConfig:
     data: str | None = None
     shard: str = "files"
     split_lines: bool = False
+    code: str | None = None  # --code DIR: the folder to push (holding the script), not the script's own
+    max_push_size: str | None = None  # --max-push-size: the code push's limit (dlrun.push.tree.parse_size)
+    setup: str | None = None  # --setup CMD: for every host, instead of the inventory's setup
+    setup_always: bool = False
 
 
 def new_job_id() -> str:
@@ -252,6 +258,7 @@ class Pushed:
     env_for: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     cwd_for: Mapping[str, str | None] | None = None
     script: str | None = None
+    summaries: tuple[HostPushSummary, ...] = ()  # the data push's, then the code push's
 
     def apply(self, inventory: Inventory) -> Inventory:
         """The inventory with each host's shard env (``DLRUN_DATA_DIR`` …) added."""
@@ -259,47 +266,126 @@ class Pushed:
         return replace(inventory, hosts=hosts)
 
 
-def code_dir_to_push(config: LaunchConfig) -> Path | None:
-    """The script's directory when ``launch`` pushes it (``--push`` and a script file)."""
+def code_dir_to_push(config: LaunchConfig, *, strict: bool = False) -> Path | None:
+    """The folder ``launch`` pushes (``--push`` and a script file): ``--code DIR``, else the
+    script's directory, unless the script is an installed program (``/usr/bin/…``, a
+    ``site-packages``: nothing pushed). A script directly in the home folder or ``/`` has
+    none: with ``strict`` (remote hosts to push to) that is a ``UsageError``
+    (``dlrun.push.tree.push_root_for``)."""
+    from dlrun.push.tree import push_root_for, system_folders
+
     script = Path(config.script)
-    return script.resolve().parent if config.push and script.is_file() else None
+    if not config.push or not script.is_file():
+        return None
+    if config.code is not None:
+        code = Path(config.code).resolve()
+        if not script.resolve().is_relative_to(code):
+            raise UsageError(f"--code {config.code}: the script {config.script} is not inside it",
+                             hint="--code names the project folder that holds the script")
+        return code
+    try:
+        return push_root_for(script.absolute(), home=Path.home(), system=system_folders())
+    except UsageError:
+        if strict:
+            raise
+        return None
+
+
+def script_in_push(config: LaunchConfig, code_dir: Path) -> str:
+    """The script as the ranks name it, relative to the pushed folder (a link: its target)."""
+    return Path(config.script).resolve().relative_to(code_dir).as_posix()
+
+
+def push_limit(config: LaunchConfig) -> PushLimit:
+    from dlrun.push.tree import PushLimit, parse_size
+
+    return parse_size(config.max_push_size) if config.max_push_size is not None else PushLimit()
 
 
 def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[Host],
-                    settled: Mapping[str, HostPushSummary] | None = None) -> Pushed:
+                    settled: Mapping[str, HostPushSummary] | None = None, *, dry_run: bool = False) -> Pushed:
     """Push each host's data shard (``--data``) and the script's directory (remote hosts).
 
     With code pushed, every rank runs in ``<workdir>/<script dir name>`` on its host and the
     script is named relative to it; local hosts run in the script's directory for the same
     relative name. ``settled``: hosts whose agent's survey found the code already in place
-    (``dlrun.push.session.settled_push``); no push session is opened there.
+    (``dlrun.push.session.settled_push``); no push session is opened there. ``dry_run``: each
+    host is surveyed and what would be sent is shown; nothing is written.
     """
     from dlrun.push.session import push, shard_env
     from dlrun.push.view import PushView
 
     env_for: dict[str, dict[str, str]] = {}
+    shown: list[HostPushSummary] = []
+    live = False if dry_run else None  # a dry run prints what it would send, line by line
     if config.data:
-        with PushView([h.name for h in hosts]) as view:
+        with PushView([h.name for h in hosts], live=live) as view:
             summaries = push(transport, hosts, code_dir=None, data_dir=Path(config.data), shard=config.shard,
-                             split_lines=config.split_lines, progress=view.progress, file_progress=view.files)
+                             split_lines=config.split_lines, progress=view.progress, file_progress=view.files,
+                             dry_run=dry_run)
             view.finish(summaries)
+            shown += summaries
         for index, (host, summary) in enumerate(zip(hosts, summaries, strict=True)):
             env_for[host.name] = shard_env(index, len(hosts), host, data_dir=summary.data_dir)
     code_dir = code_dir_to_push(config)
     remote = [h for h in hosts if not h.is_local]
     if code_dir is None or not remote:
-        return Pushed(env_for)
+        return Pushed(env_for, summaries=tuple(shown))
     done = dict(settled or {})
     pending = [h for h in remote if h.name not in done]
-    with PushView([h.name for h in remote]) as view:
+    with PushView([h.name for h in remote], live=live) as view:
         if pending:
             fresh = push(transport, pending, code_dir=code_dir, progress=view.progress, file_progress=view.files,
-                         leave_out=Path(config.data) if config.data else None)  # the data went as shards
+                         leave_out=Path(config.data) if config.data else None,  # the data went as shards
+                         log_dir=config.log_dir or DEFAULT_LOG_DIR, limit=push_limit(config), dry_run=dry_run)
             done.update((s.host, s) for s in fresh)
         view.finish([done[h.name] for h in remote])
+    shown += [done[h.name] for h in remote]
     cwd_for: dict[str, str | None] = {h.name: str(code_dir) for h in hosts if h.is_local}
     cwd_for.update({h.name: done[h.name].code_dir for h in remote})
-    return Pushed(env_for, cwd_for, Path(config.script).resolve().name)  # a link: its target, in the pushed directory
+    return Pushed(env_for, cwd_for, script_in_push(config, code_dir), tuple(shown))
+
+
+def dry_run_push(config: LaunchConfig, inventory: Inventory, hosts: Sequence[Host]) -> Pushed:
+    """``--dry-run``: survey each host and show what the push would send and delete (nothing is
+    written); where the hosts cannot be reached, what ``planned_push`` says, with a warning."""
+    from dlrun.errors import TransportError
+
+    code_dir = code_dir_to_push(config, strict=any(not h.is_local for h in hosts))
+    if not config.data and (code_dir is None or all(h.is_local for h in hosts)):
+        return planned_push(config, hosts)
+    transport = make_transport(inventory, config.ssh)
+    try:
+        transport.connect(hosts)
+        return push_for_launch(config, transport, hosts, dry_run=True)
+    except TransportError as exc:
+        print(f"dlrun: warning: cannot survey the hosts for the push ({exc}); showing the plan only",
+              file=sys.stderr)
+        return planned_push(config, hosts)
+    finally:
+        transport.close()
+
+
+def run_setup_step(config: LaunchConfig, transport: Transport, hosts: Sequence[Host], pushed: Pushed, job_id: str,
+                   manifest: Manifest | None) -> None:
+    """The setup command (``--setup`` or the inventory's ``setup``) on every host, in its run
+    folder, after the push and before any rank (``dlrun.push.setup``); a failure raises."""
+    from dlrun.push.setup import run_setup, setup_commands, setup_key
+
+    commands = setup_commands(hosts, config.setup)
+    if not commands:
+        return
+    code_dir = code_dir_to_push(config)
+    if manifest is None and code_dir is not None:
+        from dlrun.push.session import scan_code
+
+        manifest = scan_code(code_dir, Path(config.data) if config.data else None,  # only for the key:
+                             log_dir=config.log_dir or DEFAULT_LOG_DIR, limit=None)  # nothing is sent
+    folders = {h.name: (pushed.cwd_for or {}).get(h.name) or (os.getcwd() if h.is_local else h.workdir or "")
+               for h in hosts}
+    keys = {name: setup_key(command, manifest) for name, command in commands.items()}
+    run_setup(transport, hosts, commands, folders, keys, Path(config.log_dir or DEFAULT_LOG_DIR) / job_id,
+              always=config.setup_always)
 
 
 def planned_push(config: LaunchConfig, hosts: Sequence[Host]) -> Pushed:
@@ -312,7 +398,7 @@ def planned_push(config: LaunchConfig, hosts: Sequence[Host]) -> Pushed:
     if code_dir is None or all(h.is_local for h in hosts):
         return Pushed(env_for)
     cwd_for = {h.name: str(code_dir) if h.is_local else code_dir_on(h, code_dir) for h in hosts}
-    return Pushed(env_for, cwd_for, Path(config.script).resolve().name)
+    return Pushed(env_for, cwd_for, script_in_push(config, code_dir))
 
 
 def survey_code(code_dir: Path, hosts: Sequence[Host], manifest: Manifest) -> dict[str, PushTarget]:
@@ -436,8 +522,9 @@ def default_ranks_for_gpus(inventory: Inventory, reports: Sequence[HostReport]) 
 
 def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
     """Before any connection: a ``.py`` script that must be here (a local rank runs it, or its
-    directory is pushed) exists, and the log directory can be written."""
-    code_dir = code_dir_to_push(config)
+    directory is pushed) exists, its push root is a project (not the home folder), and the log
+    directory can be written."""
+    code_dir = code_dir_to_push(config, strict=not inventory.all_local)
     if code_dir is not None and config.data and code_dir.is_relative_to(Path(config.data).resolve()):
         raise UsageError(f"--data {config.data} holds the script's directory {code_dir}, which is pushed as code:"
                          " every file would go twice", hint="keep the dataset in a directory of its own")
@@ -472,7 +559,7 @@ def launch(config: LaunchConfig) -> int:
     warning = keras_warning(config, inventory)
     if config.dry_run:
         planned_hosts = job_plan(config, inventory, job_id).hosts
-        pushed = planned_push(config, planned_hosts)
+        pushed = dry_run_push(config, inventory, planned_hosts)
         shown = replace(config, script=pushed.script) if pushed.script is not None else config
         addresses = reachable_addresses(planned_hosts, {})
         plan, commands = render_commands(shown, pushed.apply(inventory), job_id, cwd_for=pushed.cwd_for,
@@ -483,7 +570,12 @@ def launch(config: LaunchConfig) -> int:
             commands = tuple(replace(c, env={**c.env, **server}) for c in commands)
         warn_replaced_env(config, commands)
         if config.json_output:
-            print(json.dumps(plan_to_json(commands), indent=2))
+            document = plan_to_json(commands)
+            if pushed.summaries:
+                from dlrun.push.view import summary_json
+
+                document["push"] = summary_json(pushed.summaries)
+            print(json.dumps(document, indent=2))
         else:
             if warning:
                 print(f"dlrun: warning: {warning}", file=sys.stderr)
@@ -507,7 +599,9 @@ def launch(config: LaunchConfig) -> int:
         from dlrun.push.session import scan_code
 
         leave_out = Path(config.data) if config.data else None  # sent as shards, not with the code
-        manifest = pusher.submit(scan_code, code_dir, leave_out)  # hashes (or reads the cache) while we connect
+        # hashes (or reads the cache) while we connect; over the size limit it raises before hashing
+        manifest = pusher.submit(scan_code, code_dir, leave_out, log_dir=config.log_dir or DEFAULT_LOG_DIR,
+                                 limit=push_limit(config))
     try:
         addresses = reachable_addresses(used_hosts, transport.connect(used_hosts))
         targets = survey_code(code_dir, used_hosts, manifest.result()) if code_dir and manifest is not None else {}
@@ -537,6 +631,8 @@ def launch(config: LaunchConfig) -> int:
             found_ifaces = interfaces_at(reports, addresses)
         plan = job_plan(config, inventory, job_id, addresses)
         pushed = push_for_launch(config, transport, plan.hosts, settled_hosts(targets, answers))
+        run_setup_step(config, transport, plan.hosts, pushed, job_id,
+                       manifest.result() if manifest is not None else None)
         if pushed.script is not None:
             config = replace(config, script=pushed.script)
         with ExitStack() as stack:

@@ -17,7 +17,8 @@ import pytest
 
 from dlrun.errors import DlrunError, SyncError
 from dlrun.inventory import Host
-from dlrun.push.session import SHARD_FILE, SHARD_POLICIES, push, shard_env
+from dlrun.push.session import push
+from dlrun.push.shard import SHARD_FILE, SHARD_POLICIES, shard_env
 from dlrun.transport.local import HostRouter
 from dlrun.transport.ssh import SSHTransport
 
@@ -364,7 +365,6 @@ def test_launch_with_data_gives_each_rank_its_shard(cluster, tmp_path: Path) -> 
 
 def test_launch_opens_a_push_session_only_where_the_code_changed(  # type: ignore[no-untyped-def]
         cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
-    from dlrun.push.session import HELPER_SOURCE
     from dlrun.run.launch import LaunchConfig, SSHOptions, launch
 
     from conftest import hosts_toml
@@ -376,7 +376,7 @@ def test_launch_opens_a_push_session_only_where_the_code_changed(  # type: ignor
 
     class Counting(SSHTransport):
         def open(self, host: Host, argv):  # type: ignore[no-untyped-def]
-            opened.append("push" if HELPER_SOURCE in argv else "agent")
+            opened.append("push" if "dlrun-push_helper" in argv else "agent")
             return super().open(host, argv)
 
     monkeypatch.setattr("dlrun.run.launch.make_transport",
@@ -405,3 +405,211 @@ def test_launch_opens_a_push_session_only_where_the_code_changed(  # type: ignor
     (code / "util.py").write_text("V = 2\n")
     assert run()[0] == 2
     assert remote.read_text() == "V = 2\n"
+
+
+# --------------------------------------------------------------------------- a real project, pushed safely (issue 19)
+
+
+def project_hosts(cluster, path: Path, n: int, *, defaults: str = "",  # type: ignore[no-untyped-def]
+                  per_host: dict[int, str] | None = None) -> Path:
+    """An inventory of the first n hosts; ``defaults`` and ``per_host[i]`` are extra TOML lines."""
+    lines = [f'[defaults]\npython = "{cluster.python}"\n{defaults}']
+    for i, h in enumerate(cluster.hosts[:n]):
+        lines.append(f'[[hosts]]\naddress = "{h.name}"\nslots = 1\nworkdir = {json.dumps(str(h.workdir))}\n'
+                     f'{(per_host or {}).get(i, "")}\n')
+    path.write_text("\n".join(lines))
+    return path
+
+
+def new_project(tmp_path: Path, files: dict[str, bytes | str]) -> Path:
+    code = tmp_path / f"proj-{os.getpid()}-{time.monotonic_ns()}"  # the hosts' workdirs are shared by tests
+    write(code, files)
+    os.chmod(tmp_path, 0o755)
+    return code
+
+
+def pushed_tree(cluster, code: Path, n: int) -> list[dict[str, bytes | str]]:  # type: ignore[no-untyped-def]
+    return [tree(h.workdir / code.name) for h in cluster.hosts[:n]]
+
+
+def test_a_project_with_a_venv_caches_and_logs_sends_only_its_code(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path) -> None:
+    from conftest import run_dlrun
+
+    code = new_project(tmp_path, {
+        "train.py": "import os\nprint('CWD', sorted(os.listdir('.')))\n",
+        "lib/util.py": "V = 1\n",
+        "node_modules/left-pad/index.js": "x\n",
+        ".pytest_cache/v/cache/lastfailed": "{}\n",
+        "wandb/run-1/files/output.log": "old run\n",
+        "mlruns/0/meta.yaml": "x\n",
+        "dlrun-logs/20260101-000000-abcdef/rank-0.log": "old log\n",
+        "runs/out.log": "this job's --log-dir\n",
+        ".dlrunignore": "!mlruns/\n",  # a !pattern brings a default back
+    })
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(code / ".venv")], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(code / "lib" / "py-env")], check=True)
+    (code / "conda-env" / "conda-meta").mkdir(parents=True)
+    (code / "conda-env" / "bin").mkdir()
+    (code / "conda-env" / "bin" / "python").write_text("not really\n")
+    hosts = project_hosts(cluster, tmp_path / "hosts.toml", 2)
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
+                    "--log-dir", "runs", "--framework", "torch", "train.py", cwd=code, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # the default log folder is left out too (a project's earlier runs), and so is --log-dir
+    expected = {"train.py", "lib/util.py", ".dlrunignore", "mlruns/0/meta.yaml"}
+    for remote in pushed_tree(cluster, code, 2):
+        assert set(remote) == expected
+    assert out.stdout.count("CWD ['.dlrunignore', 'lib', 'mlruns', 'train.py']") == 2, out.stdout
+
+
+def test_an_installed_program_is_run_as_given_and_nothing_is_pushed(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path) -> None:
+    from conftest import run_dlrun
+
+    hosts = project_hosts(cluster, tmp_path / "hosts.toml", 2)
+    before = [sorted(p.name for p in h.workdir.iterdir()) for h in cluster.hosts[:2]]
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
+                    "--framework", "torch", "/bin/true", cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert [sorted(p.name for p in h.workdir.iterdir()) for h in cluster.hosts[:2]] == before
+    assert "sent" not in out.stderr  # no push summary at all
+
+
+def test_a_script_directly_in_the_home_folder_is_refused(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from conftest import run_dlrun
+
+    home = tmp_path / "home"
+    write(home, {"train.py": "print('RAN')\n", "big-download.bin": b"x" * 1000})
+    hosts = project_hosts(cluster, tmp_path / "hosts.toml", 2)
+    before = [sorted(p.name for p in h.workdir.iterdir()) for h in cluster.hosts[:2]]
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
+                    "--framework", "torch", str(home / "train.py"), cwd=home, timeout=120,
+                    env={"HOME": str(home), "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "directly in the home folder" in out.stderr and "--code DIR" in out.stderr and "--no-push" in out.stderr
+    assert "RAN" not in out.stdout
+    assert [sorted(p.name for p in h.workdir.iterdir()) for h in cluster.hosts[:2]] == before
+
+
+def test_an_oversized_code_push_stops_before_anything_is_read_or_written(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path) -> None:
+    from conftest import run_dlrun
+
+    code = new_project(tmp_path, {"train.py": "print('RAN')\n", "src/model.py": "M = 1\n"})
+    (code / "checkpoints").mkdir()
+    for i in range(3):
+        with open(code / "checkpoints" / f"epoch-{i}.pt", "wb") as fh:
+            fh.truncate(100 * 1024 * 1024)  # sparse: 300 MiB in one folder, no disk used
+    hosts = project_hosts(cluster, tmp_path / "hosts.toml", 2)
+    cache = tmp_path / "cache"
+    env = {"XDG_CACHE_HOME": str(cache)}
+    ssh = ("--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config))
+    for argv in (("launch", "--plain", *ssh, "--framework", "torch", "train.py"), ("push", *ssh, "--code", ".")):
+        out = run_dlrun(*argv, cwd=code, timeout=120, env=env)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert "300.0 MiB" in out.stderr and "over the 200.0 MiB limit" in out.stderr
+        assert "checkpoints/" in out.stderr.split("Largest:", 1)[1].splitlines()[1]  # the largest folder first
+        for way_out in (".dlrunignore", "--max-push-size", "--no-push", "--data"):
+            assert way_out in out.stderr
+        assert "RAN" not in out.stdout
+        assert not any((h.workdir / code.name).exists() for h in cluster.hosts[:2])
+        assert not cache.exists()  # no file was hashed
+    out = run_dlrun("push", *ssh, "--code", ".", "--max-push-size", "none", "--dry-run", "--json", cwd=code,
+                    timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout)["total"]["bytes_sent"] == 2 * (300 * 1024 * 1024 + 19)
+
+
+def test_a_dry_run_writes_nothing_and_lists_what_the_push_then_sends(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path) -> None:
+    from conftest import run_dlrun
+
+    code = new_project(tmp_path, {"train.py": "print('TRAINED')\n", "keep.py": "K = 1\n", "gone.py": "G = 1\n",
+                                  "change.py": "C = 1\n"})
+    hosts = project_hosts(cluster, tmp_path / "hosts.toml", 2)
+    ssh = ("--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config))
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    # a first dry run: the project is on no host, and stays so
+    out = run_dlrun("launch", "--dry-run", *ssh, "--framework", "torch", "train.py", cwd=code, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "would send 4 files" in out.stderr and "TRAINED" not in out.stdout
+    assert not any((h.workdir / code.name).exists() for h in cluster.hosts[:2])
+    assert not (tmp_path / "cache").exists()  # nothing written here either: not even the hash cache
+    assert run_dlrun("push", *ssh, "--code", ".", cwd=code, env=env).returncode == 0
+    (code / "gone.py").unlink()
+    (code / "change.py").write_text("C = 2\n")
+    (code / "new.py").write_text("N = 1\n")
+    remote_before = pushed_tree(cluster, code, 2)
+    records = [h.workdir / ".dlrun-cache" / f"{code.name}.json" for h in cluster.hosts[:2]]
+    stamps = [p.stat().st_mtime_ns for p in records]
+    out = run_dlrun("push", *ssh, "--code", ".", "--dry-run", "--json", cwd=code, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    planned = json.loads(out.stdout)
+    assert planned["dry_run"] is True
+    for host in planned["hosts"]:
+        assert (host["files_sent"], host["files_deleted"], host["files_unchanged"]) == (2, 1, 2)
+        assert host["deleting"] == ["gone.py"]
+        assert sorted(item["name"] for item in host["largest"]) == ["change.py", "new.py"]
+    assert pushed_tree(cluster, code, 2) == remote_before
+    assert [p.stat().st_mtime_ns for p in records] == stamps
+    text = run_dlrun("launch", "--dry-run", *ssh, "--framework", "torch", "train.py", cwd=code, env=env)
+    assert "would send 2 files (12 B), delete 1" in text.stderr and "delete gone.py" in text.stderr
+    from_launch = json.loads(run_dlrun("launch", "--dry-run", "--json", *ssh, "--framework", "torch", "train.py",
+                                       cwd=code, env=env).stdout)["push"]["hosts"]
+    for host in (*from_launch, *planned["hosts"]):
+        host.pop("seconds")
+    assert from_launch == planned["hosts"]
+    out = run_dlrun("push", *ssh, "--code", ".", "--json", cwd=code, env=env)
+    done = json.loads(out.stdout)
+    assert [(h["files_sent"], h["bytes_sent"], h["files_deleted"]) for h in done["hosts"]] == \
+        [(h["files_sent"], h["bytes_sent"], h["files_deleted"]) for h in planned["hosts"]]
+
+
+def test_the_setup_runs_once_then_only_when_the_pushed_files_change(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path) -> None:
+    from conftest import run_dlrun
+
+    code = new_project(tmp_path, {"requirements.txt": "numpy\n",
+                                  "train.py": "print('SETUP-BEFORE-RANK', open('setup-runs.txt').read().split())\n"})
+    setup = 'setup = "echo run-$(cat requirements.txt) >> setup-runs.txt; echo installing"'
+    hosts = project_hosts(cluster, tmp_path / "hosts.toml", 2, defaults=setup)
+    argv = ("launch", "--plain", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), "--framework",
+            "torch", "--log-dir", str(tmp_path / "logs"), "train.py")
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+    def launch() -> str:
+        out = run_dlrun(*argv, cwd=code, timeout=120, env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    first = launch()
+    assert first.count("[setup host0] installing") == 1 and first.count("[setup host1] installing") == 1
+    assert first.count("SETUP-BEFORE-RANK ['run-numpy']") == 2
+    logs = sorted((tmp_path / "logs").glob("*/setup-host0.log"))
+    assert len(logs) == 1 and "installing" in logs[0].read_text()
+    second = launch()
+    assert "installing" not in second and second.count("skipped") == 2
+    assert second.count("SETUP-BEFORE-RANK ['run-numpy']") == 2
+    (code / "requirements.txt").write_text("torch\n")
+    third = launch()
+    assert third.count("SETUP-BEFORE-RANK ['run-numpy', 'run-torch']") == 2
+    forced = run_dlrun(*argv[:-1], "--setup-always", argv[-1], cwd=code, timeout=120, env=env)
+    assert forced.stdout.count("installing") == 2, forced.stdout + forced.stderr
+
+
+def test_a_failing_setup_starts_no_rank_and_names_the_host(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path) -> None:
+    from conftest import run_dlrun
+
+    code = new_project(tmp_path, {"train.py": "open('rank-ran.txt', 'w').write('yes')\n"})
+    hosts = project_hosts(cluster, tmp_path / "hosts.toml", 2, per_host={
+        0: 'setup = "echo fine"', 1: 'setup = "echo pip says no >&2; echo last words; exit 3"'})
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
+                    "--framework", "torch", "--log-dir", str(tmp_path / "logs"), "train.py", cwd=code, timeout=120,
+                    env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "host1: setup" in out.stderr and "exited 3" in out.stderr
+    assert "pip says no" in out.stderr and "last words" in out.stderr
+    assert "host0: setup" not in out.stderr
+    assert not any((h.workdir / code.name / "rank-ran.txt").exists() for h in cluster.hosts[:2])

@@ -1,4 +1,5 @@
-"""The pure parts of dlrun.push.session (shards, ignore rules, manifest diff, split-lines) and dlrun.push_view."""
+"""The pure parts of dlrun.push (tree: ignore rules, manifest diff; shard: policies, split-lines), the helper
+run as a local process, and dlrun.push.view."""
 
 from __future__ import annotations
 
@@ -19,40 +20,50 @@ from rich.console import Console
 from dlrun.errors import SyncError, UsageError
 from dlrun.inventory import Host
 from dlrun.push.session import (
-    HELPER_SOURCE,
     SEND_CHUNK,
-    SHARD_FILE,
-    SHARD_POLICIES,
-    FileEntry,
-    HashCache,
     HostPushSummary,
-    IgnoreRules,
-    Manifest,
-    RemoteEntry,
-    RemoteTree,
-    Source,
-    TransferPlan,
     _file_body,
     _Pieces,
-    bytes_needed,
-    check_space,
     code_target,
-    diff_manifests,
-    parse_ignore,
+    helper_source,
+    push,
+    scan_code,
+    settled_push,
+    survey_request,
+)
+from dlrun.push.shard import (
+    SHARD_FILE,
+    SHARD_POLICIES,
     part_name,
     plan_data,
-    push,
-    remote_code_dir,
     remote_data_dir,
-    scan_code,
-    scan_tree,
-    settled_push,
     shard_document,
     shard_env,
     shard_files,
     split_file,
     split_points,
-    survey_request,
+)
+from dlrun.push.tree import (
+    NO_LIMIT,
+    FileEntry,
+    HashCache,
+    IgnoreRules,
+    Manifest,
+    PushLimit,
+    RemoteEntry,
+    RemoteTree,
+    Source,
+    TransferPlan,
+    bytes_needed,
+    check_push_size,
+    check_space,
+    diff_manifests,
+    parse_ignore,
+    parse_size,
+    push_root_for,
+    remote_code_dir,
+    scan_tree,
+    system_folders,
 )
 from dlrun.push.view import PushView, summary_json, summary_line
 from dlrun.transport.local import HostRouter
@@ -478,7 +489,7 @@ def test_helper_widens_the_pipe_sshd_writes_into() -> None:
     limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
     if limit < 1 << 20 and os.geteuid() != 0:
         pytest.skip("pipe-max-size is below 1 MiB here")
-    proc = subprocess.Popen([sys.executable, "-c", HELPER_SOURCE], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", helper_source()], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         before = fcntl.fcntl(proc.stdin.fileno(), fcntl.F_GETPIPE_SZ)
@@ -497,7 +508,7 @@ def test_a_helper_whose_dlrun_vanished_ends_and_removes_its_partial_file(tmp_pat
     import tarfile
 
     root = tmp_path / "proj"
-    proc = subprocess.Popen([sys.executable, "-c", HELPER_SOURCE], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", helper_source()], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         proc.stdin.write(json.dumps({"targets": [{"root": str(root), "paths": ["a.bin"]}], "idle": 1}).encode()
@@ -587,7 +598,7 @@ def test_settled_push_only_when_there_is_nothing_to_send_delete_or_record(
     (code / "lib" / "b.py").write_text("B = 2\n")
     host = Host(address="localhost", name="localhost", workdir=str(tmp_path / "host"))
     helper: dict[str, object] = {"__name__": "survey-only"}
-    exec(compile(HELPER_SOURCE, "<helper>", "exec"), helper)  # what the agent runs for op "survey"
+    exec(compile(helper_source(), "<helper>", "exec"), helper)  # what the agent runs for op "survey"
 
     def settled() -> HostPushSummary | None:
         target = code_target(host, code, scan_code(code))
@@ -885,3 +896,100 @@ def test_split_lines_keeps_a_csv_record_with_line_breaks_in_its_fields_whole(tmp
             assert records[0] == ["id", "text"]  # the header in every part, then whole records only
             got += records[1:]
         assert got == rows[1:], parts
+
+
+# --------------------------------------------------------------------------- what a code push leaves out (issue 19)
+
+
+def test_environments_caches_and_logs_are_left_out_unless_brought_back(tmp_path: Path) -> None:
+    root = tmp_path / "proj"
+    for rel in ("train.py", "node_modules/a/index.js", "sub/.tox/py311/x", ".mypy_cache/x", ".ruff_cache/x",
+                ".ipynb_checkpoints/n.ipynb", "lightning_logs/v0/x", "wandb/x", "deep/mlruns/x",
+                "dlrun-logs/old/rank-0.log", "sub/dlrun-logs/kept.txt", "out/logs/rank-0.log",
+                "anyname/pyvenv.cfg", "anyname/lib/site.py", "conda/conda-meta/history", "conda/bin/python",
+                "notenv/conda-meta.txt"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x\n")
+    manifest = scan_tree(root, leave_out_defaults=True, left_out_folders=["out/logs"])
+    assert manifest.paths() == ("notenv/conda-meta.txt", "sub/dlrun-logs/kept.txt", "train.py")
+    assert set(manifest.left_out) == {"node_modules/", "sub/.tox/", ".mypy_cache/", ".ruff_cache/",
+                                      ".ipynb_checkpoints/", "lightning_logs/", "wandb/", "deep/mlruns/",
+                                      "dlrun-logs/", "out/logs/", "anyname/", "conda/"}
+    assert scan_tree(root).paths() != manifest.paths()  # a data scan keeps everything
+    (root / ".dlrunignore").write_text("!anyname/\n!wandb/\n")
+    again = scan_tree(root, leave_out_defaults=True)
+    assert {"anyname/pyvenv.cfg", "anyname/lib/site.py", "wandb/x"} <= set(again.paths())
+
+
+def test_the_size_guard_names_the_largest_folders_and_the_ways_out(tmp_path: Path) -> None:
+    sizes = [("data/a.bin", 150 << 20), ("data/b.bin", 100 << 20), ("src/m.py", 10), ("ckpt/x.pt", 1 << 20),
+             ("README.md", 5)]
+    with pytest.raises(UsageError) as info:
+        check_push_size(tmp_path, sizes, PushLimit())
+    text = str(info.value)
+    assert "251.0 MiB in 5 files, over the 200.0 MiB limit" in text
+    lines = text.split("Largest:\n", 1)[1].splitlines()
+    assert [line.split()[0] for line in lines[:4]] == ["data/", "ckpt/", "src/", "README.md"]
+    assert all(way in text for way in (".dlrunignore", "--max-push-size", "--no-push", "--data"))
+    check_push_size(tmp_path, sizes, parse_size("1G"))
+    check_push_size(tmp_path, sizes, NO_LIMIT)
+    with pytest.raises(UsageError, match="over the 20000 files limit"):
+        check_push_size(tmp_path, [(f"f{i}", 1) for i in range(20_001)], PushLimit())
+    assert parse_size("500M").max_bytes == 500 << 20 and parse_size("1.5GiB").max_bytes == 3 << 29
+    assert parse_size("none") == NO_LIMIT and parse_size("300000").max_bytes == 300000
+    with pytest.raises(UsageError):
+        parse_size("lots")
+
+
+def test_the_push_root_is_a_project_never_a_system_folder_or_the_home(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    system = (Path("/usr"), Path("/opt"), tmp_path / "prefix")
+    (home / "proj").mkdir(parents=True)
+    for rel in ("proj/train.py", "train.py"):
+        (home / rel).write_text("x\n")
+    assert push_root_for(home / "proj" / "train.py", home=home, system=system) == (home / "proj").resolve()
+    assert push_root_for(Path("/usr/bin/python3"), home=home, system=system) is None
+    assert push_root_for(tmp_path / "prefix" / "bin" / "tool", home=home, system=system) is None
+    assert push_root_for(tmp_path / "lib" / "site-packages" / "pkg" / "cli.py", home=home, system=system) is None
+    with pytest.raises(UsageError, match="directly in the home folder") as info:
+        push_root_for(home / "train.py", home=home, system=system)
+    assert "--code DIR" in str(info.value) and "--no-push" in str(info.value)
+    with pytest.raises(UsageError, match="directly in /"):
+        push_root_for(Path("/train.py"), home=home, system=system)
+    assert Path(sys.prefix) in system_folders() and Path("/usr") in system_folders()
+
+
+def oldest_python() -> str | None:
+    """A Python 3.8 here (PATH or pyenv), the oldest the host programs support."""
+    import glob
+    import shutil
+
+    for found in (*sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.8*/bin/python"))),
+                  shutil.which("python3.8")):
+        if found and subprocess.run([found, "-c", ""], capture_output=True).returncode == 0:  # not a bare shim
+            return found
+    return None
+
+
+def test_the_push_helper_runs_on_python_3_8(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    python = oldest_python()
+    if python is None:
+        pytest.skip("no Python 3.8 on this machine")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code = tmp_path / "code"
+    (code / "sub").mkdir(parents=True)
+    (code / "a.py").write_text("A = 1\n")
+    (code / "sub" / "b.txt").write_text("b\n")
+    (code / "link.py").symlink_to("a.py")
+    host = Host(address="localhost", name="localhost", workdir=str(tmp_path / "host"), python=python)
+    router = HostRouter(remote=None)
+    (first,) = push(router, [host], code_dir=code)
+    assert (first.files_sent, first.code_dir) == (3, str(tmp_path / "host" / "code"))
+    (code / "a.py").write_text("A = 2\n")
+    (code / "sub" / "b.txt").unlink()
+    (planned,) = push(router, [host], code_dir=code, dry_run=True)
+    assert (planned.files_sent, planned.files_deleted, planned.deleting) == (1, 1, ("sub/b.txt",))
+    (again,) = push(router, [host], code_dir=code)
+    assert (again.files_sent, again.files_deleted) == (1, 1)
+    assert (tmp_path / "host" / "code" / "a.py").read_text() == "A = 2\n"
+    assert not (tmp_path / "host" / "code" / "sub").exists()

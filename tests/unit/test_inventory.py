@@ -96,6 +96,8 @@ def test_localhost_without_port_or_user_is_local() -> None:
          "defaults.env.A", "string"),
         ('[defaults]\niface = "a-very-long-interface"\n[[hosts]]\naddress = "a"\n', 2, "defaults.iface",
          "1-15 characters"),
+        ('[defaults]\nsetup = 3\n[[hosts]]\naddress = "a"\n', 2, "defaults.setup", "string"),
+        ('[[hosts]]\naddress = "a"\nsetup = "  "\n', 3, "hosts[0].setup", "shell command"),
         ('[cluster]\nx = 1\n', 1, "cluster", "unknown top-level"),
         ('[defaults]\n', None, "hosts", "no hosts"),
         ('[[hosts]]\naddress = "a"\nslots = 2\nslots = 3\n', 4, None, "not valid TOML"),
@@ -205,3 +207,9 @@ def test_iface_per_host_over_defaults() -> None:
     inv = parse_toml_inventory('[defaults]\niface = "eth0"\n[[hosts]]\naddress = "a"\n'
                                '[[hosts]]\naddress = "b"\niface = "enp65s0f1"\n')
     assert [h.iface for h in inv.hosts] == ["eth0", "enp65s0f1"]
+
+
+def test_setup_per_host_over_defaults() -> None:
+    inv = parse_toml_inventory('[defaults]\nsetup = "pip install -r requirements.txt"\n[[hosts]]\naddress = "a"\n'
+                               '[[hosts]]\naddress = "b"\nsetup = "make deps"\n')
+    assert [h.setup for h in inv.hosts] == ["pip install -r requirements.txt", "make deps"]

@@ -1,0 +1,500 @@
+"""The push helper: runs on each host for one push, standard library only, Python >= 3.8.
+
+Shipped by the bootstrap (``dlrun.remote.boot_argv``/``boot_payload``), never imported on the
+host. It answers the push's survey (what the host has at the pushed paths, free space, a
+permission problem), then receives the plan and one tar stream, and writes each file under a
+temporary name, verifies its sha256 and renames it into place. The protocol is described in
+``dlrun.push.session``; ``dlrun.remote.agent`` runs this module's :func:`survey` in-process
+for a launch's first question.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import signal
+import stat
+import sys
+from types import FrameType
+from typing import Any, Dict, List, Tuple, cast
+
+IN = cast(io.BufferedReader, sys.stdin.buffer)
+PART = ".dlrun-part-"
+TEMPS: list[str] = []
+IDLE = [0]  # seconds without a byte from dlrun after which the helper gives up (0: never)
+
+# A record: per pushed path, ["link"] or [size, mtime_ns, ctime_ns, inode, sha256]
+Record = Dict[str, List[Any]]
+# One survey entry: [kind, size, mode, sha256 or link target, pushed by dlrun]
+Entry = List[Any]
+PlanItem = Tuple[int, str, str, int, int]  # target, path, sha256, mode, mtime
+
+
+def heard() -> None:
+    # re-arm the idle alarm: a helper whose dlrun vanished (host cut off, no EOF ever comes)
+    # ends, and its partial file goes with it
+    if IDLE[0]:
+        signal.alarm(IDLE[0])
+
+
+def say(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def resolve(root: str) -> str:
+    return os.path.normpath(os.path.join(os.path.expanduser("~"), os.path.expanduser(root)))
+
+
+def record_file(root: str) -> str:
+    parent, name = os.path.split(root)
+    return os.path.join(parent, ".dlrun-cache", name + ".json")
+
+
+def temp_for(final: str) -> str:
+    # per helper process: two hosts that share a workdir (one machine under two names, an NFS
+    # home) may write the same file at once, and each must rename its own temporary file
+    folder, name = os.path.split(final)
+    tag = hashlib.sha1(name.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return os.path.join(folder, f"{PART}{tag}-{os.getpid()}")
+
+
+def stamp(st: os.stat_result) -> list[Any]:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def nearest_existing(path: str) -> str:
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def under_link(root: str, rel: str, seen: dict[str, bool]) -> bool:
+    # True when a directory between root and rel is a symlink (or not a directory): nothing
+    # there is read, written or deleted through it. ``seen`` caches the answer per directory.
+    folder = os.path.dirname(rel)
+    if not folder:
+        return False
+    if folder not in seen:
+        linked = under_link(root, folder, seen)
+        if not linked:
+            try:
+                linked = not stat.S_ISDIR(os.lstat(os.path.join(root, folder)).st_mode)
+            except OSError:
+                linked = False  # missing: nothing below it exists either
+        seen[folder] = linked
+    return seen[folder]
+
+
+def load_record(root: str) -> Record:
+    try:
+        with open(record_file(root)) as fh:
+            loaded = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def survey(spec: dict[str, Any]) -> tuple[dict[str, Any], Record, Record]:
+    """What the host has at ``spec["root"]``: the reply to send, the record an earlier push
+    left, and the fresh record of what is there now."""
+    root = resolve(spec["root"])
+    record = load_record(root)
+    wanted: set[str] = set(spec["paths"])
+    entries: dict[str, Entry] = {}
+    fresh: Record = {}
+    seen: dict[str, bool] = {}
+    for rel in wanted.union(record):
+        path = os.path.join(root, rel)
+        if under_link(root, rel, seen):
+            continue
+        old = record.get(rel)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                # ours: the record says a push made a link here
+                entries[rel] = ["link", 0, 0, os.readlink(path), old == ["link"]]
+                fresh[rel] = ["link"]
+            elif stat.S_ISREG(st.st_mode):
+                if old and old[:4] == stamp(st):
+                    digest = str(old[4])
+                elif rel in wanted:
+                    digest = sha256_of(path)
+                else:
+                    digest = ""
+                # ours: the very file a push wrote (same inode), even if changed in place since
+                ours = bool(old) and old is not None and len(old) == 5 and old[3] == st.st_ino
+                entries[rel] = ["file", st.st_size, stat.S_IMODE(st.st_mode), digest, ours]
+                fresh[rel] = [*stamp(st), digest]
+            else:
+                entries[rel] = ["other", 0, 0, "", False]
+        except OSError:
+            continue
+    base = nearest_existing(root)
+    error = None
+    if not os.path.isdir(base):
+        error = "not a directory"
+    elif not os.access(base, os.W_OK | os.X_OK):
+        error = "permission denied" if base == root else f"permission denied (cannot create {root})"
+    try:
+        vfs = os.statvfs(base)
+        free, block, device = vfs.f_bavail * vfs.f_frsize, vfs.f_frsize, os.stat(base).st_dev
+    except OSError:
+        free, block, device = 0, 4096, 0
+    # settled: a push that sends and deletes nothing would leave the record as it is, so
+    # nothing needs writing at all (dlrun.remote.agent answers this survey in-process)
+    # (and no record of a path that is gone or is no longer the file the push wrote)
+    # (and a root that exists: an empty tree's push still makes its directory)
+    settled = (os.path.isdir(root)
+               and all(record.get(rel) == value for rel, value in fresh.items() if rel in wanted)
+               and all(rel in entries and entries[rel][4] for rel in record))
+    reply = {"root": root, "entries": entries, "free": free, "block": block, "device": device,
+             "error": error, "path": base if error else None, "settled": settled}
+    return reply, record, fresh
+
+
+def read_exact(n: int) -> bytes:
+    data = IN.read(n)
+    heard()
+    if len(data) != n:
+        raise EOFError
+    return data
+
+
+def number(field: bytes) -> int:
+    if field[:1] and ord(field[:1]) & 0x80:
+        return int.from_bytes(field[1:], "big")
+    return int(field.strip(b"\0 ") or b"0", 8)
+
+
+def pax(data: bytes) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    pos = 0
+    while pos < len(data):
+        space = data.index(b" ", pos)
+        length = int(data[pos:space])
+        key, _, value = data[space + 1:pos + length - 1].partition(b"=")
+        out[key.decode()] = value
+        pos += length
+    return out
+
+
+def os_problem(exc: OSError, path: str) -> tuple[str, str]:
+    """``(where, what)`` of a failed write: the path it names (the final one rather than our
+    temporary file) and the system's message."""
+    where = exc.filename if isinstance(exc.filename, str) else path
+    if os.path.basename(where).startswith(PART):
+        where = path
+    return where, exc.strerror or str(exc)
+
+
+class Receiver:
+    def __init__(self, roots: list[str], plan: dict[str, Any], records: list[Record]) -> None:
+        self.roots, self.records = roots, records
+        self.expect: dict[str, PlanItem] = {}
+        for t, rel, digest, mode, mtime in plan["files"]:
+            self.expect[f"{t}/{rel}"] = (int(t), str(rel), str(digest), int(mode), int(mtime))
+        self.made: set[str] = set()
+        self.pycs: dict[str, list[str]] = {}  # __pycache__ folder -> its entries
+        self.buf = bytearray(1 << 20)
+        self.view = memoryview(self.buf)
+        self.written = self.deleted = self.failed = 0
+
+    def fail(self, name: str, where: str, what: str) -> None:
+        self.failed += 1
+        say({"err": name, "path": where, "msg": what})
+
+    def makedirs(self, t: int, rel: str) -> None:
+        # the directories of rel below the root; a symlink where one belongs is replaced by the
+        # directory, never followed (as rsync -a does)
+        root, folder = self.roots[t], os.path.dirname(rel)
+        full = os.path.join(root, folder)
+        if full in self.made:
+            return
+        path = root
+        for part in folder.split("/") if folder else ():
+            path = os.path.join(path, part)
+            try:
+                if stat.S_ISLNK(os.lstat(path).st_mode):
+                    os.unlink(path)
+            except FileNotFoundError:
+                break
+        os.makedirs(full, exist_ok=True)
+        self.made.add(full)
+
+    def drop_bytecode(self, final: str) -> None:
+        # Python trusts a cached .pyc whose source has the same size and mtime second: a module
+        # rewritten within a second of its last import would otherwise run as the old code
+        folder, name = os.path.split(final)
+        if not name.endswith(".py"):
+            return
+        cache = os.path.join(folder, "__pycache__")
+        if cache not in self.pycs:
+            try:
+                self.pycs[cache] = os.listdir(cache)
+            except OSError:
+                self.pycs[cache] = []
+        prefix = name[:-3] + "."
+        for entry in self.pycs[cache]:
+            if entry.startswith(prefix) and entry.endswith(".pyc"):
+                try:
+                    os.unlink(os.path.join(cache, entry))
+                except OSError:
+                    pass
+
+    def delete(self, t: int, rel: str) -> None:
+        root = self.roots[t]
+        path = os.path.join(root, rel)
+        if under_link(root, rel, {}):  # not ours to delete through a link
+            self.records[t].pop(rel, None)
+            return
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self.fail(f"{t}/{rel}", *os_problem(exc, path))
+            return
+        self.records[t].pop(rel, None)
+        self.deleted += 1
+        folder = os.path.dirname(path)
+        while folder != root and folder.startswith(root + os.sep):
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
+            folder = os.path.dirname(folder)
+        say({"deleted": f"{t}/{rel}"})
+
+    def run(self) -> None:
+        extra: dict[str, bytes] = {}
+        while True:
+            header = read_exact(512)
+            if not header.strip(b"\0"):
+                return
+            kind = header[156:157]
+            size = number(header[124:136])
+            raw_name = header[0:100].split(b"\0", 1)[0]
+            prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
+            if prefix:
+                raw_name = prefix + b"/" + raw_name
+            raw_link = header[157:257].split(b"\0", 1)[0]
+            if "size" in extra:
+                size = int(extra["size"])
+            padded = size + (-size % 512)
+            if kind in (b"x", b"g"):
+                data = read_exact(padded)[:size]
+                if kind == b"x":
+                    extra = pax(data)
+                continue
+            name = extra.get("path", raw_name).decode("utf-8", "surrogateescape")
+            linkname = extra.get("linkpath", raw_link).decode("utf-8", "surrogateescape")
+            extra = {}
+            item = self.expect.get(name)
+            if item is None:
+                self.skip(padded)
+                self.fail(name, name, "not in the plan")
+            elif kind == b"2":
+                self.skip(padded)
+                self.link(name, item, linkname)
+            else:
+                self.file(name, item, size)
+                self.skip(padded - size)
+
+    def skip(self, n: int) -> None:
+        while n > 0:
+            got = IN.readinto(self.view[:min(n, len(self.buf))])
+            heard()
+            if not got:
+                raise EOFError
+            n -= got
+
+    def link(self, name: str, item: PlanItem, target: str) -> None:
+        t, rel = item[0], item[1]
+        final = os.path.join(self.roots[t], rel)
+        temp = temp_for(final)
+        try:
+            self.makedirs(t, rel)
+            if os.path.lexists(temp):
+                os.unlink(temp)
+            os.symlink(target, temp)
+            os.replace(temp, final)
+        except OSError as exc:
+            if os.path.lexists(temp):
+                os.unlink(temp)
+            self.fail(name, *os_problem(exc, final))
+            return
+        self.records[t][rel] = ["link"]
+        self.written += 1
+        say({"ok": name})
+
+    def file(self, name: str, item: PlanItem, size: int) -> None:
+        t, rel, digest, mode, mtime = item
+        final = os.path.join(self.roots[t], rel)
+        temp = temp_for(final)
+        fd: int | None = None
+        problem: tuple[str, str] | None = None  # (where, what) of the first failure
+        try:
+            self.makedirs(t, rel)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            TEMPS.append(temp)
+        except OSError as exc:
+            problem = os_problem(exc, final)
+        hasher = hashlib.sha256()
+        left = size
+        while left > 0:
+            got = IN.readinto(self.view[:min(left, len(self.buf))])
+            heard()
+            if not got:
+                raise EOFError
+            chunk = self.view[:got]
+            hasher.update(chunk)
+            left -= got
+            while fd is not None and chunk:
+                try:
+                    chunk = chunk[os.write(fd, chunk):]
+                except OSError as exc:
+                    problem = os_problem(exc, final)
+                    os.close(fd)
+                    fd = None
+        try:
+            if fd is not None:
+                os.fchmod(fd, mode)
+                os.close(fd)
+                fd = None
+                if problem is None and hasher.hexdigest() != digest:
+                    problem = (final, "content does not match its sha256 (changed while pushing?)")
+                if problem is None:
+                    os.utime(temp, (mtime, mtime))
+                    os.replace(temp, final)
+                    self.records[t][rel] = [*stamp(os.lstat(final)), digest]
+                    self.drop_bytecode(final)
+        except OSError as exc:
+            problem = os_problem(exc, final)
+        if temp in TEMPS:
+            TEMPS.remove(temp)
+            if problem is not None and os.path.lexists(temp):
+                os.unlink(temp)
+        if problem is not None:
+            self.fail(name, *problem)
+            return
+        self.written += 1
+        say({"ok": name})
+
+
+def save_record(root: str, record: Record) -> None:
+    path = record_file(root)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        temp = f"{path}.{os.getpid()}.tmp"
+        with open(temp, "w") as fh:
+            json.dump(record, fh)
+        os.replace(temp, path)
+    except OSError:
+        pass
+
+
+def widen_stdin() -> None:
+    # sshd writes what it decrypts into this pipe; at 1 MiB (Linux's default limit for a user)
+    # instead of 64 KiB it blocks less often and each read takes more (host CPU -15 %).
+    if sys.platform.startswith("linux"):
+        try:
+            import fcntl
+            fcntl.fcntl(IN.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+        except (ImportError, OSError, ValueError):
+            pass
+
+
+def main() -> int:
+    widen_stdin()
+    request = json.loads(IN.readline())
+    IDLE[0] = int(request.get("idle") or 0)
+    heard()
+    roots: list[str] = []
+    records: list[Record] = []
+    freshes: list[Record] = []
+    replies: list[dict[str, Any]] = []
+    for spec in request["targets"]:
+        reply, record, fresh = survey(spec)
+        replies.append(reply)
+        roots.append(reply["root"])
+        records.append(record)
+        freshes.append(fresh)
+    say({"targets": replies})
+    line = IN.readline()
+    heard()
+    if not line:
+        return 0
+    plan = json.loads(line)
+    if plan.get("abort"):
+        return 0
+    before = [dict(r) for r in records]
+    new: list[Record] = []
+    ours: list[set[str]] = []
+    for t, keep in enumerate(plan["keep"]):
+        wanted = set(request["targets"][t]["paths"])
+        # the files a push wrote that are still there as written; a gone or replaced one drops out
+        ours.append({rel for rel, e in replies[t]["entries"].items() if e[4]})
+        merged = {rel: v for rel, v in records[t].items() if rel not in wanted and rel in ours[t]}
+        for rel in keep:
+            if rel in freshes[t]:
+                merged[rel] = freshes[t][rel]
+        new.append(merged)
+    receiver = Receiver(roots, plan, new)
+    try:
+        for t, root in enumerate(roots):  # the root itself, even for a tree with no files
+            try:
+                receiver.makedirs(t, "")
+            except OSError as exc:
+                receiver.fail(f"{t}/", *os_problem(exc, root))
+        for t, rel in plan["delete"]:
+            receiver.delete(t, rel)
+        receiver.run()
+    finally:
+        deleted = {(t, rel) for t, rel in plan["delete"]}
+        for t, root in enumerate(roots):
+            for rel in ours[t]:  # a write that failed or never came left the old file: still ours
+                if rel not in new[t] and rel in before[t] and (t, rel) not in deleted:
+                    new[t][rel] = before[t][rel]
+            if new[t] != before[t]:
+                save_record(root, new[t])
+    say({"done": {"written": receiver.written, "deleted": receiver.deleted, "failed": receiver.failed}})
+    return 0
+
+
+def stop(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run() -> None:
+    """The helper's life: signals end it cleanly, and no temporary file outlives it."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGALRM):
+        signal.signal(sig, stop)
+    try:
+        code = main()
+    except (EOFError, BrokenPipeError, SystemExit, KeyboardInterrupt):
+        code = 3
+    finally:
+        for temp in TEMPS:
+            try:
+                os.unlink(temp)
+            except OSError:
+                pass
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()
