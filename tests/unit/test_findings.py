@@ -10,6 +10,7 @@ import pytest
 from rich.console import Console
 
 from dlrun.topo.findings import Finding, analyse, exit_code, has_errors, suggested_env, topo_document
+from dlrun.topo.parse import parse_ibstat, parse_sysfs_ib, parse_topo_matrix
 from dlrun.topo.records import (
     Gpu,
     HostReport,
@@ -17,15 +18,10 @@ from dlrun.topo.records import (
     NetInterface,
     Nic,
     attach_nic_affinity,
-    parse_ibstat,
-    parse_sysfs_ib,
-    parse_topo_matrix,
 )
 from dlrun.topo.report import render_topo
 
-from support.topo_fixtures import fixture, needs_fixtures, sysfs_tree
-
-pytestmark = needs_fixtures
+from support.topo_fixtures import fixture, sysfs_tree
 
 
 def host(
@@ -61,9 +57,10 @@ def host(
     return replace(base, **facts)  # type: ignore[arg-type]
 
 
-H20 = "h20-8gpu-nv18-8nic-2numa-legend-offset-mlx5_1-drv535-raw-tabs.txt"
-A100_NICS = "a100-8gpu-nv12-10nic-8numa-epyc-nic-rows-raw-tabs.txt"
-DGX1 = "dgx1-v100-hybrid-cube-mesh-nv1-nv2-one-mlx5-drv440.txt"
+DGX1 = "dgx1-v100-hybrid-cube-mesh-nv1-nv2-4nic-raw-tabs.txt"  # NV1/NV2 mesh, each NIC at PIX to 2 GPUs
+ASUS = "asus-esc8000a-4x-rtx6000ada-4nic-cx7-node-sys-gpu-numa-id.txt"  # PCIe only, NICs at NODE/SYS
+PUGET = "puget-threadripper-2gpu-phb-2nic-pix.txt"  # 2 GPUs at PHB, NICs at NODE
+ONE_GPU = "h100-80gb-hbm3-vm-single-gpu-raw-tabs-drv580.txt"
 
 
 def messages(findings: tuple[Finding, ...], severity: str | None = None) -> list[str]:
@@ -71,21 +68,15 @@ def messages(findings: tuple[Finding, ...], severity: str | None = None) -> list
 
 
 def test_identical_healthy_hosts_have_no_findings() -> None:
-    reports = [host(f"n{i}", A100_NICS) for i in range(2)]
-    reports = [
-        replace(
-            r, nics=tuple(Nic(f"mlx5_{i}", 1, "ACTIVE", 200.0, "InfiniBand") for i in range(10))
-        )
-        for r in reports
-    ]
-    reports = [replace(r, nics=attach_nic_affinity(r.nics, r.topo, r.gpus)) for r in reports]
-    findings = analyse(reports, {"n0": 8, "n1": 8})
+    nics = tuple(Nic(f"mlx5_{i}", 1, "ACTIVE", 200.0, "InfiniBand") for i in range(4))
+    reports = [host(f"n{i}", ONE_GPU, nics=nics) for i in range(2)]
+    findings = analyse(reports, {"n0": 1, "n1": 1})
     assert findings == ()
     assert exit_code(findings) == 0
 
 
 def test_unreachable_host_is_an_error() -> None:
-    reports = [host("a", H20), HostReport.unreachable("b", "connection refused")]
+    reports = [host("a", DGX1), HostReport.unreachable("b", "connection refused")]
     findings = analyse(reports)
     assert findings[0] == Finding("error", "unreachable: connection refused", "b")
     assert has_errors(findings) and exit_code(findings) == 1
@@ -94,10 +85,10 @@ def test_unreachable_host_is_an_error() -> None:
 
 
 def test_gpu_count_model_and_versions_differ() -> None:
-    a = host("a", H20)
+    a = host("a", DGX1)
     b = host(
         "b",
-        "consumer-dual-gpu-nv2-bridge.txt",
+        PUGET,
         model="NVIDIA GeForce RTX 3090",
         cuda_version="12.4",
         python="3.10.12",
@@ -119,14 +110,14 @@ def test_gpu_count_model_and_versions_differ() -> None:
 
 
 def test_python_patch_levels_are_only_info() -> None:
-    found = analyse([host("a", H20), host("b", H20, python="3.11.2")])
+    found = analyse([host("a", ONE_GPU), host("b", ONE_GPU, python="3.11.2")])
     assert messages(found, "info") == [
         "Python patch levels differ across hosts: 3.11.7 on a; 3.11.2 on b"
     ]
 
 
 def test_ports_down_and_slower_than_peers() -> None:
-    down = host("down", H20, ibstat="gpud-h100-some-ports-down.txt")
+    down = host("down", DGX1, ibstat="gpud-h100-some-ports-down.txt")
     found = analyse([down])
     (msg,) = [m for m in messages(found, "warning") if "not ACTIVE" in m]
     assert "mlx5_2 port 1 DOWN (Disabled)" in msg and "mlx5_7" in msg and "mlx5_8" in msg
@@ -134,8 +125,8 @@ def test_ports_down_and_slower_than_peers() -> None:
         replace(n, rate_gbps=200.0) if n.name == "mlx5_9" else n
         for n in parse_sysfs_ib(sysfs_tree("sysfs-ib/gpud-h100-testdata"))
     )
-    fast = host("fast", H20, sysfs="gpud-h100-testdata")
-    slow = host("slow", H20, nics=slow_nics)
+    fast = host("fast", DGX1, sysfs="gpud-h100-testdata")
+    slow = host("slow", DGX1, nics=slow_nics)
     found = analyse([fast, slow])
     slower = [f for f in found if "slower than their peers" in f.message]
     assert slower == [
@@ -151,7 +142,7 @@ def test_ports_down_and_slower_than_peers() -> None:
 
 
 def test_gpu_pairs_without_p2p() -> None:
-    phb = analyse([host("ws", "consumer-dual-gpu-phb-no-nvlink.txt")])
+    phb = analyse([host("ws", PUGET)])
     assert [(f.severity, f.host) for f in phb if "P2P" in f.message] == [("warning", "ws")]
     assert "GPU0-GPU1 (PHB)" in phb[0].message
     # DGX-1 hybrid cube mesh: SYS pairs, but every GPU reaches the others over NVLink: info.
@@ -163,40 +154,28 @@ def test_gpu_pairs_without_p2p() -> None:
         if "P2P" in f.message
     ]
     assert soc[0].severity == "warning" and "GPU0-GPU2 (SOC)" in soc[0].message
-    assert not [
-        f
-        for f in analyse([host("h100", "h100-8gpu-nv18-2numa-ht-affinity.txt")])
-        if "P2P" in f.message
-    ]
+    assert not [f for f in analyse([host("h100", ONE_GPU)]) if "P2P" in f.message]
 
 
 def test_gpu_without_a_close_nic() -> None:
-    single = [f for f in analyse([host("dgx", DGX1)]) if "no NIC" in f.message]
+    single = [f for f in analyse([host("asus", ASUS)]) if "no NIC" in f.message]
     assert single[0].severity == "info"  # one host: inter-node traffic does not matter
-    assert "6 GPU(s)" in single[0].message and "GPU0 (best NODE)" in single[0].message
-    two = [f for f in analyse([host("dgx", DGX1), host("dgx2", DGX1)]) if "no NIC" in f.message]
+    assert "4 GPU(s)" in single[0].message and "GPU0 (best NODE)" in single[0].message
+    two = [f for f in analyse([host("asus", ASUS), host("asus2", ASUS)]) if "no NIC" in f.message]
     assert [f.severity for f in two] == ["warning", "warning"]
-    assert not [f for f in analyse([host("a100", A100_NICS)]) if "no NIC" in f.message]
+    assert not [f for f in analyse([host("dgx", DGX1)]) if "no NIC" in f.message]
     # No NIC in the matrix at all: nothing to say.
-    assert not [
-        f
-        for f in analyse([host("h100", "h100-8gpu-nv18-2numa-ht-affinity.txt")])
-        if "NIC" in f.message
-    ]
+    assert not [f for f in analyse([host("h100", ONE_GPU)]) if "NIC" in f.message]
 
 
 def test_only_active_nics_count_for_gpu_nic_affinity() -> None:
-    nics = tuple(
-        Nic(f"mlx5_{i}", 1, "ACTIVE" if i >= 4 else "DOWN", 200.0, "InfiniBand") for i in range(10)
-    )
-    found = [
-        f for f in analyse([host("a100", A100_NICS, nics=nics)]) if "no active NIC" in f.message
-    ]
-    assert found and "GPU0 (best SYS)" in found[0].message and "GPU4" not in found[0].message
+    nics = tuple(Nic(f"mlx5_{i}", 1, "ACTIVE" if i else "DOWN", 100.0, "InfiniBand") for i in range(4))
+    found = [f for f in analyse([host("dgx", DGX1, nics=nics)]) if "no active NIC" in f.message]
+    assert found and "GPU0 (best PHB)" in found[0].message and "GPU4" not in found[0].message
 
 
 def test_slots_greater_than_gpus() -> None:
-    reports = [host("a", "consumer-dual-gpu-nv2-bridge.txt"), host("cpu", None, gpus=0)]
+    reports = [host("a", PUGET), host("cpu", None, gpus=0)]
     found = analyse(reports, {"a": 4, "cpu": 16})
     errors = [f for f in found if f.severity == "error"]
     assert errors == [
@@ -221,8 +200,8 @@ def test_timed_out_tool_is_a_warning() -> None:
 
 
 def test_suggested_env_from_active_hcas_and_default_route() -> None:
-    a = host("a", H20, sysfs="gpud-h100-testdata")
-    b = host("b", H20, sysfs="gpud-h100-testdata")
+    a = host("a", DGX1, sysfs="gpud-h100-testdata")
+    b = host("b", DGX1, sysfs="gpud-h100-testdata")
     env = suggested_env([a, b])
     assert env == {
         "NCCL_IB_HCA": "=mlx5_0:1,mlx5_1:1,mlx5_4:1,mlx5_5:1,mlx5_6:1,mlx5_7:1,mlx5_8:1,mlx5_9:1",
@@ -281,7 +260,7 @@ def test_socket_interface_names_that_differ() -> None:
 
 def test_topo_document_shape() -> None:
     reports = [
-        host("a", H20, sysfs="gpud-h100-testdata"),
+        host("a", DGX1, sysfs="gpud-h100-testdata"),
         HostReport.unreachable("b", "no route to host"),
     ]
     findings = analyse(reports, {"a": 8})
@@ -290,7 +269,7 @@ def test_topo_document_shape() -> None:
     assert set(doc) >= {"hosts", "findings"}
     a, b = doc["hosts"]
     assert a["host"] == "a" and a["reachable"] is True and len(a["gpus"]) == 8
-    assert a["links"]["GPU0"]["mlx5_1"] == "PIX" and "NIC0" not in a["links"]["GPU0"]
+    assert a["links"]["GPU2"]["mlx5_1"] == "PIX" and a["links"]["mlx5_1"]["GPU0"] == "PHB"
     nic = next(n for n in a["nics"] if n["name"] == "mlx5_1")
     assert {k: nic[k] for k in ("name", "port", "state", "rate_gbps", "link_layer", "netdev")} == {
         "name": "mlx5_1",
@@ -309,7 +288,7 @@ def test_topo_document_shape() -> None:
     assert doc["env"]["NCCL_IB_HCA"].startswith("=mlx5_0:1")
 
 
-@pytest.mark.parametrize("topo", [H20, DGX1, "k40m-4gpu-2socket-mlx4-soc-legacy-tabs.txt", None])
+@pytest.mark.parametrize("topo", [DGX1, ASUS, "k40m-4gpu-2socket-mlx4-soc-legacy-tabs.txt", None])
 def test_render_topo(topo: str | None) -> None:
     reports = [
         host("a", topo, sysfs="gpud-h100-testdata", os="Ubuntu 22.04.4 LTS"),
@@ -325,9 +304,8 @@ def test_render_topo(topo: str | None) -> None:
     assert ("99 slots" in out) == (topo is not None)  # no GPUs: slots are not judged
     assert "export NCCL_IB_HCA==mlx5_0:1" in out
     assert "mlx5_bond_0" in out and "Ubuntu 22.04.4 LTS" in out
-    if topo == H20:
-        assert "NV18" in out and "GPU0 PIX" in out  # mlx5_1's nearest GPU
-        assert "NIC0" not in out
+    if topo == DGX1:
+        assert "NV2" in out and "GPU2, GPU3 PIX" in out  # mlx5_1's nearest GPUs
     if topo and topo.startswith("k40m"):
         assert "SOC" in out
 
@@ -349,7 +327,7 @@ def test_render_colors_link_classes() -> None:
 
 
 def test_cuda_devices_and_mig_without_instances() -> None:
-    plain = host("p", "consumer-dual-gpu-nv2-bridge.txt")
+    plain = host("p", PUGET)
     assert plain.cuda_devices == ("GPU-p-0", "GPU-p-1") and plain.gpu_slots == 2
     migs = tuple(MigDevice("3g.40gb", i, f"MIG-{i}") for i in range(2))
     mixed = replace(
