@@ -20,8 +20,12 @@ def fixture(rel: str) -> str:
 
 
 def all_fixture_files() -> list[Path]:
-    """Every capture: the files in the fixture directory's folders (not SOURCES.md, LICENSES.md)."""
-    found = sorted(p for p in FIXTURES.rglob("*") if p.is_file() and p.parent != FIXTURES)
+    """Every capture: the files in the fixture directory's folders (not SOURCES.md, LICENSES.md,
+    nor ``report/``, the expected ``dlrun topo`` output)."""
+    depth = len(FIXTURES.parts)
+    found = sorted(
+        p for p in FIXTURES.rglob("*") if p.is_file() and p.parent != FIXTURES and p.parts[depth] != "report"
+    )
     if not found:
         raise FileNotFoundError(f"no topology captures under {FIXTURES}")
     return found

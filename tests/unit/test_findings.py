@@ -3,7 +3,9 @@ the real captures."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -11,6 +13,7 @@ from rich.console import Console
 
 from dlrun.topo.findings import Finding, analyse, exit_code, has_errors, suggested_env, topo_document
 from dlrun.topo.parse import parse_ibstat, parse_sysfs_ib, parse_topo_matrix
+from dlrun.topo.probe import parse_probe_output
 from dlrun.topo.records import (
     Gpu,
     HostReport,
@@ -19,9 +22,9 @@ from dlrun.topo.records import (
     Nic,
     attach_nic_affinity,
 )
-from dlrun.topo.report import render_topo
+from dlrun.topo.report import hostlist, render_topo
 
-from support.topo_fixtures import fixture, sysfs_tree
+from support.topo_fixtures import FIXTURES, fixture, sysfs_tree
 
 
 def host(
@@ -341,3 +344,206 @@ def test_cuda_devices_and_mig_without_instances() -> None:
     (warning,) = [f for f in analyse([mixed]) if "no MIG device" in f.message]
     assert warning.severity == "warning" and "GPU1" in warning.message
     assert replace(plain, gpus=(Gpu(3, "T4"),)).cuda_devices == ("3",)
+
+
+# ----------------------------------------------------------------------------- the report at 80 and 120 columns
+
+REPORTS = FIXTURES / "report"
+UPDATE = os.environ.get("DLRUN_UPDATE_REPORTS") == "1"  # rewrite the expected reports (then review the diff)
+
+
+def probe_doc(
+    name: str,
+    *,
+    query: str | None = None,
+    topo: str | None = None,
+    listing: str | None = None,
+    header: str | None = None,
+    ibstat: str | None = None,
+    replace_text: tuple[str, str] = ("", ""),
+) -> str:
+    """What the probe prints on a host whose tools print these captures (a probe document)."""
+
+    def command(rel: str | None, argv: list[str]) -> dict[str, object]:
+        if rel is None:
+            return {"argv": argv, "missing": True}
+        text = fixture(rel).replace(*replace_text) if replace_text[0] else fixture(rel)
+        return {"argv": argv, "path": f"/usr/bin/{argv[0]}", "rc": 0, "stdout": text, "stderr": ""}
+
+    doc = {
+        "version": 1,
+        "hostname": name,
+        "python": "3.12.3",
+        "cpu_count": 16,
+        "numa_nodes": [0],
+        "os_release": 'PRETTY_NAME="Ubuntu 24.04.3 LTS"\n',
+        "sysfs": {},
+        "proc_net_route": "Iface\tDestination\tGateway\tFlags\tRefCnt\tUse\tMetric\tMask\n"
+        "eth0\t00000000\t0100A8C0\t0003\t0\t0\t0\t00000000\n",
+        "commands": {
+            "query_gpu": command(query, ["nvidia-smi", "--query-gpu=..."]),
+            "topo": command(topo, ["nvidia-smi", "topo", "-m"]),
+            "list": command(listing, ["nvidia-smi", "-L"]),
+            "header": command(header, ["nvidia-smi"]),
+            "ip_addr": {"argv": ["ip"], "rc": 0, "stdout": "1: lo    inet 127.0.0.1/8 scope host lo\n"
+                        "2: eth0    inet 192.168.0.7/24 scope global eth0\n"},
+            "ibstat": command(ibstat, ["ibstat"]),
+        },
+    }
+    return json.dumps(doc)
+
+
+VM = {  # the project's own capture: one H100 in a VM, driver 580.159.04
+    "query": "query-gpu-csv/h100-80gb-hbm3-vm-probe-fields-drv580.csv.txt",
+    "topo": "topo-m/h100-80gb-hbm3-vm-single-gpu-raw-tabs-drv580.txt",
+    "listing": "smi-L/h100-80gb-hbm3-vm-no-mig-drv580.txt",
+    "header": "smi-header/h100-80gb-hbm3-vm-drv580.txt",
+}
+
+
+def nv18_twelve_nics() -> str:
+    """An 8-GPU NVSwitch board with 12 NICs, written in nvidia-smi's raw format (tabs, NIC legend).
+
+    Constructed, not captured: no permissively licensed capture of such a board was found (see
+    tests/fixtures/topology/SOURCES.md). Its layout is a DGX H100's: GPUs 0-3 and NICs 0-5 on
+    NUMA node 0, the rest on node 1; each GPU has its own NIC at PIX; NICs 1+2 and 7+8 are the
+    two ports of a front-end card."""
+    own = [0, 3, 4, 5, 6, 9, 10, 11]  # each GPU's compute NIC
+    node = [0] * 4 + [1] * 4
+    nic_node = [0] * 6 + [1] * 6
+    devices = [f"GPU{i}" for i in range(8)] + [f"NIC{i}" for i in range(12)]
+
+    def cell(a: str, b: str) -> str:
+        if a == b:
+            return " X "
+        ka, ia = a[:3], int(a[3:])
+        kb, ib = b[:3], int(b[3:])
+        if ka == kb == "GPU":
+            return "NV18"
+        if ka == kb == "NIC":
+            if {ia, ib} in ({1, 2}, {7, 8}):
+                return "PIX"
+            return "NODE" if nic_node[ia] == nic_node[ib] else "SYS"
+        gpu, nic = (ia, ib) if ka == "GPU" else (ib, ia)
+        if own[gpu] == nic:
+            return "PIX"
+        return "NODE" if node[gpu] == nic_node[nic] else "SYS"
+
+    cpus = ["0-55,112-167", "56-111,168-223"]
+    lines = ["\t" + "\t".join(devices) + "\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID"]
+    for d in devices:
+        row = d + "\t" + "\t".join(cell(d, e) for e in devices)
+        if d.startswith("GPU"):
+            row += f"\t{cpus[node[int(d[3:])]]}\t{node[int(d[3:])]}\t\tN/A"
+        lines.append(row)
+    lines += ["", "Legend:", "", "  X    = Self", "", "NIC Legend:", ""]
+    lines += [f"  NIC{i}: mlx5_{i}" for i in range(12)]
+    return "\n".join(lines) + "\n"
+
+
+def nv18_host(name: str) -> HostReport:
+    m = parse_topo_matrix(nv18_twelve_nics())
+    gpus = tuple(
+        Gpu(i, "NVIDIA H100 80GB HBM3", f"GPU-{name}-{i}", f"00000000:{0x18 + 0x10 * i:02X}:00.0", 81559,
+            "535.161.08", "9.0", False, numa_node=i // 4)
+        for i in range(8)
+    )
+    nics = attach_nic_affinity(parse_ibstat(fixture("ibstat/gpud-h100-all-active.txt")), m, gpus)
+    return HostReport(host=name, gpus=gpus, cuda_version="12.2", links=m.links, nics=nics, cpu_count=224,
+                      numa_nodes=2, os="Ubuntu 22.04.4 LTS", python="3.11.7", driver_version="535.161.08",
+                      topo=m, interfaces=(NetInterface("lo", ("127.0.0.1",)),
+                                          NetInterface("eth0", ("10.0.0.1",), True)))
+
+
+def rendered(reports: list[HostReport], width: int) -> str:
+    console = Console(width=width, color_system=None, record=True, file=io.StringIO())
+    console.print(render_topo(reports, analyse(reports), suggested_env(reports)))
+    return console.export_text()
+
+
+def expect_report(name: str, text: str) -> None:
+    path = REPORTS / f"{name}.txt"
+    if UPDATE:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    assert text == path.read_text(encoding="utf-8"), f"{name}: run with DLRUN_UPDATE_REPORTS=1 and review the diff"
+
+
+def link_codes(report: HostReport) -> set[str]:
+    return {c for row in report.topo.cells.values() for c in row.values()}
+
+
+CASES = {
+    "nv18-12nic": lambda: [nv18_host("gpu1")],
+    "dgx1-mesh": lambda: [host("dgx1", DGX1, model="Tesla V100-SXM2-16GB",
+                               ibstat="gpud-a100-8x-hdr200-all-active.txt")],
+    "one-gpu": lambda: [parse_probe_output("vm1", probe_doc("vm1", **VM))],
+}
+
+
+@pytest.mark.parametrize("width", [80, 120])
+@pytest.mark.parametrize("case", list(CASES))
+def test_report_at_80_and_120_columns(case: str, width: int) -> None:
+    reports = CASES[case]()
+    text = rendered(reports, width)
+    expect_report(f"{case}-{width}", text)
+    assert "…" not in text and "..." not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    tokens = set(text.split())
+    for code in link_codes(reports[0]):
+        assert code in tokens, f"{code} is not shown whole"
+    for label, name in (reports[0].topo.nic_legend.items() or {}):
+        assert f"{label} = {name}" in text
+
+
+def test_nv18_summary_and_the_matrix_split_at_80_columns() -> None:
+    (gpu1,) = CASES["nv18-12nic"]()
+    narrow, wide = rendered([gpu1], 80), rendered([gpu1], 120)
+    summary = ("8× H100 80GB HBM3 · NVLink all-to-all (NV18) · 12 NICs, 8 at PIX, one per GPU · "
+               "GPUDirect RDMA: yes")
+    assert " ".join(narrow.split()).count(summary) == 1 and " ".join(wide.split()).count(summary) == 1
+    assert "GPU↔GPU links" in narrow and "GPU↔NIC links" in narrow and "NIC11 = mlx5_11" in narrow
+    assert "uuid" not in narrow  # the UUID column does not fit 80 columns: --json has it
+    assert "Links (nvidia-smi topo -m)" in rendered([gpu1], 200)  # whole where it fits
+
+
+def test_identical_hosts_share_a_section_and_the_odd_one_says_how_it_differs() -> None:
+    reports = [parse_probe_output(n, probe_doc(n, **VM)) for n in ("h1", "h2")]
+    reports.append(parse_probe_output("h3", probe_doc("h3", **VM, replace_text=("580.159.04", "580.65.06"))))
+    text = rendered(reports, 120)
+    headers = [line.split()[0] for line in text.splitlines() if "────" in line and not line.startswith(" ")]
+    assert headers == ["h1,h2", "h3"]
+    assert "differs from h1,h2: driver 580.65.06 (not 580.159.04)" in text
+    assert "NVIDIA driver versions differ across hosts: 580.159.04 on h1, h2; 580.65.06 on h3" in text
+    doc = topo_document(reports, analyse(reports), suggested_env(reports))
+    assert [h["host"] for h in doc["hosts"]] == ["h1", "h2", "h3"]  # --json: one entry per host
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_sixty_four_identical_hosts_fit_one_screen(width: int) -> None:
+    reports = [host(f"h{i}", DGX1, model="Tesla V100-SXM2-16GB", ibstat="gpud-a100-8x-hdr200-all-active.txt")
+               for i in range(1, 65)]
+    text = rendered(reports, width)
+    assert len(text.splitlines()) < 80, text
+    assert text.splitlines()[0].startswith("h[1-64] ")
+    assert "h2 " not in text and "h64" not in text
+
+
+def test_a_finding_on_two_hosts_is_printed_once_naming_both() -> None:
+    reports = [host(n, ASUS, ibstat="gpud-h100-some-ports-down.txt") for n in ("h1", "h2")]
+    findings = analyse(reports)
+    down = [f for f in findings if "not ACTIVE" in f.message]
+    assert [f.host for f in down] == ["h1", "h2"] and down[0].message == down[1].message
+    text = rendered(reports, 120)
+    assert text.count("RDMA port(s) not ACTIVE") == 1
+    (row,) = [line for line in text.splitlines() if "RDMA port(s) not ACTIVE" in line]
+    assert row.split()[:2] == ["warning", "h1,h2"]
+    assert exit_code(findings) == 0
+
+
+def test_hostlist_form() -> None:
+    assert hostlist([f"node{i:02d}" for i in range(1, 65)]) == "node[01-64]"
+    assert hostlist(["h1", "h2"]) == "h1,h2"
+    assert hostlist(["h1", "h2", "h3", "h5", "db", "h9"]) == "h[1-3,5,9],db"
+    assert hostlist(["n8", "n9", "n10", "n11"]) == "n[8-11]"
+    assert hostlist(["a", "a"]) == "a"
