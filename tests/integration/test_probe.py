@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dlrun.remote import boot_argv, boot_payload, source_of
-from dlrun.topo.parse import QUERY_GPU_FIELDS
+from dlrun.topo.parse import QUERY_GPU_BASIC_FIELDS, QUERY_GPU_FIELDS
 from dlrun.topo.probe import parse_probe_output, probe_local
 
 from support.topo_fixtures import FIXTURES, env_with_path, write_fake_tool
@@ -49,6 +49,7 @@ def test_probe_source_is_python38_syntax() -> None:
 def test_probe_queries_the_fields_the_parser_expects() -> None:
     source = source_of("probe")
     assert f'QUERY = "{",".join(QUERY_GPU_FIELDS)}"' in source
+    assert f'BASIC = "{",".join(QUERY_GPU_BASIC_FIELDS)}"' in source
 
 
 def _python38() -> str | None:
