@@ -28,6 +28,7 @@ from dlrun.topo.findings import Finding
 from dlrun.topo.records import (
     LINK_CLASSES,
     HostReport,
+    gpu_to_json,
     host_report_to_json,
     is_p2p_by_default,
     link_class,
@@ -112,16 +113,21 @@ def _profile(report: HostReport) -> str:
     doc = host_report_to_json(report)
     for key in ("host", "hostname", "interfaces", "findings"):
         doc.pop(key, None)
-    for gpu in doc["gpus"]:
-        gpu.pop("uuid", None)
-        for mig in gpu["mig_devices"]:
-            mig.pop("uuid", None)
+    doc["gpus"] = _without_uuids(report)
     topo = report.topo
     doc["cells"] = {row: dict(cols) for row, cols in topo.cells.items()}
     doc["affinity"] = {d: [a.cpus, a.numa, a.gpu_numa_id] for d, a in topo.affinity.items()}
     doc["nic_legend"] = dict(topo.nic_legend)
     doc["topo_error"] = topo.error
     return json.dumps(doc, sort_keys=True, default=str)
+
+
+def _without_uuids(report: HostReport) -> list[dict[str, object]]:
+    gpus = [gpu_to_json(g) for g in report.gpus]
+    for gpu in gpus:
+        gpu.pop("uuid", None)
+        gpu["mig_devices"] = [m.get("profile") for m in gpu["mig_devices"]]
+    return gpus
 
 
 def host_groups(reports: Sequence[HostReport]) -> list[list[HostReport]]:
@@ -266,7 +272,7 @@ def differences(report: HostReport, reference: HostReport) -> list[str]:
         return ["the link matrix"]
     if report.nics != reference.nics:
         return ["the RDMA ports (see their table)"]
-    if [g.name for g in report.gpus] != [g.name for g in reference.gpus] or report.gpus != reference.gpus:
+    if _without_uuids(report) != _without_uuids(reference):
         return ["the GPU details (see their table)"]
     return ["details shown below (--json has them all)"]
 
@@ -534,8 +540,8 @@ class TopoReport:
         self.groups = host_groups(reports)
         self.findings = findings
         self.env = env
-        reachable = [g for g in self.groups if g[0].reachable]
-        self.reference = max(reachable, key=len) if len(reachable) > 1 else None
+        probed = [g for g in self.groups if g[0].ok]
+        self.reference = max(probed, key=len) if len(probed) > 1 else None
 
     def header(self, names: str, width: int) -> list[RenderableType]:
         title = Text(names, style="bold")
@@ -552,8 +558,9 @@ class TopoReport:
             return
         if report.error:
             yield Text(f"probe failed: {report.error}", style="bold red")
-        yield summary_line(report)
-        if self.reference is not None and group is not self.reference:
+        else:
+            yield summary_line(report)
+        if self.reference is not None and group is not self.reference and report.ok:
             ref = self.reference[0]
             text = Text(f"differs from {hostlist([r.host for r in self.reference])}: ", style="yellow")
             yield text.append("; ".join(differences(report, ref)))
