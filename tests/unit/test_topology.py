@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -211,6 +212,13 @@ def test_space_separated_captures(
     assert m.affinity["GPU0"].cpus == cpus
     assert m.affinity["GPU0"].numa == numa
     assert m.affinity["GPU0"].gpu_numa_id is None
+
+
+def test_hand_compacted_spacing_parses_like_the_capture() -> None:
+    # a matrix pasted with its columns squeezed to two spaces (as people tidy it in docs and mail)
+    text = fixture(ASUS)
+    compacted = "\n".join(re.sub(r" {2,}", "  ", line) for line in text.splitlines())
+    assert compacted != text and parse_topo_matrix(compacted) == parse_topo_matrix(text)
 
 
 def test_legend_maps_pcie_only_nics() -> None:
