@@ -34,9 +34,9 @@ from support.topo_fixtures import FIXTURES, write_fake_tool
 
 REPLIES = {
     "--query-gpu=": "query-gpu-csv/h100-80gb-hbm3-all-fields-idle-drv590.csv.txt",
-    "topo -m": "topo-m/h20-8gpu-nv18-8nic-2numa-legend-offset-mlx5_1-drv535-raw-tabs.txt",
+    "topo -m": "topo-m/dgx1-v100-hybrid-cube-mesh-nv1-nv2-4nic-raw-tabs.txt",
     "-L": "smi-L/h100-mig-4-instances-drv590.txt",
-    "": "smi-q/h100-mig-enabled-q-text-drv590.txt",
+    "": "smi-header/h100-80gb-hbm3-vm-drv580.txt",
 }
 
 

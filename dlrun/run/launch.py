@@ -202,12 +202,12 @@ def socket_ifaces(plan: Plan, iface: str | None, found: Mapping[str, str]) -> di
 
 def interfaces_at(reports: Sequence[HostReport], addresses: Mapping[str, str]) -> dict[str, str]:
     """host name → the interface (from its probe) holding the address dlrun reached it at."""
-    from dlrun.topo.findings import interface_holding
+    from dlrun.topo.findings import interface_with_address
 
     found = {}
     for report in reports:
         ipv4 = _ipv4_of(addresses.get(report.host, ""))
-        if ipv4 is not None and (name := interface_holding(report, ipv4)) is not None:
+        if ipv4 is not None and (name := interface_with_address(report, ipv4)) is not None:
             found[report.host] = name
     return found
 
@@ -543,9 +543,9 @@ def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
 
 
 def _probe_source() -> str:
-    from dlrun.topo.probe import PROBE_SOURCE
+    from dlrun.remote import source_of
 
-    return PROBE_SOURCE
+    return source_of("probe")
 
 
 def launch(config: LaunchConfig) -> int:

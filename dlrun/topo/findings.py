@@ -311,8 +311,8 @@ def _socket_interface(report: HostReport) -> str | None:
     return None
 
 
-def interface_holding(report: HostReport, ipv4: str) -> str | None:
-    """The host's interface that holds this IPv4 address (the one its peers reach it at)."""
+def interface_with_address(report: HostReport, ipv4: str) -> str | None:
+    """The probed host's interface that holds this IPv4 address (the one its peers reach it at)."""
     return next((i.name for i in report.interfaces if ipv4 in i.ipv4), None)
 
 

@@ -1,7 +1,7 @@
 """Probing hosts over the transport: ``dlrun topo`` and the preflight of ``dlrun launch``.
 
-One round trip per host: for ``dlrun topo`` the stdlib probe program
-(``dlrun.topo.probe.PROBE_SOURCE``) runs as ``python -c`` over the host's already-open connection
+One round trip per host: for ``dlrun topo`` the stdlib probe program (``dlrun.remote.probe``)
+runs as its own program, started by the remote bootstrap over the host's already-open connection
 (or locally); for ``dlrun launch`` the host's agent runs the same program inside itself before
 it is given any rank (``report_from_answer`` turns its answer into a report). Either way the
 JSON is parsed by pure functions. A host that cannot be reached becomes an unreachable
@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from dlrun.errors import DlrunError, PreflightError
 from dlrun.inventory import Host, Inventory
+from dlrun.remote import boot_argv, boot_payload
 from dlrun.topo.findings import Finding, analyse, has_errors, suggested_env
-from dlrun.topo.probe import PROBE_SOURCE, parse_probe_output
+from dlrun.topo.probe import parse_probe_output
 from dlrun.topo.records import HostReport
 from dlrun.transport.base import Transport, default_python
 
@@ -31,7 +32,8 @@ def probe_host(transport: Transport, host: Host, timeout: float = PROBE_TIMEOUT)
     """Probe one host; never raises for an unreachable host or a failing probe."""
     try:
         transport.connect([host])
-        result = transport.run(host, [*default_python(host), "-c", PROBE_SOURCE], timeout=timeout)
+        argv = boot_argv(default_python(host), "probe")
+        result = transport.run(host, argv, stdin=boot_payload("probe"), timeout=timeout)
     except DlrunError as exc:
         return HostReport.unreachable(host.name, exc.message)
     report = parse_probe_output(host.name, result.stdout.decode(errors="replace"))

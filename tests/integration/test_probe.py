@@ -1,75 +1,96 @@
-"""The probe program run for real (fake ``nvidia-smi``/``ibstat`` on PATH replaying captures, the
-sysfs root redirected to a capture tree), and its pure output parser."""
+"""The probe program run for real, as its own program through the remote bootstrap (fake
+``nvidia-smi``/``ibstat`` on PATH replaying captures, the sysfs root redirected to a capture tree),
+and its pure output parser."""
 
 from __future__ import annotations
 
 import ast
 import json
-import shutil
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from dlrun.topo.probe import PROBE_SOURCE, parse_probe_output, probe_local
+from dlrun.remote import boot_argv, boot_payload, source_of
+from dlrun.topo.parse import QUERY_GPU_BASIC_FIELDS, QUERY_GPU_FIELDS
+from dlrun.topo.probe import parse_probe_output, probe_local
 
-from support.topo_fixtures import FIXTURES, env_with_path, needs_fixtures, write_fake_tool
+from support.topo_fixtures import FIXTURES, env_with_path, write_fake_tool
 
 SYSFS_H100 = FIXTURES / "sysfs-ib" / "gpud-h100-testdata"
 SMI_REPLIES = {
     "--query-gpu=": "query-gpu-csv/h100-mig-enabled-all-fields-idle-drv590.csv.txt",
-    "topo -m": "topo-m/h20-8gpu-nv18-8nic-2numa-legend-offset-mlx5_1-drv535-raw-tabs.txt",
+    "topo -m": "topo-m/dgx1-v100-hybrid-cube-mesh-nv1-nv2-4nic-raw-tabs.txt",
     "-L": "smi-L/h100-mig-4-instances-drv590.txt",
-    "": "smi-q/h100-mig-enabled-q-text-drv590.txt",  # plain `nvidia-smi`: has "CUDA Version"
+    "": "smi-header/h100-80gb-hbm3-vm-drv580.txt",  # plain `nvidia-smi`: has "CUDA Version"
 }
 
 
-def run_probe(env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", PROBE_SOURCE],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
+def run_probe(
+    env: dict[str, str], timeout: float = 60, python: str = sys.executable
+) -> subprocess.CompletedProcess[str]:
+    """The probe as ``dlrun topo`` starts it on a host: the loader, then the program on stdin."""
+    proc = subprocess.run(
+        boot_argv([python], "probe"), input=boot_payload("probe"), capture_output=True, env=env, timeout=timeout
+    )
+    return subprocess.CompletedProcess(
+        proc.args, proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
     )
 
 
 def test_probe_source_is_python38_syntax() -> None:
-    ast.parse(PROBE_SOURCE, feature_version=(3, 8))
-    assert "import tensorflow" not in PROBE_SOURCE
+    source = source_of("probe")
+    ast.parse(source, feature_version=(3, 8))
+    assert "import tensorflow" not in source
+
+
+def test_probe_queries_the_fields_the_parser_expects() -> None:
+    source = source_of("probe")
+    assert f'QUERY = "{",".join(QUERY_GPU_FIELDS)}"' in source
+    assert f'BASIC = "{",".join(QUERY_GPU_BASIC_FIELDS)}"' in source
 
 
 def _python38() -> str | None:
-    found = shutil.which("python3.8")
-    if found is None:
-        return None
-    try:
-        check = subprocess.run(
-            [found, "-c", "import sys; print(sys.version_info[:2])"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return found if check.returncode == 0 and "(3, 8)" in check.stdout else None
+    """A python3.8 on PATH, or one that pyenv installed (its shim needs PYENV_VERSION)."""
+    candidates = [str(p) for p in sorted(Path.home().glob(".pyenv/versions/3.8*/bin/python3.8"))]
+    for found in candidates:
+        try:
+            check = subprocess.run(
+                [found, "-c", "import sys; print(sys.version_info[:2])"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if check.returncode == 0 and "(3, 8)" in check.stdout:
+            return found
+    return None
 
 
 def test_probe_runs_on_python38_when_one_is_installed(tmp_path: Path) -> None:
     python38 = _python38()
     if python38 is None:
-        pytest.skip("no working python3.8 on PATH")
+        pytest.skip("no python3.8 installed by pyenv")
+    env = env_with_path(None, PATH=str(tmp_path), DLRUN_SYSFS_ROOT=str(tmp_path))
+    proc = run_probe(env, python=python38)
+    report = parse_probe_output("old-python", proc.stdout)
+    assert report.ok, (report.error, proc.stderr)
+    assert report.python is not None and report.python.startswith("3.8.")
+
+
+def test_the_probe_module_runs_as_a_plain_script(tmp_path: Path) -> None:
+    import dlrun.remote.probe as module
+
     env = env_with_path(None, PATH=str(tmp_path), DLRUN_SYSFS_ROOT=str(tmp_path))
     proc = subprocess.run(
-        [python38, "-c", PROBE_SOURCE], capture_output=True, text=True, env=env, timeout=60
+        [sys.executable, str(module.__file__)], capture_output=True, text=True, env=env, timeout=60, check=False
     )
-    report = parse_probe_output("old-python", proc.stdout)
-    assert report.ok and report.python is not None and report.python.startswith("3.8.")
+    assert parse_probe_output("h", proc.stdout).ok and os.path.basename(str(module.__file__)) == "probe.py"
 
 
-@needs_fixtures
 def test_probe_replays_fixtures_end_to_end(tmp_path: Path) -> None:
     write_fake_tool(tmp_path, "nvidia-smi", SMI_REPLIES)
     proc = run_probe(env_with_path(tmp_path, DLRUN_SYSFS_ROOT=str(SYSFS_H100)))
@@ -92,9 +113,9 @@ def test_probe_replays_fixtures_end_to_end(tmp_path: Path) -> None:
     assert gpu.mig is True
     assert [m.profile for m in gpu.mig_devices] == ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]
     assert report.gpu_slots == 4
-    assert report.cuda_version == "13.1"
-    assert report.links["GPU0"]["GPU1"] == "NV18"
-    assert report.links["GPU0"]["mlx5_1"] == "PIX"
+    assert (report.cuda_version, report.driver_version) == ("13.0", "580.159.04")
+    assert report.links["GPU0"]["GPU1"] == "NV1" and report.links["GPU0"]["GPU3"] == "NV2"
+    assert report.links["GPU0"]["mlx5_0"] == "PIX"
     nics = {n.name: n for n in report.nics}
     assert len(nics) == 9
     assert (nics["mlx5_1"].state, nics["mlx5_1"].rate_gbps, nics["mlx5_1"].link_layer) == (
@@ -102,15 +123,14 @@ def test_probe_replays_fixtures_end_to_end(tmp_path: Path) -> None:
         400.0,
         "InfiniBand",
     )
-    assert (nics["mlx5_1"].nearest_gpus, nics["mlx5_1"].nearest_link) == ((0,), "PIX")
+    assert (nics["mlx5_1"].nearest_gpus, nics["mlx5_1"].nearest_link) == ((2, 3), "PIX")
     assert nics["mlx5_bond_0"].link_layer == "Ethernet" and nics["mlx5_bond_0"].rate_gbps == 200.0
-    assert nics["mlx5_0"].nearest_gpus == ()  # not in that topo capture, no NUMA file
+    assert nics["mlx5_4"].nearest_gpus == ()  # not in that topo capture, no NUMA file
     assert report.python == ".".join(str(v) for v in sys.version_info[:3])
     assert report.cpu_count is not None and report.cpu_count >= 1
     assert not any("nvidia-smi" in n for n in report.notes)
 
 
-@needs_fixtures
 def test_probe_retries_query_with_basic_fields_on_an_old_driver(tmp_path: Path) -> None:
     write_fake_tool(tmp_path, "nvidia-smi", SMI_REPLIES, refuse="compute_cap")
     proc = run_probe(env_with_path(tmp_path, DLRUN_SYSFS_ROOT=str(SYSFS_H100)))
@@ -119,7 +139,6 @@ def test_probe_retries_query_with_basic_fields_on_an_old_driver(tmp_path: Path) 
     assert any("exit 2" in n and "compute_cap" in n for n in report.notes)
 
 
-@needs_fixtures
 def test_probe_with_a_broken_driver_reports_one_problem(tmp_path: Path) -> None:
     message = (
         "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
@@ -133,7 +152,6 @@ def test_probe_with_a_broken_driver_reports_one_problem(tmp_path: Path) -> None:
     assert len(report.nics) == 9  # the rest of the probe still ran
 
 
-@needs_fixtures
 def test_probe_falls_back_to_ibstat_that_exits_255(tmp_path: Path) -> None:
     empty_root = tmp_path / "root"
     empty_root.mkdir()
@@ -174,7 +192,6 @@ def test_probe_without_nvidia_smi_reports_facts_not_errors(tmp_path: Path) -> No
     assert report.numa_nodes is None  # the redirected root has no sys/devices/system/node
 
 
-@needs_fixtures
 def test_probe_times_out_a_hung_nvidia_smi(tmp_path: Path) -> None:
     write_fake_tool(tmp_path, "nvidia-smi", SMI_REPLIES, sleep=30)
     env = env_with_path(tmp_path, DLRUN_SYSFS_ROOT=str(SYSFS_H100), DLRUN_PROBE_TIMEOUT="0.5")

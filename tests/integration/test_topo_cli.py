@@ -10,25 +10,25 @@ from pathlib import Path
 import pytest
 
 from conftest import hosts_toml, run_dlrun, shared_script
-from support.topo_fixtures import FIXTURES, env_with_path, needs_fixtures, write_fake_tool
+from support.topo_fixtures import FIXTURES, env_with_path, write_fake_tool
 
 SYSFS = FIXTURES / "sysfs-ib" / "gpud-h100-testdata"
-H20 = {  # 8x H20 with NVLink and 8 NICs (NIC0 -> mlx5_1 in the legend); plain GPUs, no MIG
+LEGEND = {  # a matrix of 4 GPUs and 4 NICs named NIC0..NIC3 in its legend; plain GPUs, no MIG
     "--query-gpu=": "query-gpu-csv/h100-80gb-hbm3-all-fields-idle-drv590.csv.txt",
-    "topo -m": "topo-m/h20-8gpu-nv18-8nic-2numa-legend-offset-mlx5_1-drv535-raw-tabs.txt",
+    "topo -m": "topo-m/asus-esc8000a-4x-rtx6000ada-4nic-cx7-node-sys-gpu-numa-id.txt",
     "-L": "smi-L/h100-mig-4-instances-drv590.txt",
-    "": "smi-q/h100-mig-enabled-q-text-drv590.txt",
+    "": "smi-header/h100-80gb-hbm3-vm-drv580.txt",
 }
 MIG = {  # one H100 with MIG on and 4 instances: 4 slots, one MIG device each
     "--query-gpu=": "query-gpu-csv/h100-mig-enabled-all-fields-idle-drv590.csv.txt",
     "topo -m": "topo-m/h100-80gb-hbm3-single-gpu-raw-tabs-drv590.txt",
     "-L": "smi-L/h100-mig-4-instances-drv590.txt",
-    "": "smi-q/h100-mig-enabled-q-text-drv590.txt",
+    "": "smi-header/h100-80gb-hbm3-vm-drv580.txt",
 }
 ONE_GPU = {  # one H100, no MIG
     "--query-gpu=": "query-gpu-csv/h100-80gb-hbm3-all-fields-idle-drv590.csv.txt",
     "topo -m": "topo-m/h100-80gb-hbm3-single-gpu-raw-tabs-drv590.txt",
-    "": "smi-q/h100-80gb-hbm3-q-text-drv590.txt",
+    "": "smi-header/h100-80gb-hbm3-vm-drv580.txt",
 }
 HOST_KEYS = {"host", "reachable", "gpus", "cuda_version", "links", "nics", "findings"}
 GPU_KEYS = {"index", "name", "uuid", "pci_bus_id", "memory_mib", "driver", "mig"}
@@ -47,9 +47,8 @@ def check_shape(doc: dict) -> None:  # type: ignore[type-arg]
             assert finding["severity"] in ("error", "warning", "info") and isinstance(finding["message"], str)
 
 
-@needs_fixtures
 def test_local_topo_json_with_replayed_nvidia_smi(tmp_path: Path) -> None:
-    write_fake_tool(tmp_path, "nvidia-smi", H20)
+    write_fake_tool(tmp_path, "nvidia-smi", LEGEND)
     env = env_with_path(tmp_path, DLRUN_SYSFS_ROOT=str(SYSFS))
     out = run_dlrun("topo", "--json", env=env, cwd=tmp_path)
     assert out.returncode in (0, 1), out.stderr
@@ -63,7 +62,6 @@ def test_local_topo_json_with_replayed_nvidia_smi(tmp_path: Path) -> None:
     assert "GPU0" in text.stdout and "mlx5_0" in text.stdout
 
 
-@needs_fixtures
 def test_the_default_job_on_a_one_gpu_machine_starts_one_rank(tmp_path: Path) -> None:
     # 'dlrun launch train.py' asks for nothing: its 2 ranks must not become a preflight error here
     write_fake_tool(tmp_path, "nvidia-smi", ONE_GPU)
@@ -102,9 +100,8 @@ def fake_gpu_python(cluster, tmp: Path, replies: dict[str, str]) -> str:  # type
 
 
 @pytest.mark.ssh
-@needs_fixtures
 def test_topo_over_ssh_reports_each_host_and_unreachable_ones(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    python = fake_gpu_python(cluster, tmp_path, H20)
+    python = fake_gpu_python(cluster, tmp_path, LEGEND)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2, python=python)
     with hosts.open("a") as fh:
         fh.write('[[hosts]]\naddress = "127.0.0.9"\nport = 2299\n')
@@ -120,7 +117,6 @@ def test_topo_over_ssh_reports_each_host_and_unreachable_ones(cluster, tmp_path:
 
 
 @pytest.mark.ssh
-@needs_fixtures
 def test_preflight_sets_slots_and_cuda_visible_devices(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     python = fake_gpu_python(cluster, tmp_path, MIG)
     script = shared_script(cluster, "gpus.py", "import os\nprint('GPU', os.environ['DLRUN_LOCAL_RANK'], "
@@ -137,9 +133,8 @@ def test_preflight_sets_slots_and_cuda_visible_devices(cluster, tmp_path: Path) 
 
 
 @pytest.mark.ssh
-@needs_fixtures
 def test_preflight_error_stops_launch_before_anything_starts(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    python = fake_gpu_python(cluster, tmp_path, H20)
+    python = fake_gpu_python(cluster, tmp_path, LEGEND)
     marker = cluster.hosts[0].workdir / "preflight-started"
     script = shared_script(cluster, "mark2.py", f"open({str(marker)!r}, 'w').write('x')\n")
     hosts = tmp_path / "hosts.toml"

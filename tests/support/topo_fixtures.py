@@ -1,8 +1,7 @@
-"""Helpers for the topology tests: where the shared real captures live, how to read them.
+"""Helpers for the topology tests: where the real captures live, how to read them.
 
-The captures stay in ``../shared/fixtures/topology/`` (beside the repository); they are read in
-place, never copied. Tests that need them are skipped, with the path in the reason, when that
-directory is absent.
+The captures are in ``tests/fixtures/topology/`` (their sources and licences in its SOURCES.md).
+A missing capture is an error, never a skip.
 """
 
 from __future__ import annotations
@@ -12,14 +11,7 @@ import stat
 import sys
 from pathlib import Path
 
-import pytest
-
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "topology"
-
-needs_fixtures = pytest.mark.skipif(
-    not FIXTURES.is_dir(),
-    reason=f"shared topology captures not found at {FIXTURES} (clone with shared/ beside the repo)",
-)
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
 
 
 def fixture(rel: str) -> str:
@@ -28,10 +20,15 @@ def fixture(rel: str) -> str:
 
 
 def all_fixture_files() -> list[Path]:
-    """Every file under the fixture directory (empty when it is absent)."""
-    if not FIXTURES.is_dir():
-        return []
-    return sorted(p for p in FIXTURES.rglob("*") if p.is_file())
+    """Every capture: the files in the fixture directory's folders (not SOURCES.md, LICENSES.md,
+    nor ``report/``, the expected ``dlrun topo`` output)."""
+    depth = len(FIXTURES.parts)
+    found = sorted(
+        p for p in FIXTURES.rglob("*") if p.is_file() and p.parent != FIXTURES and p.parts[depth] != "report"
+    )
+    if not found:
+        raise FileNotFoundError(f"no topology captures under {FIXTURES}")
+    return found
 
 
 def sysfs_tree(rel: str) -> dict[str, str]:

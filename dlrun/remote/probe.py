@@ -1,0 +1,275 @@
+"""The topology probe: gathers a host's raw facts and prints them as one JSON document.
+
+Runs on the host (python >= 3.8, standard library only, nothing installed): shipped by
+``dlrun topo`` through the remote bootstrap, or run inside the agent by its ``probe`` op. It
+never parses what the tools print (that is ``dlrun.topo.parse``'s job) and always prints exactly
+one JSON line, even when something inside it fails; a missing tool is recorded as missing.
+
+Gathered: ``nvidia-smi`` (``--query-gpu``, retried with basic fields when a driver refuses one;
+``topo -m``; ``-L``; the plain header), ``ip -o -4 addr show`` (or ``if_nameindex`` + ioctl),
+``/proc/net/route``, ``/etc/os-release``, CPU and NUMA counts, the TensorFlow version from
+``*.dist-info`` names on ``sys.path``, the InfiniBand and GPU PCI sysfs files under
+``$DLRUN_SYSFS_ROOT`` (default ``/``) and ``ibstat`` when sysfs shows no RDMA device. Every command
+has a timeout (``$DLRUN_PROBE_TIMEOUT`` seconds, default 30).
+
+Output (``version`` 1): ``{"version", "hostname", "python", "executable", "cpu_count",
+"cpu_usable", "numa_nodes", "os_release", "platform", "tensorflow", "sysfs_root", "sysfs":
+{path: content}, "commands": {name: {"argv", "path", "rc", "stdout", "stderr", "missing",
+"timed_out", "error", "seconds"}}, "interfaces_ioctl", "proc_net_route", "fatal"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+VERSION = 1
+#: The --query-gpu fields (dlrun.topo.parse.QUERY_GPU_FIELDS) and the basic retry's subset.
+QUERY = "index,uuid,name,pci.bus_id,memory.total,driver_version,compute_cap,mig.mode.current"
+BASIC = "index,uuid,name,pci.bus_id,memory.total,driver_version"
+TF_DISTS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-macos",
+            "tensorflow-intel", "tf-nightly", "tf-nightly-cpu")
+DIST_INFO = re.compile(r"^([A-Za-z0-9_.]+)-([^-/]+)\.(?:dist-info|egg-info)$")
+PCI = re.compile(r"([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
+SIOCGIFADDR = 0x8915
+
+
+def sysfs_root() -> str:
+    return os.environ.get("DLRUN_SYSFS_ROOT") or "/"
+
+
+def command_timeout() -> float:
+    try:
+        return float(os.environ.get("DLRUN_PROBE_TIMEOUT") or 30)
+    except ValueError:
+        return 30.0
+
+
+def text(data: bytes | None) -> str:
+    return "" if data is None else data.decode("utf-8", "replace")
+
+
+def which(name: str) -> str | None:
+    """shutil.which for a bare name, without importing shutil (the probe runs on every launch)."""
+    for folder in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        path = os.path.join(folder or ".", name)
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def run(argv: list[str], timeout: float) -> dict[str, Any]:
+    result: dict[str, Any] = {"argv": list(argv), "missing": False, "timed_out": False}
+    path = which(argv[0])
+    if path is None:
+        result["missing"] = True
+        return result
+    result["path"] = path
+    env = dict(os.environ)
+    env["LC_ALL"] = "C"
+    start = time.time()
+    try:
+        proc = subprocess.run([path, *argv[1:]], stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=timeout, env=env)
+        result["rc"] = proc.returncode
+        result["stdout"] = text(proc.stdout)
+        result["stderr"] = text(proc.stderr)
+    except subprocess.TimeoutExpired as exc:
+        result["timed_out"] = True
+        result["timeout"] = timeout
+        result["stdout"] = text(exc.stdout)
+        result["stderr"] = text(exc.stderr)
+    except (OSError, ValueError) as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    result["seconds"] = round(time.time() - start, 3)
+    return result
+
+
+def run_all(jobs: list[tuple[str, list[str], float]]) -> dict[str, dict[str, Any]]:
+    """Run the jobs in parallel threads; their results by name."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def work(name: str, argv: list[str], timeout: float) -> None:
+        out[name] = run(argv, timeout)
+
+    threads = [threading.Thread(target=work, args=job, daemon=True) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
+
+
+def rel(path: str) -> str:
+    return os.path.relpath(path, sysfs_root()).replace(os.sep, "/")
+
+
+def read(path: str, limit: int = 65536) -> str | None:
+    try:
+        with open(path, "rb") as handle:
+            return text(handle.read(limit))
+    except (OSError, ValueError):
+        return None
+
+
+def listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def collect_ib(sysfs: dict[str, str]) -> list[str]:
+    """Copy each RDMA device's sysfs files into ``sysfs``; the device names."""
+    base = os.path.join(sysfs_root(), "sys", "class", "infiniband")
+    devices = listdir(base)
+    for dev in devices:
+        ddir = os.path.join(base, dev)
+        for name in ("hca_type", "fw_ver", "board_id", "node_guid", "device/numa_node"):
+            content = read(os.path.join(ddir, name))
+            if content is not None:
+                sysfs[rel(os.path.join(ddir, name))] = content
+        link = os.path.join(ddir, "device")
+        if os.path.exists(link):
+            sysfs[rel(link)] = os.path.realpath(link)
+        netdir = os.path.join(ddir, "device", "net")
+        for netdev in listdir(netdir):
+            sysfs[rel(os.path.join(netdir, netdev))] = ""
+            for attr in ("dev_port", "dev_id"):
+                content = read(os.path.join(netdir, netdev, attr))
+                if content is not None:
+                    sysfs[rel(os.path.join(netdir, netdev, attr))] = content
+        for port in listdir(os.path.join(ddir, "ports")):
+            for attr in ("state", "phys_state", "rate", "link_layer"):
+                path = os.path.join(ddir, "ports", port, attr)
+                sysfs[rel(path)] = read(path) or ""
+    return devices
+
+
+def collect_gpu_numa(sysfs: dict[str, str], query_stdout: str) -> None:
+    """Each GPU's ``numa_node`` file, for the PCI addresses the query printed."""
+    for match in PCI.finditer(query_stdout):
+        dom, bus, dev, fn = match.groups()
+        addr = f"{int(dom, 16):04x}:{bus.lower()}:{dev.lower()}.{fn}"
+        path = os.path.join(sysfs_root(), "sys", "bus", "pci", "devices", addr, "numa_node")
+        content = read(path)
+        if content is not None:
+            sysfs[rel(path)] = content
+
+
+def numa_nodes() -> list[int]:
+    names = listdir(os.path.join(sysfs_root(), "sys", "devices", "system", "node"))
+    return sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit())
+
+
+def tensorflow_version() -> dict[str, str] | None:
+    """The installed TensorFlow distribution's name and version, read off the metadata folder
+    names on sys.path: importlib.metadata's answer without its scan of every distribution."""
+    wanted = {d.replace("-", "_"): d for d in TF_DISTS}
+    found: dict[str, str] = {}
+    for entry in sys.path:
+        for name in listdir(entry or "."):
+            match = DIST_INFO.match(name)
+            if match:
+                dist = wanted.get(match.group(1).lower().replace("-", "_").replace(".", "_"))
+                if dist is not None and dist not in found:
+                    found[dist] = match.group(2)
+    for dist in TF_DISTS:
+        if dist in found:
+            return {"dist": dist, "version": found[dist]}
+    return None
+
+
+def interfaces_ioctl() -> list[dict[str, Any]]:
+    """IPv4 interfaces from the kernel directly, for hosts without a usable ``ip``."""
+    try:
+        import fcntl
+        import socket
+        import struct
+    except ImportError:
+        return []
+    out: list[dict[str, Any]] = []
+    try:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    except OSError:
+        return out
+    try:
+        for _, name in socket.if_nameindex():
+            addrs: list[str] = []
+            try:
+                packed = struct.pack("256s", name.encode("utf-8")[:15])
+                res = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, packed)
+                addrs.append(socket.inet_ntoa(res[20:24]))
+            except OSError:
+                pass
+            out.append({"name": name, "ipv4": addrs})
+    except (AttributeError, OSError):
+        pass
+    finally:
+        sock.close()
+    return out
+
+
+def gather(doc: dict[str, Any]) -> None:
+    """Fill ``doc`` with everything the probe reports (may raise: the caller notes it)."""
+    timeout = command_timeout()
+    uname = os.uname()
+    doc["hostname"] = uname.nodename
+    doc["python"] = ".".join(str(v) for v in sys.version_info[:3])
+    doc["executable"] = sys.executable
+    doc["platform"] = f"{uname.sysname}-{uname.release}-{uname.machine}"
+    doc["cpu_count"] = os.cpu_count()
+    try:
+        doc["cpu_usable"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        doc["cpu_usable"] = None
+    doc["os_release"] = read("/etc/os-release") or read("/usr/lib/os-release")
+    doc["proc_net_route"] = read("/proc/net/route")
+    doc["numa_nodes"] = numa_nodes()
+    sysfs: dict[str, str] = {}
+    doc["sysfs"] = sysfs
+    ib_devices = collect_ib(sysfs)
+    jobs: list[tuple[str, list[str], float]] = [
+        ("query_gpu", ["nvidia-smi", "--query-gpu=" + QUERY, "--format=csv"], timeout),
+        ("topo", ["nvidia-smi", "topo", "-m"], timeout),
+        ("list", ["nvidia-smi", "-L"], timeout),
+        ("header", ["nvidia-smi"], timeout),
+        ("ip_addr", ["ip", "-o", "-4", "addr", "show"], min(timeout, 5.0)),
+    ]
+    if not ib_devices:
+        jobs.append(("ibstat", ["ibstat"], min(timeout, 10.0)))
+    commands = run_all(jobs)
+    query = commands["query_gpu"]
+    if not query["missing"] and query.get("rc") not in (0, None):
+        commands["query_gpu_full"] = query
+        query = run(["nvidia-smi", "--query-gpu=" + BASIC, "--format=csv"], timeout)
+        commands["query_gpu"] = query
+    doc["commands"] = commands
+    collect_gpu_numa(sysfs, str(query.get("stdout") or ""))
+    doc["tensorflow"] = tensorflow_version()
+    ip_addr = commands["ip_addr"]
+    if ip_addr.get("rc") != 0 or not str(ip_addr.get("stdout") or "").strip():
+        doc["interfaces_ioctl"] = interfaces_ioctl()
+
+
+def main() -> None:
+    doc: dict[str, Any] = {"version": VERSION, "sysfs_root": sysfs_root()}
+    try:
+        gather(doc)
+    except Exception as exc:  # the caller must always get a document
+        import traceback
+
+        doc["fatal"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
+
+# a program of its own (the bootstrap runs it as __main__), or run inside the agent's probe op
+if __name__ in ("__main__", "__dlrun_probe__"):
+    main()
