@@ -13,7 +13,7 @@ Gathered: ``nvidia-smi`` (``--query-gpu``, retried with basic fields when a driv
 has a timeout (``$DLRUN_PROBE_TIMEOUT`` seconds, default 30).
 
 Output (``version`` 1): ``{"version", "hostname", "python", "executable", "cpu_count",
-"cpu_usable", "numa_nodes", "os_release", "platform", "tensorflow", "sysfs_root", "sysfs":
+"cpu_usable", "numa_nodes", "os_release", "platform", "tensorflow", "frameworks", "sysfs_root", "sysfs":
 {path: content}, "commands": {name: {"argv", "path", "rc", "stdout", "stderr", "missing",
 "timed_out", "error", "seconds"}}, "interfaces_ioctl", "proc_net_route", "fatal"}``.
 """
@@ -186,6 +186,43 @@ def tensorflow_version() -> dict[str, str] | None:
     return None
 
 
+def dist_versions(names: tuple[str, ...]) -> dict[str, str]:
+    """Versions of these distributions (normalized names), from the metadata folder names on
+    sys.path, the first found winning as an import would."""
+    wanted = {n.replace("-", "_").lower() for n in names}
+    found: dict[str, str] = {}
+    for entry in sys.path:
+        for name in listdir(entry or "."):
+            match = DIST_INFO.match(name)
+            if match:
+                dist = match.group(1).lower().replace("-", "_").replace(".", "_")
+                if dist in wanted and dist not in found:
+                    found[dist] = match.group(2)
+    return found
+
+
+TORCH_CUDA = re.compile(r"""^cuda\s*(?::[^=]*)?=\s*['"]([^'"]+)['"]""", re.M)
+NCCL_DISTS = ("nvidia_nccl_cu13", "nvidia_nccl_cu12", "nvidia_nccl_cu11")
+
+
+def frameworks() -> dict[str, Any]:
+    """torch's version with its CUDA build and NCCL, Keras and tf_keras: what must agree across
+    hosts. Read from metadata and ``torch/version.py`` as text, never by importing torch."""
+    versions = dist_versions(("torch", "keras", "tf_keras", *NCCL_DISTS))
+    out: dict[str, Any] = {"keras": versions.get("keras"), "tf_keras": versions.get("tf_keras")}
+    if "torch" in versions:
+        cuda = None
+        for entry in sys.path:
+            source = read(os.path.join(entry or ".", "torch", "version.py"))
+            if source is not None:
+                match = TORCH_CUDA.search(source)
+                cuda = match.group(1) if match else None
+                break
+        nccl = next((versions[d] for d in NCCL_DISTS if d in versions), None)
+        out["torch"] = {"version": versions["torch"], "cuda": cuda, "nccl": nccl}
+    return out
+
+
 def interfaces_ioctl() -> list[dict[str, Any]]:
     """IPv4 interfaces from the kernel directly, for hosts without a usable ``ip``."""
     try:
@@ -253,6 +290,7 @@ def gather(doc: dict[str, Any]) -> None:
     doc["commands"] = commands
     collect_gpu_numa(sysfs, str(query.get("stdout") or ""))
     doc["tensorflow"] = tensorflow_version()
+    doc["frameworks"] = frameworks()
     ip_addr = commands["ip_addr"]
     if ip_addr.get("rc") != 0 or not str(ip_addr.get("stdout") or "").strip():
         doc["interfaces_ioctl"] = interfaces_ioctl()

@@ -87,7 +87,7 @@ def _major_minor(version: str) -> str:
     return ".".join(version.split(".")[:2])
 
 
-def _cross_host(ok: Sequence[HostReport]) -> list[Finding]:
+def _cross_host(ok: Sequence[HostReport], torch_severity: Severity = "warning") -> list[Finding]:
     found: list[Finding] = []
     if len(ok) < 2:
         return found
@@ -103,6 +103,11 @@ def _cross_host(ok: Sequence[HostReport]) -> list[Finding]:
         found += _differs(
             "TensorFlow versions", {r.host: r.tensorflow or "not installed" for r in ok}
         )
+    if any(r.torch for r in ok):  # the classic multi-node hang: ranks that disagree on NCCL or torch
+        found += _differs("torch versions", {r.host: r.torch or "not installed" for r in ok}, torch_severity)
+        found += _differs("torch CUDA builds", {r.host: r.torch_cuda or "none (CPU build)" for r in ok if r.torch},
+                          torch_severity)
+        found += _differs("NCCL versions", {r.host: r.nccl or "not installed" for r in ok if r.torch}, torch_severity)
     return found
 
 
@@ -258,9 +263,11 @@ def _slots(ok: Sequence[HostReport], slots_by_host: Mapping[str, int] | None) ->
 
 
 def analyse(
-    reports: Sequence[HostReport], slots_by_host: Mapping[str, int] | None = None
+    reports: Sequence[HostReport], slots_by_host: Mapping[str, int] | None = None, *, torch_job: bool = False
 ) -> tuple[Finding, ...]:
-    """All findings for these hosts, errors first, then warnings, then infos (stable within)."""
+    """All findings for these hosts, errors first, then warnings, then infos (stable within).
+    ``torch_job``: a torch or Horovod job is about to start, so a torch, CUDA-build or NCCL
+    difference across its hosts is an error, not a warning."""
     found: list[Finding] = []
     for report in reports:
         if not report.reachable:
@@ -269,7 +276,7 @@ def analyse(
         elif report.error:
             found.append(Finding("error", f"probe failed: {report.error}", report.host))
     ok = [r for r in reports if r.ok]
-    found += _cross_host(ok)
+    found += _cross_host(ok, "error" if torch_job else "warning")
     multi_host = len(reports) > 1
     for report in ok:
         found += _per_host_gpus(report, multi_host)

@@ -74,11 +74,12 @@ def report_from_answer(host: str, stdout: str | None, error: str | None) -> Host
     return parse_probe_output(host, stdout)
 
 
-def check_preflight(inventory: Inventory, hosts: Sequence[Host], reports: Sequence[HostReport]) -> Preflight:
+def check_preflight(inventory: Inventory, hosts: Sequence[Host], reports: Sequence[HostReport],
+                    framework: str | None = None) -> Preflight:
     """Check the probe reports of ``hosts`` (in order); raise PreflightError on error findings."""
     reports = tuple(reports)
     slots = {h.name: s for h, s in zip(hosts, _slots(inventory, reports), strict=True)}
-    findings = analyse(reports, slots)
+    findings = analyse(reports, slots, torch_job=framework in ("torch", "horovod"))
     if has_errors(findings):
         errors = [f for f in findings if f.severity == "error"]
         lines = "\n".join(f"  {f.host + ': ' if f.host else ''}{f.message}" for f in errors)

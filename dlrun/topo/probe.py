@@ -211,6 +211,10 @@ def parse_probe_output(host: str, stdout: str) -> HostReport:
 
     numa = doc.get("numa_nodes")
     tf = doc.get("tensorflow")
+    fw_doc = doc.get("frameworks")
+    fw: dict[str, Any] = fw_doc if isinstance(fw_doc, dict) else {}
+    torch_doc = fw.get("torch")
+    torch: dict[str, Any] = torch_doc if isinstance(torch_doc, dict) else {}
     return HostReport(
         host=host,
         reachable=True,
@@ -223,6 +227,11 @@ def parse_probe_output(host: str, stdout: str) -> HostReport:
         os=parse_os_release(_str(doc.get("os_release")) or "") or _str(doc.get("platform")),
         python=_str(doc.get("python")),
         tensorflow=_str(tf.get("version")) if isinstance(tf, dict) else None,
+        torch=_str(torch.get("version")),
+        torch_cuda=_str(torch.get("cuda")),
+        nccl=_str(torch.get("nccl")),
+        keras=_str(fw.get("keras")),
+        tf_keras=_str(fw.get("tf_keras")),
         error=error,
         hostname=_str(doc.get("hostname")),
         driver_version=driver,

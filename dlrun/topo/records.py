@@ -266,6 +266,11 @@ class HostReport:
     os: str | None = None
     python: str | None = None
     tensorflow: str | None = None
+    torch: str | None = None  # the installed torch's version, e.g. 2.11.0+cu130
+    torch_cuda: str | None = None  # the CUDA it was built with (None: a CPU build)
+    nccl: str | None = None  # the NCCL package beside it
+    keras: str | None = None
+    tf_keras: str | None = None
     error: str | None = None
     hostname: str | None = None
     driver_version: str | None = None
@@ -401,6 +406,11 @@ def host_report_to_json(report: HostReport, findings: Iterable[FindingLike] = ()
         "os": report.os,
         "python": report.python,
         "tensorflow": report.tensorflow,
+        "torch": report.torch,
+        "torch_cuda": report.torch_cuda,
+        "nccl": report.nccl,
+        "keras": report.keras,
+        "tf_keras": report.tf_keras,
         "interfaces": [
             {"name": i.name, "ipv4": list(i.ipv4), "default_route": i.default_route}
             for i in report.interfaces

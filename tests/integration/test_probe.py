@@ -296,3 +296,27 @@ def test_parse_probe_output_fatal_is_an_error() -> None:
         "h", json.dumps({"version": 1, "fatal": "OSError: boom\ntraceback"})
     )
     assert report.reachable and report.error == "the probe failed: OSError: boom"
+
+
+def stub_torch_site(site: Path, version: str, cuda: str | None, nccl: str | None) -> Path:
+    """A site folder whose metadata says torch ``version`` (built with ``cuda``) and NCCL."""
+    (site / f"torch-{version}.dist-info").mkdir(parents=True)
+    (site / "torch").mkdir()
+    (site / "torch" / "version.py").write_text(
+        f"from typing import Optional\n__version__ = '{version}'\ncuda: Optional[str] = {cuda!r}\n")
+    if nccl:
+        (site / f"nvidia_nccl_cu13-{nccl}.dist-info").mkdir()
+    (site / "keras-3.9.9.dist-info").mkdir()
+    return site
+
+
+def test_torch_its_cuda_build_and_nccl_from_metadata_without_importing_torch(tmp_path: Path) -> None:
+    site = stub_torch_site(tmp_path / "site", "2.11.0+cu130", "13.0", "2.28.9")
+    (site / "torch" / "__init__.py").write_text("raise SystemExit('the probe must not import torch')\n")
+    env = env_with_path(None, PATH=str(tmp_path), DLRUN_SYSFS_ROOT=str(tmp_path), PYTHONPATH=str(site))
+    report = parse_probe_output("h", run_probe(env).stdout)
+    assert (report.torch, report.torch_cuda, report.nccl, report.keras) == ("2.11.0+cu130", "13.0", "2.28.9", "3.9.9")
+    cpu = stub_torch_site(tmp_path / "cpu", "2.13.0+cpu", None, None)
+    env = env_with_path(None, PATH=str(tmp_path), DLRUN_SYSFS_ROOT=str(tmp_path), PYTHONPATH=str(cpu))
+    report = parse_probe_output("h", run_probe(env).stdout)
+    assert (report.torch, report.torch_cuda, report.nccl) == ("2.13.0+cpu", None, None)

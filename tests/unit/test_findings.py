@@ -112,6 +112,17 @@ def test_gpu_count_model_and_versions_differ() -> None:
     assert not has_errors(found)
 
 
+def test_torch_cuda_build_and_nccl_differences_warn_and_stop_a_torch_job() -> None:
+    a = host("a", ONE_GPU, torch="2.11.0+cu130", torch_cuda="13.0", nccl="2.28.9")
+    b = host("b", ONE_GPU, torch="2.10.0+cu128", torch_cuda="12.8", nccl="2.27.3")
+    for torch_job, severity in ((False, "warning"), (True, "error")):
+        found = messages(analyse([a, b], torch_job=torch_job), severity)
+        assert "torch versions differ across hosts: 2.11.0+cu130 on a; 2.10.0+cu128 on b" in found
+        assert "torch CUDA builds differ across hosts: 13.0 on a; 12.8 on b" in found
+        assert "NCCL versions differ across hosts: 2.28.9 on a; 2.27.3 on b" in found
+    assert not analyse([a, replace(a, host="c")], torch_job=True)
+
+
 def test_python_patch_levels_are_only_info() -> None:
     found = analyse([host("a", ONE_GPU), host("b", ONE_GPU, python="3.11.2")])
     assert messages(found, "info") == [
