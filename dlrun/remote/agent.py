@@ -16,11 +16,14 @@ host:
   "argv", "env", "cwd"}], "eof_grace"}`` (``"op": "start"`` or no op) starts the ranks; later
   ``{"op": "stop", "grace": s}`` (SIGTERM every rank's process group, SIGKILL after ``s``) and
   ``{"op": "kill"}``, and ``{"op": "ping"}`` (answered with a PONG frame: the controller's
-  heartbeat). Env and argv travel inside JSON, so no shell ever parses them.
+  heartbeat). ``{"op": "ports", "ports": [...]}`` (before the spec) answers which of those TCP
+  ports are free here, so that two jobs on the same hosts never collide. Env and argv travel
+  inside JSON, so no shell ever parses them.
 * **Output (stdout)**: binary frames ``>BiI`` (kind, rank, length) + payload: HELLO (JSON facts),
   STARTED (JSON pid), STDOUT/STDERR (raw chunks up to 64 KiB), EXIT (JSON code), ERROR (text),
   DONE, PROBE (the probe's stdout), SURVEY (JSON), PONG (empty), GPU (JSON: one sample of the
-  host's GPUs, or why sampling failed). The controller splits lines itself. Output
+  host's GPUs, or why sampling failed), PORTS (JSON: which of the asked ports a rank could
+  bind). The controller splits lines itself. Output
   is coalesced: a rank that writes tiny pieces (``PYTHONUNBUFFERED``) is forwarded every few
   milliseconds or every 64 KiB, not write by write; lifecycle frames go out at once.
 * **Watchdog**: when stdin reaches EOF (dlrun killed, Ctrl-C, SSH connection dropped) every
@@ -64,7 +67,7 @@ import time
 from typing import IO, Any
 
 HEADER = struct.Struct(">BiI")
-HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE, SURVEY, PONG, GPU = range(1, 12)
+HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE, SURVEY, PONG, GPU, PORTS = range(1, 13)
 CHUNK = 65536
 COALESCE_S = 0.005  # output frames wait at most this long for more output
 SMALL_READ = 4096  # a read this small means a trickle: let it pile up for a moment
@@ -108,6 +111,28 @@ class FrameDecoder:
 GPU_QUERY = "index,uuid,utilization.gpu,memory.used,memory.total,power.draw,temperature.gpu"
 GPU_TIMEOUT = 5.0  # a sample that takes longer is killed and reported
 GPU_GIVE_UP = 3  # consecutive failures after which a host stops sampling
+
+
+def port_free(port: int) -> bool:
+    import socket
+
+    for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here
+            continue
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((address, port))
+        except OSError as exc:
+            if family == socket.AF_INET6 and exc.errno in (97, 99):  # IPv6 off: not a busy port
+                continue
+            return False
+        finally:
+            sock.close()
+    return True
 
 
 def which(name: str) -> str | None:
@@ -449,6 +474,12 @@ class Agent:
             sys.stdout = saved
         self.emit(PROBE, AGENT_RANK, captured.getvalue().encode("utf-8", "replace"))
 
+    def ports(self, message: dict[str, Any]) -> None:
+        """Which of the asked ports a rank could listen on (as torch's store and TF's servers do,
+        with SO_REUSEADDR: a port held by a listener is busy, one in TIME_WAIT is not)."""
+        free = [port for port in message.get("ports", []) if port_free(int(port))]
+        self.emit(PORTS, AGENT_RANK, json.dumps({"free": free}).encode())
+
     def survey(self, message: dict[str, Any]) -> None:
         """Answer a push survey with the push helper's own code; an error is answered too."""
         namespace: dict[str, Any] = {"__name__": "__dlrun_push_survey__"}
@@ -697,6 +728,8 @@ def _run_agent(argv: list[str]) -> int:
                 agent.probe(message)
             elif op == "survey":
                 agent.survey(message)
+            elif op == "ports":
+                agent.ports(message)
             elif op == "watch":
                 agent.watch(message)
             elif op == "start" and not started:

@@ -369,3 +369,18 @@ def test_a_failing_or_hanging_nvidia_smi_is_reported_and_the_job_goes_on(tmp_pat
     frames = talk(agent_cmd(), [sleeper(agent.GPU_TIMEOUT + 1.5)], env=env)
     assert gpu_frames(frames)[0]["error"] == f"nvidia-smi did not answer within {agent.GPU_TIMEOUT:g} s"
     assert json.loads(next(p for k, _, p in frames if k == agent.EXIT)) == {"code": 0}
+
+
+def test_the_agent_says_which_ports_are_free() -> None:
+    import socket
+
+    busy = socket.create_server(("127.0.0.1", 0))
+    try:
+        taken = busy.getsockname()[1]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            idle = probe.getsockname()[1]
+        frames = talk(agent_cmd(), [{"op": "ports", "ports": [taken, idle]}])
+    finally:
+        busy.close()
+    assert json.loads(next(p for k, _, p in frames if k == agent.PORTS)) == {"free": [idle]}
