@@ -19,13 +19,11 @@ at this one boundary. What it owns:
 * **Connections**: opened in parallel, each within ``connect_timeout``, on a socket with
   TCP_NODELAY (181 → 125 ms per host on loopback). Every host is reached before any rank
   starts; all failures are reported together, each with its host and the SSH error in words.
-* **Bulk data**: what a channel sends goes out through ``_FastPacketizer`` under AES-GCM: each
-  packet laid out and encrypted once in reused buffers, the same bytes paramiko would write
-  (tests/test_ssh_fastpath.py); other ciphers and messages take paramiko's own path.
+* **Bulk data**: paramiko's public ``Channel.send``, with AES-GCM offered first (one OpenSSL
+  call per packet encrypts and authenticates).
 * **Liveness** (OpenSSH's ``ServerAliveInterval``/``ServerAliveCountMax``): a thread per
-  connection asks the host for a reply (``keepalive@openssh.com``) whenever it has been quiet
-  for a few seconds, and closes the connection when nothing at all has arrived for
-  ``host_timeout`` seconds. A host that loses power or network mid-push or mid-probe then
+  connection asks the host for a reply (``keepalive@openssh.com``) every few seconds, and
+  closes the connection when no reply has arrived for ``host_timeout`` seconds. A host that loses power or network mid-push or mid-probe then
   fails that step within the timeout instead of after TCP's ~15 minutes (or never, when the
   host's kernel still acknowledges); every wait on the connection ends when it closes.
 * **Commands**: ``open`` runs an argv as one exec channel; the argv is joined with
@@ -46,8 +44,6 @@ import os
 import re
 import shlex
 import socket
-import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -57,45 +53,18 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+import paramiko
 
 from dlrun.errors import AuthenticationFailed, HostKeyError, HostUnreachable, TransportError, UsageError
 from dlrun.inventory import Host
 from dlrun.plan import DEFAULT_HOST_TIMEOUT, heartbeat_interval
 from dlrun.transport.base import Channel, Transport
 
-# paramiko.config imports invoke (unittest.mock, asyncio, yaml: ~60 ms of every job) only to run
-# ``Match exec`` lines. It is kept out of the import and fetched the first time one is evaluated.
-_BLOCK_INVOKE = "invoke" not in sys.modules
-if _BLOCK_INVOKE:
-    sys.modules["invoke"] = None  # type: ignore[assignment]
-try:
-    import paramiko
-    import paramiko.config
-    from paramiko.packet import Packetizer
-finally:
-    if _BLOCK_INVOKE:
-        sys.modules.pop("invoke", None)
-
-
 # paramiko logs each failed handshake ("Error reading SSH protocol banner") with a traceback,
 # which Python's last-resort handler prints to stderr; dlrun reports the same failure itself,
 # naming the host, as a HostUnreachable.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
-
-class _InvokeOnFirstUse:
-    """Stands in for the invoke module in paramiko.config until a ``Match exec`` needs it."""
-
-    def __getattr__(self, name: str) -> Any:
-        import invoke
-
-        paramiko.config.invoke = invoke  # type: ignore[attr-defined]
-        return getattr(invoke, name)
-
-
-if getattr(paramiko.config, "invoke", None) is None:
-    paramiko.config.invoke = _InvokeOnFirstUse()  # type: ignore[attr-defined]
 
 # Tried first, then the rest of paramiko's list (what a server lacks is skipped, nothing is
 # dropped). paramiko encrypts and authenticates in Python, once per packet: AES-GCM does both in
@@ -111,190 +80,20 @@ def _preferred_first(available: Sequence[str], preferred: Sequence[str]) -> tupl
     return first + tuple(name for name in available if name not in first)
 
 
-_MSG_CHANNEL_DATA = 94  # SSH_MSG_CHANNEL_DATA (RFC 4254 5.2)
-_GCM_TAG = 16
-
-
-class _ChannelData:
-    """One SSH_MSG_CHANNEL_DATA message whose data is copied only once, into the packet.
-
-    paramiko's ``Channel.send`` builds a ``Message`` (a BytesIO) for each packet, and its
-    Packetizer copies the bytes about six times on the way to the socket (push of 200 MB: 23 %
-    of the client's samples in ``memmove``). ``_send_data`` hands this object to paramiko's own
-    ``Channel._send`` instead, which keeps the send window, the channel lock and the wait while a
-    key exchange runs; only ``add_string`` (the data, a view: not copied) is called on it.
-    ``_FastPacketizer`` encrypts it straight from that view; any other packetizer, or a cipher
-    the fast path does not handle, gets the exact bytes paramiko would have built from
-    ``asbytes``.
-    """
-
-    __slots__ = ("chanid", "data")
-
-    def __init__(self, chanid: int) -> None:
-        self.chanid = chanid
-        self.data: bytes | memoryview = b""
-
-    def add_string(self, data: bytes | memoryview) -> None:
-        self.data = data
-
-    def asbytes(self) -> bytes:
-        return struct.pack(">BII", _MSG_CHANNEL_DATA, self.chanid, len(self.data)) + bytes(self.data)
-
-
-class _FastPacketizer(Packetizer):
-    """paramiko's Packetizer with a lean path for channel data under AES-GCM.
-
-    For a ``_ChannelData`` message on an AES-GCM connection without compression, the packet is
-    laid out once in a reused buffer (header, data, padding), encrypted with one ``encrypt_into``
-    into a second reused buffer behind the clear length field, and written from there: one
-    copy of the data where paramiko makes about six. The bytes on the wire are the ones
-    paramiko's ``send_message`` writes (same padding length rule, AAD, nonce sequence; the
-    tests decode them with paramiko's own Packetizer and compare them with its output), and the
-    sequence number, byte and packet counters and the rekey trigger are kept the way
-    ``send_message`` keeps them. Everything else (other messages, other ciphers, EtM or plain
-    MACs, compression, packet dumps) goes to paramiko's ``send_message`` unchanged.
-    """
-
-    # Random padding drawn from os.urandom this many bytes at a time (one getrandom(2) per ~680
-    # packets of 32 KiB instead of one per packet: 8 % of the client's samples in the push).
-    _PAD_POOL = 4096
-
-    # the paramiko internals the lean path reads and writes (paramiko 3.3 … 5.1 have them all):
-    # where one is missing, or cryptography has no AESGCM.encrypt_into, every packet takes
-    # paramiko's own path
-    _INTERNALS = ("block_engine_out", "aead_out", "compress_engine_out", "dump_packets", "block_size_out",
-                  "write_lock", "iv_out", "sequence_number_out", "socket", "sent_bytes", "sent_packets",
-                  "need_rekey", "received_bytes_overflow", "received_packets_overflow")
-
-    def __init__(self, sock: Any) -> None:
-        super().__init__(sock)
-        self._lean = (
-            hasattr(AESGCM, "encrypt_into")
-            and all(hasattr(self, "_Packetizer__" + name) for name in self._INTERNALS)
-            and all(hasattr(self, name) for name in ("_inc_iv_counter", "_trigger_rekey", "_initial_kex_done"))
-        )
-        self._pad_pool = b""
-        self._pad_used = 0
-        self._plain = bytearray()
-        self._wire = bytearray()
-        self.last_read = time.monotonic()  # when the last packet arrived (the liveness clock)
-
-    def read_message(self) -> tuple[int, paramiko.Message]:
-        result: tuple[int, paramiko.Message] = super().read_message()
-        self.last_read = time.monotonic()
-        return result
-
-    def _padding(self, count: int) -> bytes:
-        """``count`` bytes from os.urandom, fetched in batches.
-
-        Under AES-GCM the padding is encrypted and authenticated like the payload, and RFC 4253
-        6 only asks for random bytes; OpenSSH fills it from its own CSPRNG (arc4random) for the
-        same reason. The bytes still come from the kernel's CSPRNG, each used once; only the
-        number of getrandom calls drops. The pool is only touched under the write lock.
-        """
-        if self._pad_used + count > len(self._pad_pool):
-            self._pad_pool = os.urandom(self._PAD_POOL)
-            self._pad_used = 0
-        start = self._pad_used
-        self._pad_used = start + count
-        return self._pad_pool[start : start + count]
-
-    def send_message(self, data: Any) -> None:
-        # paramiko keeps this state in private (name-mangled) attributes; read them untyped.
-        p: Any = self
-        engine = p._Packetizer__block_engine_out
-        if (
-            type(data) is not _ChannelData
-            or not self._lean
-            or not p._Packetizer__aead_out
-            or not isinstance(engine, AESGCM)
-            or p._Packetizer__compress_engine_out is not None
-            or p._Packetizer__dump_packets
-        ):
-            super().send_message(data)
-            return
-        payload = data.data
-        size = len(payload)
-        # paramiko's _build_packet under AEAD: the length field is not counted, at least 4 bytes.
-        block = p._Packetizer__block_size_out
-        padding = 3 + block - ((9 + size + 4) % block)
-        length = 1 + 9 + size + padding
-        lock = p._Packetizer__write_lock
-        with lock:
-            if len(self._plain) < length:
-                self._plain = bytearray(length)
-                self._wire = bytearray(4 + length + _GCM_TAG)
-            plain = memoryview(self._plain)[:length]
-            wire = memoryview(self._wire)[: 4 + length + _GCM_TAG]
-            struct.pack_into(">BBII", plain, 0, padding, _MSG_CHANNEL_DATA, data.chanid, size)
-            plain[10 : 10 + size] = payload
-            plain[10 + size :] = self._padding(padding)
-            struct.pack_into(">I", wire, 0, length)
-            iv = p._Packetizer__iv_out
-            engine.encrypt_into(iv, plain, wire[:4], wire[4:])
-            p._Packetizer__iv_out = p._inc_iv_counter(iv)
-            # From here on as in paramiko's send_message.
-            next_seq = (p._Packetizer__sequence_number_out + 1) & 0xFFFFFFFF
-            if next_seq == 0 and not p._initial_kex_done:
-                raise paramiko.SSHException("Sequence number rolled over during initial kex!")
-            p._Packetizer__sequence_number_out = next_seq
-            sock = p._Packetizer__socket
-            self.write_all(wire if isinstance(sock, socket.socket) else bytes(wire))
-            p._Packetizer__sent_bytes += len(wire)
-            p._Packetizer__sent_packets += 1
-            if (
-                p._Packetizer__sent_packets >= self.REKEY_PACKETS
-                or p._Packetizer__sent_bytes >= self.REKEY_BYTES
-            ) and not p._Packetizer__need_rekey:
-                p._log(
-                    paramiko.common.DEBUG,
-                    f"Rekeying (hit {p._Packetizer__sent_packets} packets, "
-                    f"{p._Packetizer__sent_bytes} bytes sent)",
-                )
-                p._Packetizer__received_bytes_overflow = 0
-                p._Packetizer__received_packets_overflow = 0
-                p._trigger_rekey()
-
-
-def _send_data(channel: paramiko.Channel, data: bytes | memoryview) -> None:
-    """``channel.sendall(data)``, in ``_ChannelData`` packets when the connection can take them.
-
-    Each packet goes through paramiko's ``Channel._send`` (lock, closed check, send window and
-    maximum packet size, then ``Transport._send_user_message``, which waits out a key exchange),
-    exactly as ``Channel.send`` does; only the message object differs.
-    """
-    transport = channel.get_transport()
-    if not isinstance(transport.packetizer, _FastPacketizer):
-        channel.sendall(data)  # type: ignore[arg-type]
-        return
-    view = memoryview(data).cast("B")
-    while view:
-        sent: int = channel._send(view, _ChannelData(channel.remote_chanid))  # type: ignore[attr-defined]
-        if not sent:
-            # paramiko's sendall would spin here: the window closed because the channel is shut.
-            raise OSError("the channel is closed for sending")
-        view = view[sent:]
-
-
-def _ask_for_reply(transport: paramiko.Transport) -> None:
-    """Send ``keepalive@openssh.com`` with want-reply, as OpenSSH's ServerAliveInterval does:
-    sshd answers (a request failure), and any packet restarts the liveness clock."""
-    message = paramiko.Message()
-    message.add_byte(paramiko.common.cMSG_GLOBAL_REQUEST)
-    message.add_string("keepalive@openssh.com")
-    message.add_boolean(True)
+def _ask_for_reply(transport: paramiko.Transport) -> bool:
+    """Send ``keepalive@openssh.com`` with want-reply, as OpenSSH's ServerAliveInterval does, and
+    wait for sshd's answer (a request failure). True when the answer came, False when the
+    connection ended first."""
     try:
-        transport._send_user_message(message)  # type: ignore[attr-defined]  # paramiko's own sender
+        transport.global_request("keepalive@openssh.com", wait=True)
     except (OSError, EOFError, paramiko.SSHException):
-        pass  # the connection is ending; the clock reports it
+        return False  # the connection is ending; the clock reports it
+    return transport.is_active()
 
 
-class _FastTransport(paramiko.Transport):
-    """paramiko's Transport with the cheapest secure cipher and MAC offered first, and
-    ``_FastPacketizer`` for its packets."""
-
-    # bench/push.py --baseline sets paramiko's own Packetizer here to time the path without it.
-    packetizer_factory: type[Packetizer] = _FastPacketizer
+class _HardenedTransport(paramiko.Transport):
+    """paramiko's Transport with the cheapest secure cipher and MAC offered first, and known_hosts'
+    ``@revoked`` keys refused right after the key exchange."""
 
     def get_remote_server_key(self) -> paramiko.PKey:
         # paramiko asks for the key right after the key exchange, before known_hosts and the
@@ -305,7 +104,6 @@ class _FastTransport(paramiko.Transport):
         return key
 
     def __init__(self, sock: Any, *, revoked: Sequence[paramiko.PKey] = (), **options: Any) -> None:
-        options.setdefault("packetizer_class", type(self).packetizer_factory)
         super().__init__(sock, **options)
         self.revoked = tuple(revoked)  # known_hosts' @revoked keys: refused before any check or login
         security = self.get_security_options()
@@ -397,7 +195,14 @@ class SSHChannel(Channel):
     def send(self, data: bytes | memoryview) -> None:
         try:
             with self._lock:
-                _send_data(self.channel, data)
+                view = memoryview(data).cast("B")
+                while view:
+                    # paramiko's Message.add_string takes any buffer (util.asbytes passes it on):
+                    # a view of the rest is sent without copying it for each packet, as bytes would be
+                    sent = self.channel.send(view)  # type: ignore[arg-type]
+                    if not sent:  # Channel.sendall would spin here: the channel is shut for sending
+                        raise OSError("the channel is closed for sending")
+                    view = view[sent:]
         except (OSError, EOFError, paramiko.SSHException) as exc:
             raise HostUnreachable(f"connection lost while sending: {self.why() or exc or type(exc).__name__}",
                                   host=self.host) from exc
@@ -762,7 +567,7 @@ class SSHTransport(Transport):
                 banner_timeout=self.timeout,
                 auth_timeout=self.timeout,
                 channel_timeout=self.timeout,
-                transport_factory=partial(_FastTransport, revoked=revoked),
+                transport_factory=partial(_HardenedTransport, revoked=revoked),
             )
         except _RevokedHostKey as exc:
             client.close()
@@ -817,32 +622,37 @@ class SSHTransport(Transport):
 
     # ------------------------------------------------------------------ liveness
     def _watch(self, name: str, transport: paramiko.Transport) -> None:
-        packetizer = transport.packetizer
-        if self.host_timeout is None or not isinstance(packetizer, _FastPacketizer):
+        if self.host_timeout is None:
             transport.set_keepalive(15)  # keeps NAT state; detects nothing by itself
             return
-        threading.Thread(target=self._keep_alive, args=(name, transport, packetizer, self.host_timeout),
+        threading.Thread(target=self._keep_alive, args=(name, transport, self.host_timeout),
                          name=f"dlrun-alive-{name}", daemon=True).start()
 
-    def _keep_alive(self, name: str, transport: paramiko.Transport, packetizer: _FastPacketizer,
-                    limit: float) -> None:
-        """Ask a quiet host for a reply; close the connection after ``limit`` s without a packet.
+    def _keep_alive(self, name: str, transport: paramiko.Transport, limit: float) -> None:
+        """Ask the host for a reply every few seconds; close the connection after ``limit`` s
+        without one.
 
         The request goes out from a short-lived thread: a send can block on a dead connection
         (a full socket buffer, a key exchange that never finishes), and the clock must not.
         """
         interval = heartbeat_interval(limit)
+        answered = [time.monotonic()]
+
+        def ask() -> None:
+            if _ask_for_reply(transport):
+                answered[0] = time.monotonic()
+
         sender: threading.Thread | None = None
         while transport.is_active():
+            if sender is None or not sender.is_alive():
+                sender = threading.Thread(target=ask, name=f"dlrun-ask-{name}", daemon=True)
+                sender.start()
             time.sleep(interval)
-            quiet = time.monotonic() - packetizer.last_read
+            quiet = time.monotonic() - answered[0]
             if quiet > limit:
                 self.silent[name] = quiet
                 transport.close()  # every recv, send and wait on this connection ends now
                 return
-            if quiet >= interval and (sender is None or not sender.is_alive()):
-                sender = threading.Thread(target=_ask_for_reply, args=(transport,), daemon=True)
-                sender.start()
 
     def _why(self, name: str) -> str:
         quiet = self.silent.get(name)

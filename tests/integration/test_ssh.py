@@ -276,10 +276,10 @@ def test_tf_example_across_two_ssh_hosts(cluster, tmp_path: Path) -> None:  # ty
     assert (cluster.hosts[0].workdir / "scripts" / "dlrun-model" / "digits.keras").exists()
 
 
-def test_match_exec_in_ssh_config_works_though_invoke_is_imported_late(tmp_path: Path) -> None:
+def test_match_exec_in_ssh_config(tmp_path: Path) -> None:
     config = tmp_path / "config"
     config.write_text('Match exec "test -n yes"\n  HostName 10.9.8.7\n  Port 2201\n')
-    code = ("import sys; from dlrun.transport.ssh import SSHTransport; assert 'invoke' not in sys.modules; "
+    code = ("from dlrun.transport.ssh import SSHTransport; "
             f"t = SSHTransport(config_file={str(config)!r}).target('nodeX'); print(t.hostname, t.port)")
     out = subprocess.run([*dlrun_argv()[:1], "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -445,3 +445,42 @@ def test_ssh_config_loops_and_include_scope_are_read_as_openssh_reads_them(tmp_p
     config.write_text("Host *\n    ProxyCommand ssh -W %h:%p %r@jump\n")
     target = SSHTransport(config_file=str(config)).target(Host(address="gpu1", name="gpu1", port=2222, user="bob"))
     assert target.proxy_command == "ssh -W gpu1:2222 bob@jump"
+
+
+def test_push_to_sshd_survives_rekeys_mid_stream(cluster, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each connection rekeys several times while the files stream (OpenSSH on the other end)."""
+    from paramiko.packet import Packetizer
+
+    from dlrun.inventory import Host
+    from dlrun.push.session import push
+    from dlrun.transport.local import HostRouter
+    from dlrun.transport.ssh import SSHTransport
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(Packetizer, "REKEY_BYTES", 512 * 1024)  # paramiko's public rekey threshold
+    keyed: dict[int, int] = {}  # packetizer -> outbound keys set (1 = the first key exchange only)
+    set_keys = Packetizer.set_outbound_cipher
+
+    def counted(self: Packetizer, *args: object, **kwargs: object) -> None:
+        keyed[id(self)] = keyed.get(id(self), 0) + 1
+        set_keys(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Packetizer, "set_outbound_cipher", counted)
+    src = tmp_path / "big"
+    src.mkdir()
+    blobs = {f"blob{i}.bin": os.urandom(size) for i, size in enumerate([6_000_000, 3_333_333, 1])}
+    for name, data in blobs.items():
+        (src / name).write_bytes(data)
+    hosts = [Host(address=h.name, name=h.name, workdir=str(h.workdir / "rekey"), python=cluster.python)
+             for h in cluster.hosts[:2]]
+    router = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
+    try:
+        summaries = push(router, hosts, code_dir=src)
+    finally:
+        router.close()
+    assert [s.files_sent for s in summaries] == [3, 3]
+    assert len(keyed) == 2 and min(keyed.values()) >= 3, keyed
+    for h in cluster.hosts[:2]:
+        for name, data in blobs.items():
+            assert (h.workdir / "rekey" / "big" / name).read_bytes() == data
