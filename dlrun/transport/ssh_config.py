@@ -257,7 +257,8 @@ _KEYWORD = re.compile(r"\s*([A-Za-z]+)\s*(?:=\s*|\s+)(.*)")
 def read_ssh_config(path: str, depth: int = 0) -> str:
     """The text of an ssh_config for paramiko: ``Include`` lines replaced by the files they name
     (globs; relative names from ``~/.ssh``, as OpenSSH reads them; paramiko ignores Include),
-    and ``%``/``~`` in the options dlrun expands itself hidden from paramiko's expansion."""
+    trailing comments removed, and ``%``/``~`` in the options dlrun expands itself hidden from
+    paramiko's expansion."""
     if depth > 16:
         raise UsageError(f"ssh config {path}: Include nested more than 16 deep")
     try:
@@ -266,7 +267,7 @@ def read_ssh_config(path: str, depth: int = 0) -> str:
         raise UsageError(f"cannot read ssh config {path}: {exc.strerror or exc}") from exc
     out: list[str] = []
     context = "Host *"  # the Host or Match block a line belongs to (top level: every host)
-    for line in text.splitlines():
+    for line in map(_strip_comment, text.splitlines()):
         match = _KEYWORD.match(line)
         keyword = match[1].lower() if match else ""
         if match and keyword == "include":
@@ -277,12 +278,40 @@ def read_ssh_config(path: str, depth: int = 0) -> str:
                 out.extend(read_ssh_config(f, depth + 1) for f in sorted(globmod.glob(pattern)) if os.path.isfile(f))
             out.append(context)  # what follows the Include is back in the including block
             continue
+        if keyword == "match" and match:
+            line = "Match " + _match_criteria(match[2])
         if keyword in ("host", "match"):
+            line = line.replace("[", "[[]")  # a literal "[" for paramiko's fnmatch, as in OpenSSH's patterns
             context = line.strip()
         if match and keyword in _PROTECTED:
             line = f"{match[1]} {match[2].replace('%', _PERCENT).replace('~', _TILDE)}"
         out.append(line)
     return "\n".join(out)
+
+
+def _match_criteria(text: str) -> str:
+    """A Match line's criteria in lower case (OpenSSH ignores their case, paramiko does not)."""
+    words = shlex.split(text)
+    out: list[str] = []
+    while words:
+        criterion = words.pop(0).lower()
+        out.append(criterion)
+        if criterion.lstrip("!") not in ("all", "canonical", "final") and words:
+            out.append(words.pop(0))
+    return shlex.join(out)
+
+
+def _strip_comment(line: str) -> str:
+    """The line without a trailing comment: a ``#`` that starts a word outside quotes (OpenSSH ≥ 8.7)."""
+    quote = ""
+    for index, char in enumerate(line):
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "\"'":
+            quote = char
+        elif char == "#" and (index == 0 or line[index - 1] in " \t="):
+            return line[:index].rstrip()
+    return line
 
 
 def _unprotect(value: str) -> str:
