@@ -388,6 +388,17 @@ def _unknown_key_error(target: Target, known: KnownHostKeys, key: paramiko.PKey)
     )
 
 
+def _certifies(certificate: bytes, key: paramiko.PKey) -> bool:
+    """Whether an OpenSSH certificate blob (type, nonce, then the public key's own fields) is
+    for ``key``."""
+    fields = paramiko.Message(key.asbytes())
+    fields.get_string()  # the key type
+    blob = paramiko.Message(certificate)
+    blob.get_string()  # the certificate type
+    blob.get_string()  # its nonce
+    return blob.get_remainder().startswith(fields.get_remainder())
+
+
 def _certified_key(target: Target) -> paramiko.PKey | None:
     """The identity that a CertificateFile belongs to, with that certificate loaded (None: no
     CertificateFile). paramiko loads ``<identity>-cert.pub`` by itself."""
@@ -405,10 +416,11 @@ def _certified_key(target: Target) -> paramiko.PKey | None:
             continue
         for certificate in certificates:
             try:
-                key.load_certificate(certificate)
+                key.load_certificate(certificate)  # checks the key type only
             except (ValueError, OSError, paramiko.SSHException):
                 continue
-            return key
+            if key.public_blob is not None and _certifies(key.public_blob.key_blob, key):
+                return key
         tried.append(path)
     raise AuthenticationFailed(
         f"CertificateFile {', '.join(certificates)} belongs to none of the identity files"

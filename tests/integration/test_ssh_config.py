@@ -224,3 +224,32 @@ def test_a_config_openssh_rejects_is_a_usage_error_naming_file_and_line(tmp_path
         SSHConfigReader(str(config), SSH).lookup_all([Request("a"), Request("b")])
     assert f"{config}: line 3: Bad configuration option: nosuchoption" in str(caught.value)
     assert caught.value.exit_code == 2
+
+
+def test_certificate_file_is_loaded_onto_its_identity(tmp_path: Path) -> None:
+    """CertificateFile pairs with the IdentityFile whose key it certifies (paramiko's public
+    PKey.from_path and load_certificate); one that certifies none of them is a clear error."""
+    from dlrun.errors import AuthenticationFailed
+    from dlrun.inventory import Host
+    from dlrun.transport.ssh import SSHTransport, _certified_key
+
+    def keygen(path: Path) -> None:
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+
+    for name in ("ca", "id_user", "id_other"):
+        keygen(tmp_path / name)
+    subprocess.run(["ssh-keygen", "-q", "-s", str(tmp_path / "ca"), "-I", "dlrun-test", "-n", "alice",
+                    str(tmp_path / "id_user.pub")], check=True)
+    (tmp_path / "id_user-cert.pub").rename(tmp_path / "alice.cert")  # not where paramiko looks by itself
+    config = tmp_path / "config"
+    config.write_text(f"Host good\n    IdentityFile {tmp_path}/id_other\n    IdentityFile {tmp_path}/id_user\n"
+                      f"Host bad\n    IdentityFile {tmp_path}/id_other\n"
+                      f"Host *\n    CertificateFile {tmp_path}/%r.cert\n    User alice\n")
+    transport = SSHTransport(config_file=str(config))
+    key = _certified_key(transport.target("good"))
+    assert key is not None and key.public_blob is not None
+    assert key.public_blob.key_type == "ssh-ed25519-cert-v01@openssh.com"
+    with pytest.raises(AuthenticationFailed, match=r"bad: CertificateFile .*alice.cert belongs to none of the"):
+        _certified_key(transport.target("bad"))
+    bob = Host(address="good", name="good", user="bob")
+    assert _certified_key(SSHTransport(config_file=str(config)).target(bob)) is None  # no bob.cert: none
