@@ -253,3 +253,19 @@ def test_certificate_file_is_loaded_onto_its_identity(tmp_path: Path) -> None:
         _certified_key(transport.target("bad"))
     bob = Host(address="good", name="good", user="bob")
     assert _certified_key(SSHTransport(config_file=str(config)).target(bob)) is None  # no bob.cert: none
+
+
+def test_timeouts_and_strict_host_key_checking_from_the_config_where_dlrun_sets_none(tmp_path: Path) -> None:
+    from dlrun.plan import DEFAULT_HOST_TIMEOUT
+    from dlrun.transport.ssh import SSHTransport
+
+    config = tmp_path / "config"
+    config.write_text("Host a\n    ConnectTimeout 3\n    ServerAliveInterval 2\n    ServerAliveCountMax 4\n"
+                      "    StrictHostKeyChecking accept-new\nHost b\n    StrictHostKeyChecking yes\n")
+    a = SSHTransport(config_file=str(config)).target("a")
+    assert (a.connect_timeout, a.alive_limit, a.accept_new) == (3.0, 8.0, True)
+    b = SSHTransport(config_file=str(config)).target("b")
+    assert (b.connect_timeout, b.alive_limit, b.accept_new) == (10.0, DEFAULT_HOST_TIMEOUT, False)
+    given = SSHTransport(config_file=str(config), connect_timeout=5, host_timeout=0, accept_new_host_keys=True)
+    assert (given.target("a").connect_timeout, given.target("a").alive_limit) == (5, None)
+    assert given.target("b").accept_new
