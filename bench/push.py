@@ -13,11 +13,7 @@ sshd listeners and everything they start (sshd sessions, dlrun's helper, rsync's
 a cpuacct cgroup the listeners are moved into ("n/a" where no cgroup can be made). Client and
 hosts share the same cores here, so host CPU costs wall time too.
 
-    python bench/push.py [--runs 3] [--files 200] [--mb 200] [--baseline]
-
-``--baseline`` adds one more tool, "dlrun-paramiko": the same push with paramiko's own
-Packetizer and ``Channel.sendall`` (dlrun.transport.ssh's fast path for channel data switched off), so
-before and after are timed in one run, against the same rsync.
+    python bench/push.py [--runs 3] [--files 200] [--mb 200]
 """
 
 from __future__ import annotations
@@ -41,11 +37,8 @@ from types import ModuleType
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from paramiko.packet import Packetizer  # noqa: E402
-
 from dlrun.inventory import Host  # noqa: E402
 from dlrun.push.session import push  # noqa: E402
-from dlrun.transport import ssh as dlrun_ssh  # noqa: E402
 from dlrun.transport.local import HostRouter  # noqa: E402
 from dlrun.transport.ssh import SSHTransport  # noqa: E402
 
@@ -124,10 +117,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--files", type=int, default=200)
     parser.add_argument("--mb", type=int, default=200)
-    parser.add_argument("--baseline", action="store_true",
-                        help="also time dlrun with paramiko's own packet path (dlrun-paramiko)")
     args = parser.parse_args()
-    tools = ["dlrun", "dlrun-cli", "rsync", *(["dlrun-paramiko"] if args.baseline else [])]
+    tools = ["dlrun", "dlrun-cli", "rsync"]
     rsync = shutil.which("rsync")
     if rsync is None:
         sys.exit("rsync is not installed")
@@ -190,7 +181,6 @@ def main() -> None:
             shutil.rmtree(cache, ignore_errors=True)
 
         results: dict[str, list[float]] = {f"{t} {c}": [] for t in tools for c in ("first", "again")}
-        fast_packetizer = dlrun_ssh._FastTransport.packetizer_factory
         for run in range(args.runs):
             order = tools[run % len(tools):] + tools[: run % len(tools)]
             for tool in order:
@@ -202,14 +192,9 @@ def main() -> None:
                 if tool == "dlrun-cli":
                     results[f"{tool} first"].append(measured(f"{tool} first", lambda: dlrun_cli(args.files)))
                     results[f"{tool} again"].append(measured(f"{tool} again", lambda: dlrun_cli(0)))
-                elif tool.startswith("dlrun"):
-                    dlrun_ssh._FastTransport.packetizer_factory = (
-                        fast_packetizer if tool == "dlrun" else Packetizer)
-                    try:
-                        results[f"{tool} first"].append(measured(f"{tool} first", lambda: dlrun_push(args.files)))
-                        results[f"{tool} again"].append(measured(f"{tool} again", lambda: dlrun_push(0)))
-                    finally:
-                        dlrun_ssh._FastTransport.packetizer_factory = fast_packetizer
+                elif tool == "dlrun":
+                    results[f"{tool} first"].append(measured(f"{tool} first", lambda: dlrun_push(args.files)))
+                    results[f"{tool} again"].append(measured(f"{tool} again", lambda: dlrun_push(0)))
                 else:
                     results["rsync first"].append(measured("rsync first", rsync_push))
                     results["rsync again"].append(measured("rsync again", rsync_push))

@@ -3,8 +3,8 @@
 Owns the ``Host`` and ``Inventory`` frozen dataclasses and four input formats:
 
 - ``hosts.toml`` (``[defaults]`` and ``[[hosts]]``; every key in ``hosts.example.toml``);
-- an inline list ``h1:2,h2:4`` (``host[:slots]`` separated by commas);
-- an MPI/DeepSpeed hostfile: one ``host slots=N`` per line, ``#`` comments, blank lines;
+- an inline list ``h1:2,h2:4`` (``[user@]host[:slots]`` separated by commas);
+- an MPI/DeepSpeed hostfile: one ``[user@]host slots=N`` per line, ``#`` comments, blank lines;
 - ranges in either of the last two: ``node[01-04,07]:8`` keeps the zero padding.
 
 Pure: the only I/O is reading the file named by ``--hosts`` in ``load_inventory``. Every
@@ -427,13 +427,14 @@ def parse_inline(spec: str) -> Inventory:
         item = item.strip()
         if not item:
             raise InventoryError("empty host entry", source="--hosts", key="hosts", hint="use 'h1:2,h2:4'")
-        name, slots = item, None
-        if _has_slots_suffix(item):
-            name, _, count = item.rpartition(":")
+        user, name = _split_user(item, source="--hosts", line=None)
+        slots = None
+        if _has_slots_suffix(name):
+            name, _, count = name.rpartition(":")
             slots = _parse_slots(count, source="--hosts", line=None, item=item)
         for address in expand_range(name, source="--hosts"):
             _check_address(address, "--hosts", None)
-            hosts.append(Host(address=address, name=address, slots=slots))
+            hosts.append(Host(address=address, name=address, slots=slots, user=user))
     inv = Inventory(hosts=tuple(hosts), source="--hosts")
     _check_inventory(inv, lambda i, k: None)
     return inv
@@ -448,7 +449,8 @@ def parse_hostfile(text: str, *, source: str = "hostfile") -> Inventory:
         if not line:
             continue
         words = line.split()
-        name, slots = words[0], None
+        user, name = _split_user(words[0], source=source, line=number)
+        slots = None
         if _has_slots_suffix(name):
             name, _, count = name.rpartition(":")
             slots = _parse_slots(count, source=source, line=number, item=line)
@@ -467,13 +469,27 @@ def parse_hostfile(text: str, *, source: str = "hostfile") -> Inventory:
                 slots = number_of
         for address in expand_range(name, source=source, line=number):
             _check_address(address, source, number)
-            hosts.append(Host(address=address, name=address, slots=slots))
+            hosts.append(Host(address=address, name=address, slots=slots, user=user))
             lines.append(number)
     if not hosts:
         raise InventoryError("no hosts in hostfile", source=source, key="hosts")
     inv = Inventory(hosts=tuple(hosts), source=source)
     _check_inventory(inv, lambda i, k: lines[i])
     return inv
+
+
+_USER = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.@\\$-]*")  # a login name (or DOMAIN\name, name@realm)
+
+
+def _split_user(item: str, *, source: str, line: int | None) -> tuple[str | None, str]:
+    """``user@host[:N]`` → (user, ``host[:N]``), split at the last ``@`` as OpenSSH splits it."""
+    user, at, rest = item.rpartition("@")
+    if not at:
+        return None, item
+    if not _USER.fullmatch(user):
+        raise InventoryError(f"invalid user name {user!r} in {item!r}", source=source, line=line, key="user",
+                             hint="write user@host, e.g. alice@node1:4")
+    return user, rest
 
 
 def _has_slots_suffix(item: str) -> bool:

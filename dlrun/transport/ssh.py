@@ -1,52 +1,44 @@
 """The SSH transport: one hardened paramiko connection per host, reused by every step of a job.
 
-The only module that imports paramiko; it translates paramiko's and the socket layer's
-exceptions into dlrun's own (``HostUnreachable``, ``AuthenticationFailed``, ``HostKeyError``)
-at this one boundary. What it owns:
+Imports paramiko (with ssh_config.py, the only modules that do) and translates its and the
+socket layer's exceptions into dlrun's own (``HostUnreachable``, ``AuthenticationFailed``,
+``HostKeyError``) at this one boundary. What it owns:
 
-* **OpenSSH configuration**: ``~/.ssh/config`` or ``--ssh-config``, its ``Include`` files
-  inlined (``read_ssh_config``: paramiko ignores them): ``HostName``, ``User``, ``Port``,
-  ``IdentityFile``, ``ProxyJump`` (bastions, chained; a hop's own ProxyJump followed; one
-  connection per hop, shared with its failure by the hosts behind it), ``ProxyCommand``,
-  ``UserKnownHostsFile`` and ``GlobalKnownHostsFile``. Inventory values override the config.
-  ssh-agent keys are used.
-* **Host keys**: known_hosts is always loaded, line by line (``load_known_hosts``: a
-  ``@cert-authority`` or damaged line is skipped, ``@revoked`` keys are refused). An unknown
-  host is refused unless the user passed ``--accept-new-host-keys`` (then the key is appended
-  to known_hosts, like OpenSSH's ``accept-new``); a changed key is always refused.
-  (fabric's default, AutoAddPolicy without known_hosts, would accept anything; dlrun does
-  not use it.)
-* **Connections**: opened in parallel, each within ``connect_timeout``, on a socket with
-  TCP_NODELAY (181 → 125 ms per host on loopback). Every host is reached before any rank
-  starts; all failures are reported together, each with its host and the SSH error in words.
-* **Bulk data**: what a channel sends goes out through ``_FastPacketizer`` under AES-GCM: each
-  packet laid out and encrypted once in reused buffers, the same bytes paramiko would write
-  (tests/test_ssh_fastpath.py); other ciphers and messages take paramiko's own path.
+* **Connections**: each host's OpenSSH config (``ssh_config.SSHConfigReader``: ``ssh -G``) is
+  read for every host first, then the hosts are reached in parallel, each within its connect
+  timeout, on a socket with TCP_NODELAY, through ``ProxyJump`` hops (one connection per hop,
+  shared with its failure by the hosts behind it; a hop's own ProxyJump followed) or a
+  ``ProxyCommand``. Every host is reached before any rank starts; all failures are reported
+  together, each with its host and the SSH error in words. Keys: IdentityFile (OpenSSH's list),
+  CertificateFile, ssh-agent unless IdentitiesOnly.
+* **Host keys**, as OpenSSH checks them (``load_known_hosts``, ``_CheckHostKey``): known_hosts
+  entries for the HostKeyAlias or ``host``/``[host]:port``, patterns and hashed names included;
+  ``@revoked`` keys refused; a changed key always refused; an unknown one refused unless
+  ``--accept-new-host-keys`` or the host's ``StrictHostKeyChecking accept-new`` (then appended to
+  known_hosts). ``StrictHostKeyChecking no`` is honoured with a warning naming the host.
+* **Bulk data**: paramiko's public ``Channel.send``, with AES-GCM offered first (one OpenSSL
+  call per packet encrypts and authenticates).
 * **Liveness** (OpenSSH's ``ServerAliveInterval``/``ServerAliveCountMax``): a thread per
-  connection asks the host for a reply (``keepalive@openssh.com``) whenever it has been quiet
-  for a few seconds, and closes the connection when nothing at all has arrived for
-  ``host_timeout`` seconds. A host that loses power or network mid-push or mid-probe then
-  fails that step within the timeout instead of after TCP's ~15 minutes (or never, when the
-  host's kernel still acknowledges); every wait on the connection ends when it closes.
+  connection asks the host for a reply (``keepalive@openssh.com``) every few seconds and closes
+  the connection when none has come for the host timeout. A host that loses power or network
+  mid-push then fails that step within the timeout instead of after TCP's ~15 minutes; every
+  wait on the connection ends when it closes.
 * **Commands**: ``open`` runs an argv as one exec channel; the argv is joined with
   ``shlex.join`` for the remote login shell, so no argument can inject a command. Env never
   travels on the command line: the agent receives it inside JSON on stdin.
 
-Why paramiko and not fabric's Connection: fabric adds config loading and gateways we need
-differently (known_hosts policy, one socket option, per-host error mapping); its defaults
-are the unsafe ones. Plain paramiko keeps every one of those choices visible here.
+Why paramiko and not fabric's Connection: fabric's defaults are the unsafe ones (AutoAddPolicy
+without known_hosts); plain paramiko keeps every one of those choices visible here.
 """
 
 from __future__ import annotations
 
-import getpass
-import glob as globmod
 import logging
 import os
 import re
 import shlex
+import shutil
 import socket
-import struct
 import sys
 import threading
 import time
@@ -57,45 +49,26 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+import paramiko
 
 from dlrun.errors import AuthenticationFailed, HostKeyError, HostUnreachable, TransportError, UsageError
 from dlrun.inventory import Host
 from dlrun.plan import DEFAULT_HOST_TIMEOUT, heartbeat_interval
 from dlrun.transport.base import Channel, Transport
-
-# paramiko.config imports invoke (unittest.mock, asyncio, yaml: ~60 ms of every job) only to run
-# ``Match exec`` lines. It is kept out of the import and fetched the first time one is evaluated.
-_BLOCK_INVOKE = "invoke" not in sys.modules
-if _BLOCK_INVOKE:
-    sys.modules["invoke"] = None  # type: ignore[assignment]
-try:
-    import paramiko
-    import paramiko.config
-    from paramiko.packet import Packetizer
-finally:
-    if _BLOCK_INVOKE:
-        sys.modules.pop("invoke", None)
-
+from dlrun.transport.ssh_config import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_USER_KNOWN_HOSTS,
+    HostConfig,
+    Request,
+    SSHConfigReader,
+    host_matches,
+)
 
 # paramiko logs each failed handshake ("Error reading SSH protocol banner") with a traceback,
 # which Python's last-resort handler prints to stderr; dlrun reports the same failure itself,
 # naming the host, as a HostUnreachable.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
-
-class _InvokeOnFirstUse:
-    """Stands in for the invoke module in paramiko.config until a ``Match exec`` needs it."""
-
-    def __getattr__(self, name: str) -> Any:
-        import invoke
-
-        paramiko.config.invoke = invoke  # type: ignore[attr-defined]
-        return getattr(invoke, name)
-
-
-if getattr(paramiko.config, "invoke", None) is None:
-    paramiko.config.invoke = _InvokeOnFirstUse()  # type: ignore[attr-defined]
 
 # Tried first, then the rest of paramiko's list (what a server lacks is skipped, nothing is
 # dropped). paramiko encrypts and authenticates in Python, once per packet: AES-GCM does both in
@@ -111,221 +84,61 @@ def _preferred_first(available: Sequence[str], preferred: Sequence[str]) -> tupl
     return first + tuple(name for name in available if name not in first)
 
 
-_MSG_CHANNEL_DATA = 94  # SSH_MSG_CHANNEL_DATA (RFC 4254 5.2)
-_GCM_TAG = 16
-
-
-class _ChannelData:
-    """One SSH_MSG_CHANNEL_DATA message whose data is copied only once, into the packet.
-
-    paramiko's ``Channel.send`` builds a ``Message`` (a BytesIO) for each packet, and its
-    Packetizer copies the bytes about six times on the way to the socket (push of 200 MB: 23 %
-    of the client's samples in ``memmove``). ``_send_data`` hands this object to paramiko's own
-    ``Channel._send`` instead, which keeps the send window, the channel lock and the wait while a
-    key exchange runs; only ``add_string`` (the data, a view: not copied) is called on it.
-    ``_FastPacketizer`` encrypts it straight from that view; any other packetizer, or a cipher
-    the fast path does not handle, gets the exact bytes paramiko would have built from
-    ``asbytes``.
-    """
-
-    __slots__ = ("chanid", "data")
-
-    def __init__(self, chanid: int) -> None:
-        self.chanid = chanid
-        self.data: bytes | memoryview = b""
-
-    def add_string(self, data: bytes | memoryview) -> None:
-        self.data = data
-
-    def asbytes(self) -> bytes:
-        return struct.pack(">BII", _MSG_CHANNEL_DATA, self.chanid, len(self.data)) + bytes(self.data)
-
-
-class _FastPacketizer(Packetizer):
-    """paramiko's Packetizer with a lean path for channel data under AES-GCM.
-
-    For a ``_ChannelData`` message on an AES-GCM connection without compression, the packet is
-    laid out once in a reused buffer (header, data, padding), encrypted with one ``encrypt_into``
-    into a second reused buffer behind the clear length field, and written from there: one
-    copy of the data where paramiko makes about six. The bytes on the wire are the ones
-    paramiko's ``send_message`` writes (same padding length rule, AAD, nonce sequence; the
-    tests decode them with paramiko's own Packetizer and compare them with its output), and the
-    sequence number, byte and packet counters and the rekey trigger are kept the way
-    ``send_message`` keeps them. Everything else (other messages, other ciphers, EtM or plain
-    MACs, compression, packet dumps) goes to paramiko's ``send_message`` unchanged.
-    """
-
-    # Random padding drawn from os.urandom this many bytes at a time (one getrandom(2) per ~680
-    # packets of 32 KiB instead of one per packet: 8 % of the client's samples in the push).
-    _PAD_POOL = 4096
-
-    # the paramiko internals the lean path reads and writes (paramiko 3.3 … 5.1 have them all):
-    # where one is missing, or cryptography has no AESGCM.encrypt_into, every packet takes
-    # paramiko's own path
-    _INTERNALS = ("block_engine_out", "aead_out", "compress_engine_out", "dump_packets", "block_size_out",
-                  "write_lock", "iv_out", "sequence_number_out", "socket", "sent_bytes", "sent_packets",
-                  "need_rekey", "received_bytes_overflow", "received_packets_overflow")
-
-    def __init__(self, sock: Any) -> None:
-        super().__init__(sock)
-        self._lean = (
-            hasattr(AESGCM, "encrypt_into")
-            and all(hasattr(self, "_Packetizer__" + name) for name in self._INTERNALS)
-            and all(hasattr(self, name) for name in ("_inc_iv_counter", "_trigger_rekey", "_initial_kex_done"))
-        )
-        self._pad_pool = b""
-        self._pad_used = 0
-        self._plain = bytearray()
-        self._wire = bytearray()
-        self.last_read = time.monotonic()  # when the last packet arrived (the liveness clock)
-
-    def read_message(self) -> tuple[int, paramiko.Message]:
-        result: tuple[int, paramiko.Message] = super().read_message()
-        self.last_read = time.monotonic()
-        return result
-
-    def _padding(self, count: int) -> bytes:
-        """``count`` bytes from os.urandom, fetched in batches.
-
-        Under AES-GCM the padding is encrypted and authenticated like the payload, and RFC 4253
-        6 only asks for random bytes; OpenSSH fills it from its own CSPRNG (arc4random) for the
-        same reason. The bytes still come from the kernel's CSPRNG, each used once; only the
-        number of getrandom calls drops. The pool is only touched under the write lock.
-        """
-        if self._pad_used + count > len(self._pad_pool):
-            self._pad_pool = os.urandom(self._PAD_POOL)
-            self._pad_used = 0
-        start = self._pad_used
-        self._pad_used = start + count
-        return self._pad_pool[start : start + count]
-
-    def send_message(self, data: Any) -> None:
-        # paramiko keeps this state in private (name-mangled) attributes; read them untyped.
-        p: Any = self
-        engine = p._Packetizer__block_engine_out
-        if (
-            type(data) is not _ChannelData
-            or not self._lean
-            or not p._Packetizer__aead_out
-            or not isinstance(engine, AESGCM)
-            or p._Packetizer__compress_engine_out is not None
-            or p._Packetizer__dump_packets
-        ):
-            super().send_message(data)
-            return
-        payload = data.data
-        size = len(payload)
-        # paramiko's _build_packet under AEAD: the length field is not counted, at least 4 bytes.
-        block = p._Packetizer__block_size_out
-        padding = 3 + block - ((9 + size + 4) % block)
-        length = 1 + 9 + size + padding
-        lock = p._Packetizer__write_lock
-        with lock:
-            if len(self._plain) < length:
-                self._plain = bytearray(length)
-                self._wire = bytearray(4 + length + _GCM_TAG)
-            plain = memoryview(self._plain)[:length]
-            wire = memoryview(self._wire)[: 4 + length + _GCM_TAG]
-            struct.pack_into(">BBII", plain, 0, padding, _MSG_CHANNEL_DATA, data.chanid, size)
-            plain[10 : 10 + size] = payload
-            plain[10 + size :] = self._padding(padding)
-            struct.pack_into(">I", wire, 0, length)
-            iv = p._Packetizer__iv_out
-            engine.encrypt_into(iv, plain, wire[:4], wire[4:])
-            p._Packetizer__iv_out = p._inc_iv_counter(iv)
-            # From here on as in paramiko's send_message.
-            next_seq = (p._Packetizer__sequence_number_out + 1) & 0xFFFFFFFF
-            if next_seq == 0 and not p._initial_kex_done:
-                raise paramiko.SSHException("Sequence number rolled over during initial kex!")
-            p._Packetizer__sequence_number_out = next_seq
-            sock = p._Packetizer__socket
-            self.write_all(wire if isinstance(sock, socket.socket) else bytes(wire))
-            p._Packetizer__sent_bytes += len(wire)
-            p._Packetizer__sent_packets += 1
-            if (
-                p._Packetizer__sent_packets >= self.REKEY_PACKETS
-                or p._Packetizer__sent_bytes >= self.REKEY_BYTES
-            ) and not p._Packetizer__need_rekey:
-                p._log(
-                    paramiko.common.DEBUG,
-                    f"Rekeying (hit {p._Packetizer__sent_packets} packets, "
-                    f"{p._Packetizer__sent_bytes} bytes sent)",
-                )
-                p._Packetizer__received_bytes_overflow = 0
-                p._Packetizer__received_packets_overflow = 0
-                p._trigger_rekey()
-
-
-def _send_data(channel: paramiko.Channel, data: bytes | memoryview) -> None:
-    """``channel.sendall(data)``, in ``_ChannelData`` packets when the connection can take them.
-
-    Each packet goes through paramiko's ``Channel._send`` (lock, closed check, send window and
-    maximum packet size, then ``Transport._send_user_message``, which waits out a key exchange),
-    exactly as ``Channel.send`` does; only the message object differs.
-    """
-    transport = channel.get_transport()
-    if not isinstance(transport.packetizer, _FastPacketizer):
-        channel.sendall(data)  # type: ignore[arg-type]
-        return
-    view = memoryview(data).cast("B")
-    while view:
-        sent: int = channel._send(view, _ChannelData(channel.remote_chanid))  # type: ignore[attr-defined]
-        if not sent:
-            # paramiko's sendall would spin here: the window closed because the channel is shut.
-            raise OSError("the channel is closed for sending")
-        view = view[sent:]
-
-
-def _ask_for_reply(transport: paramiko.Transport) -> None:
-    """Send ``keepalive@openssh.com`` with want-reply, as OpenSSH's ServerAliveInterval does:
-    sshd answers (a request failure), and any packet restarts the liveness clock."""
-    message = paramiko.Message()
-    message.add_byte(paramiko.common.cMSG_GLOBAL_REQUEST)
-    message.add_string("keepalive@openssh.com")
-    message.add_boolean(True)
+def _ask_for_reply(transport: paramiko.Transport) -> bool:
+    """Send ``keepalive@openssh.com`` with want-reply, as OpenSSH's ServerAliveInterval does, and
+    wait for sshd's answer (a request failure). True when the answer came, False when the
+    connection ended first."""
     try:
-        transport._send_user_message(message)  # type: ignore[attr-defined]  # paramiko's own sender
+        transport.global_request("keepalive@openssh.com", wait=True)
     except (OSError, EOFError, paramiko.SSHException):
-        pass  # the connection is ending; the clock reports it
+        return False  # the connection is ending; the clock reports it
+    return transport.is_active()
 
 
-class _FastTransport(paramiko.Transport):
-    """paramiko's Transport with the cheapest secure cipher and MAC offered first, and
-    ``_FastPacketizer`` for its packets."""
+class _HardenedTransport(paramiko.Transport):
+    """paramiko's Transport with the cheapest secure cipher and MAC offered first, and the host key
+    types known_hosts has for the host before the others (as paramiko's SSHClient and OpenSSH do)."""
 
-    # bench/push.py --baseline sets paramiko's own Packetizer here to time the path without it.
-    packetizer_factory: type[Packetizer] = _FastPacketizer
-
-    def get_remote_server_key(self) -> paramiko.PKey:
-        # paramiko asks for the key right after the key exchange, before known_hosts and the
-        # login: a revoked key stops here, before --accept-new-host-keys could save it
-        key: paramiko.PKey = super().get_remote_server_key()
-        if any(key == bad for bad in self.revoked):
-            raise _RevokedHostKey(key)
-        return key
-
-    def __init__(self, sock: Any, *, revoked: Sequence[paramiko.PKey] = (), **options: Any) -> None:
-        options.setdefault("packetizer_class", type(self).packetizer_factory)
+    def __init__(self, sock: Any, *, known_types: Sequence[str] = (), **options: Any) -> None:
         super().__init__(sock, **options)
-        self.revoked = tuple(revoked)  # known_hosts' @revoked keys: refused before any check or login
         security = self.get_security_options()
         security.ciphers = _preferred_first(security.ciphers, PREFERRED_CIPHERS)
         security.digests = _preferred_first(security.digests, PREFERRED_MACS)
+        security.key_types = _preferred_first(security.key_types, known_types)
 
 
 @dataclass(frozen=True)
 class Target:
-    """Where and how to connect, after merging ssh_config and the inventory."""
+    """Where and how to connect: the host's ssh config, merged with the inventory and dlrun's
+    command line."""
 
     name: str
-    hostname: str
-    port: int
-    user: str
-    identity_files: tuple[str, ...]
-    proxy_jump: str | None
-    known_hosts: str  # where --accept-new-host-keys writes (the first UserKnownHostsFile)
-    known_hosts_files: tuple[str, ...] = ()  # every file read: UserKnownHostsFile(s), GlobalKnownHostsFile(s)
-    proxy_command: str | None = None  # ssh_config's ProxyCommand (when there is no ProxyJump)
+    config: HostConfig
+    known_hosts: str  # where a new key is written (--known-hosts, else the first UserKnownHostsFile)
+    known_hosts_files: tuple[str, ...]  # every file read: UserKnownHostsFile(s), GlobalKnownHostsFile(s)
+    connect_timeout: float
+    alive_limit: float | None  # seconds without an answer before the host counts as lost (None: never)
+    accept_new: bool  # --accept-new-host-keys, or StrictHostKeyChecking accept-new (or no) for this host
+
+    @property
+    def hostname(self) -> str:
+        return self.config.hostname
+
+    @property
+    def port(self) -> int:
+        return self.config.port
+
+    @property
+    def user(self) -> str:
+        return self.config.user
+
+    @property
+    def proxy_jump(self) -> str | None:
+        return self.config.proxy_jump
+
+    @property
+    def proxy_command(self) -> str | None:
+        return self.config.proxy_command
 
 
 _Sock = socket.socket | paramiko.Channel | paramiko.ProxyCommand  # what paramiko connects over
@@ -340,18 +153,99 @@ class _Hop:
     error: TransportError | None = None
 
 
-class _AcceptNew(paramiko.MissingHostKeyPolicy):
-    """Add an unknown key and append it to known_hosts (OpenSSH's accept-new)."""
+@dataclass(frozen=True)
+class KnownHostKeys:
+    """What the known_hosts files say about one host name."""
 
-    def __init__(self, path: str, lock: threading.Lock) -> None:
-        self.path = path
+    keys: tuple[paramiko.PKey, ...] = ()
+    revoked: tuple[paramiko.PKey, ...] = ()
+    authorities: tuple[str, ...] = ()  # "file:line" of each @cert-authority line naming the host
+
+
+def load_known_hosts(paths: Sequence[str], name: str) -> KnownHostKeys:
+    """The entries of ``paths`` for ``name`` (``host``, ``[host]:port`` or a HostKeyAlias), matched as
+    OpenSSH matches them: patterns with ``*``, ``?`` and ``!``, case-insensitive, hashed names.
+
+    Read line by line, unlike paramiko's loader, which stops at the first line it cannot read:
+    unknown key types and damaged lines are skipped; ``@revoked`` keys are refused;
+    ``@cert-authority`` lines are noted (host certificates are not supported).
+    """
+    keys: list[paramiko.PKey] = []
+    revoked: list[paramiko.PKey] = []
+    authorities: list[str] = []
+    for path in dict.fromkeys(paths):
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for number, raw in enumerate(fh, start=1):
+                line = raw.strip()
+                if not line or line.startswith("#"):
+                    continue
+                marker = ""
+                if line.startswith("@"):
+                    marker, line = [*line.split(None, 1), ""][:2]  # a space or a tab follows the marker
+                    line = line.strip()
+                patterns = line.split(None, 1)[0] if line else ""
+                if not _names_host(patterns, name):
+                    continue
+                if marker == "@cert-authority":
+                    authorities.append(f"{path}:{number}")
+                    continue
+                try:
+                    entry = paramiko.hostkeys.HostKeyEntry.from_line(line, number)
+                except (paramiko.hostkeys.InvalidHostKey, paramiko.SSHException, ValueError, IndexError):
+                    continue
+                if entry is None:
+                    continue
+                if marker == "@revoked":
+                    revoked.append(entry.key)
+                elif not marker:
+                    keys.append(entry.key)
+    return KnownHostKeys(tuple(keys), tuple(revoked), tuple(authorities))
+
+
+def _names_host(patterns: str, name: str) -> bool:
+    """Whether a known_hosts host field (patterns, or one hashed ``|1|salt|hash`` name) names ``name``."""
+    if patterns.startswith("|1|"):
+        try:
+            return paramiko.HostKeys.hash_host(name.lower(), patterns) == patterns
+        except (ValueError, IndexError):  # binascii.Error is a ValueError
+            return False
+    return host_matches(name, patterns.split(","))
+
+
+class _CheckHostKey(paramiko.MissingHostKeyPolicy):
+    """OpenSSH's host key check. The client's own HostKeys stay empty, so paramiko hands every
+    host key to this policy, right after the key exchange and before the login."""
+
+    def __init__(self, target: Target, known: KnownHostKeys, lock: threading.Lock) -> None:
+        self.target = target
+        self.known = known
         self.lock = lock
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        entry = paramiko.hostkeys.HostKeyEntry([hostname], key)
+        if any(key == bad for bad in self.known.revoked):
+            raise _RevokedHostKey(key)  # even where --accept-new-host-keys would have saved it
+        if any(key == good for good in self.known.keys):
+            return
+        if self.known.keys:
+            if self.target.config.strict_host_key_checking == "no":
+                return  # as OpenSSH's StrictHostKeyChecking no does (the warning was printed)
+            raise _ChangedHostKey(key, self.known.keys[0])
+        if not self.target.accept_new:
+            raise _UnknownHostKey(key)
+        self._append(key)
+
+    def _append(self, key: paramiko.PKey) -> None:
+        """Append the key to known_hosts (OpenSSH's accept-new)."""
+        name = self.target.config.known_hosts_name
+        if self.target.config.hash_known_hosts:
+            name = paramiko.HostKeys.hash_host(name)
+        entry = paramiko.hostkeys.HostKeyEntry([name], key)
+        path = self.target.known_hosts
         with self.lock:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+            Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
             with open(fd, "a+b") as fh:
                 fh.seek(0, os.SEEK_END)
                 if fh.tell():  # a file whose last line has no newline must not swallow the entry
@@ -359,15 +253,6 @@ class _AcceptNew(paramiko.MissingHostKeyPolicy):
                     if fh.read(1) != b"\n":
                         fh.write(b"\n")
                 fh.write((entry.to_line() or "").encode())
-        client.get_host_keys().add(hostname, key.get_name(), key)
-
-
-class _RejectUnknown(paramiko.MissingHostKeyPolicy):
-    def __init__(self, known_hosts: str) -> None:
-        self.known_hosts = known_hosts
-
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        raise _UnknownHostKey(hostname, key, self.known_hosts)
 
 
 class _RevokedHostKey(Exception):
@@ -376,12 +261,17 @@ class _RevokedHostKey(Exception):
         self.key = key
 
 
-class _UnknownHostKey(Exception):
-    def __init__(self, hostname: str, key: paramiko.PKey, known_hosts: str) -> None:
-        super().__init__(hostname)
-        self.hostname = hostname
+class _ChangedHostKey(Exception):
+    def __init__(self, key: paramiko.PKey, expected: paramiko.PKey) -> None:
+        super().__init__(key.fingerprint)
         self.key = key
-        self.known_hosts = known_hosts
+        self.expected = expected
+
+
+class _UnknownHostKey(Exception):
+    def __init__(self, key: paramiko.PKey) -> None:
+        super().__init__(key.fingerprint)
+        self.key = key
 
 
 class SSHChannel(Channel):
@@ -397,7 +287,14 @@ class SSHChannel(Channel):
     def send(self, data: bytes | memoryview) -> None:
         try:
             with self._lock:
-                _send_data(self.channel, data)
+                view = memoryview(data).cast("B")
+                while view:
+                    # paramiko's Message.add_string takes any buffer (util.asbytes passes it on):
+                    # a view of the rest is sent without copying it for each packet, as bytes would be
+                    sent = self.channel.send(view)  # type: ignore[arg-type]
+                    if not sent:  # Channel.sendall would spin here: the channel is shut for sending
+                        raise OSError("the channel is closed for sending")
+                    view = view[sent:]
         except (OSError, EOFError, paramiko.SSHException) as exc:
             raise HostUnreachable(f"connection lost while sending: {self.why() or exc or type(exc).__name__}",
                                   host=self.host) from exc
@@ -445,74 +342,6 @@ class SSHChannel(Channel):
             pass
 
 
-def _expand(path: str) -> str:
-    return os.path.expanduser(path)
-
-
-def read_ssh_config(path: str, depth: int = 0) -> str:
-    """The text of an ssh_config with its ``Include`` lines replaced by the files they name
-    (globs; relative names from ``~/.ssh``, as OpenSSH reads them): paramiko ignores Include."""
-    if depth > 16:
-        raise UsageError(f"ssh config {path}: Include nested more than 16 deep")
-    try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise UsageError(f"cannot read ssh config {path}: {exc.strerror or exc}") from exc
-    out: list[str] = []
-    context = "Host *"  # the Host or Match block a line belongs to (top level: every host)
-    for line in text.splitlines():
-        words = line.strip().split(None, 1)
-        if len(words) == 2 and words[0].lower() == "include":
-            for pattern in shlex.split(words[1]):
-                pattern = _expand(pattern)
-                if not os.path.isabs(pattern):
-                    pattern = _expand(os.path.join("~/.ssh", pattern))
-                out.extend(read_ssh_config(f, depth + 1) for f in sorted(globmod.glob(pattern)) if os.path.isfile(f))
-            out.append(context)  # what follows the Include is back in the including block
-            continue
-        if words and words[0].lower() in ("host", "match"):
-            context = line.strip()
-        out.append(line)
-    return "\n".join(out)
-
-
-def load_known_hosts(keys: paramiko.HostKeys, path: str) -> list[paramiko.PKey]:
-    """Add the entries of one known_hosts file to ``keys``; return its ``@revoked`` keys.
-
-    Read line by line, unlike paramiko's loader, which stops at the first line it cannot
-    read: ``@cert-authority`` lines (host certificates are not supported: such hosts count as
-    unknown), unknown key types and damaged lines are skipped.
-    """
-    revoked = []
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for number, raw in enumerate(fh, start=1):
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            marker = ""
-            if line.startswith("@"):
-                marker, line = [*line.split(None, 1), ""][:2]  # a space or a tab follows the marker
-                if marker != "@revoked":
-                    continue
-            try:
-                entry = paramiko.hostkeys.HostKeyEntry.from_line(line.strip(), number)
-            except (paramiko.hostkeys.InvalidHostKey, paramiko.SSHException, ValueError, IndexError):
-                continue
-            if entry is None:
-                continue
-            if marker:
-                revoked.append(entry.key)
-                continue
-            for name in entry.hostnames:
-                keys.add(name, entry.key.get_name(), entry.key)
-    return revoked
-
-
-def known_hosts_name(hostname: str, port: int) -> str:
-    """How known_hosts (and ``ssh-keygen -R``) name a host: ``[host]:port`` off port 22."""
-    return hostname if port == 22 else f"[{hostname}]:{port}"
-
-
 def parse_jump(spec: str) -> tuple[str | None, str, int | None]:
     """One ProxyJump hop, ``[user@]host[:port]`` or ``ssh://[user@]host[:port]``; IPv6 hosts in
     brackets (``[::1]:2222``), or bare without a port. (user, host, port)."""
@@ -530,93 +359,146 @@ def parse_jump(spec: str) -> tuple[str | None, str, int | None]:
     return (user or None) if at else None, host, int(port) if port else None
 
 
+def _request(host: Host | str) -> Request:
+    if isinstance(host, str):
+        return Request(host)
+    return Request(host.address, port=host.port, user=host.user, identity_file=host.identity_file)
+
+
+def _unknown_key_error(target: Target, known: KnownHostKeys, key: paramiko.PKey) -> HostKeyError:
+    config = target.config
+    keyscan = shlex.join(["ssh-keyscan", "-p", str(config.port), config.hostname])
+    add = f"{keyscan} >> {shlex.quote(target.known_hosts)}"
+    if config.host_key_alias:
+        add += f" (then write {config.host_key_alias}, the HostKeyAlias, in place of the host name it prints)"
+    if known.authorities:
+        return HostKeyError(
+            f"{config.known_hosts_name} is known only through @cert-authority ({', '.join(known.authorities)}):"
+            f" dlrun does not support host certificates; the host offered a plain {key.get_name()} key"
+            f" ({key.fingerprint})",
+            host=target.name,
+            hint=f"add the host's own key to known_hosts after checking it: {add}",
+        )
+    return HostKeyError(
+        f"unknown host key ({key.get_name()} {key.fingerprint}) for {config.known_hosts_name};"
+        f" not in {', '.join(target.known_hosts_files) or target.known_hosts}",
+        host=target.name,
+        hint=f"verify it, then add it: {add} — or pass --accept-new-host-keys to add unknown keys (changed keys"
+        " are still refused)",
+    )
+
+
+def _certifies(certificate: bytes, key: paramiko.PKey) -> bool:
+    """Whether an OpenSSH certificate blob (type, nonce, then the public key's own fields) is
+    for ``key``."""
+    fields = paramiko.Message(key.asbytes())
+    fields.get_string()  # the key type
+    blob = paramiko.Message(certificate)
+    blob.get_string()  # the certificate type
+    blob.get_string()  # its nonce
+    return blob.get_remainder().startswith(fields.get_remainder())
+
+
+def _certified_key(target: Target) -> paramiko.PKey | None:
+    """The identity that a CertificateFile belongs to, with that certificate loaded (None: no
+    CertificateFile). paramiko loads ``<identity>-cert.pub`` by itself."""
+    certificates = [c for c in target.config.certificate_files if os.path.isfile(c)]
+    if not certificates:
+        return None
+    tried: list[str] = []
+    for path in target.config.identity_files:
+        if not os.path.isfile(path):
+            continue
+        try:
+            key = paramiko.PKey.from_path(path)
+        except (paramiko.SSHException, OSError, ValueError) as exc:
+            tried.append(f"{path} ({exc or type(exc).__name__})")
+            continue
+        for certificate in certificates:
+            try:
+                key.load_certificate(certificate)  # checks the key type only
+            except (ValueError, OSError, paramiko.SSHException):
+                continue
+            if key.public_blob is not None and _certifies(key.public_blob.key_blob, key):
+                return key
+        tried.append(path)
+    raise AuthenticationFailed(
+        f"CertificateFile {', '.join(certificates)} belongs to none of the identity files"
+        f" ({'; '.join(tried) or 'none found'})",
+        host=target.name,
+        hint="set IdentityFile to the certificate's private key (an unencrypted one: dlrun asks for no"
+        " passphrase; keys in ssh-agent are used without a certificate)",
+    )
+
+
 class SSHTransport(Transport):
-    """paramiko connections, one per host, opened in parallel by ``connect``."""
+    """paramiko connections, one per host, opened in parallel by ``connect``.
+
+    ``connect_timeout`` and ``host_timeout`` None: not given on dlrun's command line, so each
+    host's ConnectTimeout (else 10 s) and ServerAliveInterval × ServerAliveCountMax (else
+    DEFAULT_HOST_TIMEOUT) apply; ``host_timeout`` 0: no liveness check. ``openssh`` False: read the
+    ssh config with the fallback parser even where an ``ssh`` binary is installed.
+    """
 
     def __init__(
         self,
         *,
         config_file: str | None = None,
         accept_new_host_keys: bool = False,
-        connect_timeout: float = 10.0,
+        connect_timeout: float | None = None,
         known_hosts: str | None = None,
-        host_timeout: float | None = DEFAULT_HOST_TIMEOUT,
+        host_timeout: float | None = None,
+        openssh: bool = True,
     ) -> None:
         self.accept_new = accept_new_host_keys
         self.timeout = connect_timeout
-        self.host_timeout = host_timeout or None  # 0 / None: paramiko's one-way keepalive only
+        self.host_timeout = host_timeout
         self.silent: dict[str, float] = {}  # host -> seconds of silence after which dlrun closed it
-        self.known_hosts_override = known_hosts
-        self.config = paramiko.SSHConfig()
-        path = config_file or _expand("~/.ssh/config")
-        if config_file and not os.path.isfile(config_file):
-            raise UsageError(f"ssh config file not found: {config_file}")
-        if os.path.isfile(path):
-            self.config = paramiko.SSHConfig.from_text(read_ssh_config(path))
+        self.known_hosts_override = os.path.expanduser(known_hosts) if known_hosts else None
+        self.reader = SSHConfigReader(config_file, shutil.which("ssh") if openssh else None)
         self.clients: dict[str, paramiko.SSHClient] = {}
         self.jump_hops: dict[str, _Hop] = {}
         self.jump_clients: list[paramiko.SSHClient] = []  # in the order they were connected
         self.targets: dict[str, Target] = {}
         self._known_hosts_lock = threading.Lock()
         self._jump_lock = threading.Lock()
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ config
     def target(self, host: Host | str) -> Target:
-        """Merge ssh_config with the inventory (inventory wins)."""
-        address = host if isinstance(host, str) else host.address
+        """The host's ssh config merged with the inventory (inventory wins) and the command line."""
         name = host if isinstance(host, str) else host.name
-        cfg = self.config.lookup(address)
-        user = (None if isinstance(host, str) else host.user) or cfg.get("user") or getpass.getuser()
-        port_value = (None if isinstance(host, str) else host.port) or cfg.get("port") or 22
-        identity = None if isinstance(host, str) else host.identity_file
-        identities = (identity,) if identity else tuple(cfg.get("identityfile", []))
-        try:
-            port = int(port_value)
-        except ValueError:
-            raise UsageError(f"Port {port_value!r} for {address} in the ssh config is not a number") from None
-        hostname = cfg.get("hostname", address)
-        tokens = {"%h": hostname, "%p": str(port), "%r": user, "%u": getpass.getuser(), "%d": _expand("~"),
-                  "%n": address, "%k": address}
+        return self._target(name, self.reader.lookup(_request(host)))
 
-        def files(value: str | None, default: str) -> list[str]:  # several, with %tokens
-            def expand(name: str) -> str:
-                return _expand(re.sub(r"%[%hprudnk]", lambda m: "%" if m[0] == "%%" else tokens[m[0]], name))
-
-            value = value or default  # paramiko took off the quotes: "a b" may be one file or two
-            names = [value] if os.path.isfile(expand(value)) else shlex.split(value)
-            return [expand(name) for name in names if name.lower() != "none"]
-
-        users = [_expand(self.known_hosts_override)] if self.known_hosts_override else files(
-            cfg.get("userknownhostsfile"), "~/.ssh/known_hosts ~/.ssh/known_hosts2")
-        proxy = cfg.get("proxyjump")
-        command = self._raw(address, "proxycommand") or cfg.get("proxycommand")
-        if command not in (None, "none"):  # tokens from the merged values: the inventory's port and user win
-            values = {"%h": hostname, "%p": str(port), "%r": user, "%n": address}
-            command = re.sub(r"%[%hprn]", lambda m: "%" if m[0] == "%%" else shlex.quote(values[m[0]]), command)
+    def _target(self, name: str, config: HostConfig) -> Target:
+        users = (self.known_hosts_override,) if self.known_hosts_override else config.user_known_hosts_files
+        if self.host_timeout is not None:
+            alive: float | None = self.host_timeout or None
+        elif config.server_alive_interval > 0:
+            alive = config.server_alive_interval * max(1, config.server_alive_count_max)
+        else:
+            alive = DEFAULT_HOST_TIMEOUT
+        if config.strict_host_key_checking == "no" and name not in self._warned:
+            self._warned.add(name)
+            print(f"dlrun: warning: {name}: StrictHostKeyChecking {config.strict_host_key_checking} in the ssh config:"
+                  " unknown and changed host keys are accepted for this host", file=sys.stderr)
         return Target(
             name=name,
-            hostname=hostname,
-            port=port,
-            user=user,
-            identity_files=tuple(_expand(i) for i in identities),
-            proxy_jump=None if proxy in (None, "none") else proxy,
-            proxy_command=None if command in (None, "none") or proxy not in (None, "none") else command,
-            known_hosts=users[0] if users else _expand("~/.ssh/known_hosts"),
-            known_hosts_files=(*users, *files(cfg.get("globalknownhostsfile"),
-                                              "/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2")),
+            config=config,
+            known_hosts=users[0] if users else os.path.expanduser(DEFAULT_USER_KNOWN_HOSTS[0]),
+            known_hosts_files=(*users, *config.global_known_hosts_files),
+            connect_timeout=self.timeout or config.connect_timeout or DEFAULT_CONNECT_TIMEOUT,
+            alive_limit=alive,
+            accept_new=self.accept_new or config.strict_host_key_checking in ("accept-new", "no"),
         )
-
-    def _raw(self, address: str, key: str) -> str | None:
-        """A config value before paramiko put its own %-tokens in (None where that is not known)."""
-        try:
-            value = self.config._lookup(address).get(key)  # type: ignore[attr-defined]
-        except (AttributeError, TypeError):
-            return None
-        return value if isinstance(value, str) else None
 
     # ------------------------------------------------------------------ connect
     def connect(self, hosts: Sequence[Host]) -> Mapping[str, str]:
         todo = [h for h in hosts if h.name not in self.clients]
+        # every host's config first: a config OpenSSH rejects stops dlrun before any connection
+        configs = self.reader.lookup_all([_request(h) for h in todo])
+        for host, config in zip(todo, configs, strict=True):
+            self.targets[host.name] = self._target(host.name, config)
         errors: list[TransportError] = []
         if todo:
             with ThreadPoolExecutor(max_workers=min(64, len(todo))) as pool:
@@ -632,10 +514,8 @@ class SSHTransport(Transport):
         return {h.name: self.targets[h.name].hostname for h in hosts}
 
     def _connect_one(self, host: Host) -> TransportError | None:
-        target = self.target(host)
-        self.targets[host.name] = target
         try:
-            self.clients[host.name] = self._client(target)
+            self.clients[host.name] = self._client(self.targets[host.name])
         except TransportError as exc:
             return exc
         return None
@@ -650,12 +530,13 @@ class SSHTransport(Transport):
             except (paramiko.SSHException, OSError) as exc:
                 raise HostUnreachable(f"ProxyCommand {target.proxy_command!r} failed: {exc}", host=target.name) from exc
         try:
-            sock = socket.create_connection((target.hostname, target.port), timeout=self.timeout)
+            sock = socket.create_connection((target.hostname, target.port), timeout=target.connect_timeout)
         except socket.gaierror as exc:
             raise HostUnreachable(f"cannot resolve host name {target.hostname!r}", host=target.name) from exc
         except TimeoutError as exc:
             raise HostUnreachable(
-                f"no answer from {target.hostname}:{target.port} within {self.timeout:g} s", host=target.name
+                f"no answer from {target.hostname}:{target.port} within {target.connect_timeout:g} s",
+                host=target.name,
             ) from exc
         except ConnectionRefusedError as exc:
             raise HostUnreachable(
@@ -684,7 +565,7 @@ class SSHTransport(Transport):
         assert transport is not None
         try:
             return transport.open_channel(
-                "direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0), timeout=self.timeout
+                "direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0), timeout=target.connect_timeout
             )
         except (paramiko.SSHException, OSError) as exc:
             raise HostUnreachable(
@@ -714,55 +595,52 @@ class SSHTransport(Transport):
 
     def _connect_hop(self, spec: str, via: paramiko.SSHClient | None, seen: frozenset[str]) -> paramiko.SSHClient:
         user, name, port = parse_jump(spec)
-        base = self.target(name)
-        target = replace(base, name=spec, port=port or base.port, user=user or base.user, proxy_jump=None)
+        base = self.reader.lookup(Request(name, port=port, user=user))  # as OpenSSH's ssh -l user -p port hop
+        target = self._target(spec, replace(base, proxy_jump=None))
         sock: _Sock
         if via is not None:
             transport = via.get_transport()
             assert transport is not None
             try:
-                sock = transport.open_channel(
-                    "direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0), timeout=self.timeout
-                )
+                sock = transport.open_channel("direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0),
+                                              timeout=target.connect_timeout)
             except (paramiko.SSHException, OSError) as exc:
                 raise HostUnreachable(f"the hop before cannot reach {target.hostname}:{target.port}: "
                                       f"{exc or type(exc).__name__}", host=spec) from exc
         elif base.proxy_jump and name not in seen:
-            sock = self._jump_channel(replace(target, proxy_jump=base.proxy_jump), seen | {name})
+            sock = self._jump_channel(replace(target, config=base), seen | {name})
         else:
             sock = self._socket(target)
         return self._client(target, sock=sock)
 
     def _client(self, target: Target, sock: _Sock | None = None) -> paramiko.SSHClient:
-        client = paramiko.SSHClient()
-        revoked: list[paramiko.PKey] = []
-        for path in dict.fromkeys(target.known_hosts_files or (target.known_hosts,)):
-            if os.path.isfile(path):
-                try:
-                    revoked += load_known_hosts(client.get_host_keys(), path)
-                except OSError as exc:
-                    raise HostKeyError(f"cannot read known_hosts {path}: {exc.strerror or exc}",
-                                       host=target.name) from exc
-        if self.accept_new:
-            client.set_missing_host_key_policy(_AcceptNew(target.known_hosts, self._known_hosts_lock))
-        else:
-            client.set_missing_host_key_policy(_RejectUnknown(target.known_hosts))
+        config = target.config
+        try:
+            known = load_known_hosts(target.known_hosts_files or (target.known_hosts,), config.known_hosts_name)
+        except OSError as exc:
+            raise HostKeyError(f"cannot read known_hosts {exc.filename}: {exc.strerror or exc}",
+                               host=target.name) from exc
+        client = paramiko.SSHClient()  # its HostKeys stay empty: _CheckHostKey sees every host key
+        client.set_missing_host_key_policy(_CheckHostKey(target, known, self._known_hosts_lock))
+        certified = _certified_key(target)
         if sock is None:
             sock = self._socket(target)
+        timeout = target.connect_timeout
         try:
             client.connect(
                 target.hostname,
                 port=target.port,
                 username=target.user,
-                key_filename=list(target.identity_files) or None,  # type: ignore[arg-type]
-                look_for_keys=not target.identity_files,
-                allow_agent=True,
+                pkey=certified,
+                key_filename=[f for f in config.identity_files if os.path.isfile(f)] or None,  # type: ignore[arg-type]
+                look_for_keys=False,  # the identity files are OpenSSH's list, its defaults included
+                allow_agent=not config.identities_only,
                 sock=sock,
-                timeout=self.timeout,
-                banner_timeout=self.timeout,
-                auth_timeout=self.timeout,
-                channel_timeout=self.timeout,
-                transport_factory=partial(_FastTransport, revoked=revoked),
+                timeout=timeout,
+                banner_timeout=timeout,
+                auth_timeout=timeout,
+                channel_timeout=timeout,
+                transport_factory=partial(_HardenedTransport, known_types=[k.get_name() for k in known.keys]),
             )
         except _RevokedHostKey as exc:
             client.close()
@@ -770,25 +648,17 @@ class SSHTransport(Transport):
                                " marked @revoked in known_hosts; dlrun refuses to connect", host=target.name) from None
         except _UnknownHostKey as exc:
             client.close()
-            shown = exc.hostname
-            keyscan = shlex.join(["ssh-keyscan", "-p", str(target.port), target.hostname])
-            raise HostKeyError(
-                f"unknown host key ({exc.key.get_name()} {exc.key.fingerprint}) for {shown}; not in {exc.known_hosts}",
-                host=target.name,
-                hint=f"verify it, then add it: {keyscan} >> {shlex.quote(exc.known_hosts)}"
-                " — or pass --accept-new-host-keys to add unknown keys (changed keys are still refused)",
-            ) from None
-        except paramiko.BadHostKeyException as exc:
+            raise _unknown_key_error(target, known, exc.key) from None
+        except _ChangedHostKey as exc:
             client.close()
             raise HostKeyError(
-                f"HOST KEY CHANGED for {exc.hostname}: known_hosts has {exc.expected_key.get_name()} "
-                f"{exc.expected_key.fingerprint}, the host offered {exc.key.fingerprint}. Possible "
+                f"HOST KEY CHANGED for {config.known_hosts_name}: known_hosts has {exc.expected.get_name()} "
+                f"{exc.expected.fingerprint}, the host offered {exc.key.fingerprint}. Possible "
                 "man-in-the-middle; dlrun refuses to connect",
                 host=target.name,
                 hint="if the host was reinstalled, remove the old key: "
-                + shlex.join(["ssh-keygen", "-R", known_hosts_name(target.hostname, target.port),
-                              "-f", target.known_hosts]),
-            ) from exc
+                + shlex.join(["ssh-keygen", "-R", config.known_hosts_name, "-f", target.known_hosts]),
+            ) from None
         except paramiko.AuthenticationException as exc:
             client.close()
             raise AuthenticationFailed(
@@ -799,50 +669,55 @@ class SSHTransport(Transport):
             ) from exc
         except TimeoutError as exc:
             client.close()
-            raise HostUnreachable(f"SSH handshake timed out after {self.timeout:g} s", host=target.name) from exc
+            raise HostUnreachable(f"SSH handshake timed out after {timeout:g} s", host=target.name) from exc
         except (paramiko.SSHException, OSError, EOFError) as exc:
             client.close()
             # a frozen sshd: the banner wait times out, or the key exchange gives up quietly
             if "No existing session" in str(exc) or isinstance(exc.__context__, TimeoutError):
                 raise HostUnreachable(f"no SSH answer (banner or key exchange) from {target.hostname}:{target.port}"
-                                      f" within {self.timeout:g} s", host=target.name) from exc
+                                      f" within {timeout:g} s", host=target.name) from exc
             if isinstance(exc.__context__, EOFError) and "banner" in str(exc):
                 raise HostUnreachable(f"{target.hostname}:{target.port} hung up before the SSH banner (is it an"
                                       " SSH server?)", host=target.name) from exc
             raise HostUnreachable(f"SSH connection failed: {exc or type(exc).__name__}", host=target.name) from exc
         transport = client.get_transport()
         if transport is not None:
-            self._watch(target.name, transport)
+            self._watch(target.name, transport, target.alive_limit)
         return client
 
     # ------------------------------------------------------------------ liveness
-    def _watch(self, name: str, transport: paramiko.Transport) -> None:
-        packetizer = transport.packetizer
-        if self.host_timeout is None or not isinstance(packetizer, _FastPacketizer):
+    def _watch(self, name: str, transport: paramiko.Transport, limit: float | None) -> None:
+        if limit is None:
             transport.set_keepalive(15)  # keeps NAT state; detects nothing by itself
             return
-        threading.Thread(target=self._keep_alive, args=(name, transport, packetizer, self.host_timeout),
+        threading.Thread(target=self._keep_alive, args=(name, transport, limit),
                          name=f"dlrun-alive-{name}", daemon=True).start()
 
-    def _keep_alive(self, name: str, transport: paramiko.Transport, packetizer: _FastPacketizer,
-                    limit: float) -> None:
-        """Ask a quiet host for a reply; close the connection after ``limit`` s without a packet.
+    def _keep_alive(self, name: str, transport: paramiko.Transport, limit: float) -> None:
+        """Ask the host for a reply every few seconds; close the connection after ``limit`` s
+        without one.
 
         The request goes out from a short-lived thread: a send can block on a dead connection
         (a full socket buffer, a key exchange that never finishes), and the clock must not.
         """
         interval = heartbeat_interval(limit)
+        answered = [time.monotonic()]
+
+        def ask() -> None:
+            if _ask_for_reply(transport):
+                answered[0] = time.monotonic()
+
         sender: threading.Thread | None = None
         while transport.is_active():
+            if sender is None or not sender.is_alive():
+                sender = threading.Thread(target=ask, name=f"dlrun-ask-{name}", daemon=True)
+                sender.start()
             time.sleep(interval)
-            quiet = time.monotonic() - packetizer.last_read
+            quiet = time.monotonic() - answered[0]
             if quiet > limit:
                 self.silent[name] = quiet
                 transport.close()  # every recv, send and wait on this connection ends now
                 return
-            if quiet >= interval and (sender is None or not sender.is_alive()):
-                sender = threading.Thread(target=_ask_for_reply, args=(transport,), daemon=True)
-                sender.start()
 
     def _why(self, name: str) -> str:
         quiet = self.silent.get(name)
@@ -862,7 +737,7 @@ class SSHTransport(Transport):
             why = self._why(host.name)
             raise HostUnreachable("the SSH connection is closed" + (f": {why}" if why else ""), host=host.name)
         try:
-            channel = transport.open_session(timeout=self.timeout)
+            channel = transport.open_session(timeout=self.targets[host.name].connect_timeout)
             channel.exec_command(shlex.join(argv))
         except (paramiko.SSHException, OSError, EOFError) as exc:
             why = self._why(host.name) or str(exc) or type(exc).__name__

@@ -276,10 +276,10 @@ def test_tf_example_across_two_ssh_hosts(cluster, tmp_path: Path) -> None:  # ty
     assert (cluster.hosts[0].workdir / "scripts" / "dlrun-model" / "digits.keras").exists()
 
 
-def test_match_exec_in_ssh_config_works_though_invoke_is_imported_late(tmp_path: Path) -> None:
+def test_match_exec_in_ssh_config(tmp_path: Path) -> None:
     config = tmp_path / "config"
     config.write_text('Match exec "test -n yes"\n  HostName 10.9.8.7\n  Port 2201\n')
-    code = ("import sys; from dlrun.transport.ssh import SSHTransport; assert 'invoke' not in sys.modules; "
+    code = ("from dlrun.transport.ssh import SSHTransport; "
             f"t = SSHTransport(config_file={str(config)!r}).target('nodeX'); print(t.hostname, t.port)")
     out = subprocess.run([*dlrun_argv()[:1], "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -445,3 +445,176 @@ def test_ssh_config_loops_and_include_scope_are_read_as_openssh_reads_them(tmp_p
     config.write_text("Host *\n    ProxyCommand ssh -W %h:%p %r@jump\n")
     target = SSHTransport(config_file=str(config)).target(Host(address="gpu1", name="gpu1", port=2222, user="bob"))
     assert target.proxy_command == "ssh -W gpu1:2222 bob@jump"
+
+
+def test_push_to_sshd_survives_rekeys_mid_stream(cluster, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each connection rekeys several times while the files stream (OpenSSH on the other end)."""
+    from paramiko.packet import Packetizer
+
+    from dlrun.inventory import Host
+    from dlrun.push.session import push
+    from dlrun.transport.local import HostRouter
+    from dlrun.transport.ssh import SSHTransport
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(Packetizer, "REKEY_BYTES", 512 * 1024)  # paramiko's public rekey threshold
+    keyed: dict[int, int] = {}  # packetizer -> outbound keys set (1 = the first key exchange only)
+    set_keys = Packetizer.set_outbound_cipher
+
+    def counted(self: Packetizer, *args: object, **kwargs: object) -> None:
+        keyed[id(self)] = keyed.get(id(self), 0) + 1
+        set_keys(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Packetizer, "set_outbound_cipher", counted)
+    src = tmp_path / "big"
+    src.mkdir()
+    blobs = {f"blob{i}.bin": os.urandom(size) for i, size in enumerate([6_000_000, 3_333_333, 1])}
+    for name, data in blobs.items():
+        (src / name).write_bytes(data)
+    hosts = [Host(address=h.name, name=h.name, workdir=str(h.workdir / "rekey"), python=cluster.python)
+             for h in cluster.hosts[:2]]
+    router = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
+    try:
+        summaries = push(router, hosts, code_dir=src)
+    finally:
+        router.close()
+    assert [s.files_sent for s in summaries] == [3, 3]
+    assert len(keyed) == 2 and min(keyed.values()) >= 3, keyed
+    for h in cluster.hosts[:2]:
+        for name, data in blobs.items():
+            assert (h.workdir / "rekey" / "big" / name).read_bytes() == data
+
+
+# --------------------------------------------------------------------------- ssh config read as OpenSSH reads it
+
+
+def _common(cluster, known: Path | str) -> str:  # type: ignore[no-untyped-def]
+    """The options every cluster host needs, for a ``Host *`` (or Match) block."""
+    return (f"    User {cluster.user}\n    IdentityFile {cluster.client_key}\n    IdentitiesOnly yes\n"
+            f"    UserKnownHostsFile {known}\n    GlobalKnownHostsFile /dev/null\n")
+
+
+def _hosts(cluster, prefix: str, n: int = 2) -> str:  # type: ignore[no-untyped-def]
+    return "".join(f"Host {prefix}{i}\n    HostName {h.address}\n    Port {h.port}\n"
+                   for i, h in enumerate(cluster.hosts[:n]))
+
+
+def _run(transport, host, *argv: str) -> str:  # type: ignore[no-untyped-def]
+    channel = transport.open(host, list(argv))
+    out = b""
+    while chunk := channel.recv():
+        out += chunk
+    assert channel.wait(30) == 0, channel.stderr_text()
+    return out.decode()
+
+
+def test_match_include_and_proxyjump_together_reach_hosts_through_the_bastion(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from dlrun.inventory import Host
+    from dlrun.transport.ssh import SSHTransport
+
+    assert cluster.bastion is not None
+    (tmp_path / "conf.d").mkdir()
+    (tmp_path / "conf.d" / "hosts.conf").write_text(_hosts(cluster, "viab-"))
+    (tmp_path / "jump.conf").write_text("ProxyJump jumper\n")
+    config = tmp_path / "config"
+    config.write_text(f"Include {tmp_path}/conf.d/*.conf\n"
+                      f"Host jumper\n    HostName {cluster.bastion.address}\n    Port {cluster.bastion.port}\n"
+                      "Match OriginalHost viab-*\n"  # capitalised, as many configs write it
+                      f"    Include {tmp_path}/jump.conf\n"
+                      f"Host *\n{_common(cluster, cluster.known_hosts)}")
+    transport = SSHTransport(config_file=str(config), connect_timeout=10)
+    hosts = [Host(address=f"viab-{i}", name=f"viab-{i}") for i in range(2)]
+    try:
+        assert transport.connect(hosts) == {"viab-0": cluster.hosts[0].address, "viab-1": cluster.hosts[1].address}
+        assert [transport.targets[h.name].proxy_jump for h in hosts] == ["jumper", "jumper"]
+        assert len(transport.jump_clients) == 1  # one bastion connection, shared
+        for host in hosts:
+            assert _run(transport, host, "echo", "it's me") == "it's me\n"
+    finally:
+        transport.close()
+
+
+def test_hostfile_and_inline_user_at_host_set_the_login_user(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "config"
+    config.write_text(_hosts(cluster, "plain") + "Host *\n" + _common(cluster, cluster.known_hosts).replace(
+        f"    User {cluster.user}\n", "    User nobody-such\n"))  # the config's user would fail
+    script = shared_script(cluster, "whoami.py", "import getpass, os\nprint('login', getpass.getuser(), "
+                           "os.environ['DLRUN_HOST'])\n")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"{cluster.user}@plain0 slots=1\n{cluster.user}@plain1:1  # a comment\n")
+    for spec in (str(hostfile), f"{cluster.user}@plain0:1,{cluster.user}@plain1"):
+        out = run_dlrun("launch", "--plain", "--framework", "none", "--hosts", spec,
+                        "--ssh-config", str(config), str(script), cwd=tmp_path, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"login {cluster.user} plain0" in out.stdout and f"login {cluster.user} plain1" in out.stdout
+
+
+def test_without_ssh_on_path_the_fallback_parser_is_used_and_ssh_g_errors_stop_dlrun(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "config"
+    (tmp_path / "hosts.conf").write_text(_hosts(cluster, "fb"))
+    # OpenSSH refuses the unknown option (file and line named, exit 2); paramiko passes it by
+    config.write_text(f"Include {tmp_path}/hosts.conf\nMatch Host 127.0.0.*\n    NoSuchOption yes\n"
+                      f"Host *\n{_common(cluster, cluster.known_hosts)}")
+    marker = cluster.hosts[0].workdir / "fallback-marker"
+    marker.unlink(missing_ok=True)
+    script = shared_script(cluster, "mark.py", f"open({str(marker)!r}, 'w').write('x')\nprint('marked')\n")
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[defaults]\npython = "{cluster.python}"\n[[hosts]]\naddress = "fb0"\n')
+    argv = ["launch", "--plain", "--framework", "none", "--hosts", str(hosts), "--ssh-config", str(config), str(script)]
+    out = run_dlrun(*argv, cwd=tmp_path, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"{config}: line 3: Bad configuration option: nosuchoption" in out.stderr
+    assert not marker.exists()
+    no_ssh = tmp_path / "bin"  # a PATH without ssh
+    no_ssh.mkdir()
+    out = run_dlrun(*argv, cwd=tmp_path, timeout=60, env={**os.environ, "PATH": str(no_ssh),
+                                                          "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "marked" in out.stdout and marker.exists()
+
+
+def test_known_hosts_by_alias_hashed_names_and_strict_host_key_checking(cluster, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    import paramiko
+
+    from dlrun.errors import HostKeyError
+    from dlrun.inventory import Host
+    from dlrun.transport.ssh import SSHTransport
+
+    h0, h1 = cluster.hosts[0], cluster.hosts[1]
+    known = tmp_path / "known_hosts"
+    hashed = paramiko.HostKeys.hash_host(h1.known_hosts_name)
+    known.write_text(f"Node-Zero.Alias {h0.public_key}\n{hashed} {h1.public_key}\n"
+                     f"@cert-authority [{h0.address}]:* {h1.public_key}\n")
+    config = tmp_path / "config"
+    config.write_text(_hosts(cluster, "k") + "Host k0\n    HostKeyAlias node-zero.alias\n"
+                      f"Host ca0\n    HostName {h0.address}\n    Port {h0.port}\n"
+                      f"Host new0 loose0\n    HostName {h0.address}\n    Port {h0.port}\n"
+                      "    UserKnownHostsFile " + str(tmp_path / "new_known_hosts") + "\n"
+                      "Host new0\n    StrictHostKeyChecking accept-new\n"
+                      "Host loose0\n    StrictHostKeyChecking no\n"
+                      f"Host *\n{_common(cluster, known)}")
+
+    def connect(name: str) -> SSHTransport:
+        transport = SSHTransport(config_file=str(config), connect_timeout=10)
+        try:
+            transport.connect([Host(address=name, name=name)])
+        finally:
+            transport.close()
+        return transport
+
+    connect("k0")  # found by its HostKeyAlias, written in another case
+    connect("k1")  # found by the hashed [address]:port
+    with pytest.raises(HostKeyError, match=r"known only through @cert-authority .* dlrun does not support host"
+                       r" certificates") as caught:
+        connect("ca0")
+    assert "ssh-keyscan -p" in str(caught.value)
+    connect("new0")  # accept-new for this host only: the key is written, under [address]:port
+    assert (tmp_path / "new_known_hosts").read_text().startswith(h0.known_hosts_line)
+    (tmp_path / "new_known_hosts").write_text(f"{h0.known_hosts_name} {h1.public_key}\n")  # now a changed key
+    with pytest.raises(HostKeyError, match="HOST KEY CHANGED"):
+        connect("new0")
+    capsys.readouterr()
+    connect("loose0")  # StrictHostKeyChecking no: accepted, with a warning naming the host
+    assert "warning: loose0: StrictHostKeyChecking no" in capsys.readouterr().err
