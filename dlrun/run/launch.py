@@ -12,12 +12,10 @@ The CLI module only parses options into a ``LaunchConfig`` and calls this.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import secrets
 import signal
-import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,10 +28,13 @@ from typing import TYPE_CHECKING
 
 from dlrun.errors import UsageError
 from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
-from dlrun.plan import DEFAULT_BASE_PORT, DEFAULT_HOST_TIMEOUT, Plan, is_loopback, make_plan
+from dlrun.plan import DEFAULT_BASE_PORT, DEFAULT_HOST_TIMEOUT, Plan, make_plan
 from dlrun.remote.tf_server import server_source
-from dlrun.render import SocketIface, WorkerCommand, mask_env, plan_to_json, worker_commands
-from dlrun.run.supervisor import AgentAnswer, HostAgents, RunResult, Supervisor
+from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
+from dlrun.run.addresses import facing_address, interfaces_at, local_base_port, reachable_addresses, socket_ifaces
+from dlrun.run.agents import AgentAnswer, HostAgents
+from dlrun.run.result import RunResult
+from dlrun.run.supervisor import Supervisor
 from dlrun.run.view import make_view
 from dlrun.transport.base import Transport, default_python
 from dlrun.transport.local import HostRouter
@@ -41,8 +42,6 @@ from dlrun.transport.local import HostRouter
 if TYPE_CHECKING:
     from dlrun.push.session import HostPushSummary, Manifest, PushTarget
     from dlrun.topo.records import HostReport
-
-ANSWER_TIMEOUT = 120.0  # for the agents' probe and survey answers, as dlrun.topo.preflight.PROBE_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -141,30 +140,6 @@ def render_commands(
     return plan, commands
 
 
-def local_base_port(inventory: Inventory, np: int | None) -> int:
-    """The base port for a job whose ranks all run on this machine: the first run of free ports
-    from ``DEFAULT_BASE_PORT`` up (two local jobs side by side, e.g. CI smoke tests, would
-    otherwise collide on 23456). Hosts elsewhere: ``DEFAULT_BASE_PORT``, which is checked there."""
-    import socket
-
-    if not all(h.is_local for h in inventory.hosts):
-        return DEFAULT_BASE_PORT
-    count = np or (inventory.total_slots if all(h.slots for h in inventory.hosts) else 16)  # 16: slots from GPUs
-
-    def free(port: int) -> bool:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("", port))
-            except OSError:
-                return False
-            return True
-
-    for base in range(DEFAULT_BASE_PORT, 65536 - count, count):
-        if all(free(base + i) for i in range(count)):
-            return base
-    return DEFAULT_BASE_PORT
-
-
 def check_ranks_shown(config: LaunchConfig, world_size: int) -> None:
     """``--ranks`` names ranks of the job: nothing would be shown for others (a typo, not a wish)."""
     unknown = sorted(set(config.ranks_shown or ()) - set(range(world_size)))
@@ -176,45 +151,6 @@ def warn_replaced_env(config: LaunchConfig, commands: Sequence[WorkerCommand]) -
     """Say which ``--env`` values the ranks do not get (dlrun sets them: TF_CONFIG, RANK …)."""
     for name in sorted(n for n in config.env if any(c.env.get(n) != config.env[n] for c in commands)):
         print(f"dlrun: warning: --env {name} is set by dlrun for each rank; yours is replaced", file=sys.stderr)
-
-
-def socket_ifaces(plan: Plan, iface: str | None, found: Mapping[str, str]) -> dict[str, SocketIface]:
-    """Each host's Gloo/NCCL interface: the inventory's ``iface``, else ``--iface``, else ``lo``
-    when every rank is on this machine, else the one the preflight found holding the address
-    the other ranks reach the host at (``found``). Hosts need not share interface names."""
-    every_rank_here = all(is_loopback(r.address) for r in plan.ranks)
-    out: dict[str, SocketIface] = {}
-    for host in plan.hosts:
-        if host.iface or iface:
-            out[host.name] = SocketIface(host.iface or iface or "")
-        elif every_rank_here:  # gloo must not pick an interface the other ranks cannot reach
-            out[host.name] = SocketIface("lo")
-        elif host.name in found:
-            out[host.name] = SocketIface(found[host.name], named=False)
-    return out
-
-
-def interfaces_at(reports: Sequence[HostReport], addresses: Mapping[str, str]) -> dict[str, str]:
-    """host name → the interface (from its probe) holding the address dlrun reached it at."""
-    from dlrun.topo.findings import interface_holding
-
-    found = {}
-    for report in reports:
-        ipv4 = _ipv4_of(addresses.get(report.host, ""))
-        if ipv4 is not None and (name := interface_holding(report, ipv4)) is not None:
-            found[report.host] = name
-    return found
-
-
-def _ipv4_of(address: str) -> str | None:
-    try:
-        return str(ipaddress.IPv4Address(address))
-    except ValueError:
-        pass
-    try:  # a host name: resolved as the connection resolved it
-        return socket.gethostbyname(address) if address else None
-    except OSError:
-        return None
 
 
 def keras_warning(config: LaunchConfig, inventory: Inventory) -> str | None:
@@ -333,36 +269,6 @@ def settled_hosts(targets: Mapping[str, PushTarget], answers: Mapping[str, Agent
         if summary is not None:
             settled[name] = summary
     return settled
-
-
-def facing_address(addresses: Sequence[str]) -> str:
-    """This machine's address on the route to the hosts (127.0.0.1 when they are all local)."""
-    import socket
-
-    remote = [a for a in addresses if not is_loopback(a)]
-    if not remote:
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((remote[0], 9))  # UDP: no packet is sent, the kernel picks the route
-            return str(probe.getsockname()[0])
-        except OSError:
-            return "0.0.0.0"
-
-
-def reachable_addresses(hosts: Sequence[Host], addresses: Mapping[str, str]) -> dict[str, str]:
-    """Where the ranks reach each host. In a job that mixes this machine with remote hosts, a
-    local host's loopback address would send the remote ranks to themselves: it becomes this
-    machine's address on the route to them (unchanged when no route is known)."""
-    found = {h.name: addresses.get(h.name, h.address) for h in hosts}
-    remote = [found[h.name] for h in hosts if not h.is_local]
-    if not remote or all(not h.is_local for h in hosts):
-        return found
-    mine = facing_address(remote)
-    if mine == "0.0.0.0":
-        return found
-    local = {h.name for h in hosts if h.is_local}
-    return {name: mine if name in local and is_loopback(address) else address for name, address in found.items()}
 
 
 @contextmanager
@@ -518,7 +424,9 @@ def launch(config: LaunchConfig) -> int:
             surveys = {name: survey_request([target]) for name, target in targets.items()}
         # the agents start while we plan; each runs the probe and answers the push survey first
         agents.start(probe=_probe_source() if config.preflight else None, surveys=surveys)
-        answers = agents.answers(ANSWER_TIMEOUT) if config.preflight or targets else {}
+        from dlrun.topo.preflight import PROBE_TIMEOUT  # the agents' probe and survey answers wait as long
+
+        answers = agents.answers(PROBE_TIMEOUT) if config.preflight or targets else {}
         gpus: Mapping[str, Sequence[str]] = {}
         found_ifaces: Mapping[str, str] = {}
         if config.preflight:

@@ -69,6 +69,7 @@ from dlrun.inventory import Host, Inventory
 from dlrun.plan import Plan, make_plan
 from dlrun.remote import agent
 from dlrun.render import WorkerCommand, worker_argv, worker_commands
+from dlrun.run.addresses import socket_ifaces
 from dlrun.run.launch import (
     LaunchConfig,
     check_local_inputs,
@@ -76,10 +77,10 @@ from dlrun.run.launch import (
     forward_signals,
     keras_warning,
     new_job_id,
-    socket_ifaces,
     warn_replaced_env,
 )
-from dlrun.run.supervisor import RankState, RunResult, Supervisor, View
+from dlrun.run.result import RankState, RunResult
+from dlrun.run.supervisor import Supervisor, View
 from dlrun.run.view import make_view
 from dlrun.transport.base import Channel, Transport
 
@@ -535,7 +536,6 @@ class SparkChannel(Channel):
     def __init__(self, link: TaskLink) -> None:
         self.host = link.hello.name
         self.partition = link.hello.partition
-        self._spec_sent = False
         self._sock = link.sock
         self._pending = link.leftover
         self._decoder = agent.FrameDecoder()
@@ -547,32 +547,11 @@ class SparkChannel(Channel):
         self.reason = "the Spark task ended without a word (executor lost or task killed?)"
 
     def send(self, data: bytes) -> None:
-        if not self._spec_sent:
-            self._spec_sent = True
-            data = self.tag_spec(data)
         with self._send_lock:
             try:
                 self._sock.sendall(data)
             except OSError as exc:
                 raise HostUnreachable(f"the Spark task is gone ({exc.strerror or exc})", host=self.host) from exc
-
-    def tag_spec(self, data: bytes) -> bytes:
-        """Give this task's agent its own sweep tag, where the spec does not carry one.
-
-        The agent's fallback sweep (no PID namespace) kills every process of the user tagged
-        like its ranks once they are done; tasks of one job often share an executor host, so
-        a job-wide tag would let one task's agent kill its neighbours' ranks. A spec with a
-        per-host ``tag`` is sent as it is; an older one gets the job id ``<job>.task<p>``.
-        """
-        line, newline, rest = data.partition(b"\n")
-        try:
-            spec = json.loads(line)
-        except ValueError:
-            return data
-        if not isinstance(spec, dict) or "ranks" not in spec or spec.get("tag"):
-            return data
-        spec["job_id"] = f"{spec.get('job_id', '')}.task{self.partition}"
-        return json.dumps(spec).encode() + newline + rest
 
     def recv(self, max_bytes: int = 65536) -> bytes:
         if self._pending:

@@ -11,7 +11,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "dlrun"
 
 #: Pure modules: functions over frozen dataclasses, no process, network or live terminal.
-PURE = ("inventory.py", "plan.py", "render.py", "topo/records.py", "topo/findings.py", "topo/report.py")
+PURE = ("inventory.py", "plan.py", "render.py", "topo/records.py", "topo/findings.py", "topo/report.py",
+        "run/result.py")
 PURE_MAY_NOT = ("dlrun.transport", "subprocess", "socket", "paramiko", "rich.live", "multiprocessing", "asyncio")
 
 

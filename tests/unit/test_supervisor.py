@@ -10,7 +10,8 @@ from pathlib import Path
 from dlrun.inventory import parse_inline
 from dlrun.plan import make_plan
 from dlrun.render import worker_commands
-from dlrun.run.supervisor import LineSplitter, RankState, Supervisor
+from dlrun.run.result import RankState
+from dlrun.run.supervisor import LineSplitter, Supervisor
 from dlrun.run.view import PlainView
 from dlrun.testing import FakeRank, FakeTransport
 
@@ -174,7 +175,7 @@ def test_rank_never_started_is_not_started_not_stopped(tmp_path: Path) -> None:
 
 
 def test_agents_started_early_are_watched_and_pinged_before_the_spec() -> None:
-    from dlrun.run.supervisor import HostAgents
+    from dlrun.run.agents import HostAgents
 
     transport = FakeTransport()
     hosts = parse_inline("a:1,b:1").hosts
