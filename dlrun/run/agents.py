@@ -22,7 +22,7 @@ from typing import Any
 from dlrun.errors import DlrunError
 from dlrun.inventory import Host
 from dlrun.plan import heartbeat_interval
-from dlrun.remote import agent
+from dlrun.remote import agent, boot_argv, boot_payload
 from dlrun.transport.base import Channel, Transport, default_python
 
 
@@ -55,9 +55,10 @@ def close_aside(channel: Channel) -> None:
     threading.Thread(target=channel.close, name="dlrun-close", daemon=True).start()
 
 
-def agent_argv(host: Host, *, pidns: bool = True) -> list[str]:
-    """How a host's agent is started: its python running the agent's source (in a PID namespace)."""
-    argv = [*default_python(host), "-c", agent.agent_source()]
+def agent_argv(python: Sequence[str], *, pidns: bool = True) -> list[str]:
+    """How a host's agent is started: the bootstrap's short loader (in a PID namespace); the
+    channel sends ``boot_payload("agent")`` first."""
+    argv = boot_argv(python, "agent")
     return agent.pidns_argv(argv) if pidns else argv
 
 
@@ -92,6 +93,7 @@ class HostAgents:
         self.links = {h.name: HostLink(h) for h in hosts}
         self.events: queue.Queue[tuple[object, ...]] = queue.Queue()
         self.asked: dict[str, frozenset[int]] = {}  # host -> the answer frames it was asked for
+        self.payload = boot_payload("agent")  # the agent's source, on its stdin before any message
 
     def start(self, probe: str | None = None, surveys: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         """Start every agent not started yet (in parallel). With ``probe``, each runs it first;
@@ -142,9 +144,8 @@ class HostAgents:
 
     def _start(self, link: HostLink, request: bytes) -> None:
         try:
-            channel = self.transport.open(link.host, agent_argv(link.host, pidns=self.pidns))
-            if request:
-                channel.send(request)
+            channel = self.transport.open(link.host, agent_argv(default_python(link.host), pidns=self.pidns))
+            channel.send(self.payload + request)
         except DlrunError as exc:
             link.error = str(exc.message)
             return

@@ -33,8 +33,9 @@ from dlrun.remote.tf_server import server_source
 from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
 from dlrun.run.addresses import facing_address, interfaces_at, local_base_port, reachable_addresses, socket_ifaces
 from dlrun.run.agents import AgentAnswer, HostAgents
+from dlrun.run.engine import Engine, HeldView, Placement
 from dlrun.run.result import RunResult
-from dlrun.run.supervisor import Supervisor
+from dlrun.run.supervisor import Supervisor, View
 from dlrun.run.view import make_view
 from dlrun.transport.base import Transport, default_python
 from dlrun.transport.local import HostRouter
@@ -76,6 +77,7 @@ class LaunchConfig:
     data: str | None = None
     shard: str = "files"
     split_lines: bool = False
+    max_restarts: int = 0  # a failed job runs again (new job id) this many times
 
 
 def new_job_id() -> str:
@@ -367,26 +369,137 @@ def _probe_source() -> str:
     return PROBE_SOURCE
 
 
-def launch(config: LaunchConfig) -> int:
-    """Run the whole pipeline; return the exit code for the shell."""
-    if config.hosts is None and config.np is not None and config.np < 1:
-        raise UsageError("--np must be at least 1")
-    inventory = resolve_inventory(config.hosts, config.np)
-    if config.base_port is None:
-        config = replace(config, base_port=local_base_port(inventory, config.np))
-    job_id = new_job_id()
-    warning = keras_warning(config, inventory)
-    if config.dry_run:
-        planned_hosts = job_plan(config, inventory, job_id).hosts
+class HostsEngine:
+    """The inventory's hosts (SSH hosts, this machine) over a transport.
+
+    Each host's agent starts before the plan: it runs the preflight probe and answers the code
+    push's survey on its own channel, and an error finding closes it before anything starts.
+    Then the plan, the push (``push_for_launch``) and, for each attempt, the render; the first
+    attempt's ranks go to the agents started early, a restart's to fresh ones.
+    """
+
+    restart_unit = "the job"
+
+    def __init__(self) -> None:
+        self.inventory = Inventory(hosts=())
+        self.used_hosts: tuple[Host, ...] = ()  # the hosts the job may use (all, when the probe counts slots)
+        self.transport: Transport | None = None
+        self.agents: HostAgents | None = None  # started early; handed to the first attempt
+        self.addresses: Mapping[str, str] = {}
+        self.cwd_for: Mapping[str, str | None] | None = None
+        self.gpus: Mapping[str, Sequence[str]] = {}
+        self.found_ifaces: Mapping[str, str] = {}
+
+    def prepare(self, config: LaunchConfig) -> LaunchConfig:
+        if config.hosts is None and config.np is not None and config.np < 1:
+            raise UsageError("--np must be at least 1")
+        self.inventory = resolve_inventory(config.hosts, config.np)
+        if config.base_port is None:
+            config = replace(config, base_port=local_base_port(self.inventory, config.np))
+        slots_from_gpus = config.preflight and any(h.slots is None for h in self.inventory.hosts)
+        if slots_from_gpus:  # slots come from the probe: every host may be used
+            self.used_hosts = self.inventory.hosts
+        else:  # validate the plan before any connection
+            _, trial = render_commands(config, self.inventory, "plan-check")
+            self.used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
+        return config
+
+    def dry_run(self, config: LaunchConfig, job_id: str) -> tuple[WorkerCommand, ...]:
+        planned_hosts = job_plan(config, self.inventory, job_id).hosts
         pushed = planned_push(config, planned_hosts)
         shown = replace(config, script=pushed.script) if pushed.script is not None else config
         addresses = reachable_addresses(planned_hosts, {})
-        plan, commands = render_commands(shown, pushed.apply(inventory), job_id, cwd_for=pushed.cwd_for,
+        plan, commands = render_commands(shown, pushed.apply(self.inventory), job_id, cwd_for=pushed.cwd_for,
                                          addresses=addresses)
         if config.framework == "horovod":  # dlrun's rendezvous server binds a free port when the job starts
             server = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": facing_address([r.address for r in plan.ranks]),
                       "HOROVOD_GLOO_RENDEZVOUS_PORT": "<a free port, chosen at launch>"}
             commands = tuple(replace(c, env={**c.env, **server}) for c in commands)
+        return commands
+
+    @contextmanager
+    def session(self, config: LaunchConfig, job_id: str) -> Iterator[LaunchConfig]:
+        """Connect, start the agents (probe and survey first), check the preflight, plan, push."""
+        inventory, used_hosts = self.inventory, self.used_hosts
+        transport = make_transport(inventory, config.ssh)
+        agents = HostAgents(transport, used_hosts, pidns=config.pidns, host_timeout=config.ssh.host_timeout)
+        code_dir = code_dir_to_push(config)
+        pusher = ThreadPoolExecutor(1, thread_name_prefix="dlrun-scan")
+        manifest: Future[Manifest] | None = None
+        if code_dir is not None and any(not h.is_local for h in used_hosts):
+            from dlrun.push.session import scan_code
+
+            leave_out = Path(config.data) if config.data else None  # sent as shards, not with the code
+            manifest = pusher.submit(scan_code, code_dir, leave_out)  # hashes (or reads the cache) while we connect
+        try:
+            addresses = reachable_addresses(used_hosts, transport.connect(used_hosts))
+            targets = survey_code(code_dir, used_hosts, manifest.result()) if code_dir and manifest is not None else {}
+            surveys = None
+            if targets:
+                from dlrun.push.session import survey_request
+
+                surveys = {name: survey_request([target]) for name, target in targets.items()}
+            # the agents start while we plan; each runs the probe and answers the push survey first
+            agents.start(probe=_probe_source() if config.preflight else None, surveys=surveys)
+            answers: Mapping[str, AgentAnswer] = {}
+            if config.preflight or targets:
+                from dlrun.topo.preflight import PROBE_TIMEOUT  # the agents' answers wait as long as a probe
+
+                answers = agents.answers(PROBE_TIMEOUT)
+            if config.preflight:
+                from dlrun.topo.preflight import check_preflight, report_from_answer
+
+                reports = [report_from_answer(a.host, a.stdout, a.error) for a in answers.values()]
+                if config.hosts is None and config.np is None:
+                    inventory = default_ranks_for_gpus(inventory, reports)
+                preflight = check_preflight(inventory, used_hosts, reports)  # an error finding raises here
+                for finding in preflight.findings:
+                    if finding.severity == "warning":
+                        where = f"{finding.host}: " if finding.host else ""
+                        print(f"dlrun: preflight warning: {where}{finding.message}", file=sys.stderr)
+                inventory = inventory.with_slots(preflight.gpu_slots())
+                self.gpus = preflight.devices()
+                self.found_ifaces = interfaces_at(reports, addresses)
+            plan = job_plan(config, inventory, job_id, addresses)
+            pushed = push_for_launch(config, transport, plan.hosts, settled_hosts(targets, answers))
+            self.inventory, self.transport, self.agents = pushed.apply(inventory), transport, agents
+            self.addresses, self.cwd_for = addresses, pushed.cwd_for
+            yield config if pushed.script is None else replace(config, script=pushed.script)
+        finally:
+            pusher.shutdown(wait=False, cancel_futures=True)
+            agents.close()
+            transport.close()
+
+    @contextmanager
+    def place(self, config: LaunchConfig, job_id: str, view: View) -> Iterator[Placement]:
+        assert self.transport is not None, "place() runs inside session()"
+        agents, self.agents = self.agents, None  # a restart's ranks get fresh agents
+        with ExitStack() as stack:
+            plan = job_plan(config, self.inventory, job_id, self.addresses)
+            rendezvous = stack.enter_context(horovod_rendezvous(plan)) if config.framework == "horovod" else None
+            _, commands = render_commands(
+                config, self.inventory, job_id, addresses=self.addresses, cwd_for=self.cwd_for,
+                rendezvous=rendezvous, gpus_for=self.gpus, found_ifaces=self.found_ifaces,
+            )
+            yield Placement(self.transport, commands, agents,
+                            ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None)
+
+
+def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | None = None) -> RunResult:
+    """The pipeline, the same for every engine (default: ``HostsEngine``); how the job ended.
+
+    ``--dry-run`` prints the commands and returns them (exit code 0). Otherwise every attempt is
+    placed by the engine and supervised here; a failed one is run again (a new job id
+    ``<job>-r<k>``) up to ``max_restarts`` times. ``view`` replaces the terminal's (tests, API).
+    """
+    engine = engine or HostsEngine()
+    if config.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be at least 0, not {config.max_restarts}")
+    config = engine.prepare(config)
+    job_id = new_job_id()
+    warning = keras_warning(config, engine.inventory)
+    if config.dry_run:
+        commands = engine.dry_run(config, job_id)
         warn_replaced_env(config, commands)
         if config.json_output:
             print(json.dumps(plan_to_json(commands), indent=2))
@@ -394,90 +507,47 @@ def launch(config: LaunchConfig) -> int:
             if warning:
                 print(f"dlrun: warning: {warning}", file=sys.stderr)
             print(dry_run_text(commands))
-        return 0
+        return RunResult(ranks=(), exit_code=0, commands=commands, job_id=job_id, attempts=0)
     if warning:
         print(f"dlrun: warning: {warning}", file=sys.stderr)
-    slots_from_gpus = config.preflight and any(h.slots is None for h in inventory.hosts)
-    if slots_from_gpus:  # slots come from the probe: every host may be used
-        used_hosts = inventory.hosts
-    else:  # validate the plan before any connection
-        _, trial = render_commands(config, inventory, job_id)
-        used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
-    check_local_inputs(config, inventory)
-    transport = make_transport(inventory, config.ssh)
-    agents = HostAgents(transport, used_hosts, pidns=config.pidns, host_timeout=config.ssh.host_timeout)
-    code_dir = code_dir_to_push(config)
-    pusher = ThreadPoolExecutor(1, thread_name_prefix="dlrun-scan")
-    manifest: Future[Manifest] | None = None
-    if code_dir is not None and any(not h.is_local for h in used_hosts):
-        from dlrun.push.session import scan_code
-
-        leave_out = Path(config.data) if config.data else None  # sent as shards, not with the code
-        manifest = pusher.submit(scan_code, code_dir, leave_out)  # hashes (or reads the cache) while we connect
-    try:
-        addresses = reachable_addresses(used_hosts, transport.connect(used_hosts))
-        targets = survey_code(code_dir, used_hosts, manifest.result()) if code_dir and manifest is not None else {}
-        surveys = None
-        if targets:
-            from dlrun.push.session import survey_request
-
-            surveys = {name: survey_request([target]) for name, target in targets.items()}
-        # the agents start while we plan; each runs the probe and answers the push survey first
-        agents.start(probe=_probe_source() if config.preflight else None, surveys=surveys)
-        from dlrun.topo.preflight import PROBE_TIMEOUT  # the agents' probe and survey answers wait as long
-
-        answers = agents.answers(PROBE_TIMEOUT) if config.preflight or targets else {}
-        gpus: Mapping[str, Sequence[str]] = {}
-        found_ifaces: Mapping[str, str] = {}
-        if config.preflight:
-            from dlrun.topo.preflight import check_preflight, report_from_answer
-
-            reports = [report_from_answer(a.host, a.stdout, a.error) for a in answers.values()]
-            if config.hosts is None and config.np is None:
-                inventory = default_ranks_for_gpus(inventory, reports)
-            preflight = check_preflight(inventory, used_hosts, reports)  # an error finding raises here
-            for finding in preflight.findings:
-                if finding.severity == "warning":
-                    where = f"{finding.host}: " if finding.host else ""
-                    print(f"dlrun: preflight warning: {where}{finding.message}", file=sys.stderr)
-            inventory = inventory.with_slots(preflight.gpu_slots())
-            gpus = preflight.devices()
-            found_ifaces = interfaces_at(reports, addresses)
-        plan = job_plan(config, inventory, job_id, addresses)
-        pushed = push_for_launch(config, transport, plan.hosts, settled_hosts(targets, answers))
-        if pushed.script is not None:
-            config = replace(config, script=pushed.script)
-        with ExitStack() as stack:
-            rendezvous = stack.enter_context(horovod_rendezvous(plan)) if config.framework == "horovod" else None
-            plan, commands = render_commands(
-                config, pushed.apply(inventory), job_id, addresses=addresses, cwd_for=pushed.cwd_for,
-                rendezvous=rendezvous, gpus_for=gpus, found_ifaces=found_ifaces,
-            )
-            warn_replaced_env(config, commands)
-            return _supervise(config, transport, commands, job_id, agents)
-    finally:
-        pusher.shutdown(wait=False, cancel_futures=True)
-        agents.close()
-        transport.close()
+    check_local_inputs(config, engine.inventory)
+    shown = view or make_view(config.ranks_shown, force_plain=config.plain)
+    with engine.session(config, job_id) as config:
+        attempt = 0
+        while True:
+            result = _attempt(config, engine, job_id if attempt == 0 else f"{job_id}-r{attempt}", shown,
+                              first=attempt == 0)
+            if result.ok or result.interrupted_by is not None or attempt == config.max_restarts:
+                return replace(result, job_id=job_id, attempts=attempt + 1)
+            attempt += 1
+            shown.notice(f"attempt {attempt} failed (exit code {result.exit_code}): relaunching {engine.restart_unit}"
+                         f" ({attempt} of {config.max_restarts} restarts)")
 
 
-def _supervise(config: LaunchConfig, transport: Transport, commands: Sequence[WorkerCommand], job_id: str,
-               agents: HostAgents | None = None) -> int:
-    """Run the rendered ranks under the supervisor with the right view; the job's exit code."""
-    check_ranks_shown(config, len(commands))
-    log_dir = Path(config.log_dir or "dlrun-logs") / job_id
-    view = make_view(config.ranks_shown, force_plain=config.plain)
-    supervisor = Supervisor(
-        transport,
-        commands,
-        view,
-        log_dir=log_dir,
-        grace=config.grace,
-        host_timeout=config.ssh.host_timeout,
-        pidns=config.pidns,
-        ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None,
-        agents=agents,
-    )
-    with forward_signals(supervisor):
-        result: RunResult = supervisor.run()
-    return result.exit_code
+def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, *, first: bool) -> RunResult:
+    """One attempt: placed by the engine, supervised, its summary shown once the engine cleaned up."""
+    with engine.place(config, job_id, view) as placement:
+        check_ranks_shown(config, len(placement.commands))
+        if first:  # once, not again for each restart
+            warn_replaced_env(config, placement.commands)
+        supervisor = Supervisor(
+            placement.transport,
+            placement.commands,
+            HeldView(view),
+            log_dir=Path(config.log_dir or "dlrun-logs") / job_id,
+            grace=config.grace,
+            host_timeout=config.ssh.host_timeout,
+            pidns=config.pidns,
+            ends_job=placement.ends_job,
+            agents=placement.agents,
+        )
+        with forward_signals(supervisor), placement.watch():
+            result = supervisor.run()
+        placement.done(result)
+    view.finish(result)
+    return result
+
+
+def launch(config: LaunchConfig, engine: Engine | None = None) -> int:
+    """Run the whole pipeline; return the exit code for the shell."""
+    return run_job(config, engine).exit_code

@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass
 from pathlib import Path
 
+from dlrun.render import WorkerCommand
+
 
 class RankState(enum.Enum):
     PENDING = "pending"
@@ -34,13 +36,21 @@ class RankResult:
 
 @dataclass(frozen=True)
 class RunResult:
-    """How a job ended: per-rank results, the root cause and the exit code for the shell."""
+    """How a job ended: per-rank results, the root cause and the exit code for the shell.
+
+    ``commands``: what the ranks ran (a dry run's result has only these); ``attempts``: how
+    many times the job ran (``max_restarts``); ``job_id``: the first attempt's id (a restart's
+    is ``<job_id>-r<k>``, in ``log_dir``).
+    """
 
     ranks: tuple[RankResult, ...]
     exit_code: int
     root_cause: RankResult | None = None
     interrupted_by: int | None = None
     log_dir: Path | None = None
+    commands: tuple[WorkerCommand, ...] = ()
+    job_id: str = ""
+    attempts: int = 1
 
     @property
     def ok(self) -> bool:

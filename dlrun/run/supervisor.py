@@ -500,4 +500,6 @@ class Supervisor:
             root_cause=root,
             interrupted_by=self.interrupted_by,
             log_dir=self.log_dir,
+            commands=tuple(r.command for r in self.ranks.values()),
+            job_id=self._job_id(),
         )
