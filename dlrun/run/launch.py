@@ -1,13 +1,15 @@
-"""``dlrun launch``: the job pipeline from options to exit code.
+"""``dlrun launch``: the job pipeline from options to exit code, once for every engine.
 
-``LaunchConfig`` holds what the user asked for; ``launch`` walks the layers once:
-inventory → connect → start agents (each runs the preflight probe and answers the code push's
-survey) → plan → push → render → supervise → exit code. ``--dry-run`` stops after render. The
-agents start before the plan so that the probe and the survey cost no extra round trip or
+``LaunchConfig`` holds what the user asked for. ``run_job`` checks it, asks the engine
+(``dlrun.run.engine``) to place each attempt's ranks, supervises them, shows them, restarts a
+failed job (``max_restarts``) and returns the ``RunResult``; ``--dry-run`` stops after render.
+``HostsEngine`` places ranks on the inventory's hosts: inventory → connect → start agents
+(each runs the preflight probe and answers the code push's survey) → plan → push → render.
+The agents start before the plan so that the probe and the survey cost no extra round trip or
 interpreter per host: the ranks' spec goes to the same agents once the plan is known, and an
 error finding closes them before anything starts. A host whose survey finds the code already
 in place gets no push session; the others get the push helper (``dlrun.push.session.push``).
-The CLI module only parses options into a ``LaunchConfig`` and calls this.
+The Spark engine is ``dlrun.spark.driver.SparkEngine``.
 """
 
 from __future__ import annotations

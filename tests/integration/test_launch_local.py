@@ -500,3 +500,11 @@ def test_the_python_api_probes_and_pushes(tmp_path: Path) -> None:
     assert [(s.host, s.files_sent) for s in summaries] == [("localhost", 1)]
     assert (tmp_path / "remote" / "proj" / "train.py").read_text() == "print(1)\n"
     assert dlrun.push(str(hosts), code=tmp_path / "proj", live=False, summary=False)[0].files_unchanged == 1
+
+
+def test_shell_completion_offers_every_group_of_options() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "_DLRUN_COMPLETE": "bash_complete", "COMP_CWORD": "2"}
+    for word, expected in (("--ssh", "--ssh-config"), ("--spl", "--split-lines"), ("--mas", "--master")):
+        out = subprocess.run([sys.executable, "-c", "from dlrun.cli import main; main(prog_name='dlrun')"],
+                             env={**env, "COMP_WORDS": f"dlrun launch {word}"}, capture_output=True, text=True)
+        assert f"plain,{expected}" in out.stdout.splitlines(), (word, out.stdout, out.stderr)
