@@ -446,6 +446,16 @@ class TestLocal:
         assert "attempt 1 failed (exit code 3): relaunching the barrier stage (1 of 1 restarts)" in out
         assert re.search(r"\] attempt of [\w-]+-r1(\.task[01])?$", out, re.M), out
 
+    def test_the_python_api_runs_a_stage_and_returns_its_result(self, tmp_path: Path) -> None:
+        import dlrun
+
+        out = Recorder()
+        result = dlrun.launch(write(tmp_path / "fail.py", FLAKY), backend="spark", master=self.MASTER, np=2,
+                              log_dir=str(tmp_path / "logs"), grace=2, view=PlainView(out))
+        assert result.exit_code == 3 and result.attempts == 1, out.getvalue()
+        assert result.root_cause is not None and result.root_cause.host.startswith("task")
+        assert [r.host.split("@")[0] for r in result.ranks] == ["task0", "task1"]
+
     def test_ctrl_c_stops_every_rank_and_the_stage(self, tmp_path: Path) -> None:
         out = Recorder()
         seen: list[str] = []
