@@ -19,6 +19,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -322,6 +323,9 @@ def forward_signals(supervisor: Supervisor) -> Iterator[None]:
         supervisor.notify("Ctrl-Z ignored: a suspended dlrun stalls the ranks' output, and its hosts stop the"
                           " job after --host-timeout; Ctrl-C stops the job")
 
+    if threading.current_thread() is not threading.main_thread():  # the API, called from a thread:
+        yield  # only the main thread may set handlers: signals stay the caller's
+        return
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, no_suspend)
     try:

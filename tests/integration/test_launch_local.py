@@ -508,3 +508,17 @@ def test_shell_completion_offers_every_group_of_options() -> None:
         out = subprocess.run([sys.executable, "-c", "from dlrun.cli import main; main(prog_name='dlrun')"],
                              env={**env, "COMP_WORDS": f"dlrun launch {word}"}, capture_output=True, text=True)
         assert f"plain,{expected}" in out.stdout.splitlines(), (word, out.stdout, out.stderr)
+
+
+def test_the_python_api_runs_a_job_from_a_thread(tmp_path: Path) -> None:
+    # only the main thread may set signal handlers: a job started from another one runs without
+    from concurrent.futures import ThreadPoolExecutor
+
+    import dlrun
+    from dlrun.run.view import PlainView
+
+    script = write(tmp_path / "job.py", "print('hello', flush=True)\n")
+    with ThreadPoolExecutor(1) as pool:
+        result = pool.submit(dlrun.launch, script, np=1, framework="none", log_dir=str(tmp_path / "logs"),
+                             view=PlainView(io.StringIO())).result(timeout=120)
+    assert result.exit_code == 0 and result.ranks[0].tail == ("hello",)
