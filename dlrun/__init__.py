@@ -11,7 +11,48 @@ Data flows one way, and the folders follow it:
 - ``remote/``: the programs that run on the hosts (standard library only);
 - ``spark/``: the Spark barrier stage as an engine under ``run/``.
 
-``cli`` is a thin layer over the pipeline; ``errors`` holds the one exception tree.
+``api`` is dlrun from Python (``dlrun.launch``, ``dlrun.topo``, ``dlrun.push``); ``cli`` is a
+thin layer over it; ``errors`` holds the one exception tree.
 """
 
 __version__ = "0.1.0"
+
+import types as _types
+from typing import TYPE_CHECKING
+
+from dlrun import push as _push_package
+from dlrun import topo as _topo_package
+
+if TYPE_CHECKING:
+    from dlrun.api import TopoResult as TopoResult
+    from dlrun.api import launch as launch
+    from dlrun.run.result import RunResult as RunResult
+
+
+def __getattr__(name: str) -> object:
+    """The API, imported when first used: ``import dlrun`` stays cheap."""
+    if name in ("launch", "TopoResult"):
+        from dlrun import api
+
+        return getattr(api, name)
+    if name == "RunResult":
+        from dlrun.run.result import RunResult
+
+        return RunResult
+    raise AttributeError(f"module 'dlrun' has no attribute {name!r}")
+
+
+class _CallablePackage(_types.ModuleType):
+    """``dlrun.topo`` and ``dlrun.push`` are packages and also the API functions of
+    ``dlrun.api`` of the same name: ``dlrun.topo(hosts=...)``, ``dlrun.push("hosts.toml", code=...)``."""
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        from dlrun import api
+
+        return getattr(api, self.__name__.rpartition(".")[2])(*args, **kwargs)
+
+
+_push_package.__class__ = _CallablePackage
+_topo_package.__class__ = _CallablePackage
+
+__all__ = ["RunResult", "TopoResult", "__version__", "launch", "push", "topo"]

@@ -1,6 +1,8 @@
-"""The ``dlrun`` command line: thin click wiring over ``dlrun.run.launch`` and friends.
+"""The ``dlrun`` command line: thin click wiring over the Python API (``dlrun.api``).
 
-Each command parses its options into a config record and calls domain code. Every
+Each command hands its options, named as the API's keyword arguments, to the API function of
+the same name and shows or exits with what it returns; option groups (SSH, data, Spark) are
+defined once and shown in sections of ``--help``. Every
 ``DlrunError`` becomes one ``dlrun: error: …`` message on stderr and its exit code, never a
 traceback. Heavy imports (paramiko, TensorFlow, pyspark) happen only inside the command
 that needs them, so ``dlrun --help`` stays fast.
@@ -25,7 +27,9 @@ from dlrun import __version__
 from dlrun.errors import DlrunError
 from dlrun.plan import DEFAULT_BASE_PORT, DEFAULT_HOST_TIMEOUT, FRAMEWORKS
 
-SHARD_POLICIES = ("files", "contiguous", "size", "replicate")  # dlrun.push.session.SHARD_POLICIES, without its import
+#: dlrun.push.session.SHARD_POLICIES: importing that module would cost ``dlrun --help`` 50 ms
+#: (tests/integration/test_launch_local.py checks that both say the same)
+SHARD_POLICIES = ("files", "contiguous", "size", "replicate")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -80,25 +84,93 @@ def _parse_ranks(text: str | None) -> tuple[int, ...] | None:
         raise click.BadParameter(f"expected rank numbers like 0,2, got {text!r}", param_hint="--ranks") from None
 
 
-ssh_options = [
-    click.option("--ssh-config", type=click.Path(dir_okay=False), help="OpenSSH config file (default ~/.ssh/config)."),
-    click.option("--known-hosts", type=click.Path(dir_okay=False), help="known_hosts file (default from ssh config)."),
-    click.option(
-        "--accept-new-host-keys", is_flag=True, help="Add unknown host keys to known_hosts (never changed ones)."
-    ),
-    click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
-                 help="Seconds to reach each host."),
-    click.option("--host-timeout", type=click.FloatRange(min=0), default=DEFAULT_HOST_TIMEOUT, show_default=True,
-                 help="Seconds of silence after which a host (or Spark task) counts as lost: quiet hosts are"
-                 " asked for a reply every few seconds. A job's agents stop their ranks after the same"
-                 " silence. 0: never."),
-]
+class GroupedOption(click.Option):
+    """An option shown under a section of ``--help`` (``group``: "SSH", "Push" …)."""
+
+    def __init__(self, *args: Any, group: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group = group
 
 
-def _with_ssh_options(func: F) -> F:
-    for option in reversed(ssh_options):
-        func = option(func)
-    return func
+#: The sections of ``--help``, in order; an option of no group goes last, under "Other".
+SECTIONS = ("Job", "Hosts", "Output", "SSH", "Push", "Spark")
+
+
+class GroupedCommand(click.Command):
+    """A command whose ``--help`` shows its options in sections (click has none of its own)."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx) if isinstance(param, click.Option) else None
+            if record is not None:
+                sections.setdefault(getattr(param, "group", "") or "Other", []).append(record)
+        for name in sorted(sections, key=lambda s: SECTIONS.index(s) if s in SECTIONS else len(SECTIONS)):
+            with formatter.section(f"{name} options"):
+                formatter.write_dl(sections[name])
+
+
+def option(group: str, *decls: str, **attrs: Any) -> Callable[[F], F]:
+    """``click.option`` under ``--help``'s section ``group``."""
+    return click.option(*decls, cls=GroupedOption, group=group, **attrs)
+
+
+def options(*decorators: Callable[[F], F]) -> Callable[[F], F]:
+    """Several options as one decorator, in the order given."""
+
+    def apply(func: F) -> F:
+        for decorator in reversed(decorators):
+            func = decorator(func)
+        return func
+
+    return apply
+
+
+def _env_option(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
+    return _parse_env(value, f"--{param.name}")
+
+
+def _ranks_option(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    return _parse_ranks(value)
+
+
+#: How every command reaches its hosts (``dlrun.api.ssh_options``).
+ssh_options = options(
+    option("SSH", "--ssh-config", type=click.Path(dir_okay=False), help="OpenSSH config file (default ~/.ssh/config)."),
+    option("SSH", "--known-hosts", type=click.Path(dir_okay=False),
+           help="known_hosts file (default from ssh config)."),
+    option("SSH", "--accept-new-host-keys", is_flag=True,
+           help="Add unknown host keys to known_hosts (never changed ones)."),
+    option("SSH", "--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+           help="Seconds to reach each host."),
+    option("SSH", "--host-timeout", type=click.FloatRange(min=0), default=DEFAULT_HOST_TIMEOUT, show_default=True,
+           help="Seconds of silence after which a host (or Spark task) counts as lost: quiet hosts are"
+           " asked for a reply every few seconds. A job's agents stop their ranks after the same"
+           " silence. 0: never."),
+)
+
+#: The dataset each host gets its shard of (``dlrun launch`` and ``dlrun push``).
+data_options = options(
+    option("Push", "--data", type=click.Path(exists=True),
+           help="Dataset directory (or file): each host gets its shard."),
+    option("Push", "--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True),
+    option("Push", "--split-lines", is_flag=True, help="Split a single text/CSV dataset file into per-host parts."),
+)
+
+#: The code push's size guard (``dlrun launch`` and ``dlrun push``).
+max_push_size_option = option(
+    "Push", "--max-push-size", metavar="SIZE",
+    help="Stop a code push over SIZE (e.g. 500M, 2G; none: no limit). Default 200M and 20000 files.")
+
+#: ``dlrun launch --backend spark``.
+spark_options = options(
+    option("Spark", "--master", help="Spark master URL (with --backend spark), e.g. spark://head:7077 or local[4]."),
+    option("Spark", "--cores-per-worker", type=int, default=1, show_default=True, help="CPUs per task."),
+    option("Spark", "--gpus-per-worker", type=int, default=0, show_default=True, help="GPUs per task."),
+    option("Spark", "--conf", multiple=True, callback=_env_option, help="k=v configuration (repeatable)."),
+    option("Spark", "--start-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+           help="Seconds for every task to start and report (slow clusters, busy slots)."),
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -107,7 +179,7 @@ def main() -> None:
     """Launch distributed deep-learning jobs on localhost workers, SSH hosts or Spark."""
 
 
-class _LaunchCommand(click.Command):
+class _LaunchCommand(GroupedCommand):
     """``dlrun launch [OPTIONS] SCRIPT [OPTIONS] [--] [ARGS]...``: dlrun's own options may also
     come right after the script (``dlrun launch train.py --hosts hosts.toml``), up to the first
     argument that is not one of them, or ``--``; the rest is the script's, untouched."""
@@ -157,162 +229,71 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
 @main.command(cls=_LaunchCommand, context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-@click.option("--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: localhost).")
-@click.option("--np", "-n", "np_", type=int, help="Number of ranks (default: every slot; 2 on localhost).")
-@click.option("--framework", type=click.Choice(FRAMEWORKS), default="tf", show_default=True)
-@click.option("--base-port", type=click.IntRange(1, 65535),
-              help=f"Port of local rank 0 (default {DEFAULT_BASE_PORT}; on this machine alone, the first free run "
-              "of ports from there, so that jobs side by side do not collide).")
-@click.option("--dry-run", is_flag=True,
-              help="Print each rank's host, env and argv, and what the push would send and delete per host;"
-              " start nothing, write nothing.")
-@click.option("--json", "json_output", is_flag=True, help="With --dry-run: print the plan as JSON.")
-@click.option("--log-dir", type=click.Path(file_okay=False), help="Where rank-N.log files go (default dlrun-logs/).")
-@click.option("--grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
-              help="Seconds between SIGTERM and SIGKILL.")
-@click.option("--ranks", "ranks_text", help="Show only these ranks on screen, e.g. 0,2 (files keep all).")
-@click.option("--env", "-e", "env_pairs", multiple=True, help="NAME=VALUE for every rank (repeatable).")
-@click.option("--iface", help="Network interface for Gloo/NCCL sockets on every host (default: per host, see README).")
-@click.option("--plain", is_flag=True, help="Plain prefixed lines even on a terminal.")
-@click.option("--no-pidns", is_flag=True, help="Do not run each host's ranks in a PID namespace.")
-@click.option("--no-preflight", is_flag=True, help="Skip the topology probe (slots, GPUs, error findings).")
-@click.option("--push/--no-push", default=True, show_default=True,
-              help="Push the script's directory to <workdir>/<dir name> on remote hosts and run there.")
-@click.option("--code", "code_dir", type=click.Path(exists=True, file_okay=False),
-              help="Push this folder (it holds the script) instead of the script's own directory.")
-@click.option("--max-push-size", metavar="SIZE",
-              help="Stop a code push over SIZE (e.g. 500M, 2G; none: no limit). Default 200M and 20000 files.")
-@click.option("--setup", "setup_command", metavar="CMD",
-              help="Run `sh -c CMD` on every host in the pushed folder before any rank (overrides the"
-              " inventory's setup); again only when CMD or the pushed files changed.")
-@click.option("--setup-always", is_flag=True, help="Run the setup even when nothing changed since its last success.")
-@click.option("--data", type=click.Path(exists=True), help="Dataset directory (or file): each host gets its shard.")
-@click.option("--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True)
-@click.option("--split-lines", is_flag=True, help="Split a single text/CSV dataset file into per-host parts.")
-@click.option("--backend", type=click.Choice(["ssh", "spark"]), default="ssh", show_default=True,
-              help="ssh: the inventory's hosts (or localhost); spark: a barrier stage of --np tasks.")
-@click.option("--master", help="Spark master URL (with --backend spark), e.g. spark://head:7077 or local[4].")
-@click.option("--cores-per-worker", type=int, default=1, show_default=True, help="Spark: CPUs per task.")
-@click.option("--gpus-per-worker", type=int, default=0, show_default=True, help="Spark: GPUs per task.")
-@click.option("--conf", "conf_pairs", multiple=True, help="Spark: k=v configuration (repeatable).")
-@click.option("--max-restarts", type=int, default=0, show_default=True,
-              help="Spark: relaunch the barrier stage (fresh ports) this many times after a failure.")
-@click.option("--start-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
-              help="Spark: seconds for every task to start and report (slow clusters, busy slots).")
-@_with_ssh_options
+@option("Job", "--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: localhost).")
+@option("Job", "--np", "-n", "np", type=int, help="Number of ranks (default: every slot; 2 on localhost).")
+@option("Job", "--framework", type=click.Choice(FRAMEWORKS), default="tf", show_default=True)
+@option("Job", "--env", "-e", multiple=True, callback=_env_option, help="NAME=VALUE for every rank (repeatable).")
+@option("Job", "--base-port", type=click.IntRange(1, 65535),
+        help=f"Port of local rank 0 (default {DEFAULT_BASE_PORT}; on this machine alone, the first free run "
+        "of ports from there, so that jobs side by side do not collide).")
+@option("Job", "--iface", help="Network interface for Gloo/NCCL sockets on every host (default: per host, see README).")
+@option("Job", "--grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
+        help="Seconds between SIGTERM and SIGKILL.")
+@option("Job", "--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+        help="Run a failed job again (a new job id; Spark: a fresh barrier stage) this many times.")
+@option("Job", "--no-pidns", "pidns", is_flag=True, flag_value=False, default=True,
+        help="Do not run each host's ranks in a PID namespace.")
+@option("Job", "--no-preflight", "preflight", is_flag=True, flag_value=False, default=True,
+        help="Skip the topology probe (slots, GPUs, error findings).")
+@option("Job", "--backend", type=click.Choice(["ssh", "spark"]), default="ssh", show_default=True,
+        help="ssh: the inventory's hosts (or localhost); spark: a barrier stage of --np tasks.")
+@option("Output", "--dry-run", is_flag=True,
+        help="Print each rank's host, env and argv, and what the push would send and delete per host;"
+        " start nothing, write nothing.")
+@option("Output", "--json", "json_output", is_flag=True, help="With --dry-run: print the plan as JSON.")
+@option("Output", "--log-dir", type=click.Path(file_okay=False),
+        help="Where rank-N.log files go (default dlrun-logs/).")
+@option("Output", "--ranks", callback=_ranks_option, help="Show only these ranks on screen, e.g. 0,2 (files keep all).")
+@option("Output", "--plain", is_flag=True, help="Plain prefixed lines even on a terminal.")
+@ssh_options
+@option("Push", "--push/--no-push", default=True, show_default=True,
+        help="Push the script's directory to <workdir>/<dir name> on remote hosts and run there.")
+@option("Push", "--code", type=click.Path(exists=True, file_okay=False),
+        help="Push this folder (it holds the script) instead of the script's own directory.")
+@max_push_size_option
+@option("Push", "--setup", metavar="CMD",
+        help="Run `sh -c CMD` on every host in the pushed folder before any rank (overrides the"
+        " inventory's setup); again only when CMD or the pushed files changed.")
+@option("Push", "--setup-always", is_flag=True, help="Run the setup even when nothing changed since its last success.")
+@data_options
+@spark_options
 @_reports_errors
-def launch(
-    script: str,
-    args: tuple[str, ...],
-    hosts: str | None,
-    np_: int | None,
-    framework: str,
-    base_port: int | None,
-    dry_run: bool,
-    json_output: bool,
-    log_dir: str | None,
-    grace: float,
-    ranks_text: str | None,
-    env_pairs: tuple[str, ...],
-    iface: str | None,
-    plain: bool,
-    no_pidns: bool,
-    no_preflight: bool,
-    push: bool,
-    code_dir: str | None,
-    max_push_size: str | None,
-    setup_command: str | None,
-    setup_always: bool,
-    data: str | None,
-    shard: str,
-    split_lines: bool,
-    backend: str,
-    master: str | None,
-    cores_per_worker: int,
-    gpus_per_worker: int,
-    conf_pairs: tuple[str, ...],
-    max_restarts: int,
-    start_timeout: float,
-    ssh_config: str | None,
-    known_hosts: str | None,
-    accept_new_host_keys: bool,
-    connect_timeout: float,
-    host_timeout: float,
-) -> None:
+def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
     """Run SCRIPT [ARGS]... on every rank: `dlrun launch train.py --hosts hosts.toml`.
 
     dlrun's options go before SCRIPT or right after it; from the first argument that is not
     one of them (or after --), the arguments are the script's.
     """
-    from dlrun.run.launch import LaunchConfig, SSHOptions
-    from dlrun.run.launch import launch as run_launch
+    from dlrun.api import launch as run
 
-    if json_output and not dry_run:
-        raise click.UsageError("--json goes with --dry-run")
-    _refuse_unused({"--shard": "shard", "--split-lines": "split_lines"}, data is None, "--data DIR")
+    spark = settings["backend"] == "spark"
+    _refuse_unused({"--shard": "shard", "--split-lines": "split_lines"}, settings["data"] is None, "--data DIR")
     _refuse_unused({"--master": "master", "--cores-per-worker": "cores_per_worker", "--gpus-per-worker":
-                    "gpus_per_worker", "--conf": "conf_pairs", "--max-restarts": "max_restarts",
-                    "--start-timeout": "start_timeout"},
-                   backend != "spark", "--backend spark")
-    _refuse_unused({"--code": "code_dir", "--max-push-size": "max_push_size"}, not push, "--push (not --no-push)")
+                    "gpus_per_worker", "--conf": "conf", "--start-timeout": "start_timeout"},
+                   not spark, "--backend spark")
+    _refuse_unused({"--code": "code", "--max-push-size": "max_push_size"}, not settings["push"],
+                   "--push (not --no-push)")
     _refuse_unused({"--data": "data", "--shard": "shard", "--split-lines": "split_lines", "--push/--no-push": "push",
-                    "--code": "code_dir", "--max-push-size": "max_push_size", "--setup": "setup_command",
-                    "--setup-always": "setup_always",
-                    "--base-port": "base_port", "--no-preflight": "no_preflight", "--ssh-config": "ssh_config",
+                    "--code": "code", "--max-push-size": "max_push_size", "--setup": "setup",
+                    "--setup-always": "setup_always", "--base-port": "base_port", "--no-preflight": "preflight",
+                    "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
                     "--connect-timeout": "connect_timeout"},
-                   backend == "spark", "the SSH backend, not --backend spark (Spark places tasks and ships the code)")
-    config = LaunchConfig(
-        script=script,
-        args=args,
-        hosts=hosts,
-        np=np_,
-        base_port=base_port,
-        framework=framework,
-        dry_run=dry_run,
-        json_output=json_output,
-        log_dir=log_dir,
-        grace=grace,
-        ranks_shown=_parse_ranks(ranks_text),
-        env=_parse_env(env_pairs),
-        iface=iface,
-        plain=plain,
-        pidns=not no_pidns,
-        preflight=not no_preflight,
-        push=push,
-        data=data,
-        shard=shard,
-        split_lines=split_lines,
-        code=code_dir,
-        max_push_size=max_push_size,
-        setup=setup_command,
-        setup_always=setup_always,
-        ssh=SSHOptions(
-            config_file=ssh_config,
-            accept_new_host_keys=accept_new_host_keys,
-            connect_timeout=connect_timeout,
-            host_timeout=host_timeout,
-            known_hosts=known_hosts,
-        ),
-    )
-    if backend == "spark":
-        from dlrun.spark.driver import SparkConfig, run_spark
-
-        if master is None:
-            raise click.UsageError("--backend spark needs --master URL")
-        if hosts is not None:
-            raise click.UsageError("--backend spark takes its workers from Spark: drop --hosts")
-        spark = SparkConfig(
-            master=master,
-            num_workers=2 if np_ is None else np_,
-            cores_per_worker=cores_per_worker,
-            gpus_per_worker=gpus_per_worker,
-            conf=_parse_env(conf_pairs, "--conf"),
-            max_restarts=max_restarts,
-            start_timeout=start_timeout,
-        )
-        sys.exit(run_spark(config, spark))
-    _exit_now(run_launch(config))
+                   spark, "the SSH backend, not --backend spark (Spark places tasks and ships the code)")
+    code = run(script, args, **settings).exit_code
+    if spark:
+        sys.exit(code)  # the JVM and py4j's threads end with the interpreter's own exit
+    _exit_now(code)
 
 
 def _refuse_unused(options: dict[str, str], unused: bool, needs: str) -> None:
@@ -326,55 +307,27 @@ def _refuse_unused(options: dict[str, str], unused: bool, needs: str) -> None:
         raise click.UsageError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with {needs}")
 
 
-@main.command()
-@click.option("--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: this machine).")
-@click.option("--json", "json_output", is_flag=True, help="Print the report as JSON.")
-@_with_ssh_options
+@main.command(cls=GroupedCommand)
+@option("Hosts", "--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: this machine).")
+@option("Output", "--json", "json_output", is_flag=True, help="Print the report as JSON.")
+@ssh_options
 @_reports_errors
-def topo(
-    hosts: str | None,
-    json_output: bool,
-    ssh_config: str | None,
-    known_hosts: str | None,
-    accept_new_host_keys: bool,
-    connect_timeout: float,
-    host_timeout: float,
-) -> None:
+def topo(hosts: str | None, json_output: bool, **ssh: Any) -> None:
     """Probe GPUs, NVLink/PCIe links and InfiniBand/RoCE NICs on every host; exit 1 on errors."""
     import json
 
     from rich.console import Console
 
-    from dlrun.inventory import load_inventory
-    from dlrun.run.launch import SSHOptions, make_transport
-    from dlrun.topo.findings import analyse, exit_code, suggested_env, topo_document
-    from dlrun.topo.preflight import probe_hosts
-    from dlrun.topo.probe import probe_local
-    from dlrun.topo.records import HostReport
+    from dlrun.api import topo as probe
+    from dlrun.topo.findings import topo_document
     from dlrun.topo.report import render_topo
 
-    reports: tuple[HostReport, ...]
-    if hosts is None:
-        reports = (probe_local(),)
-        slots = None
-    else:
-        inventory = load_inventory(hosts)
-        transport = make_transport(
-            inventory,
-            SSHOptions(ssh_config, accept_new_host_keys, connect_timeout, known_hosts, host_timeout),
-        )
-        try:
-            reports = probe_hosts(transport, inventory.hosts)
-        finally:
-            transport.close()
-        slots = {h.name: h.slots for h in inventory.hosts if h.slots is not None}
-    findings = analyse(reports, slots)
-    env = suggested_env(reports)
+    result = probe(hosts, **ssh)
     if json_output:
-        click.echo(json.dumps(topo_document(reports, findings, env), indent=2))
+        click.echo(json.dumps(topo_document(result.reports, result.findings, result.env), indent=2))
     else:
-        Console().print(render_topo(reports, findings, env))
-    sys.exit(exit_code(findings))
+        Console().print(render_topo(result.reports, result.findings, result.env))
+    sys.exit(result.exit_code)
 
 
 @main.command()
@@ -395,79 +348,28 @@ def init(directory: str, framework: str, force: bool) -> None:
     click.echo(f"next: edit {hosts}, then: dlrun launch{flag} --hosts {shlex.quote(hosts)} {shlex.quote(train)}")
 
 
-@main.command("push")
-@click.option("--hosts", "-H", required=True, help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4'.")
-@click.option("--code", "code_dir", type=click.Path(exists=True, file_okay=False), help="Code directory to push.")
-@click.option("--data", type=click.Path(exists=True), help="Dataset directory (or file): each host gets its shard.")
-@click.option("--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True)
-@click.option("--split-lines", is_flag=True, help="Split a single text/CSV dataset file into per-host parts.")
-@click.option("--project", help="Remote directory name under workdir (default: the code directory's name).")
-@click.option("--no-delete", is_flag=True,
-              help="Keep remote code files that were deleted locally (a data shard always drops what left it).")
-@click.option("--max-push-size", metavar="SIZE",
-              help="Stop a code push over SIZE (e.g. 500M, 2G; none: no limit). Default 200M and 20000 files.")
-@click.option("--dry-run", is_flag=True, help="Show per host what would be sent and deleted; write nothing.")
-@click.option("--json", "json_output", is_flag=True, help="Print the per-host summary as JSON.")
-@_with_ssh_options
+@main.command("push", cls=GroupedCommand)
+@option("Hosts", "--hosts", "-H", required=True, help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4'.")
+@option("Push", "--code", type=click.Path(exists=True, file_okay=False), help="Code directory to push.")
+@data_options
+@option("Push", "--project", help="Remote directory name under workdir (default: the code directory's name).")
+@option("Push", "--no-delete", "delete", is_flag=True, flag_value=False, default=True,
+        help="Keep remote code files that were deleted locally (a data shard always drops what left it).")
+@max_push_size_option
+@option("Output", "--dry-run", is_flag=True, help="Show per host what would be sent and deleted; write nothing.")
+@option("Output", "--json", "json_output", is_flag=True, help="Print the per-host summary as JSON.")
+@ssh_options
 @_reports_errors
-def push_command(
-    hosts: str,
-    code_dir: str | None,
-    data: str | None,
-    shard: str,
-    split_lines: bool,
-    project: str | None,
-    no_delete: bool,
-    max_push_size: str | None,
-    dry_run: bool,
-    json_output: bool,
-    ssh_config: str | None,
-    known_hosts: str | None,
-    accept_new_host_keys: bool,
-    connect_timeout: float,
-    host_timeout: float,
-) -> None:
+def push_command(hosts: str, json_output: bool, **settings: Any) -> None:
     """Push code (only what changed) and each host's data shard, verified and atomic."""
     import json
-    from pathlib import Path
 
-    from dlrun.errors import UsageError
-    from dlrun.inventory import load_inventory
-    from dlrun.push.session import push
-    from dlrun.push.tree import PushLimit, parse_size
-    from dlrun.push.view import PushView, summary_json
-    from dlrun.run.launch import SSHOptions, make_transport
+    from dlrun.api import push
+    from dlrun.push.view import summary_json
 
-    if code_dir is None and data is None:
-        raise UsageError("nothing to push: give --code DIR and/or --data DIR")
-    _refuse_unused({"--shard": "shard", "--split-lines": "split_lines"}, data is None, "--data DIR")
-    _refuse_unused({"--project": "project", "--no-delete": "no_delete", "--max-push-size": "max_push_size"},
-                   code_dir is None, "--code DIR")
-    limit = parse_size(max_push_size) if max_push_size is not None else PushLimit()
-    inventory = load_inventory(hosts)
-    ssh = SSHOptions(ssh_config, accept_new_host_keys, connect_timeout, known_hosts, host_timeout)
-    transport = make_transport(inventory, ssh)
-    try:
-        transport.connect(inventory.hosts)
-        live = False if json_output or dry_run else None  # a dry run prints what it would send
-        with PushView([h.name for h in inventory.hosts], live=live) as view:
-            summaries = push(
-                transport,
-                inventory.hosts,
-                code_dir=Path(code_dir) if code_dir else None,
-                data_dir=Path(data) if data else None,
-                shard=shard,
-                split_lines=split_lines,
-                project=project,
-                delete=not no_delete,
-                progress=view.progress,
-                file_progress=view.files,
-                limit=limit,
-                dry_run=dry_run,
-            )
-            if not json_output:
-                view.finish(summaries)
-    finally:
-        transport.close()
+    _refuse_unused({"--shard": "shard", "--split-lines": "split_lines"}, settings["data"] is None, "--data DIR")
+    _refuse_unused({"--project": "project", "--no-delete": "delete", "--max-push-size": "max_push_size"},
+                   settings["code"] is None, "--code DIR")
+    summaries = push(hosts, live=False if json_output else None, summary=not json_output, **settings)
     if json_output:
         click.echo(json.dumps(summary_json(summaries), indent=2))

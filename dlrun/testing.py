@@ -36,6 +36,9 @@ class FakeRank:
 
 
 class FakeChannel(Channel):
+    """Reads what a real agent's stdin gets: the bootstrap's payload (``dlrun.remote.boot_payload``:
+    10 digits of length, then the program, kept in ``program``), then JSON lines."""
+
     def __init__(self, host: str, ranks: Mapping[int, FakeRank], drop_after: float | None = None,
                  silent_after: float | None = None, start_after: float = 0.0) -> None:
         self.host = host
@@ -51,11 +54,27 @@ class FakeChannel(Channel):
         self.start_after = start_after  # the ranks start this late, or never if a stop comes first
         self._thread: threading.Thread | None = None
         self._ended = threading.Event()
+        self.program = b""  # what the bootstrap's loader would run
+        self._program_size: int | None = None
+        self._inbox = b""
 
     def send(self, data: bytes) -> None:
         if self._ended.is_set() and self.drop_after is not None:
             raise HostUnreachable("connection lost", host=self.host)
-        for line in data.splitlines():
+        self._inbox += data
+        if self._program_size is None:
+            if len(self._inbox) < 10:
+                return
+            self._program_size, self._inbox = int(self._inbox[:10]), self._inbox[10:]
+        if len(self.program) < self._program_size:
+            take = self._program_size - len(self.program)
+            self.program, self._inbox = self.program + self._inbox[:take], self._inbox[take:]
+            if len(self.program) < self._program_size:
+                return
+        *lines, self._inbox = self._inbox.split(b"\n")
+        for line in lines:
+            if not line.strip():
+                continue
             message = json.loads(line)
             self.sent.append(message)
             if "ranks" in message and self._thread is None:

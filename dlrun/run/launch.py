@@ -1,24 +1,25 @@
-"""``dlrun launch``: the job pipeline from options to exit code.
+"""``dlrun launch``: the job pipeline from options to exit code, once for every engine.
 
-``LaunchConfig`` holds what the user asked for; ``launch`` walks the layers once:
-inventory → connect → start agents (each runs the preflight probe and answers the code push's
-survey) → plan → push → render → supervise → exit code. ``--dry-run`` stops after render. The
-agents start before the plan so that the probe and the survey cost no extra round trip or
+``LaunchConfig`` holds what the user asked for. ``run_job`` checks it, asks the engine
+(``dlrun.run.engine``) to place each attempt's ranks, supervises them, shows them, restarts a
+failed job (``max_restarts``) and returns the ``RunResult``; ``--dry-run`` stops after render.
+``HostsEngine`` places ranks on the inventory's hosts: inventory → connect → start agents
+(each runs the preflight probe and answers the code push's survey) → plan → push → render.
+The agents start before the plan so that the probe and the survey cost no extra round trip or
 interpreter per host: the ranks' spec goes to the same agents once the plan is known, and an
 error finding closes them before anything starts. A host whose survey finds the code already
 in place gets no push session; the others get the push helper (``dlrun.push.session.push``).
-The CLI module only parses options into a ``LaunchConfig`` and calls this.
+The Spark engine is ``dlrun.spark.driver.SparkEngine``.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import secrets
 import signal
-import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,10 +31,14 @@ from typing import TYPE_CHECKING
 
 from dlrun.errors import UsageError
 from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
-from dlrun.plan import DEFAULT_BASE_PORT, DEFAULT_HOST_TIMEOUT, Plan, is_loopback, make_plan
+from dlrun.plan import DEFAULT_BASE_PORT, DEFAULT_HOST_TIMEOUT, Plan, make_plan
 from dlrun.remote.tf_server import server_source
-from dlrun.render import SocketIface, WorkerCommand, mask_env, plan_to_json, worker_commands
-from dlrun.run.supervisor import AgentAnswer, HostAgents, RunResult, Supervisor
+from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
+from dlrun.run.addresses import facing_address, interfaces_at, local_base_port, reachable_addresses, socket_ifaces
+from dlrun.run.agents import AgentAnswer, HostAgents
+from dlrun.run.engine import Engine, HeldView, Placement
+from dlrun.run.result import RunResult
+from dlrun.run.supervisor import Supervisor, View
 from dlrun.run.view import make_view
 from dlrun.transport.base import Transport, default_python
 from dlrun.transport.local import HostRouter
@@ -43,8 +48,7 @@ if TYPE_CHECKING:
     from dlrun.push.tree import PushLimit
     from dlrun.topo.records import HostReport
 
-DEFAULT_LOG_DIR = "dlrun-logs"  # dlrun.push.tree.DEFAULT_LOG_DIR
-ANSWER_TIMEOUT = 120.0  # for the agents' probe and survey answers, as dlrun.topo.preflight.PROBE_TIMEOUT
+DEFAULT_LOG_DIR = "dlrun-logs"  # dlrun.push.tree.DEFAULT_LOG_DIR (importing it would load the push code)
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class LaunchConfig:
     data: str | None = None
     shard: str = "files"
     split_lines: bool = False
+    max_restarts: int = 0  # a failed job runs again (new job id) this many times
     code: str | None = None  # --code DIR: the folder to push (holding the script), not the script's own
     max_push_size: str | None = None  # --max-push-size: the code push's limit (dlrun.push.tree.parse_size)
     setup: str | None = None  # --setup CMD: for every host, instead of the inventory's setup
@@ -147,30 +152,6 @@ def render_commands(
     return plan, commands
 
 
-def local_base_port(inventory: Inventory, np: int | None) -> int:
-    """The base port for a job whose ranks all run on this machine: the first run of free ports
-    from ``DEFAULT_BASE_PORT`` up (two local jobs side by side, e.g. CI smoke tests, would
-    otherwise collide on 23456). Hosts elsewhere: ``DEFAULT_BASE_PORT``, which is checked there."""
-    import socket
-
-    if not all(h.is_local for h in inventory.hosts):
-        return DEFAULT_BASE_PORT
-    count = np or (inventory.total_slots if all(h.slots for h in inventory.hosts) else 16)  # 16: slots from GPUs
-
-    def free(port: int) -> bool:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("", port))
-            except OSError:
-                return False
-            return True
-
-    for base in range(DEFAULT_BASE_PORT, 65536 - count, count):
-        if all(free(base + i) for i in range(count)):
-            return base
-    return DEFAULT_BASE_PORT
-
-
 def check_ranks_shown(config: LaunchConfig, world_size: int) -> None:
     """``--ranks`` names ranks of the job: nothing would be shown for others (a typo, not a wish)."""
     unknown = sorted(set(config.ranks_shown or ()) - set(range(world_size)))
@@ -182,45 +163,6 @@ def warn_replaced_env(config: LaunchConfig, commands: Sequence[WorkerCommand]) -
     """Say which ``--env`` values the ranks do not get (dlrun sets them: TF_CONFIG, RANK …)."""
     for name in sorted(n for n in config.env if any(c.env.get(n) != config.env[n] for c in commands)):
         print(f"dlrun: warning: --env {name} is set by dlrun for each rank; yours is replaced", file=sys.stderr)
-
-
-def socket_ifaces(plan: Plan, iface: str | None, found: Mapping[str, str]) -> dict[str, SocketIface]:
-    """Each host's Gloo/NCCL interface: the inventory's ``iface``, else ``--iface``, else ``lo``
-    when every rank is on this machine, else the one the preflight found holding the address
-    the other ranks reach the host at (``found``). Hosts need not share interface names."""
-    every_rank_here = all(is_loopback(r.address) for r in plan.ranks)
-    out: dict[str, SocketIface] = {}
-    for host in plan.hosts:
-        if host.iface or iface:
-            out[host.name] = SocketIface(host.iface or iface or "")
-        elif every_rank_here:  # gloo must not pick an interface the other ranks cannot reach
-            out[host.name] = SocketIface("lo")
-        elif host.name in found:
-            out[host.name] = SocketIface(found[host.name], named=False)
-    return out
-
-
-def interfaces_at(reports: Sequence[HostReport], addresses: Mapping[str, str]) -> dict[str, str]:
-    """host name → the interface (from its probe) holding the address dlrun reached it at."""
-    from dlrun.topo.findings import interface_with_address
-
-    found = {}
-    for report in reports:
-        ipv4 = _ipv4_of(addresses.get(report.host, ""))
-        if ipv4 is not None and (name := interface_with_address(report, ipv4)) is not None:
-            found[report.host] = name
-    return found
-
-
-def _ipv4_of(address: str) -> str | None:
-    try:
-        return str(ipaddress.IPv4Address(address))
-    except ValueError:
-        pass
-    try:  # a host name: resolved as the connection resolved it
-        return socket.gethostbyname(address) if address else None
-    except OSError:
-        return None
 
 
 def keras_warning(config: LaunchConfig, inventory: Inventory) -> str | None:
@@ -421,36 +363,6 @@ def settled_hosts(targets: Mapping[str, PushTarget], answers: Mapping[str, Agent
     return settled
 
 
-def facing_address(addresses: Sequence[str]) -> str:
-    """This machine's address on the route to the hosts (127.0.0.1 when they are all local)."""
-    import socket
-
-    remote = [a for a in addresses if not is_loopback(a)]
-    if not remote:
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((remote[0], 9))  # UDP: no packet is sent, the kernel picks the route
-            return str(probe.getsockname()[0])
-        except OSError:
-            return "0.0.0.0"
-
-
-def reachable_addresses(hosts: Sequence[Host], addresses: Mapping[str, str]) -> dict[str, str]:
-    """Where the ranks reach each host. In a job that mixes this machine with remote hosts, a
-    local host's loopback address would send the remote ranks to themselves: it becomes this
-    machine's address on the route to them (unchanged when no route is known)."""
-    found = {h.name: addresses.get(h.name, h.address) for h in hosts}
-    remote = [found[h.name] for h in hosts if not h.is_local]
-    if not remote or all(not h.is_local for h in hosts):
-        return found
-    mine = facing_address(remote)
-    if mine == "0.0.0.0":
-        return found
-    local = {h.name for h in hosts if h.is_local}
-    return {name: mine if name in local and is_loopback(address) else address for name, address in found.items()}
-
-
 @contextmanager
 def horovod_rendezvous(plan: Plan) -> Iterator[tuple[str, int]]:
     """dlrun's Horovod rendezvous server for this plan, stopped when the job ends."""
@@ -498,6 +410,9 @@ def forward_signals(supervisor: Supervisor) -> Iterator[None]:
         supervisor.notify("Ctrl-Z ignored: a suspended dlrun stalls the ranks' output, and its hosts stop the"
                           " job after --host-timeout; Ctrl-C stops the job")
 
+    if threading.current_thread() is not threading.main_thread():  # the API, called from a thread:
+        yield  # only the main thread may set handlers: signals stay the caller's
+        return
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, no_suspend)
     try:
@@ -532,7 +447,7 @@ def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
     if here and config.script.endswith(".py") and not Path(config.script).is_file():
         raise UsageError(f"script not found: {config.script}",
                          hint="with --no-push, a path on the hosts is not checked here")
-    log_root = Path(config.log_dir or "dlrun-logs")
+    log_root = Path(config.log_dir or DEFAULT_LOG_DIR)
     try:
         log_root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -548,124 +463,196 @@ def _probe_source() -> str:
     return source_of("probe")
 
 
-def launch(config: LaunchConfig) -> int:
-    """Run the whole pipeline; return the exit code for the shell."""
-    if config.hosts is None and config.np is not None and config.np < 1:
-        raise UsageError("--np must be at least 1")
-    inventory = resolve_inventory(config.hosts, config.np)
-    if config.base_port is None:
-        config = replace(config, base_port=local_base_port(inventory, config.np))
-    job_id = new_job_id()
-    warning = keras_warning(config, inventory)
-    if config.dry_run:
-        planned_hosts = job_plan(config, inventory, job_id).hosts
-        pushed = dry_run_push(config, inventory, planned_hosts)
+class HostsEngine:
+    """The inventory's hosts (SSH hosts, this machine) over a transport.
+
+    Each host's agent starts before the plan: it runs the preflight probe and answers the code
+    push's survey on its own channel, and an error finding closes it before anything starts.
+    Then the plan, the push (``push_for_launch``) and, for each attempt, the render; the first
+    attempt's ranks go to the agents started early, a restart's to fresh ones.
+    """
+
+    restart_unit = "the job"
+
+    def __init__(self) -> None:
+        self.inventory = Inventory(hosts=())
+        self.used_hosts: tuple[Host, ...] = ()  # the hosts the job may use (all, when the probe counts slots)
+        self.transport: Transport | None = None
+        self.agents: HostAgents | None = None  # started early; handed to the first attempt
+        self.addresses: Mapping[str, str] = {}
+        self.cwd_for: Mapping[str, str | None] | None = None
+        self.gpus: Mapping[str, Sequence[str]] = {}
+        self.found_ifaces: Mapping[str, str] = {}
+        self.dry_run_pushes: tuple[HostPushSummary, ...] = ()  # what --dry-run's push would send
+
+    def prepare(self, config: LaunchConfig) -> LaunchConfig:
+        if config.hosts is None and config.np is not None and config.np < 1:
+            raise UsageError("--np must be at least 1")
+        self.inventory = resolve_inventory(config.hosts, config.np)
+        if config.base_port is None:
+            config = replace(config, base_port=local_base_port(self.inventory, config.np))
+        slots_from_gpus = config.preflight and any(h.slots is None for h in self.inventory.hosts)
+        if slots_from_gpus:  # slots come from the probe: every host may be used
+            self.used_hosts = self.inventory.hosts
+        else:  # validate the plan before any connection
+            _, trial = render_commands(config, self.inventory, "plan-check")
+            self.used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
+        return config
+
+    def dry_run(self, config: LaunchConfig, job_id: str) -> tuple[WorkerCommand, ...]:
+        planned_hosts = job_plan(config, self.inventory, job_id).hosts
+        pushed = dry_run_push(config, self.inventory, planned_hosts)
+        self.dry_run_pushes = pushed.summaries
         shown = replace(config, script=pushed.script) if pushed.script is not None else config
         addresses = reachable_addresses(planned_hosts, {})
-        plan, commands = render_commands(shown, pushed.apply(inventory), job_id, cwd_for=pushed.cwd_for,
+        plan, commands = render_commands(shown, pushed.apply(self.inventory), job_id, cwd_for=pushed.cwd_for,
                                          addresses=addresses)
         if config.framework == "horovod":  # dlrun's rendezvous server binds a free port when the job starts
             server = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": facing_address([r.address for r in plan.ranks]),
                       "HOROVOD_GLOO_RENDEZVOUS_PORT": "<a free port, chosen at launch>"}
             commands = tuple(replace(c, env={**c.env, **server}) for c in commands)
+        return commands
+
+    @contextmanager
+    def session(self, config: LaunchConfig, job_id: str) -> Iterator[LaunchConfig]:
+        """Connect, start the agents (probe and survey first), check the preflight, plan, push."""
+        inventory, used_hosts = self.inventory, self.used_hosts
+        transport = make_transport(inventory, config.ssh)
+        agents = HostAgents(transport, used_hosts, pidns=config.pidns, host_timeout=config.ssh.host_timeout)
+        code_dir = code_dir_to_push(config)
+        pusher = ThreadPoolExecutor(1, thread_name_prefix="dlrun-scan")
+        manifest: Future[Manifest] | None = None
+        if code_dir is not None and any(not h.is_local for h in used_hosts):
+            from dlrun.push.session import scan_code
+
+            leave_out = Path(config.data) if config.data else None  # sent as shards, not with the code
+            # hashes (or reads the cache) while we connect; over the size limit it raises before hashing
+            manifest = pusher.submit(scan_code, code_dir, leave_out, log_dir=config.log_dir or DEFAULT_LOG_DIR,
+                                     limit=push_limit(config))
+        try:
+            addresses = reachable_addresses(used_hosts, transport.connect(used_hosts))
+            targets = survey_code(code_dir, used_hosts, manifest.result()) if code_dir and manifest is not None else {}
+            surveys = None
+            if targets:
+                from dlrun.push.session import survey_request
+
+                surveys = {name: survey_request([target]) for name, target in targets.items()}
+            # the agents start while we plan; each runs the probe and answers the push survey first
+            agents.start(probe=_probe_source() if config.preflight else None, surveys=surveys)
+            answers: Mapping[str, AgentAnswer] = {}
+            if config.preflight or targets:
+                from dlrun.topo.preflight import PROBE_TIMEOUT  # the agents' answers wait as long as a probe
+
+                answers = agents.answers(PROBE_TIMEOUT)
+            if config.preflight:
+                from dlrun.topo.preflight import check_preflight, report_from_answer
+
+                reports = [report_from_answer(a.host, a.stdout, a.error) for a in answers.values()]
+                if config.hosts is None and config.np is None:
+                    inventory = default_ranks_for_gpus(inventory, reports)
+                preflight = check_preflight(inventory, used_hosts, reports)  # an error finding raises here
+                for finding in preflight.findings:
+                    if finding.severity == "warning":
+                        where = f"{finding.host}: " if finding.host else ""
+                        print(f"dlrun: preflight warning: {where}{finding.message}", file=sys.stderr)
+                inventory = inventory.with_slots(preflight.gpu_slots())
+                self.gpus = preflight.devices()
+                self.found_ifaces = interfaces_at(reports, addresses)
+            plan = job_plan(config, inventory, job_id, addresses)
+            pushed = push_for_launch(config, transport, plan.hosts, settled_hosts(targets, answers))
+            run_setup_step(config, transport, plan.hosts, pushed, job_id,
+                           manifest.result() if manifest is not None else None)
+            self.inventory, self.transport, self.agents = pushed.apply(inventory), transport, agents
+            self.addresses, self.cwd_for = addresses, pushed.cwd_for
+            yield config if pushed.script is None else replace(config, script=pushed.script)
+        finally:
+            pusher.shutdown(wait=False, cancel_futures=True)
+            agents.close()
+            transport.close()
+
+    @contextmanager
+    def place(self, config: LaunchConfig, job_id: str, view: View) -> Iterator[Placement]:
+        assert self.transport is not None, "place() runs inside session()"
+        agents, self.agents = self.agents, None  # a restart's ranks get fresh agents
+        with ExitStack() as stack:
+            plan = job_plan(config, self.inventory, job_id, self.addresses)
+            rendezvous = stack.enter_context(horovod_rendezvous(plan)) if config.framework == "horovod" else None
+            _, commands = render_commands(
+                config, self.inventory, job_id, addresses=self.addresses, cwd_for=self.cwd_for,
+                rendezvous=rendezvous, gpus_for=self.gpus, found_ifaces=self.found_ifaces,
+            )
+            yield Placement(self.transport, commands, agents,
+                            ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None)
+
+
+def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | None = None) -> RunResult:
+    """The pipeline, the same for every engine (default: ``HostsEngine``); how the job ended.
+
+    ``--dry-run`` prints the commands and returns them (exit code 0). Otherwise every attempt is
+    placed by the engine and supervised here; a failed one is run again (a new job id
+    ``<job>-r<k>``) up to ``max_restarts`` times. ``view`` replaces the terminal's (tests, API).
+    """
+    engine = engine or HostsEngine()
+    if config.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be at least 0, not {config.max_restarts}")
+    config = engine.prepare(config)
+    job_id = new_job_id()
+    warning = keras_warning(config, engine.inventory)
+    if config.dry_run:
+        commands = engine.dry_run(config, job_id)
         warn_replaced_env(config, commands)
         if config.json_output:
             document = plan_to_json(commands)
-            if pushed.summaries:
+            if isinstance(engine, HostsEngine) and engine.dry_run_pushes:  # Spark ships a zip, no push
                 from dlrun.push.view import summary_json
 
-                document["push"] = summary_json(pushed.summaries)
+                document["push"] = summary_json(engine.dry_run_pushes)
             print(json.dumps(document, indent=2))
         else:
             if warning:
                 print(f"dlrun: warning: {warning}", file=sys.stderr)
             print(dry_run_text(commands))
-        return 0
+        return RunResult(ranks=(), exit_code=0, commands=commands, job_id=job_id, attempts=0)
     if warning:
         print(f"dlrun: warning: {warning}", file=sys.stderr)
-    slots_from_gpus = config.preflight and any(h.slots is None for h in inventory.hosts)
-    if slots_from_gpus:  # slots come from the probe: every host may be used
-        used_hosts = inventory.hosts
-    else:  # validate the plan before any connection
-        _, trial = render_commands(config, inventory, job_id)
-        used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
-    check_local_inputs(config, inventory)
-    transport = make_transport(inventory, config.ssh)
-    agents = HostAgents(transport, used_hosts, pidns=config.pidns, host_timeout=config.ssh.host_timeout)
-    code_dir = code_dir_to_push(config)
-    pusher = ThreadPoolExecutor(1, thread_name_prefix="dlrun-scan")
-    manifest: Future[Manifest] | None = None
-    if code_dir is not None and any(not h.is_local for h in used_hosts):
-        from dlrun.push.session import scan_code
-
-        leave_out = Path(config.data) if config.data else None  # sent as shards, not with the code
-        # hashes (or reads the cache) while we connect; over the size limit it raises before hashing
-        manifest = pusher.submit(scan_code, code_dir, leave_out, log_dir=config.log_dir or DEFAULT_LOG_DIR,
-                                 limit=push_limit(config))
-    try:
-        addresses = reachable_addresses(used_hosts, transport.connect(used_hosts))
-        targets = survey_code(code_dir, used_hosts, manifest.result()) if code_dir and manifest is not None else {}
-        surveys = None
-        if targets:
-            from dlrun.push.session import survey_request
-
-            surveys = {name: survey_request([target]) for name, target in targets.items()}
-        # the agents start while we plan; each runs the probe and answers the push survey first
-        agents.start(probe=_probe_source() if config.preflight else None, surveys=surveys)
-        answers = agents.answers(ANSWER_TIMEOUT) if config.preflight or targets else {}
-        gpus: Mapping[str, Sequence[str]] = {}
-        found_ifaces: Mapping[str, str] = {}
-        if config.preflight:
-            from dlrun.topo.preflight import check_preflight, report_from_answer
-
-            reports = [report_from_answer(a.host, a.stdout, a.error) for a in answers.values()]
-            if config.hosts is None and config.np is None:
-                inventory = default_ranks_for_gpus(inventory, reports)
-            preflight = check_preflight(inventory, used_hosts, reports)  # an error finding raises here
-            for finding in preflight.findings:
-                if finding.severity == "warning":
-                    where = f"{finding.host}: " if finding.host else ""
-                    print(f"dlrun: preflight warning: {where}{finding.message}", file=sys.stderr)
-            inventory = inventory.with_slots(preflight.gpu_slots())
-            gpus = preflight.devices()
-            found_ifaces = interfaces_at(reports, addresses)
-        plan = job_plan(config, inventory, job_id, addresses)
-        pushed = push_for_launch(config, transport, plan.hosts, settled_hosts(targets, answers))
-        run_setup_step(config, transport, plan.hosts, pushed, job_id,
-                       manifest.result() if manifest is not None else None)
-        if pushed.script is not None:
-            config = replace(config, script=pushed.script)
-        with ExitStack() as stack:
-            rendezvous = stack.enter_context(horovod_rendezvous(plan)) if config.framework == "horovod" else None
-            plan, commands = render_commands(
-                config, pushed.apply(inventory), job_id, addresses=addresses, cwd_for=pushed.cwd_for,
-                rendezvous=rendezvous, gpus_for=gpus, found_ifaces=found_ifaces,
-            )
-            warn_replaced_env(config, commands)
-            return _supervise(config, transport, commands, job_id, agents)
-    finally:
-        pusher.shutdown(wait=False, cancel_futures=True)
-        agents.close()
-        transport.close()
+    check_local_inputs(config, engine.inventory)
+    shown = view or make_view(config.ranks_shown, force_plain=config.plain)
+    with engine.session(config, job_id) as config:
+        attempt = 0
+        while True:
+            result = _attempt(config, engine, job_id if attempt == 0 else f"{job_id}-r{attempt}", shown,
+                              first=attempt == 0)
+            if result.ok or result.interrupted_by is not None or attempt == config.max_restarts:
+                return replace(result, job_id=job_id, attempts=attempt + 1)
+            attempt += 1
+            shown.notice(f"attempt {attempt} failed (exit code {result.exit_code}): relaunching {engine.restart_unit}"
+                         f" ({attempt} of {config.max_restarts} restarts)")
 
 
-def _supervise(config: LaunchConfig, transport: Transport, commands: Sequence[WorkerCommand], job_id: str,
-               agents: HostAgents | None = None) -> int:
-    """Run the rendered ranks under the supervisor with the right view; the job's exit code."""
-    check_ranks_shown(config, len(commands))
-    log_dir = Path(config.log_dir or "dlrun-logs") / job_id
-    view = make_view(config.ranks_shown, force_plain=config.plain)
-    supervisor = Supervisor(
-        transport,
-        commands,
-        view,
-        log_dir=log_dir,
-        grace=config.grace,
-        host_timeout=config.ssh.host_timeout,
-        pidns=config.pidns,
-        ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None,
-        agents=agents,
-    )
-    with forward_signals(supervisor):
-        result: RunResult = supervisor.run()
-    return result.exit_code
+def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, *, first: bool) -> RunResult:
+    """One attempt: placed by the engine, supervised, its summary shown once the engine cleaned up."""
+    with engine.place(config, job_id, view) as placement:
+        check_ranks_shown(config, len(placement.commands))
+        if first:  # once, not again for each restart
+            warn_replaced_env(config, placement.commands)
+        supervisor = Supervisor(
+            placement.transport,
+            placement.commands,
+            HeldView(view),
+            log_dir=Path(config.log_dir or DEFAULT_LOG_DIR) / job_id,
+            grace=config.grace,
+            host_timeout=config.ssh.host_timeout,
+            pidns=config.pidns,
+            ends_job=placement.ends_job,
+            agents=placement.agents,
+        )
+        with forward_signals(supervisor), placement.watch():
+            result = supervisor.run()
+        placement.done(result)
+    view.finish(result)
+    return result
+
+
+def launch(config: LaunchConfig, engine: Engine | None = None) -> int:
+    """Run the whole pipeline; return the exit code for the shell."""
+    return run_job(config, engine).exit_code

@@ -3,10 +3,9 @@
 Mechanism sits below (``dlrun.remote.agent`` starts and kills processes on each host; a
 ``Transport`` carries the bytes); policy sits here:
 
-* one agent per host, all started in parallel (``HostAgents``), each fed the spec of its
-  host's ranks. ``dlrun launch`` starts them before the ranks are rendered and asks each to
-  run the preflight probe first, and to answer the code push's survey: both come back on the
-  agent's own channel, so an unchanged tree needs no push session;
+* one agent per host, all started in parallel (``dlrun.run.agents.HostAgents``), each fed
+  the spec of its host's ranks (agents started early, for the preflight and the push survey,
+  are handed over);
 * every output chunk is split into lines (on ``\\n`` and ``\\r``, so progress bars are lines),
   written to ``<log_dir>/rank-<N>.log`` and handed to the view;
 * **fail fast**: the earliest rank to exit non-zero is the root cause; every agent is told to
@@ -22,70 +21,32 @@ Mechanism sits below (``dlrun.remote.agent`` starts and kills processes on each 
 * ``interrupt(signum)`` (Ctrl-C, SIGTERM) stops every rank the same way; exit 128 + signum.
   A second interrupt kills at once.
 
-Rank lifecycle (``RankState``): PENDING → RUNNING → SUCCEEDED | FAILED | STOPPED | LOST.
+Rank lifecycle: ``dlrun.run.result.RankState``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import enum
 import json
 import queue
 import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Protocol
 
 from dlrun.errors import DlrunError
-from dlrun.inventory import Host
 from dlrun.plan import DEFAULT_HOST_TIMEOUT, heartbeat_interval
 from dlrun.remote import agent
 from dlrun.render import WorkerCommand
-from dlrun.transport.base import Channel, Transport, default_python
+from dlrun.run.agents import HostAgents, HostLink, close_aside, encode_message, with_agent_words
+from dlrun.run.result import RankResult, RankState, RunResult
+from dlrun.transport.base import Transport
 
 TAIL_LINES = 20
 MAX_LINE = 1 << 20
-
-
-class RankState(enum.Enum):
-    PENDING = "pending"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    STOPPED = "stopped"  # ended because dlrun stopped it
-    NOT_STARTED = "not started"  # dlrun stopped the job before this rank's process was started
-    LOST = "lost"  # its host's connection dropped before it reported an exit
-
-
-@dataclass(frozen=True)
-class RankResult:
-    rank: int
-    host: str
-    state: RankState
-    exit_code: int | None
-    duration: float | None
-    tail: tuple[str, ...] = ()
-    error: str | None = None  # agent's words when the rank could not start
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """How a job ended: per-rank results, the root cause and the exit code for the shell."""
-
-    ranks: tuple[RankResult, ...]
-    exit_code: int
-    root_cause: RankResult | None = None
-    interrupted_by: int | None = None
-    log_dir: Path | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0
 
 
 class View(Protocol):
@@ -173,200 +134,6 @@ class _Rank:
     error: str | None = None
 
 
-@dataclass
-class _HostLink:
-    host: Host
-    ranks: list[int] = field(default_factory=list)
-    channel: Channel | None = None
-    closed: bool = False
-    done: bool = False
-    error: str | None = None  # why the agent could not be started
-    heard: float = 0.0  # time.monotonic() when the agent last sent anything
-    silent: bool = False  # declared lost for silence: its late frames are ignored
-    pinged: bool = False  # a thread pings its agent
-    ended: bool = False  # its reader saw the channel end: all it sent is queued, silence means nothing
-
-
-def _message(message: Mapping[str, Any]) -> bytes:
-    return json.dumps(message).encode() + b"\n"
-
-
-def _with_agent_words(reason: str, stderr: str, code: int | None) -> str:
-    """``reason``, then the last lines the agent (or what started it) wrote, and its exit code."""
-    detail = stderr.strip().splitlines()[-3:]
-    return reason + (": " + " / ".join(detail) if detail else "") + ("" if code is None else f" (agent exit {code})")
-
-
-def _close_aside(channel: Channel) -> None:
-    """Close a channel in a thread of its own: over a dead connection closing can block."""
-    threading.Thread(target=channel.close, name="dlrun-close", daemon=True).start()
-
-
-def agent_argv(host: Host, *, pidns: bool = True) -> list[str]:
-    """How a host's agent is started: its python running the agent's source (in a PID namespace)."""
-    argv = [*default_python(host), "-c", agent.agent_source()]
-    return agent.pidns_argv(argv) if pidns else argv
-
-
-@dataclass(frozen=True)
-class AgentAnswer:
-    """What one host's agent answered before the spec: the probe's output and the push survey's
-    reply (each None when not asked or not answered), or why there is no answer."""
-
-    host: str
-    stdout: str | None
-    error: str | None = None
-    survey: Mapping[str, Any] | None = None
-
-
-class HostAgents:
-    """The job's agents, one per host, each on its own channel, with one event queue.
-
-    ``start`` opens every channel in parallel (and may ask each agent to run a probe and a push
-    survey first); the ``Supervisor`` then sends the spec of each host's ranks on the same
-    channels. Every frame and every closed channel becomes an event on ``events``, in arrival
-    order. With ``host_timeout``, each agent's silence clock runs from its start, and a thread per
-    host pings it (``keep_alive``) until ``close``: an agent whose controller vanishes during the
-    preflight or the push ends by itself, as it does during the job.
-    """
-
-    def __init__(self, transport: Transport, hosts: Sequence[Host], *, pidns: bool = True,
-                 host_timeout: float | None = None) -> None:
-        self.transport = transport
-        self.pidns = pidns
-        self.host_timeout = host_timeout or None
-        self.quiet = threading.Event()  # set: the pingers stop
-        self.links = {h.name: _HostLink(h) for h in hosts}
-        self.events: queue.Queue[tuple[object, ...]] = queue.Queue()
-        self.asked: dict[str, frozenset[int]] = {}  # host -> the answer frames it was asked for
-
-    def start(self, probe: str | None = None, surveys: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-        """Start every agent not started yet (in parallel). With ``probe``, each runs it first;
-        with ``surveys`` (host → ``dlrun.push.session.survey_request``), those hosts answer it first."""
-        links = [link for link in self.links.values() if link.channel is None and link.error is None]
-        if not links:
-            return
-        requests: dict[str, bytes] = {}
-        watch = _message({"op": "watch", "host_timeout": self.host_timeout}) if self.host_timeout else b""
-        for link in links:
-            name, asked, request = link.host.name, set(), watch
-            survey = (surveys or {}).get(name)
-            if survey is not None:
-                from dlrun.push.session import HELPER_SOURCE
-
-                request += _message({"op": "survey", "source": HELPER_SOURCE, "request": survey})
-                asked.add(agent.SURVEY)
-            if probe is not None:
-                request += _message({"op": "probe", "source": probe})
-                asked.add(agent.PROBE)
-            self.asked[name] = frozenset(asked)
-            requests[name] = request
-        with ThreadPoolExecutor(max_workers=min(32, len(links))) as pool:
-            list(pool.map(lambda link: self._start(link, requests[link.host.name]), links))
-        if self.host_timeout is not None:
-            self.keep_alive(self.host_timeout)
-
-    def keep_alive(self, limit: float) -> None:
-        """Ping every started agent that no thread pings yet, every ``heartbeat_interval(limit)``.
-        Each host has a thread of its own: a send stuck on one dead connection must not starve
-        the others."""
-        interval = heartbeat_interval(limit)
-        for name, link in self.links.items():
-            if link.channel is not None and not link.pinged:
-                link.pinged = True
-                threading.Thread(target=self._pinger, args=(link, interval), name=f"dlrun-ping-{name}",
-                                 daemon=True).start()
-
-    def _pinger(self, link: _HostLink, interval: float) -> None:
-        ping = _message({"op": "ping"})
-        while not self.quiet.wait(interval):
-            if link.channel is None or link.closed or link.done or link.silent:
-                return
-            try:
-                link.channel.send(ping)
-            except DlrunError:
-                return  # the reader sees the connection end and reports it
-
-    def _start(self, link: _HostLink, request: bytes) -> None:
-        try:
-            channel = self.transport.open(link.host, agent_argv(link.host, pidns=self.pidns))
-            if request:
-                channel.send(request)
-        except DlrunError as exc:
-            link.error = str(exc.message)
-            return
-        link.channel = channel
-        link.heard = time.monotonic()
-        threading.Thread(target=self._reader, args=(link, channel), daemon=True).start()
-
-    def _reader(self, link: _HostLink, channel: Channel) -> None:
-        host = link.host.name
-        decoder = agent.FrameDecoder()
-        while True:
-            data = channel.recv(65536)
-            if not data:
-                break
-            link.heard = time.monotonic()
-            frames = decoder.feed(data)
-            if frames:
-                self.events.put(("frames", host, frames))
-        link.ended = True  # before the screen catches up (a paused pager): not a silent host
-        code = channel.wait(5)
-        self.events.put(("closed", host, code, channel.stderr_text()))
-
-    def answers(self, timeout: float) -> dict[str, AgentAnswer]:
-        """Wait until every started agent has answered what ``start`` asked (or ended); other
-        events stay queued for the supervisor. A host asked nothing answers at once."""
-        probes: dict[str, str] = {}
-        surveys: dict[str, Mapping[str, Any]] = {}
-        errors = {name: f"agent not started: {link.error}" for name, link in self.links.items()
-                  if link.error is not None}
-        waiting = {name for name in self.links if name not in errors and self.asked.get(name)}
-        held: list[tuple[object, ...]] = []
-        deadline = time.monotonic() + timeout
-        while waiting:
-            try:
-                event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            held.append(event)
-            host = str(event[1])
-            if event[0] == "frames":
-                for kind, _rank, payload in event[2]:  # type: ignore[attr-defined]
-                    if kind == agent.PROBE:
-                        probes[host] = payload.decode("utf-8", errors="replace")
-                    elif kind == agent.SURVEY:
-                        with contextlib.suppress(ValueError):
-                            surveys[host] = json.loads(payload)
-                        surveys.setdefault(host, {"error": "unreadable survey answer"})
-            elif event[0] == "closed" and host in waiting:
-                detail = " / ".join(str(event[3]).strip().splitlines()[-3:])
-                errors[host] = f"the agent ended (exit {event[2]}) before answering" + (f": {detail}" if detail else "")
-            got = {agent.PROBE} if host in probes else set()
-            got |= {agent.SURVEY} if host in surveys else set()
-            if host in errors or self.asked.get(host, frozenset()) <= got:
-                waiting.discard(host)
-        for name in waiting:
-            errors.setdefault(name, f"no probe answer within {timeout:g} s")
-        for event in held:  # the supervisor sees every event, in order
-            self.events.put(event)
-        return {name: AgentAnswer(name, probes.get(name), None if name in probes else errors.get(name),
-                                  surveys.get(name)) for name in self.links}
-
-    def release(self, names: Sequence[str]) -> None:
-        """Close these hosts' channels: their agents exit without starting anything."""
-        for name in names:
-            link = self.links.pop(name, None)
-            if link is not None and link.channel is not None:
-                link.closed = True
-                link.channel.close()
-
-    def close(self) -> None:
-        self.quiet.set()
-        for link in self.links.values():
-            if link.channel is not None:
-                link.channel.close()
-
 
 class Supervisor:
     """Runs ``commands`` (already rendered) through ``transport`` and returns a RunResult."""
@@ -400,7 +167,7 @@ class Supervisor:
             agents = HostAgents(transport, tuple(hosts.values()), pidns=pidns, host_timeout=host_timeout)
         else:  # agents started earlier (dlrun launch): hosts the plan does not use end now
             agents.release([name for name in agents.links if name not in hosts])
-            agents.links.update({h.name: _HostLink(h) for name, h in hosts.items() if name not in agents.links})
+            agents.links.update({h.name: HostLink(h) for name, h in hosts.items() if name not in agents.links})
         self.agents = agents
         self.links = agents.links
         for c in commands:
@@ -460,7 +227,7 @@ class Supervisor:
             if error is not None:
                 self._host_failed(name, error)
 
-    def _send_spec(self, link: _HostLink) -> str | None:
+    def _send_spec(self, link: HostLink) -> str | None:
         assert link.channel is not None
         spec = {
             "job_id": self._job_id(),
@@ -478,10 +245,10 @@ class Supervisor:
             ],
         }
         try:
-            link.channel.send(_message(spec))
+            link.channel.send(encode_message(spec))
         except DlrunError as exc:  # the agent is gone: what it said last is the reason
             code = link.channel.wait(2)
-            return _with_agent_words(str(exc.message), link.channel.stderr_text(), code)
+            return with_agent_words(str(exc.message), link.channel.stderr_text(), code)
         # the silence clock starts now: an agent started early (dlrun launch) waited quietly
         # through the preflight and the push, which may take longer than host_timeout
         link.heard = time.monotonic()
@@ -532,7 +299,7 @@ class Supervisor:
                 # agents did not finish in time: drop the channels, their watchdogs kill all
                 for link in self.links.values():
                     if link.channel is not None and not link.closed:
-                        _close_aside(link.channel)
+                        close_aside(link.channel)
                 self.stop_deadline = self.clock() + 30
 
     def _take_signals(self) -> None:
@@ -645,7 +412,7 @@ class Supervisor:
             reason = "could not start"
         else:
             reason = link.channel.lost_reason() or "connection to the host was lost"
-        self._host_failed(host, _with_agent_words(reason, stderr, code))
+        self._host_failed(host, with_agent_words(reason, stderr, code))
 
     def _silent(self, host: str, seconds: float) -> None:
         link = self.links[host]
@@ -655,7 +422,7 @@ class Supervisor:
                           " it is down, cut off from the network or frozen; its agent stops its ranks by"
                           " itself when it hears nothing either")
         if link.channel is not None:
-            _close_aside(link.channel)
+            close_aside(link.channel)
 
     def _host_failed(self, host: str, message: str) -> None:
         link = self.links[host]
@@ -681,7 +448,7 @@ class Supervisor:
 
     def _stop_all(self, grace: float, *, kill: bool = False) -> None:
         self.stopping = True
-        message = _message({"op": "kill"} if kill else {"op": "stop", "grace": grace})
+        message = encode_message({"op": "kill"} if kill else {"op": "stop", "grace": grace})
         for link in self.links.values():
             if link.channel is not None and not link.closed:
                 try:
@@ -733,4 +500,6 @@ class Supervisor:
             root_cause=root,
             interrupted_by=self.interrupted_by,
             log_dir=self.log_dir,
+            commands=tuple(r.command for r in self.ranks.values()),
+            job_id=self._job_id(),
         )

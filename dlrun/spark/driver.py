@@ -1,28 +1,29 @@
-"""``--backend spark``: run a job's ranks as the tasks of one Spark barrier stage.
+"""``--backend spark``: the Spark engine places a job's ranks as the tasks of one barrier stage.
 
-The whole job machinery is the SSH path's: the ranks get the same env (``worker_commands``),
-the same ``Supervisor`` runs them (live view, per-rank logs, fail fast, root cause, exit
-codes); only the way a "host" is reached differs. Each barrier task is one host with one slot:
+Everything above placing is the launch pipeline's (``dlrun.run.launch.run_job``): the ranks get
+the same env (``worker_commands``), the same ``Supervisor`` runs them (live view, per-rank
+logs, fail fast, root cause, exit codes, ``--max-restarts``); only the way a "host" is reached
+differs. Each barrier task is one host with one slot. ``SparkEngine.session`` holds the Spark
+context and the shipped script; each ``place`` is one stage:
 
 1. The driver listens on a TCP port (``HelloServer``) and submits one barrier stage of N
    tasks (``rdd.barrier().mapPartitions``) from a background thread.
-2. Each task (``_task_main``, on an executor) connects to the driver, picks a free port on its
-   host, ``allGather``s ``host:port`` with the other tasks (the barrier: every task is running),
-   reads its GPUs from ``TaskContext.resources()`` and sends one hello line (JSON: token,
-   partition, host, port, gpus, python, script). Then it starts ``dlrun.remote.agent`` (its source
-   travels in the closure) with the connected socket as the agent's stdin and stdout and a
-   parent-death signal, and waits for it.
+2. Each task (``dlrun.spark.task.task_main``, on an executor) connects to the driver, picks a
+   free port on its host, ``allGather``s ``host:port`` with the other tasks (the barrier: every
+   task is running), reads its GPUs from ``TaskContext.resources()`` and sends one hello line
+   (JSON: token, partition, host, port, gpus, python, script). Then it starts the host agent
+   through the bootstrap's loader (the command line travels in the closure) with the connected
+   socket as the agent's stdin and stdout and a parent-death signal, and waits for it.
 3. Once all N hellos are in (within ``start_timeout``), the driver builds one ``Host`` per
-   task, a ``Plan`` with the ports the tasks picked (rank = partition id), renders the
-   commands, and runs the ``Supervisor`` over ``SparkTransport``, whose ``open`` returns a
-   ``SparkChannel`` over that task's socket: the agent already runs there and reads the spec.
-   Tasks share executor hosts, and the agent's fallback sweep kills every process carrying
-   its tag: a spec without a per-host ``tag`` gets the job id ``<job>.task<partition>``.
+   task, a ``Plan`` with the ports the tasks picked (rank = partition id) and renders the
+   commands; the supervisor runs them over ``SparkTransport``, whose ``open`` returns a
+   ``SparkChannel`` over that task's socket: the agent already runs there, reads its source
+   (``boot_payload``) and then the spec.
 4. After the agent exits, the task appends a ``TASK_END`` frame (the agent's exit code and
    stderr tail; the supervisor ignores it, the channel reads it) and half-closes; the driver
    answers every task with a verdict line once the job has ended, and a task raises when the
-   job failed — so the Spark stage fails too. ``max_restarts`` runs a fresh stage (new ports,
-   new job id ``<job>-r<k>``) after a failed one.
+   job failed — so the Spark stage fails too. A restart is a fresh stage (new ports, new job
+   id ``<job>-r<k>``).
 
 A task that dies takes its agent and ranks along (parent-death signal) and its closed socket
 makes it the lost host of the root cause; a stage that Spark ends mid-job for any other reason
@@ -35,8 +36,8 @@ the free task slots — Spark itself would wait about ten minutes before failing
 The script's directory reaches the executors inside a zip archive, with the files a push
 would send (``SparkContext.addArchive``; ``addFile`` refuses directories on non-local
 masters), unpacked next to each task, where the ranks run: no shared filesystem is needed.
-Only this module imports pyspark, and only when it runs; the task side imports nothing from
-dlrun (it is pickled by value), so executors need pyspark and Python only.
+Only ``dlrun.spark`` imports pyspark, and only when it runs; the task side
+(``dlrun.spark.task``) imports nothing from dlrun (it is pickled by value).
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ import re
 import secrets
 import shutil
 import socket
-import struct
 import sys
 import threading
 import time
@@ -69,23 +69,20 @@ from dlrun.inventory import Host, Inventory
 from dlrun.plan import Plan, make_plan
 from dlrun.remote import agent
 from dlrun.render import WorkerCommand, worker_argv, worker_commands
-from dlrun.run.launch import (
-    LaunchConfig,
-    check_local_inputs,
-    check_ranks_shown,
-    forward_signals,
-    keras_warning,
-    new_job_id,
-    socket_ifaces,
-    warn_replaced_env,
-)
-from dlrun.run.supervisor import RankState, RunResult, Supervisor, View
-from dlrun.run.view import make_view
+from dlrun.run.addresses import socket_ifaces
+from dlrun.run.agents import agent_argv
+from dlrun.run.engine import Placement
+from dlrun.run.launch import LaunchConfig, check_ranks_shown, run_job
+from dlrun.run.result import RankState, RunResult
+from dlrun.run.supervisor import View
+from dlrun.spark import task
+from dlrun.spark.task import TASK_END
 from dlrun.transport.base import Channel, Transport
 
 __all__ = [
     "SparkChannel",
     "SparkConfig",
+    "SparkEngine",
     "SparkTransport",
     "TaskHello",
     "run_spark",
@@ -93,9 +90,9 @@ __all__ = [
     "task_commands",
 ]
 
-TASK_END = 100  # frame kind a task appends after its agent exited: {"code", "stderr"}
 SLOT_WAIT = 10.0  # seconds for executors to register before the slot check fails (count unknown)
 MAX_HELLO = 1 << 20
+VERDICT_WAIT = 5.0  # seconds for the tasks to report their end before the verdicts go out regardless
 INSTALL_HINT = "pip install 'dlrun[spark]'"
 JAVA_HINT = "apt-get install openjdk-17-jre-headless (or set JAVA_HOME to a Java 17+ runtime)"
 _TRUE = ("1", "true", "yes", "on")
@@ -110,7 +107,6 @@ class SparkConfig:
     cores_per_worker: int = 1
     gpus_per_worker: int = 0
     conf: Mapping[str, str] = field(default_factory=dict)
-    max_restarts: int = 0
     start_timeout: float = 120.0
 
 
@@ -136,42 +132,111 @@ class TaskHello:
 # ============================================================================ entry point
 
 
+class SparkEngine:
+    """Places each attempt's ranks as the tasks of one Spark barrier stage (see the module's
+    docstring); the session holds the Spark context and the shipped script."""
+
+    restart_unit = "the barrier stage"
+
+    def __init__(self, spark: SparkConfig) -> None:
+        self.spark = spark
+        # the hosts are not known yet: one stand-in without env, so only config and script count
+        self.inventory = Inventory(hosts=(Host(address="spark", name="spark"),))
+        self.sc: Any = None
+        self.shipped: tuple[str, str] | None = None
+        self.stages = 0
+
+    def prepare(self, config: LaunchConfig) -> LaunchConfig:
+        check_request(config, self.spark)
+        # nothing is pushed: the script ships with the stage; a script that is no file here
+        # runs as given on the executors (the logs are written here)
+        return replace(config, push=False)
+
+    def dry_run(self, config: LaunchConfig, job_id: str) -> tuple[WorkerCommand, ...]:
+        raise UsageError("--dry-run is not available with --backend spark: tasks pick hosts and ports when they run")
+
+    @contextmanager
+    def session(self, config: LaunchConfig, job_id: str) -> Iterator[LaunchConfig]:
+        pyspark = import_pyspark()
+        with spark_context(pyspark, self.spark, app_name=f"dlrun {Path(config.script).name}") as sc:
+            check_context(sc, self.spark)
+            wait_for_slots(sc, self.spark)
+            # a registered file must outlive the job: executors fetch every one before any later task
+            staging = Path(pyspark.SparkFiles.getRootDirectory()) / f"dlrun-staging-{job_id}"
+            self.shipped = ship_script(sc, config.script, job_id, staging)
+            pyspark.cloudpickle.register_pickle_by_value(task)
+            self.sc = sc
+            try:
+                yield config
+            finally:
+                self.sc = None
+
+    @contextmanager
+    def place(self, config: LaunchConfig, job_id: str, view: View) -> Iterator[Placement]:
+        """One barrier stage: hellos, plan, commands; after the job, the tasks' verdicts."""
+        sc, spark = self.sc, self.spark
+        assert sc is not None, "place() runs inside session()"
+        if self.stages:
+            wait_for_slots(sc, spark)
+        self.stages += 1
+        n = spark.num_workers
+        token = secrets.token_hex(16)
+        server = HelloServer(token, job_id, n)
+        driver_host = str(sc.getConf().get("spark.driver.host", socket.gethostname()))
+        setup = {
+            "driver": [driver_host, server.port],
+            "token": token,
+            "job_id": job_id,
+            # the task may not import dlrun: it gets the agent's command line, the driver sends its source
+            "agent_argv": agent_argv([task.EXECUTOR_PYTHON], pidns=config.pidns),
+            "archive": self.shipped[0] if self.shipped else None,
+            "script": self.shipped[1] if self.shipped else None,
+        }
+        job = _StageJob(sc, job_id, n, partial(task.task_main, setup))
+        transport: SparkTransport | None = None
+        with _quiet_task_failures(sc):
+            view.notice(f"spark: submitting a barrier stage of {n} tasks to {sc.master} (job {job_id})")
+            job.start()
+            try:
+                links = server.wait(spark.start_timeout, job.failed)
+                server.close()  # every task is in: a retried or stray task finds no door
+                hellos = [link.hello for link in links.values()]
+                missing_gpus = [h.name for h in hellos if len(h.gpus) < spark.gpus_per_worker]
+                if missing_gpus:
+                    raise BackendError(
+                        f"--gpus-per-worker {spark.gpus_per_worker} but Spark gave {', '.join(missing_gpus)} fewer"
+                        " GPUs",
+                        hint="set spark.executor.resource.gpu.amount and spark.executor.resource.gpu.discoveryScript",
+                    )
+                transport = SparkTransport(links)
+                with ExitStack() as stack:
+                    rendezvous = None
+                    if config.framework == "horovod":
+                        rendezvous = stack.enter_context(_horovod_rendezvous(hellos, driver_host))
+                    _, commands = task_commands(config, hellos, job_id, rendezvous=rendezvous)
+                    stage = transport
+
+                    def done(result: RunResult) -> None:
+                        stage.finish(result)
+                        job.end(timeout=10.0 if result.ok else 30.0)
+
+                    yield Placement(transport, commands, watch=partial(_watch_stage, job, transport), done=done)
+            finally:
+                server.close()
+                if transport is not None:
+                    transport.close()
+                for link in server.links.values():
+                    link.sock.close()
+                if job.thread.is_alive():
+                    job.end(timeout=0)
+
+
 def run_spark(config: LaunchConfig, spark: SparkConfig, *, view: View | None = None) -> int:
     """Run ``config``'s script as ``spark.num_workers`` barrier tasks; return the exit code.
 
     ``view`` replaces the terminal view (tests); by default it is ``make_view``'s.
     """
-    check_request(config, spark)
-    # the hosts are not known yet: one stand-in without env, so only config and script count
-    stand_in = Inventory(hosts=(Host(address="spark", name="spark"),))
-    # the logs are written here; a script that is no file here runs as given on the executors
-    check_local_inputs(replace(config, push=False), stand_in)
-    pyspark = import_pyspark()
-    job_id = new_job_id()
-    warning = keras_warning(config, stand_in)
-    if warning:
-        print(f"dlrun: warning: {warning}", file=sys.stderr)
-    shown = view or make_view(config.ranks_shown, force_plain=config.plain)
-    with spark_context(pyspark, spark, app_name=f"dlrun {Path(config.script).name}") as sc:
-        check_context(sc, spark)
-        wait_for_slots(sc, spark)
-        # a registered file must outlive the job: executors fetch every one before any later task
-        staging = Path(pyspark.SparkFiles.getRootDirectory()) / f"dlrun-staging-{job_id}"
-        shipped = ship_script(sc, config.script, job_id, staging)
-        pyspark.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-        attempt = 0
-        while True:
-            attempt_id = job_id if attempt == 0 else f"{job_id}-r{attempt}"
-            with _quiet_task_failures(sc):
-                result = _run_stage(sc, config, spark, attempt_id, shipped, shown)
-            if result.ok or result.interrupted_by is not None or attempt == spark.max_restarts:
-                return result.exit_code
-            attempt += 1
-            shown.notice(
-                f"attempt {attempt} failed (exit code {result.exit_code}): relaunching the barrier stage"
-                f" ({attempt} of {spark.max_restarts} restarts)"
-            )
-            wait_for_slots(sc, spark)
+    return run_job(config, SparkEngine(spark), view=view).exit_code
 
 
 def check_request(config: LaunchConfig, spark: SparkConfig) -> None:
@@ -180,8 +245,8 @@ def check_request(config: LaunchConfig, spark: SparkConfig) -> None:
         raise UsageError(f"-n must be at least 1, not {spark.num_workers}")
     if spark.cores_per_worker < 1:
         raise UsageError(f"--cores-per-worker must be at least 1, not {spark.cores_per_worker}")
-    if spark.gpus_per_worker < 0 or spark.max_restarts < 0 or spark.start_timeout <= 0:
-        raise UsageError("--gpus-per-worker and --max-restarts must be >= 0 and the start timeout > 0")
+    if spark.gpus_per_worker < 0 or spark.start_timeout <= 0:
+        raise UsageError("--gpus-per-worker must be >= 0 and the start timeout > 0")
     if config.np is not None and config.np != spark.num_workers:
         raise UsageError(f"--np {config.np} and -n {spark.num_workers} disagree; with --backend spark use -n")
     if config.hosts is not None:
@@ -535,7 +600,6 @@ class SparkChannel(Channel):
     def __init__(self, link: TaskLink) -> None:
         self.host = link.hello.name
         self.partition = link.hello.partition
-        self._spec_sent = False
         self._sock = link.sock
         self._pending = link.leftover
         self._decoder = agent.FrameDecoder()
@@ -547,32 +611,11 @@ class SparkChannel(Channel):
         self.reason = "the Spark task ended without a word (executor lost or task killed?)"
 
     def send(self, data: bytes) -> None:
-        if not self._spec_sent:
-            self._spec_sent = True
-            data = self.tag_spec(data)
         with self._send_lock:
             try:
                 self._sock.sendall(data)
             except OSError as exc:
                 raise HostUnreachable(f"the Spark task is gone ({exc.strerror or exc})", host=self.host) from exc
-
-    def tag_spec(self, data: bytes) -> bytes:
-        """Give this task's agent its own sweep tag, where the spec does not carry one.
-
-        The agent's fallback sweep (no PID namespace) kills every process of the user tagged
-        like its ranks once they are done; tasks of one job often share an executor host, so
-        a job-wide tag would let one task's agent kill its neighbours' ranks. A spec with a
-        per-host ``tag`` is sent as it is; an older one gets the job id ``<job>.task<p>``.
-        """
-        line, newline, rest = data.partition(b"\n")
-        try:
-            spec = json.loads(line)
-        except ValueError:
-            return data
-        if not isinstance(spec, dict) or "ranks" not in spec or spec.get("tag"):
-            return data
-        spec["job_id"] = f"{spec.get('job_id', '')}.task{self.partition}"
-        return json.dumps(spec).encode() + newline + rest
 
     def recv(self, max_bytes: int = 65536) -> bytes:
         if self._pending:
@@ -637,8 +680,14 @@ class SparkChannel(Channel):
         except OSError:
             pass
 
-    def finish(self, verdict: bytes) -> None:
-        """Tell the task how the job ended, and hang up."""
+    def finish(self, verdict: bytes, deadline: float) -> None:
+        """Tell the task how the job ended, and hang up.
+
+        First the task's own end is read (until ``deadline``, ``time.monotonic()``): closing a
+        socket with unread bytes (the ``TASK_END`` frame) sends a reset, which can discard the
+        verdict before the task reads it (its stage would fail although every rank succeeded).
+        """
+        self._eof.wait(max(0.0, deadline - time.monotonic()))
         with self._send_lock:
             try:
                 self._sock.sendall(verdict)
@@ -668,10 +717,11 @@ class SparkTransport(Transport):
     def finish(self, result: RunResult) -> None:
         """Send every task the verdict (its stage fails unless the job succeeded)."""
         verdict = json.dumps({"verdict": result.exit_code, "message": verdict_message(result)}).encode() + b"\n"
+        deadline = time.monotonic() + VERDICT_WAIT
         for name, link in self.links.items():
             channel = self.channels.get(name)
             if channel is not None:
-                channel.finish(verdict)
+                channel.finish(verdict, deadline)
             else:
                 link.sock.close()
 
@@ -821,108 +871,7 @@ class _StageJob:
             self.thread.join(15)
 
 
-class _HeldView:
-    """Passes everything to ``view`` but the summary, which waits until the Spark stage ended
-    (so Spark's own task-failure log lines come before dlrun's summary, not after it)."""
-
-    def __init__(self, view: View) -> None:
-        self.view = view
-        self.result: RunResult | None = None
-
-    def start(self, commands: Sequence[WorkerCommand], log_dir: Path | None) -> None:
-        self.view.start(commands, log_dir)
-
-    def line(self, rank: int, text: str, stream: str) -> None:
-        self.view.line(rank, text, stream)
-
-    def lines(self, rank: int, texts: Sequence[str], stream: str) -> None:
-        self.view.lines(rank, texts, stream)
-
-    def state(self, rank: int, state: RankState, exit_code: int | None) -> None:
-        self.view.state(rank, state, exit_code)
-
-    def notice(self, text: str) -> None:
-        self.view.notice(text)
-
-    def flush(self) -> None:
-        self.view.flush()
-
-    def finish(self, result: RunResult) -> None:
-        self.result = result
-
-
-def _run_stage(
-    sc: Any,
-    config: LaunchConfig,
-    spark: SparkConfig,
-    job_id: str,
-    shipped: tuple[str, str] | None,
-    view: View,
-) -> RunResult:
-    """One barrier stage: hellos, plan, supervisor, verdicts. Returns the supervisor's result."""
-    n = spark.num_workers
-    token = secrets.token_hex(16)
-    server = HelloServer(token, job_id, n)
-    driver_host = str(sc.getConf().get("spark.driver.host", socket.gethostname()))
-    setup = {
-        "driver": [driver_host, server.port],
-        "token": token,
-        "job_id": job_id,
-        "agent_source": agent.agent_source(),
-        "pidns_wrapper": agent.PIDNS_WRAPPER,  # the task may not import dlrun: it gets both as text
-        "pidns": config.pidns,
-        "archive": shipped[0] if shipped else None,
-        "script": shipped[1] if shipped else None,
-    }
-    job = _StageJob(sc, job_id, n, partial(_task_main, setup))
-    view.notice(f"spark: submitting a barrier stage of {n} tasks to {sc.master} (job {job_id})")
-    job.start()
-    transport: SparkTransport | None = None
-    try:
-        links = server.wait(spark.start_timeout, job.failed)
-        server.close()  # every task is in: a retried or stray task finds no door
-        hellos = [link.hello for link in links.values()]
-        missing_gpus = [h.name for h in hellos if len(h.gpus) < spark.gpus_per_worker]
-        if missing_gpus:
-            raise BackendError(
-                f"--gpus-per-worker {spark.gpus_per_worker} but Spark gave {', '.join(missing_gpus)} fewer GPUs",
-                hint="set spark.executor.resource.gpu.amount and spark.executor.resource.gpu.discoveryScript",
-            )
-        transport = SparkTransport(links)
-        held = _HeldView(view)
-        with ExitStack() as stack:
-            rendezvous = None
-            if config.framework == "horovod":
-                rendezvous = stack.enter_context(_horovod_rendezvous(hellos, driver_host))
-            _, commands = task_commands(config, hellos, job_id, rendezvous=rendezvous)
-            if not re.search(r"-r\d+$", job_id):  # once, not again for each restart
-                warn_replaced_env(config, commands)
-            supervisor = Supervisor(
-                transport,
-                commands,
-                held,
-                log_dir=Path(config.log_dir or "dlrun-logs") / job_id,
-                grace=config.grace,
-                host_timeout=config.ssh.host_timeout,
-                pidns=config.pidns,
-            )
-            with forward_signals(supervisor), _watch_stage(job, transport):
-                result = supervisor.run()
-        transport.finish(result)
-        job.end(timeout=10.0 if result.ok else 30.0)
-        view.finish(result)
-        return result
-    finally:
-        server.close()
-        if transport is not None:
-            transport.close()
-        for link in server.links.values():
-            link.sock.close()
-        if job.thread.is_alive():
-            job.end(timeout=0)
-
-
-#: What Spark logs for every failed task: the whole Python traceback of ``_task_main``'s
+#: What Spark logs for every failed task: the whole Python traceback of ``task_main``'s
 #: verdict, once per task (~150 lines for 2 tasks), whose one line of news the root cause holds.
 _TASK_FAILURE_LOGGERS = ("org.apache.spark.executor.Executor", "org.apache.spark.scheduler.TaskSetManager")
 
@@ -1003,145 +952,3 @@ def spark_error_text(exc: BaseException | None) -> str:
     if python and python[-1] not in summary:
         summary += f" | {python[-1][:300]}"
     return summary or type(exc).__name__
-
-
-# ============================================================================ task side
-# Runs on the executors: the standard library and pyspark only. dlrun.spark.driver is pickled by
-# value (cloudpickle.register_pickle_by_value), so executors need not have dlrun installed.
-
-
-def interface_holding(address: str) -> str | None:
-    """The name of this machine's interface holding IPv4 ``address`` (Linux), else None."""
-    try:
-        import fcntl
-    except ImportError:
-        return None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            try:  # SIOCGIFADDR: the interface's primary IPv4 address
-                got = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue
-            if socket.inet_ntoa(got[20:24]) == address:
-                return name
-    return None
-
-
-_SPARK_WORKER_ENV = ("PYTHON_WORKER_", "PYTHON_UDF_", "PYTHON_DAEMON_", "_PYSPARK_", "SPARK_PYTHON_RUNTIME",
-                     "SPARK_REUSE_WORKER", "SPARK_CONNECT_MODE", "SPARK_JOB_ARTIFACT_UUID", "SPARK_LOCAL_DIRS")
-
-
-def rank_environ(environ: Mapping[str, str]) -> dict[str, str]:
-    """The task's environment without what Spark set up for its own Python worker: ranks get
-    what an SSH host's would. Gone: the worker's secret (``PYTHON_WORKER_FACTORY_SECRET``, which
-    authenticates it to the executor), Spark's worker settings, its default ``PYTHONHASHSEED=0``
-    and pyspark's and py4j's entries in ``PYTHONPATH``. Kept: ``SPARK_HOME`` and the like, and
-    ``OMP_NUM_THREADS`` (Spark sets it to the task's CPUs)."""
-    env = {k: v for k, v in environ.items() if not k.startswith(_SPARK_WORKER_ENV)}
-    if env.get("PYTHONHASHSEED") == "0":
-        del env["PYTHONHASHSEED"]
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-             if p and not re.search(r"pyspark|py4j|spark-core", os.path.basename(p))]
-    env.pop("PYTHONPATH", None)
-    if paths:
-        env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
-
-
-def _task_main(setup: Mapping[str, Any], _rows: Iterable[Any]) -> Iterator[str]:
-    import ctypes
-    import signal
-    import subprocess
-    import tempfile
-
-    pyspark = importlib.import_module("pyspark")
-    ctx = pyspark.BarrierTaskContext.get()
-    partition = int(ctx.partitionId())
-    sock = socket.create_connection((setup["driver"][0], int(setup["driver"][1])), timeout=60)
-    host = sock.getsockname()[0]  # the address on the route to the driver
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        port = int(probe.getsockname()[1])
-    # the barrier: no task starts its agent before every task runs (and each learns the others)
-    ctx.allGather(json.dumps({"host": host, "port": port}))
-    resources = ctx.resources()
-    gpus = [str(a) for a in resources["gpu"].addresses] if "gpu" in resources else []
-    script = None
-    if setup["archive"]:
-        script = os.path.join(pyspark.SparkFiles.get(setup["archive"]), setup["script"])
-    hello = {
-        "token": setup["token"],
-        "job_id": setup["job_id"],
-        "partition": partition,
-        "host": host,
-        "port": port,
-        "gpus": gpus,
-        "python": sys.executable,
-        "script": script,
-        "pid": os.getpid(),
-        "iface": interface_holding(host),
-    }
-    sock.settimeout(None)
-    sock.sendall(json.dumps(hello).encode() + b"\n")
-
-    # the agent: the socket is its stdin and stdout; its stderr goes to a file whose tail the
-    # driver gets in TASK_END. It dies with this task: SIGHUP, not SIGTERM, because in a PID
-    # namespace the child is `unshare --fork` (the wrapper execs it), which blocks SIGTERM and
-    # SIGINT while it waits; SIGHUP ends unshare (whose --kill-child then ends the whole
-    # namespace) or, without a namespace, makes the agent kill its ranks.
-    parent = os.getpid()
-    try:
-        libc: Any = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        libc = None
-
-    def die_with_parent() -> None:
-        if libc is not None:
-            libc.prctl(1, int(signal.SIGHUP), 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
-
-    argv = [sys.executable, "-c", setup["agent_source"]]
-    if setup["pidns"]:  # as agent.pidns_argv does on the driver's side
-        argv = ["sh", "-c", setup["pidns_wrapper"], "dlrun-agent", *argv]
-    with tempfile.TemporaryFile() as errors:
-        try:
-            proc = subprocess.Popen(argv, stdin=sock.fileno(), stdout=sock.fileno(), stderr=errors,
-                                    env=rank_environ(os.environ), preexec_fn=die_with_parent)
-            code = proc.wait()
-            code = 128 - code if code < 0 else code
-        except OSError as exc:
-            code = 127
-            errors.write(f"cannot start the dlrun agent with {sys.executable}: {exc}".encode())
-        errors.seek(0)
-        stderr = errors.read()[-8192:].decode(errors="replace")
-    payload = json.dumps({"code": code, "stderr": stderr}).encode()
-    sock.setblocking(True)  # the agent made the shared socket non-blocking
-    verdict: dict[str, Any] | None = None
-    try:
-        sock.sendall(struct.pack(">BiI", TASK_END, -1, len(payload)) + payload)
-        sock.shutdown(socket.SHUT_WR)
-        buf = b""
-        while verdict is None:
-            data = sock.recv(65536)
-            if not data:
-                break
-            buf += data
-            while b"\n" in buf and verdict is None:
-                line, _, buf = buf.partition(b"\n")
-                try:
-                    message = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(message, dict) and "verdict" in message:  # not a late "stop" for the agent
-                    verdict = message
-    except OSError:
-        pass
-    finally:
-        sock.close()
-    if verdict is None:
-        raise RuntimeError(f"dlrun job {setup['job_id']}: the driver hung up before the job ended (agent exit {code})")
-    if int(verdict["verdict"]) != 0:
-        raise RuntimeError(f"dlrun job {setup['job_id']} failed: {verdict.get('message', '')}")
-    yield json.dumps({"partition": partition, "host": host, "agent_exit": code})

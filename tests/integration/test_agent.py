@@ -21,7 +21,7 @@ import pytest
 
 from dlrun.inventory import Host
 from dlrun.push.session import helper_source
-from dlrun.remote import agent
+from dlrun.remote import LOADER, agent
 from dlrun.run.launch import LaunchConfig, launch
 from dlrun.topo.probe import PROBE_SOURCE, parse_probe_output
 from dlrun.transport.base import Channel
@@ -178,7 +178,7 @@ def test_launch_preflight_costs_no_extra_process_per_host(tmp_path: Path, monkey
     code = launch(LaunchConfig(script=str(script), hosts="localhost:2", plain=True, framework="torch"))
     assert code == 0
     assert len(counting.opened) == 1  # one agent for the host's ranks, which also ran the probe; nothing else
-    assert all("-c" in argv and agent.agent_source() in argv for argv in counting.opened)
+    assert all("-c" in argv and LOADER in argv and "dlrun-agent" in argv for argv in counting.opened)  # the bootstrap
 
 
 REAPED_FIRST = r"""

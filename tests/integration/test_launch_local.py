@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -231,7 +232,7 @@ def test_option_values_that_cannot_work_are_usage_errors(tmp_path: Path) -> None
     for args, words in ((["--ranks", "7"], "--ranks 7: the job has ranks 0 to 1"),
                         (["--base-port", "-5"], "not in the range"), (["--grace", "-1"], "not in the range"),
                         (["--shard", "size"], "--shard goes with --data DIR"),
-                        (["--conf", "a=b", "--max-restarts", "1"], "--conf, --max-restarts go with --backend spark"),
+                        (["--conf", "a=b", "--master", "x"], "--master, --conf go with --backend spark"),
                         (["--start-timeout", "5"], "--start-timeout goes with --backend spark"),
                         # the SSH path's options and checks, refused or made before Spark starts
                         (["--backend", "spark", "--master", "local[2]", "--data", str(tmp_path)],
@@ -388,3 +389,136 @@ def test_a_paused_reader_loses_no_line_and_no_host(tmp_path: Path) -> None:
     logs = sorted((tmp_path / "logs").glob("*/rank-*.log"))
     assert [len(p.read_text().splitlines()) for p in logs] == [20000, 20000]
     assert out.decode().count("] rank 1 line ") == 20000
+
+
+AGENT_CMDLINE = """
+import os
+with open(f"/proc/{os.getppid()}/cmdline", "rb") as fh:  # the parent: this host's agent
+    cmdline = fh.read()
+print("agent", len(cmdline), b"dlrun-agent" in cmdline, flush=True)
+"""
+
+
+@pytest.mark.parametrize("pidns", [True, False], ids=["pidns", "no-pidns"])
+def test_the_agents_command_line_is_short_while_a_job_runs(tmp_path: Path, pidns: bool) -> None:
+    # the agent's source comes on its stdin (dlrun.remote.boot_payload): ps shows the whole line
+    script = write(tmp_path / "cmdline.py", AGENT_CMDLINE)
+    out = run_dlrun("launch", "--plain", "--framework", "none", *([] if pidns else ["--no-pidns"]), str(script),
+                    cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    seen = re.findall(r"^\[(\d) localhost\] agent (\d+) (\w+)$", out.stdout, re.M)
+    assert sorted(rank for rank, _, _ in seen) == ["0", "1"], out.stdout
+    assert all(0 < int(size) < 1024 and named == "True" for _, size, named in seen), seen
+
+
+def test_max_restarts_runs_a_failed_job_again_with_a_new_job_id(tmp_path: Path) -> None:
+    script = write(tmp_path / "flaky.py", "import os, sys\njob = os.environ['DLRUN_JOB_ID']\n"
+                   "print('attempt of', job, flush=True)\nsys.exit(0 if job.endswith('-r1') else 3)\n")
+    out = run_dlrun("launch", "--plain", "--framework", "none", "--max-restarts", "2", str(script), cwd=tmp_path,
+                    timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "dlrun: attempt 1 failed (exit code 3): relaunching the job (1 of 2 restarts)" in out.stdout
+    assert re.search(r"^\[0 localhost\] attempt of [\w-]+-r1$", out.stdout, re.M), out.stdout
+    assert out.stdout.count("relaunching") == 1 and out.stdout.rstrip().endswith("-r1/")  # its logs: the last's
+    out = run_dlrun("launch", "--plain", "--framework", "none", "--max-restarts", "0", str(script), cwd=tmp_path)
+    assert out.returncode == 3 and "relaunching" not in out.stdout
+
+
+def test_help_shows_the_options_in_sections() -> None:
+    out = run_dlrun("launch", "--help")
+    assert out.returncode == 0, out.stderr
+    heads = [line for line in out.stdout.splitlines() if line.endswith("options:")]
+    assert heads == ["Job options:", "Output options:", "SSH options:", "Push options:", "Spark options:",
+                     "Other options:"]
+    sections = out.stdout.split("options:\n")
+    assert "--ssh-config" in sections[3] and "--shard" in sections[4] and "--master" in sections[5]
+    assert out.stdout.count("--host-timeout") == 1
+    for command, head in (("topo", "SSH options:"), ("push", "Push options:")):
+        assert head in run_dlrun(command, "--help").stdout
+
+
+def test_the_clis_shard_policies_are_the_pushs() -> None:
+    from dlrun.cli import SHARD_POLICIES
+    from dlrun.push.session import SHARD_POLICIES as PUSHED
+
+    assert SHARD_POLICIES == PUSHED
+
+
+def test_import_dlrun_imports_no_pipeline() -> None:
+    code = ("import sys, dlrun; print([m for m in ('dlrun.run.launch', 'dlrun.api', 'click', 'rich', 'paramiko')"
+            " if m in sys.modules], callable(dlrun.push), callable(dlrun.topo))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout.strip() == "[] True True", out.stderr
+
+
+FAILS_ON_RANK_1 = "import os, sys\nr = int(os.environ['DLRUN_RANK'])\nprint('rank', r, flush=True)\nsys.exit(7 * r)\n"
+
+
+def test_the_python_api_runs_a_real_job_and_returns_its_result(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import dlrun
+    from dlrun.errors import UsageError
+    from dlrun.run.result import RankState
+    from dlrun.run.view import PlainView
+
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path / "job.py", "import os\nprint('rank', os.environ['DLRUN_RANK'], flush=True)\n")
+    out = io.StringIO()
+    result = dlrun.launch(script, ["--flag"], np=2, framework="torch", log_dir=str(tmp_path / "logs"),
+                          env={"A": "1"}, view=PlainView(out))
+    assert result.exit_code == 0 and result.root_cause is None and result.attempts == 1, out.getvalue()
+    assert [(r.rank, r.host, r.state) for r in result.ranks] == [(0, "localhost", RankState.SUCCEEDED),
+                                                                 (1, "localhost", RankState.SUCCEEDED)]
+    assert result.ranks[1].tail == ("rank 1",)
+    assert result.commands[0].argv[-1] == "--flag" and result.commands[0].env["A"] == "1"
+    assert result.log_dir == tmp_path / "logs" / result.job_id
+
+    failing = write(tmp_path / "fail.py", FAILS_ON_RANK_1)
+    result = dlrun.launch(failing, np=2, framework="none", plain=True, grace=2, view=PlainView(io.StringIO()))
+    assert result.exit_code == 7 and result.root_cause is not None
+    assert (result.root_cause.rank, result.root_cause.exit_code, result.root_cause.tail) == (1, 7, ("rank 1",))
+
+    planned = dlrun.launch(script, np=3, dry_run=True, framework="none")
+    assert planned.exit_code == 0 and planned.ranks == () and len(planned.commands) == 3
+
+    with pytest.raises(UsageError, match="--json goes with --dry-run"):
+        dlrun.launch(script, json_output=True)
+
+
+def test_the_python_api_probes_and_pushes(tmp_path: Path) -> None:
+    import dlrun
+
+    found = dlrun.topo()
+    assert [r.host for r in found.reports] == ["localhost"] and found.exit_code in (0, 1)
+    assert found.exit_code == (1 if any(f.severity == "error" for f in found.findings) else 0)
+    (tmp_path / "proj").mkdir()
+    write(tmp_path / "proj" / "train.py", "print(1)\n")
+    hosts = write(tmp_path / "hosts.toml", f'[defaults]\nworkdir = "{tmp_path / "remote"}"\n'
+                  '[[hosts]]\naddress = "localhost"\n')
+    summaries = dlrun.push(str(hosts), code=tmp_path / "proj", live=False, summary=False)
+    assert [(s.host, s.files_sent) for s in summaries] == [("localhost", 1)]
+    assert (tmp_path / "remote" / "proj" / "train.py").read_text() == "print(1)\n"
+    assert dlrun.push(str(hosts), code=tmp_path / "proj", live=False, summary=False)[0].files_unchanged == 1
+
+
+def test_shell_completion_offers_every_group_of_options() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "_DLRUN_COMPLETE": "bash_complete", "COMP_CWORD": "2"}
+    for word, expected in (("--ssh", "--ssh-config"), ("--spl", "--split-lines"), ("--mas", "--master")):
+        out = subprocess.run([sys.executable, "-c", "from dlrun.cli import main; main(prog_name='dlrun')"],
+                             env={**env, "COMP_WORDS": f"dlrun launch {word}"}, capture_output=True, text=True)
+        assert f"plain,{expected}" in out.stdout.splitlines(), (word, out.stdout, out.stderr)
+
+
+def test_the_python_api_runs_a_job_from_a_thread(tmp_path: Path) -> None:
+    # only the main thread may set signal handlers: a job started from another one runs without
+    from concurrent.futures import ThreadPoolExecutor
+
+    import dlrun
+    from dlrun.run.view import PlainView
+
+    script = write(tmp_path / "job.py", "print('hello', flush=True)\n")
+    with ThreadPoolExecutor(1) as pool:
+        result = pool.submit(dlrun.launch, script, np=1, framework="none", log_dir=str(tmp_path / "logs"),
+                             view=PlainView(io.StringIO())).result(timeout=120)
+    assert result.exit_code == 0 and result.ranks[0].tail == ("hello",)

@@ -34,15 +34,13 @@ from dlrun.spark.driver import (
     Slots,
     SparkConfig,
     TaskHello,
-    _task_main,
     import_pyspark,
-    interface_holding,
-    rank_environ,
     run_spark,
     slots_message,
     spark_context,
     task_commands,
 )
+from dlrun.spark.task import interface_holding, rank_environ, task_main
 
 from conftest import REPO
 from support.sshd_cluster import count_job_processes as job_processes
@@ -135,11 +133,11 @@ def task_process_of(pid: int) -> int:
 
 
 def run(tmp_path: Path, script: str | Path, *args: str, view: Any = None, pidns: bool = True,
-        **spark: Any) -> tuple[int, str, float]:
+        max_restarts: int = 0, **spark: Any) -> tuple[int, str, float]:
     """run_spark with a PlainView into a string; (exit code, output, seconds)."""
     out = Recorder()
     config = LaunchConfig(script=str(script), args=args, log_dir=str(tmp_path / "logs"), grace=2, plain=True,
-                          pidns=pidns)
+                          pidns=pidns, max_restarts=max_restarts)
     started = time.monotonic()
     code = run_spark(config, SparkConfig(**spark), view=view or PlainView(out))
     return code, out.getvalue(), time.monotonic() - started
@@ -328,17 +326,18 @@ def test_missing_pyspark_and_java_say_what_to_install(monkeypatch: pytest.Monkey
 
 
 def test_importing_the_backend_does_not_import_pyspark() -> None:
-    probe = "import sys, dlrun.spark.driver, dlrun.cli; print('pyspark' in sys.modules, 'py4j' in sys.modules)"
+    probe = ("import sys, dlrun.spark.driver, dlrun.spark.task, dlrun.cli;"
+             " print('pyspark' in sys.modules, 'py4j' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.stdout.strip() == "False False", out.stderr
 
 
 def test_the_task_function_needs_no_dlrun_on_the_executors() -> None:
-    import dlrun.spark.driver
+    import dlrun.spark.task
 
     cloudpickle = pyspark.cloudpickle
-    cloudpickle.register_pickle_by_value(dlrun.spark.driver)
-    data = cloudpickle.dumps(partial(_task_main, {"driver": ["h", 1]}))
+    cloudpickle.register_pickle_by_value(dlrun.spark.task)
+    data = cloudpickle.dumps(partial(task_main, {"driver": ["h", 1]}))
     probe = ("import pickle, sys\n"
              "sys.modules['dlrun'] = None  # importing dlrun now fails\n"
              "task = pickle.loads(sys.stdin.buffer.read())\n"
@@ -346,7 +345,7 @@ def test_the_task_function_needs_no_dlrun_on_the_executors() -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(pyspark.__file__).parent.parent)}
     out = subprocess.run([sys.executable, "-c", probe], input=data, capture_output=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr.decode()
-    assert out.stdout.decode().strip() == "_task_main ['h', 1]"
+    assert out.stdout.decode().strip() == "task_main ['h', 1]"
 
 
 # ============================================================================ local[3]
@@ -446,6 +445,16 @@ class TestLocal:
         assert code == 0, out
         assert "attempt 1 failed (exit code 3): relaunching the barrier stage (1 of 1 restarts)" in out
         assert re.search(r"\] attempt of [\w-]+-r1(\.task[01])?$", out, re.M), out
+
+    def test_the_python_api_runs_a_stage_and_returns_its_result(self, tmp_path: Path) -> None:
+        import dlrun
+
+        out = Recorder()
+        result = dlrun.launch(write(tmp_path / "fail.py", FLAKY), backend="spark", master=self.MASTER, np=2,
+                              log_dir=str(tmp_path / "logs"), grace=2, view=PlainView(out))
+        assert result.exit_code == 3 and result.attempts == 1, out.getvalue()
+        assert result.root_cause is not None and result.root_cause.host.startswith("task")
+        assert [r.host.split("@")[0] for r in result.ranks] == ["task0", "task1"]
 
     def test_ctrl_c_stops_every_rank_and_the_stage(self, tmp_path: Path) -> None:
         out = Recorder()

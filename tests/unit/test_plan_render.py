@@ -168,7 +168,7 @@ address = "10.0.0.3"
 
 
 def socket_vars(framework: str, iface: str | None = None, found: dict[str, str] | None = None) -> list[dict[str, str]]:
-    from dlrun.run.launch import socket_ifaces
+    from dlrun.run.addresses import socket_ifaces
 
     plan = make_plan(parse_toml_inventory(HETERO_NICS), job_id="j", framework=framework)
     commands = worker_commands(plan, "t.py", [], python_for={h.name: ["python3"] for h in plan.hosts},
@@ -201,7 +201,7 @@ def test_found_interface_goes_to_gloo_only_and_named_ones_win() -> None:
 
 
 def test_every_rank_on_loopback_uses_lo() -> None:
-    from dlrun.run.launch import socket_ifaces
+    from dlrun.run.addresses import socket_ifaces
 
     plan = make_plan(parse_inline("127.0.0.2:1,127.0.0.3:1"), job_id="j", framework="horovod")
     assert {h: i.name for h, i in socket_ifaces(plan, None, {"127.0.0.2": "eth0"}).items()} == {
@@ -210,7 +210,7 @@ def test_every_rank_on_loopback_uses_lo() -> None:
 
 def test_interfaces_at_finds_the_one_holding_the_hosts_address() -> None:
     # this machine's own probe: the interface holding each of its IPv4 addresses
-    from dlrun.run.launch import interfaces_at
+    from dlrun.run.addresses import interfaces_at
     from dlrun.topo.probe import probe_local
 
     report = probe_local("here")
@@ -224,16 +224,17 @@ def test_interfaces_at_finds_the_one_holding_the_hosts_address() -> None:
 
 def test_local_hosts_in_a_job_with_remote_ones_get_the_address_facing_them(monkeypatch: pytest.MonkeyPatch) -> None:
     # MASTER_ADDR, TF_CONFIG and HOROVOD_HOSTNAME at 127.0.0.1 would send the remote ranks to themselves
-    import dlrun.run.launch
-    from dlrun.run.launch import reachable_addresses
+    import dlrun.run.addresses
+    from dlrun.run.addresses import reachable_addresses
 
     mixed = parse_inline("localhost:1,10.0.0.5:1").hosts
-    monkeypatch.setattr(dlrun.run.launch, "facing_address", lambda remote: "10.0.0.9" if remote == ["10.0.0.5"] else "")
+    monkeypatch.setattr(dlrun.run.addresses, "facing_address",
+                        lambda remote: "10.0.0.9" if remote == ["10.0.0.5"] else "")
     assert reachable_addresses(mixed, {"localhost": "127.0.0.1"}) == {"localhost": "10.0.0.9", "10.0.0.5": "10.0.0.5"}
     plan = make_plan(parse_inline("localhost:1,10.0.0.5:1"), job_id="j", framework="torch",
                      addresses=reachable_addresses(mixed, {}))
     assert torch_env(plan, plan.ranks[1])["MASTER_ADDR"] == "10.0.0.9"
-    monkeypatch.setattr(dlrun.run.launch, "facing_address", lambda remote: "0.0.0.0")  # no route: left as found
+    monkeypatch.setattr(dlrun.run.addresses, "facing_address", lambda remote: "0.0.0.0")  # no route: left as found
     assert reachable_addresses(mixed, {"localhost": "127.0.0.1"})["localhost"] == "127.0.0.1"
     monkeypatch.undo()
     # hosts on loopback addresses (the sshd test cluster) keep theirs, and so does this machine

@@ -9,8 +9,10 @@ from pathlib import Path
 
 from dlrun.inventory import parse_inline
 from dlrun.plan import make_plan
+from dlrun.remote import boot_payload
 from dlrun.render import worker_commands
-from dlrun.run.supervisor import LineSplitter, RankState, Supervisor
+from dlrun.run.result import RankState
+from dlrun.run.supervisor import LineSplitter, Supervisor
 from dlrun.run.view import PlainView
 from dlrun.testing import FakeRank, FakeTransport
 
@@ -174,7 +176,7 @@ def test_rank_never_started_is_not_started_not_stopped(tmp_path: Path) -> None:
 
 
 def test_agents_started_early_are_watched_and_pinged_before_the_spec() -> None:
-    from dlrun.run.supervisor import HostAgents
+    from dlrun.run.agents import HostAgents
 
     transport = FakeTransport()
     hosts = parse_inline("a:1,b:1").hosts
@@ -184,6 +186,8 @@ def test_agents_started_early_are_watched_and_pinged_before_the_spec() -> None:
         assert wait_until(lambda: all(sum(m.get("op") == "ping" for m in transport.channels[h.name].sent) >= 2
                                  for h in hosts), 10)
         for h in hosts:
+            # the bootstrap's payload first (the agent's source), then the messages
+            assert transport.channels[h.name].program == boot_payload("agent")[10:]
             assert transport.channels[h.name].sent[0] == {"op": "watch", "host_timeout": 0.6}
     finally:
         agents.close()

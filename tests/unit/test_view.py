@@ -7,8 +7,9 @@ from rich.console import Console
 from dlrun.inventory import parse_inline, parse_toml_inventory
 from dlrun.plan import make_plan
 from dlrun.render import worker_commands
-from dlrun.run.supervisor import RankResult, RankState, RunResult
-from dlrun.run.view import LiveView, PlainView, root_cause_lines, summary_lines
+from dlrun.run.live import LiveView
+from dlrun.run.result import RankResult, RankState, RunResult
+from dlrun.run.view import PlainView, root_cause_lines, summary_lines
 
 
 def cmds():  # type: ignore[no-untyped-def]

@@ -1,0 +1,220 @@
+"""dlrun from Python: ``launch``, ``topo`` and ``push`` take the commands' settings as keyword
+arguments (named as the options, ``--no-X`` flags as ``X=False``) and return result records.
+
+The ``dlrun`` command line is a thin layer over these functions; the option records
+(``SSHOptions``, ``LaunchConfig``, ``SparkConfig``) are built here and nowhere else. Heavy
+modules are imported inside the functions, so ``import dlrun`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dlrun.errors import UsageError
+from dlrun.plan import DEFAULT_HOST_TIMEOUT
+from dlrun.run.result import RunResult
+
+if TYPE_CHECKING:
+    from dlrun.push.session import HostPushSummary
+    from dlrun.run.launch import SSHOptions
+    from dlrun.run.supervisor import View
+    from dlrun.topo.findings import Finding
+    from dlrun.topo.records import HostReport
+
+
+@dataclass(frozen=True)
+class TopoResult:
+    """What ``topo`` found: each host's report, the findings across hosts, the env dlrun
+    suggests, and the exit code (1 when a finding is an error)."""
+
+    reports: tuple[HostReport, ...]
+    findings: tuple[Finding, ...]
+    env: Mapping[str, str]
+    exit_code: int
+
+
+def ssh_options(
+    *,
+    ssh_config: str | None = None,
+    known_hosts: str | None = None,
+    accept_new_host_keys: bool = False,
+    connect_timeout: float = 10.0,
+    host_timeout: float = DEFAULT_HOST_TIMEOUT,
+) -> SSHOptions:
+    """The SSH settings every command shares."""
+    from dlrun.run.launch import SSHOptions
+
+    return SSHOptions(config_file=ssh_config, accept_new_host_keys=accept_new_host_keys,
+                      connect_timeout=connect_timeout, known_hosts=known_hosts, host_timeout=host_timeout)
+
+
+def launch(
+    script: str | Path,
+    args: Sequence[str] = (),
+    *,
+    hosts: str | None = None,
+    np: int | None = None,
+    framework: str = "tf",
+    base_port: int | None = None,
+    dry_run: bool = False,
+    json_output: bool = False,
+    log_dir: str | None = None,
+    grace: float = 10.0,
+    ranks: Sequence[int] | None = None,
+    env: Mapping[str, str] | None = None,
+    iface: str | None = None,
+    plain: bool = False,
+    pidns: bool = True,
+    preflight: bool = True,
+    push: bool = True,
+    data: str | None = None,
+    shard: str = "files",
+    split_lines: bool = False,
+    code: str | Path | None = None,
+    max_push_size: str | None = None,
+    setup: str | None = None,
+    setup_always: bool = False,
+    max_restarts: int = 0,
+    backend: str = "ssh",
+    master: str | None = None,
+    cores_per_worker: int = 1,
+    gpus_per_worker: int = 0,
+    conf: Mapping[str, str] | None = None,
+    start_timeout: float = 120.0,
+    ssh_config: str | None = None,
+    known_hosts: str | None = None,
+    accept_new_host_keys: bool = False,
+    connect_timeout: float = 10.0,
+    host_timeout: float = DEFAULT_HOST_TIMEOUT,
+    view: View | None = None,
+) -> RunResult:
+    """Run ``script`` on every rank, as ``dlrun launch`` does; how the job ended.
+
+    The result has the exit code, every rank's ``RankResult`` and the root cause; a dry run's
+    has the rendered ``commands``. ``ranks``: the ranks shown (``--ranks``); ``view``: where the
+    ranks' lines go (default: the terminal's live view, plain lines elsewhere).
+    """
+    from dlrun.run.launch import LaunchConfig, run_job
+
+    if json_output and not dry_run:
+        raise UsageError("--json goes with --dry-run")
+    if backend not in ("ssh", "spark"):
+        raise UsageError(f"--backend {backend}: expected ssh or spark")
+    config = LaunchConfig(
+        script=str(script), args=tuple(str(a) for a in args), hosts=hosts, np=np, base_port=base_port,
+        framework=framework, dry_run=dry_run, json_output=json_output, log_dir=log_dir, grace=grace,
+        ranks_shown=None if ranks is None else tuple(ranks), env=dict(env or {}), iface=iface, plain=plain,
+        pidns=pidns, preflight=preflight, push=push, data=None if data is None else str(data), shard=shard,
+        split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
+        max_push_size=max_push_size, setup=setup, setup_always=setup_always,
+        ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
+                        connect_timeout=connect_timeout, host_timeout=host_timeout),
+    )
+    if backend != "spark":
+        return run_job(config, view=view)
+    from dlrun.spark.driver import SparkConfig, SparkEngine
+
+    if master is None:
+        raise UsageError("--backend spark needs --master URL")
+    if hosts is not None:
+        raise UsageError("--backend spark takes its workers from Spark: drop --hosts")
+    spark = SparkConfig(master=master, num_workers=2 if np is None else np, cores_per_worker=cores_per_worker,
+                        gpus_per_worker=gpus_per_worker, conf=dict(conf or {}), start_timeout=start_timeout)
+    return run_job(config, SparkEngine(spark), view=view)
+
+
+def topo(
+    hosts: str | None = None,
+    *,
+    ssh_config: str | None = None,
+    known_hosts: str | None = None,
+    accept_new_host_keys: bool = False,
+    connect_timeout: float = 10.0,
+    host_timeout: float = DEFAULT_HOST_TIMEOUT,
+) -> TopoResult:
+    """Probe every host (this machine without ``hosts``), as ``dlrun topo`` does."""
+    from dlrun.inventory import load_inventory
+    from dlrun.run.launch import make_transport
+    from dlrun.topo.findings import analyse, exit_code, suggested_env
+    from dlrun.topo.preflight import probe_hosts
+    from dlrun.topo.probe import probe_local
+
+    reports: tuple[HostReport, ...]
+    if hosts is None:
+        reports = (probe_local(),)
+        slots = None
+    else:
+        inventory = load_inventory(hosts)
+        transport = make_transport(inventory, ssh_options(
+            ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
+            connect_timeout=connect_timeout, host_timeout=host_timeout))
+        try:
+            reports = probe_hosts(transport, inventory.hosts)
+        finally:
+            transport.close()
+        slots = {h.name: h.slots for h in inventory.hosts if h.slots is not None}
+    findings = tuple(analyse(reports, slots))
+    return TopoResult(reports, findings, suggested_env(reports), exit_code(findings))
+
+
+def push(
+    hosts: str,
+    *,
+    code: str | Path | None = None,
+    data: str | Path | None = None,
+    shard: str = "files",
+    split_lines: bool = False,
+    project: str | None = None,
+    delete: bool = True,
+    max_push_size: str | None = None,
+    dry_run: bool = False,
+    live: bool | None = None,
+    summary: bool = True,
+    ssh_config: str | None = None,
+    known_hosts: str | None = None,
+    accept_new_host_keys: bool = False,
+    connect_timeout: float = 10.0,
+    host_timeout: float = DEFAULT_HOST_TIMEOUT,
+) -> tuple[HostPushSummary, ...]:
+    """Push ``code`` and each host's shard of ``data``, as ``dlrun push`` does; one summary per
+    host. ``live``: progress bars (default: on a terminal); ``summary``: print the closing table.
+    ``max_push_size``: the code push's limit (``500M``, ``none``); ``dry_run``: survey the hosts and
+    say what would be sent and deleted, writing nothing."""
+    from dlrun.inventory import load_inventory
+    from dlrun.push.session import push as push_to
+    from dlrun.push.tree import PushLimit, parse_size
+    from dlrun.push.view import PushView
+    from dlrun.run.launch import make_transport
+
+    limit = parse_size(max_push_size) if max_push_size is not None else PushLimit()
+    if code is None and data is None:
+        raise UsageError("nothing to push: give --code DIR and/or --data DIR")
+    inventory = load_inventory(hosts)
+    transport = make_transport(inventory, ssh_options(
+        ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
+        connect_timeout=connect_timeout, host_timeout=host_timeout))
+    try:
+        transport.connect(inventory.hosts)
+        with PushView([h.name for h in inventory.hosts], live=False if dry_run else live) as view:
+            summaries = push_to(
+                transport,
+                inventory.hosts,
+                code_dir=Path(code) if code else None,
+                data_dir=Path(data) if data else None,
+                shard=shard,
+                split_lines=split_lines,
+                project=project,
+                delete=delete,
+                progress=view.progress,
+                file_progress=view.files,
+                limit=limit,
+                dry_run=dry_run,
+            )
+            if summary:
+                view.finish(summaries)
+    finally:
+        transport.close()
+    return summaries

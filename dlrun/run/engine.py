@@ -1,0 +1,101 @@
+"""What an engine is to the launch pipeline: the part that places a job's ranks.
+
+``dlrun.run.launch.run_job`` checks the options, shows the view, supervises every attempt,
+restarts and turns the result into an exit code, once for every engine. An engine decides
+where the ranks run and how their hosts' agents are reached: the hosts engine
+(``dlrun.run.launch.HostsEngine``: the inventory's hosts over SSH or on this machine) or the
+Spark engine (``dlrun.spark.driver.SparkEngine``: the tasks of a barrier stage). Each attempt
+is one ``place``: the engine yields a ``Placement``, the pipeline supervises it, and the
+placement hears how it ended (``done``) before the engine cleans up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from dlrun.inventory import Inventory
+from dlrun.render import WorkerCommand
+from dlrun.run.result import RankState, RunResult
+
+if TYPE_CHECKING:
+    from dlrun.run.agents import HostAgents
+    from dlrun.run.launch import LaunchConfig
+    from dlrun.run.supervisor import View
+    from dlrun.transport.base import Transport
+
+
+def _nothing(_result: RunResult) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One attempt's ranks, placed: their commands, the transport that reaches their agents
+    (``agents``: started already, e.g. for the preflight), which rank's end ends the job, what
+    runs beside the supervisor (``watch``) and who hears how it ended (``done``)."""
+
+    transport: Transport
+    commands: tuple[WorkerCommand, ...]
+    agents: HostAgents | None = None
+    ends_job: Callable[[WorkerCommand], bool] | None = None
+    watch: Callable[[], AbstractContextManager[None]] = nullcontext
+    done: Callable[[RunResult], None] = _nothing
+
+
+class Engine(Protocol):
+    """Places the ranks; everything above placing is the pipeline's."""
+
+    #: what a restart relaunches, in the notice ("the job", "the barrier stage")
+    restart_unit: str
+    #: the hosts known before anything starts (options' checks and warnings; Spark: a stand-in)
+    inventory: Inventory
+
+    def prepare(self, config: LaunchConfig) -> LaunchConfig:
+        """Refuse what cannot work before anything starts; the config as this engine runs it."""
+        ...
+
+    def dry_run(self, config: LaunchConfig, job_id: str) -> tuple[WorkerCommand, ...]:
+        """The commands a launch would run, started nowhere."""
+        ...
+
+    def session(self, config: LaunchConfig, job_id: str) -> AbstractContextManager[LaunchConfig]:
+        """Everything every attempt shares (connections, a Spark context, the pushed code);
+        yields the config the attempts run (a pushed script is named as on the hosts)."""
+        ...
+
+    def place(self, config: LaunchConfig, job_id: str, view: View) -> AbstractContextManager[Placement]:
+        """One attempt's ranks, placed and rendered; cleaned up when the attempt ends."""
+        ...
+
+
+class HeldView:
+    """Passes everything to ``view`` but the summary, which the pipeline shows once the
+    placement is cleaned up (a Spark stage's own failure lines come before dlrun's summary)."""
+
+    def __init__(self, view: View) -> None:
+        self.view = view
+
+    def start(self, commands: Sequence[WorkerCommand], log_dir: Path | None) -> None:
+        self.view.start(commands, log_dir)
+
+    def line(self, rank: int, text: str, stream: str) -> None:
+        self.view.line(rank, text, stream)
+
+    def lines(self, rank: int, texts: Sequence[str], stream: str) -> None:
+        self.view.lines(rank, texts, stream)
+
+    def state(self, rank: int, state: RankState, exit_code: int | None) -> None:
+        self.view.state(rank, state, exit_code)
+
+    def notice(self, text: str) -> None:
+        self.view.notice(text)
+
+    def flush(self) -> None:
+        self.view.flush()
+
+    def finish(self, result: RunResult) -> None:
+        pass

@@ -1,0 +1,58 @@
+"""How a job ended: each rank's state and result, and the job's (pure records).
+
+Rank lifecycle (``RankState``): PENDING → RUNNING → SUCCEEDED | FAILED | STOPPED | LOST
+(NOT_STARTED when dlrun stopped the job before the rank's process was started).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+
+from dlrun.render import WorkerCommand
+
+
+class RankState(enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"  # ended because dlrun stopped it
+    NOT_STARTED = "not started"  # dlrun stopped the job before this rank's process was started
+    LOST = "lost"  # its host's connection dropped before it reported an exit
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int
+    host: str
+    state: RankState
+    exit_code: int | None
+    duration: float | None
+    tail: tuple[str, ...] = ()
+    error: str | None = None  # agent's words when the rank could not start
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How a job ended: per-rank results, the root cause and the exit code for the shell.
+
+    ``commands``: what the ranks ran (a dry run's result has only these); ``attempts``: how
+    many times the job ran (``max_restarts``); ``job_id``: the first attempt's id (a restart's
+    is ``<job_id>-r<k>``, in ``log_dir``).
+    """
+
+    ranks: tuple[RankResult, ...]
+    exit_code: int
+    root_cause: RankResult | None = None
+    interrupted_by: int | None = None
+    log_dir: Path | None = None
+    commands: tuple[WorkerCommand, ...] = ()
+    job_id: str = ""
+    attempts: int = 1
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
