@@ -562,7 +562,7 @@ for fname in sorted(os.listdir(HERE)):
                       [*US, PY, "-c", PROTO, "--in-pidns"]))
 if os.path.exists(os.path.join(HERE, "probe_src.py")):
     PROBE = open(os.path.join(HERE, "probe_src.py")).read()
-    CASES.insert(6, ("preflight probe: python -c PROBE_SOURCE", plain_run, [PY, "-c", PROBE]))
+    CASES.insert(6, ("preflight probe: python -c <the probe's source>", plain_run, [PY, "-c", PROBE]))
 out = []
 for name, fn, argv in CASES:
     walls, cpus, marks = [], [], []
@@ -598,19 +598,14 @@ def minify_source(source: str) -> str:
 
 def agent_costs(bench: Bench, repeat: int) -> list[dict[str, Any]]:
     sys.path.insert(0, str(REPO))
-    from dlrun.remote import agent
+    from dlrun.remote import agent, source_of
 
     d = bench.trivial.parent
-    source = agent.agent_source()
+    source = source_of("agent")
     write_script(d, "agent_src.py", source)
     write_script(d, "agent_min.py", minify_source(source))
     write_script(d, "pidns_wrapper.sh", agent.PIDNS_WRAPPER)
-    try:
-        from dlrun.topo.probe import PROBE_SOURCE
-    except ImportError:
-        pass
-    else:
-        write_script(d, "probe_src.py", PROBE_SOURCE)
+    write_script(d, "probe_src.py", source_of("probe"))
     for name, path in bench.protos.items():  # prototypes whose agent differs from the repo's
         proto_agent = Path(path) / "dlrun" / "agent.py"
         if proto_agent.exists() and proto_agent.read_text() != source:

@@ -69,7 +69,7 @@ from dlrun.remote import boot_argv, boot_payload, source_of
 from dlrun.transport.base import Channel, Transport, default_python
 
 # Kept importable from here, where dlrun.run and older callers import them.
-__all__ = ["HELPER_SOURCE", "HostPushSummary", "Manifest", "PushTarget", "code_dir_on", "code_target",
+__all__ = ["HostPushSummary", "Manifest", "PushTarget", "code_dir_on", "code_target",
            "helper_source", "push", "scan_code", "settled_push", "shard_env", "survey_request"]
 
 # One SSH packet: OpenSSH's 32 KiB maximum less the 64 bytes paramiko keeps for the header. A
@@ -87,7 +87,6 @@ def helper_source() -> str:
     return source_of("push_helper")
 
 
-HELPER_SOURCE = helper_source()  # the same, as a constant (dlrun.run.supervisor sends it)
 
 # The helper needs the standard library only: without ``site`` a virtual environment's .pth
 # files are not processed at start (47 -> 26 ms of host CPU per push in the dev venv).

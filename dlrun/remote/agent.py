@@ -1,8 +1,8 @@
 """The host agent: starts one host's ranks, streams their output back, and is their watchdog.
 
-This module runs on the worker host, as ``python3 -c <this file's source>`` — over one SSH
-exec channel, or as a local subprocess for localhost ranks — so it imports only the standard
-library and runs on Python >= 3.8. It owns the lifecycle of every process of the job on its
+This module runs on the worker host, shipped by ``dlrun.remote``'s loader — over one SSH exec
+channel, as a local subprocess for localhost ranks, or in a Spark task — so it imports only the
+standard library and runs on Python >= 3.8. It owns the lifecycle of every process of the job on its
 host:
 
 * **Input (stdin)**: newline-delimited JSON messages. ``{"op": "probe", "source"}``
@@ -796,12 +796,6 @@ def _on_signal(agent: Agent, signum: int) -> None:
 def main() -> None:
     code = _run_agent(sys.argv[1:])
     sys.exit(code)
-
-
-def agent_source() -> str:
-    """This file's source: the controller runs it on a host as ``python3 -c <source>``."""
-    with open(__file__, encoding="utf-8") as fh:
-        return fh.read()
 
 
 if __name__ == "__main__":

@@ -107,9 +107,9 @@ class HostAgents:
             name, asked, request = link.host.name, set(), watch
             survey = (surveys or {}).get(name)
             if survey is not None:
-                from dlrun.push.session import HELPER_SOURCE
+                from dlrun.remote import source_of
 
-                request += encode_message({"op": "survey", "source": HELPER_SOURCE, "request": survey})
+                request += encode_message({"op": "survey", "source": source_of("push_helper"), "request": survey})
                 asked.add(agent.SURVEY)
             if probe is not None:
                 request += encode_message({"op": "probe", "source": probe})

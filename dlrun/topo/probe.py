@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from dlrun.remote import boot_argv, boot_payload, source_of
+from dlrun.remote import boot_argv, boot_payload
 from dlrun.topo.parse import (
     parse_cuda_version,
     parse_driver_version,
@@ -33,7 +33,6 @@ from dlrun.topo.records import Gpu, HostReport, NetInterface, TopoMatrix, attach
 PROBE_VERSION = 1
 
 #: The probe program's source, for the agent's ``probe`` op (it runs the program inside itself).
-PROBE_SOURCE = source_of("probe")
 
 
 def _load_document(stdout: str) -> dict[str, Any] | None:

@@ -21,9 +21,9 @@ import pytest
 
 from dlrun.inventory import Host
 from dlrun.push.session import helper_source
-from dlrun.remote import LOADER, agent
+from dlrun.remote import LOADER, agent, boot_argv, boot_payload, source_of
 from dlrun.run.launch import LaunchConfig, launch
-from dlrun.topo.probe import PROBE_SOURCE, parse_probe_output
+from dlrun.topo.probe import parse_probe_output
 from dlrun.transport.base import Channel
 from dlrun.transport.local import HostRouter, LocalTransport
 
@@ -35,25 +35,37 @@ def talk(argv: Sequence[str], messages: Sequence[dict[str, object]], env: dict[s
     """Send the messages, close stdin once the agent is done, return every frame it sent."""
     proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in messages))
+    boot = boot_payload("agent") if LOADER in argv else b""  # the loader reads the agent first
+    proc.stdin.write(boot + b"".join(json.dumps(m).encode() + b"\n" for m in messages))
     proc.stdin.flush()
     decoder = agent.FrameDecoder()
     frames: list[tuple[int, int, bytes]] = []
     starts = any(m.get("op", "start") == "start" for m in messages)
+    questions = sum(m.get("op") in ("probe", "survey", "ports") for m in messages)
     while True:
         data = proc.stdout.read1(65536)
         if not data:
             break
         frames += decoder.feed(data)
-        kinds = {k for k, _, _ in frames}
-        if agent.DONE in kinds or (not starts and kinds & {agent.PROBE, agent.SURVEY}):
+        answers = sum(k in (agent.PROBE, agent.SURVEY, agent.PORTS) for k, _, _ in frames)
+        done = any(k == agent.DONE for k, _, _ in frames) or (not starts and answers >= questions)
+        if done and not proc.stdin.closed:
             proc.stdin.close()
     proc.wait(timeout)
     return frames
 
 
 def agent_cmd(*extra: str) -> list[str]:
-    return [sys.executable, "-c", agent.agent_source(), *extra]
+    return boot_argv([sys.executable], "agent", *extra)
+
+
+def start_agent() -> subprocess.Popen[bytes]:
+    """An agent started as the controller starts one: the loader, then its source on stdin."""
+    proc = subprocess.Popen(agent_cmd(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None
+    proc.stdin.write(boot_payload("agent"))
+    proc.stdin.flush()
+    return proc
 
 
 def hello(frames: list[tuple[int, int, bytes]]) -> dict[str, object]:
@@ -62,7 +74,7 @@ def hello(frames: list[tuple[int, int, bytes]]) -> dict[str, object]:
 
 def test_probe_runs_inside_the_agent_before_the_spec() -> None:
     spec = {"job_id": "j1", "ranks": [{"rank": 0, "argv": [sys.executable, "-c", "print('hi')"], "env": {}}]}
-    frames = talk(agent_cmd(), [{"op": "probe", "source": PROBE_SOURCE}, spec])
+    frames = talk(agent_cmd(), [{"op": "probe", "source": source_of("probe")}, spec])
     kinds = [k for k, _, _ in frames]
     assert kinds.index(agent.PROBE) < kinds.index(agent.STARTED)
     report = parse_probe_output("here", next(p for k, _, p in frames if k == agent.PROBE).decode())
@@ -220,7 +232,7 @@ SLEEPING_RANK = "import time\nprint('up', flush=True)\ntime.sleep(600)\n"
 def start_silent_job(script: str, host_timeout: float) -> tuple[subprocess.Popen[bytes], int]:
     """An agent (no PID namespace) whose controller sends the spec, then nothing: returns the
     agent and its rank's pid. stdin stays open, as over a connection whose far end vanished."""
-    proc = subprocess.Popen(agent_cmd(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = start_agent()
     assert proc.stdin is not None and proc.stdout is not None
     spec = {"job_id": "silent", "eof_grace": 0.5, "host_timeout": host_timeout,
             "ranks": [{"rank": 0, "argv": [sys.executable, "-c", script], "env": {}}]}
@@ -267,7 +279,7 @@ def test_a_silent_controller_makes_the_agent_stop_its_ranks(rank: str) -> None:
 
 def test_a_watch_arms_the_silence_clock_before_the_spec() -> None:
     # an agent started early (probe, push survey) whose controller then vanishes: it ends by itself
-    proc = subprocess.Popen(agent_cmd(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = start_agent()
     assert proc.stdin is not None and proc.stdout is not None
     try:
         proc.stdin.write(b'{"op": "watch", "host_timeout": 1.0}\n')
@@ -286,7 +298,7 @@ def test_a_watch_arms_the_silence_clock_before_the_spec() -> None:
 
 def test_a_probe_longer_than_the_host_timeout_does_not_end_a_pinged_agent() -> None:
     # the pings wait unread while the probe runs; they count as heard once it returns
-    proc = subprocess.Popen(agent_cmd(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = start_agent()
     assert proc.stdin is not None and proc.stdout is not None
     try:
         proc.stdin.write(b'{"op": "watch", "host_timeout": 1.0}\n'
