@@ -136,7 +136,8 @@ def port_free(port: int) -> bool:
 
 
 def which(name: str) -> str | None:
-    """``shutil.which`` for a bare name (nvidia-smi is found on PATH, as the probe finds it)."""
+    """``shutil.which`` for a bare name (nvidia-smi is found on PATH, as the probe finds it).
+    The probe has the same function: each host program is shipped alone and imports no other."""
     for folder in os.environ.get("PATH", os.defpath).split(os.pathsep):
         path = os.path.join(folder or ".", name)
         if os.path.isfile(path) and os.access(path, os.X_OK):
@@ -592,6 +593,14 @@ class Agent:
                 return
             time.sleep(0.05)
 
+    def done(self) -> int:
+        """Every rank has exited: sweep what they left, tidy up, say DONE; the exit status."""
+        self.sweep()
+        self.remove_error_files()
+        self.emit(DONE, AGENT_RANK, b"")
+        self.flush()
+        return 0
+
     def remove_error_files(self) -> None:
         """Take the ranks' error files and their folders away (read already, at each exit)."""
         for path in self.error_files.values():
@@ -762,11 +771,7 @@ def _run_agent(argv: list[str]) -> int:
         if started and agent.all_exited():
             agent.gpus.stop(agent.sel)
             agent.flush()
-            agent.sweep()
-            agent.remove_error_files()
-            agent.emit(DONE, AGENT_RANK, b"")
-            agent.flush()
-            return 0
+            return agent.done()
 
 
 def _finish(agent: Agent) -> int:
@@ -778,11 +783,7 @@ def _finish(agent: Agent) -> int:
         if agent.kill_at is not None and time.monotonic() >= agent.kill_at:
             agent.signal_all(signal.SIGKILL)
         agent.flush()
-    agent.sweep()
-    agent.remove_error_files()
-    agent.emit(DONE, AGENT_RANK, b"")
-    agent.flush()
-    return 0
+    return agent.done()
 
 
 def _on_signal(agent: Agent, signum: int) -> None:
