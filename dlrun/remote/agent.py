@@ -1,56 +1,12 @@
 """The host agent: starts one host's ranks, streams their output back, and is their watchdog.
 
-This module runs on the worker host, shipped by ``dlrun.remote``'s loader — over one SSH exec
-channel, as a local subprocess for localhost ranks, or in a Spark task — so it imports only the
-standard library and runs on Python >= 3.8. It owns the lifecycle of every process of the job on its
-host:
+Shipped by ``dlrun.remote``'s loader (over one SSH exec channel, as a local subprocess, or in a
+Spark task), so it imports only the standard library and runs on Python >= 3.8. Its protocol
+(JSON messages in, binary frames out), the watchdog, the PID namespace and the GPU sampler
+are described in ``docs/architecture.md``.
 
-* **Input (stdin)**: newline-delimited JSON messages. ``{"op": "probe", "source"}``
-  (optional, before the spec) runs a probe program (``dlrun/remote/probe.py``) inside this
-  process and answers with a PROBE frame holding what it printed: the launch preflight costs
-  no extra round trip and no extra interpreter. ``{"op": "survey", "source", "request"}``
-  (optional, before the spec) answers the code push's first question the same way: it runs
-  ``survey`` of the push helper's source (``dlrun/remote/push_helper.py``) for the request and
-  sends the helper's reply as a SURVEY frame (JSON), so that a launch whose code is already on
-  the host needs no push session there. The spec ``{"job_id", "ranks": [{"rank",
-  "argv", "env", "cwd"}], "eof_grace"}`` (``"op": "start"`` or no op) starts the ranks; later
-  ``{"op": "stop", "grace": s}`` (SIGTERM every rank's process group, SIGKILL after ``s``) and
-  ``{"op": "kill"}``, and ``{"op": "ping"}`` (answered with a PONG frame: the controller's
-  heartbeat). ``{"op": "ports", "ports": [...]}`` (before the spec) answers which of those TCP
-  ports are free here, so that two jobs on the same hosts never collide. Env and argv travel
-  inside JSON, so no shell ever parses them.
-* **Output (stdout)**: binary frames ``>BiI`` (kind, rank, length) + payload: HELLO (JSON facts),
-  STARTED (JSON pid), STDOUT/STDERR (raw chunks up to 64 KiB), EXIT (JSON code), ERROR (text),
-  DONE, PROBE (the probe's stdout), SURVEY (JSON), PONG (empty), GPU (JSON: one sample of the
-  host's GPUs, or why sampling failed), PORTS (JSON: which of the asked ports a rank could
-  bind). The controller splits lines itself. Output
-  is coalesced: a rank that writes tiny pieces (``PYTHONUNBUFFERED``) is forwarded every few
-  milliseconds or every 64 KiB, not write by write; lifecycle frames go out at once.
-* **Watchdog**: when stdin reaches EOF (dlrun killed, Ctrl-C, SSH connection dropped) every
-  rank's process group is terminated, then killed. Each rank runs in its own session and
-  process group; every process carries ``DLRUN_JOB_ID`` in its environment, which is how a
-  final sweep finds children that escaped with ``setsid`` — only this job's, never another's.
-  A controller that goes silent counts as gone too: with the spec's ``host_timeout`` (seconds),
-  no byte on stdin for that long (the controller pings every few seconds) stops the ranks the
-  same way; ``{"op": "watch", "host_timeout": s}`` arms that clock before the spec (an agent
-  started early for the probe and the push survey), so an agent whose controller vanished
-  while it waited for its spec ends too. That covers what EOF cannot: the controller's
-  machine losing power or the network being cut, where no FIN ever arrives and the
-  connection would linger for many minutes.
-  Output never blocks that check: stdout is non-blocking and a full pipe is waited on with
-  ``select`` alongside stdin.
-* **PID namespace**: the controller starts the agent through :func:`pidns_argv`, a ``sh``
-  wrapper that execs it under ``unshare --pid --mount-proc --propagation slave --fork
-  --kill-child`` (with ``--user --map-current-user`` when not root) if that works for the login
-  user and gives the namespace its own ``/proc``, and plainly
-  otherwise: one interpreter either way. Then the agent is PID 1 of the namespace and the
-  kernel kills every process of the job when it exits (SSH hosts, localhost and Spark tasks
-  alike). Where unshare is refused, the sweep is the fallback.
-* **Wake-ups**: SIGCHLD reaches the selector through ``signal.set_wakeup_fd``, so a rank's
-  exit is reported as soon as it happens, not at the next poll.
-
-Exit codes: a rank killed by signal N reports 128 + N, as shells do; a command that cannot be
-started reports 127 (not found) or 126 (not executable) with an ERROR frame naming it.
+Exit codes of ranks: killed by signal N reports 128 + N, as shells do; a command that cannot
+be started reports 127 (not found) or 126 (not executable) with an ERROR frame naming it.
 """
 
 from __future__ import annotations
