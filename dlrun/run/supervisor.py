@@ -21,8 +21,9 @@ Mechanism sits below (``dlrun.remote.agent`` starts and kills processes on each 
 * ``interrupt(signum)`` (Ctrl-C, SIGTERM) stops every rank the same way; exit 128 + signum.
   A second interrupt kills at once;
 * **GPUs**: with ``gpu_every``, each agent samples its host's GPUs (``dlrun.run.gpus``); the
-  samples go to ``<log_dir>/gpu.csv``, the view, an idle-GPU watch and the summary. A host
-  whose sampling fails is named once; nothing about GPUs changes the exit code.
+  samples go to ``<log_dir>/gpu.csv``, the view, an idle-GPU watch and the summary (hosts
+  that share an address and port, such as Spark tasks on one machine, sample once). A host whose
+  sampling fails is named once; nothing about GPUs changes the exit code.
 
 Rank lifecycle: ``dlrun.run.result.RankState``.
 """
@@ -190,9 +191,14 @@ class Supervisor:
         self._lock = threading.Lock()
         self.gpu_every = gpu_every  # seconds between each host's GPU samples (0: none)
         self.gpu_stats = GpuStats()
+        # one sampler per machine: Spark tasks on one executor machine share its GPUs (and address)
+        machines: dict[tuple[str, int | None], list[str]] = {}
+        for name, host in hosts.items():
+            machines.setdefault((host.address, host.port), []).append(name)
+        self.gpu_hosts = {names[0] for names in machines.values()}
         self.gpu_idle = IdleWatch(gpu_idle_after, {
-            name: visible_gpus(c.env.get("CUDA_VISIBLE_DEVICES") for c in commands if c.host_name == name)
-            for name in hosts})
+            names[0]: visible_gpus(c.env.get("CUDA_VISIBLE_DEVICES") for c in commands if c.host_name in names)
+            for names in machines.values()})
         self.gpu_failed: set[str] = set()  # hosts whose sampling failure was reported
         self.gpu_csv: IO[str] | None = None
 
@@ -250,7 +256,7 @@ class Supervisor:
             "tag": f"{self._job_id()}:{link.host.name}",
             "eof_grace": min(self.grace, 2.0),
             "host_timeout": self.host_timeout or 0,
-            "gpu_every": self.gpu_every,
+            "gpu_every": self.gpu_every if link.host.name in self.gpu_hosts else 0,
             "ranks": [
                 {
                     "rank": r,

@@ -12,6 +12,7 @@ import csv
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,27 @@ def test_an_ssh_host_with_gpus_and_one_without(cluster, tmp_path: Path) -> None:
     with open(job_dir(tmp_path, out.stdout) / "gpu.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert {(r["host"], r["gpu"]) for r in rows} == {(h0.name, str(i)) for i in range(4)}
+
+
+@pytest.mark.spark
+@pytest.mark.skipif(shutil.which("java") is None and not os.environ.get("JAVA_HOME"), reason="no Java")
+def test_spark_tasks_on_one_machine_sample_its_gpus_once(tmp_path: Path) -> None:
+    pytest.importorskip("pyspark", reason="pip install 'dlrun[spark]'")
+    calls = tmp_path / "calls"
+    stub_dir = stub(tmp_path / "bin", calls, printing(FOUR_GPUS))
+    script = tmp_path / "wait.py"
+    script.write_text(WAIT_FOR_SAMPLES)
+    # the tasks' Python workers (and so their agents) get the stub first on PATH from Spark
+    out = run_dlrun("launch", "--plain", "--grace", "2", "--backend", "spark", "--master", "local[2]", "-n", "2",
+                    "--conf", f"spark.executorEnv.PATH={stub_dir}{os.pathsep}{os.environ['PATH']}",
+                    "--gpu-every", "0.3", "--gpu-idle-after", "1", str(script), str(calls), "2", "1", "0",
+                    cwd=tmp_path, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    lines = [line for line in text.splitlines() if re.match(r"dlrun: gpu task\d@\S+ util ", line)]
+    assert lines and all(line.startswith("dlrun: gpu task0@") for line in lines), text
+    warned = [line for line in text.splitlines() if re.match(r"dlrun: warning: task0@\S+: GPUs 1,2,3 are idle", line)]
+    assert len(warned) == 2, text  # while it ran, and in the summary
+    with open(job_dir(tmp_path, out.stdout) / "gpu.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {r["host"].split("@")[0] for r in rows} == {"task0"} and {r["gpu"] for r in rows} == {"0", "1", "2", "3"}
