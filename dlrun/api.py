@@ -78,6 +78,8 @@ def launch(
     setup: str | None = None,
     setup_always: bool = False,
     max_restarts: int = 0,
+    gpu_every: float = 2.0,
+    gpu_idle_after: float = 60.0,
     backend: str = "ssh",
     master: str | None = None,
     cores_per_worker: int = 1,
@@ -95,7 +97,9 @@ def launch(
 
     The result has the exit code, every rank's ``RankResult`` and the root cause; a dry run's
     has the rendered ``commands``. ``ranks``: the ranks shown (``--ranks``); ``view``: where the
-    ranks' lines go (default: the terminal's live view, plain lines elsewhere).
+    ranks' lines go (default: the terminal's live view, plain lines elsewhere). ``gpu_every``:
+    seconds between GPU samples on every host (0: none); the result's ``gpu_summary`` and
+    ``gpu_warnings`` say how the GPUs were used (``gpu_idle_after``: when an idle one is named).
     """
     from dlrun.run.launch import LaunchConfig, run_job
 
@@ -103,13 +107,16 @@ def launch(
         raise UsageError("--json goes with --dry-run")
     if backend not in ("ssh", "spark"):
         raise UsageError(f"--backend {backend}: expected ssh or spark")
+    if gpu_every < 0 or gpu_idle_after < 0:
+        raise UsageError("--gpu-every and --gpu-idle-after take seconds, 0 or more")
     config = LaunchConfig(
         script=str(script), args=tuple(str(a) for a in args), hosts=hosts, np=np, base_port=base_port,
         framework=framework, dry_run=dry_run, json_output=json_output, log_dir=log_dir, grace=grace,
         ranks_shown=None if ranks is None else tuple(ranks), env=dict(env or {}), iface=iface, plain=plain,
         pidns=pidns, preflight=preflight, push=push, data=None if data is None else str(data), shard=shard,
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
-        max_push_size=max_push_size, setup=setup, setup_always=setup_always,
+        max_push_size=max_push_size, setup=setup, setup_always=setup_always, gpu_every=gpu_every,
+        gpu_idle_after=gpu_idle_after,
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
                         connect_timeout=connect_timeout, host_timeout=host_timeout),
     )

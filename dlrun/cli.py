@@ -255,6 +255,10 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
         help="Where rank-N.log files go (default dlrun-logs/).")
 @option("Output", "--ranks", callback=_ranks_option, help="Show only these ranks on screen, e.g. 0,2 (files keep all).")
 @option("Output", "--plain", is_flag=True, help="Plain prefixed lines even on a terminal.")
+@option("Output", "--gpu-every", type=click.FloatRange(min=0), default=2.0, show_default=True, metavar="SECONDS",
+        help="Sample every host's GPUs (nvidia-smi) this often while the job runs; 0: never.")
+@option("Output", "--gpu-idle-after", type=click.FloatRange(min=0), default=60.0, show_default=True,
+        metavar="SECONDS", help="Warn when a GPU the ranks can see is idle this long while another is busy.")
 @ssh_options
 @option("Push", "--push/--no-push", default=True, show_default=True,
         help="Push the script's directory to <workdir>/<dir name> on remote hosts and run there.")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from dlrun.inventory import Inventory
 from dlrun.render import WorkerCommand
+from dlrun.run.gpus import GpuSample
 from dlrun.run.result import RankState, RunResult
 
 if TYPE_CHECKING:
@@ -93,6 +94,9 @@ class HeldView:
 
     def notice(self, text: str) -> None:
         self.view.notice(text)
+
+    def gpus(self, host: str, samples: Sequence[GpuSample]) -> None:
+        self.view.gpus(host, samples)
 
     def flush(self) -> None:
         self.view.flush()

@@ -185,14 +185,59 @@ class GpuStats:
 
     def summary_lines(self) -> list[str]:
         """``gpu h1: util 97 0 0 0 % (mean) · memory 70.1 0.0 0.0 0.0/80 GiB (peak)`` per host."""
-        by_host: dict[str, list[dict[str, Any]]] = {}
-        for row in self.summary():
-            by_host.setdefault(row["host"], []).append(row)
-        lines = []
-        for host, rows in by_host.items():
-            util = " ".join("?" if r["mean_util"] is None else f"{r['mean_util']:.0f}" for r in rows)
-            peak = " ".join("?" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}" for r in rows)
-            totals = [r["mem_total_gib"] for r in rows if r["mem_total_gib"]]
-            total = f"/{max(totals):.0f}" if totals else ""
-            lines.append(f"gpu {host}: util {util} % (mean) · memory {peak}{total} GiB (peak)")
-        return lines
+        return summary_lines(self.summary())
+
+
+def summary_lines(summary: Iterable[Mapping[str, Any]]) -> list[str]:
+    """``GpuStats.summary_lines`` from its ``summary()`` rows (a ``RunResult`` keeps only those)."""
+    by_host: dict[str, list[Mapping[str, Any]]] = {}
+    for row in summary:
+        by_host.setdefault(row["host"], []).append(row)
+    lines = []
+    for host, rows in by_host.items():
+        util = " ".join("?" if r["mean_util"] is None else f"{r['mean_util']:.0f}" for r in rows)
+        peak = " ".join("?" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}" for r in rows)
+        totals = [r["mem_total_gib"] for r in rows if r["mem_total_gib"]]
+        total = f"/{max(totals):.0f}" if totals else ""
+        lines.append(f"gpu {host}: util {util} % (mean) · memory {peak}{total} GiB (peak)")
+    return lines
+
+
+BARS = "▁▂▃▄▅▆▇█"
+
+
+def bar(util: float | None) -> str:
+    """One character for a utilization: ``▁`` idle … ``█`` full, ``?`` unknown."""
+    if util is None:
+        return "?"
+    return BARS[max(0, min(len(BARS) - 1, int(util / (100 / len(BARS)))))]
+
+
+def live_cell(samples: Sequence[GpuSample]) -> str:
+    """A host's GPUs in the live status table: ``0 █ 97% 70.0G  1 ▁ 0% 0.0G … /80 GiB``."""
+    cells = []
+    for s in samples:
+        util = "?" if s.util is None else f"{s.util:.0f}"
+        cells.append(f"{s.index} {bar(s.util)} {util}% {_gib(s.mem_used_mib)}G")
+    totals = {s.mem_total_mib for s in samples if s.mem_total_mib}
+    total = f"  /{max(totals) / 1024:.0f} GiB" if totals else ""
+    return "  ".join(cells) + total
+
+
+@dataclass
+class PlainThrottle:
+    """Whether a host's plain GPU line is due: its first sample, then one every ``every``
+    seconds of that host's sample clock."""
+
+    every: float = PLAIN_EVERY
+    _shown: dict[str, float] = field(default_factory=dict)
+
+    def due(self, samples: Sequence[GpuSample]) -> bool:
+        if not samples:
+            return False
+        host, now = samples[0].host, samples[0].time
+        last = self._shown.get(host)
+        if last is not None and now - last < self.every:
+            return False
+        self._shown[host] = now
+        return True

@@ -88,6 +88,8 @@ class LaunchConfig:
     max_push_size: str | None = None  # --max-push-size: the code push's limit (dlrun.push.tree.parse_size)
     setup: str | None = None  # --setup CMD: for every host, instead of the inventory's setup
     setup_always: bool = False
+    gpu_every: float = 2.0  # --gpu-every: seconds between each host's GPU samples (0: none)
+    gpu_idle_after: float = 60.0  # --gpu-idle-after: an idle GPU beside a busy one is named after this long
 
 
 def new_job_id() -> str:
@@ -645,6 +647,8 @@ def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, *, f
             pidns=config.pidns,
             ends_job=placement.ends_job,
             agents=placement.agents,
+            gpu_every=config.gpu_every,
+            gpu_idle_after=config.gpu_idle_after,
         )
         with forward_signals(supervisor), placement.watch():
             result = supervisor.run()

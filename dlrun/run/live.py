@@ -1,6 +1,7 @@
 """The live view of a job on a terminal: rich's ``Live`` owns the screen; a status table (rank,
-host, state, runtime, last line) stays at the bottom while log lines scroll above it, each
-rank's prefix in its own color. Its texts are ``dlrun.run.view``'s.
+host, state, runtime, last line; then a line per host with each GPU's utilization and memory)
+stays at the bottom while log lines scroll above it, each rank's prefix in its own color. Its
+texts are ``dlrun.run.view``'s and ``dlrun.run.gpus``'s.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dlrun.render import WorkerCommand
+from dlrun.run.gpus import GpuSample, live_cell
 from dlrun.run.result import RankState, RunResult
 from dlrun.run.view import duration_text, root_cause_lines, summary_lines
 
@@ -53,6 +55,7 @@ class LiveView:
         self.last: dict[int, str] = {}
         self.live: Live | None = None
         self.log_dir: Path | None = None
+        self.gpu_samples: dict[str, Sequence[GpuSample]] = {}  # host -> its latest sample
 
     def start(self, commands: Sequence[WorkerCommand], log_dir: Path | None) -> None:
         self.commands = commands
@@ -90,6 +93,8 @@ class LiveView:
                 # a rank's colours as colours, closed where the cell ends (not left on after exit)
                 Text.from_ansi(self.last.get(c.rank, "")[:200]),
             ))
+        for host, samples in self.gpu_samples.items():
+            rows.append((Text("gpu", style="dim"), Text(host), Text(""), Text(""), Text(live_cell(samples))))
         # who and how come first, whole; the last line gets what is left of the terminal's width
         names = ("rank", "host", "state", "runtime")
         fixed = sum(max([len(name), *(row[i].cell_len for row in rows)]) for i, name in enumerate(names))
@@ -135,6 +140,9 @@ class LiveView:
         from rich.text import Text
 
         self.console.print(Text("dlrun: " + text, style="bold"))
+
+    def gpus(self, host: str, samples: Sequence[GpuSample]) -> None:
+        self.gpu_samples[host] = samples
 
     def flush(self) -> None:
         pass

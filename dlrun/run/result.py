@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dlrun.render import WorkerCommand
 
@@ -40,7 +41,8 @@ class RunResult:
 
     ``commands``: what the ranks ran (a dry run's result has only these); ``attempts``: how
     many times the job ran (``max_restarts``); ``job_id``: the first attempt's id (a restart's
-    is ``<job_id>-r<k>``, in ``log_dir``).
+    is ``<job_id>-r<k>``, in ``log_dir``). ``gpu_summary``: each GPU's mean utilization and peak
+    memory (``dlrun.run.gpus.GpuStats.summary``); ``gpu_warnings``: its idle-GPU warnings.
     """
 
     ranks: tuple[RankResult, ...]
@@ -51,6 +53,8 @@ class RunResult:
     commands: tuple[WorkerCommand, ...] = ()
     job_id: str = ""
     attempts: int = 1
+    gpu_summary: tuple[dict[str, Any], ...] = ()
+    gpu_warnings: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:

@@ -19,7 +19,11 @@ Mechanism sits below (``dlrun.remote.agent`` starts and kills processes on each 
   the cut-off side leaves nothing running either. The pings do not wait for the screen or the
   log files, so a blocked terminal (``dlrun … | less``) does not starve them;
 * ``interrupt(signum)`` (Ctrl-C, SIGTERM) stops every rank the same way; exit 128 + signum.
-  A second interrupt kills at once.
+  A second interrupt kills at once;
+* **GPUs**: with ``gpu_every``, each agent samples its host's GPUs (``dlrun.run.gpus``); the
+  samples go to ``<log_dir>/gpu.csv``, the view, an idle-GPU watch and the summary (hosts
+  that share an address and port, such as Spark tasks on one machine, sample once). A host whose
+  sampling fails is named once; nothing about GPUs changes the exit code.
 
 Rank lifecycle: ``dlrun.run.result.RankState``.
 """
@@ -42,6 +46,7 @@ from dlrun.plan import DEFAULT_HOST_TIMEOUT, heartbeat_interval
 from dlrun.remote import agent
 from dlrun.render import WorkerCommand
 from dlrun.run.agents import HostAgents, HostLink, close_aside, encode_message, with_agent_words
+from dlrun.run.gpus import CSV_COLUMNS, GpuSample, GpuStats, IdleWatch, csv_rows, parse_sample, visible_gpus
 from dlrun.run.result import RankResult, RankState, RunResult
 from dlrun.transport.base import Transport
 
@@ -57,6 +62,7 @@ class View(Protocol):
     def lines(self, rank: int, texts: Sequence[str], stream: str) -> None: ...
     def state(self, rank: int, state: RankState, exit_code: int | None) -> None: ...
     def notice(self, text: str) -> None: ...
+    def gpus(self, host: str, samples: Sequence[GpuSample]) -> None: ...
     def flush(self) -> None: ...
     def finish(self, result: RunResult) -> None: ...
 
@@ -152,6 +158,8 @@ class Supervisor:
         stop_margin: float = 15.0,
         agents: HostAgents | None = None,
         host_timeout: float | None = DEFAULT_HOST_TIMEOUT,
+        gpu_every: float = 0.0,
+        gpu_idle_after: float = 60.0,
     ) -> None:
         self.view = view
         self.log_dir = log_dir
@@ -181,6 +189,18 @@ class Supervisor:
         self.signals: list[int] = []  # interrupt()'s, handled before any queued event
         self.hurry = False  # a second Ctrl-C: output still queued goes to the log files only
         self._lock = threading.Lock()
+        self.gpu_every = gpu_every  # seconds between each host's GPU samples (0: none)
+        self.gpu_stats = GpuStats()
+        # one sampler per machine: Spark tasks on one executor machine share its GPUs (and address)
+        machines: dict[tuple[str, int | None], list[str]] = {}
+        for name, host in hosts.items():
+            machines.setdefault((host.address, host.port), []).append(name)
+        self.gpu_hosts = {names[0] for names in machines.values()}
+        self.gpu_idle = IdleWatch(gpu_idle_after, {
+            names[0]: visible_gpus(c.env.get("CUDA_VISIBLE_DEVICES") for c in commands if c.host_name in names)
+            for names in machines.values()})
+        self.gpu_failed: set[str] = set()  # hosts whose sampling failure was reported
+        self.gpu_csv: IO[str] | None = None
 
     # --------------------------------------------------------------------- public
     def interrupt(self, signum: int) -> None:
@@ -215,6 +235,8 @@ class Supervisor:
             for rank in self.ranks.values():
                 if rank.log is not None:
                     rank.log.close()
+            if self.gpu_csv is not None:
+                self.gpu_csv.close()
         result = self._result()
         self.view.finish(result)
         return result
@@ -234,6 +256,7 @@ class Supervisor:
             "tag": f"{self._job_id()}:{link.host.name}",
             "eof_grace": min(self.grace, 2.0),
             "host_timeout": self.host_timeout or 0,
+            "gpu_every": self.gpu_every if link.host.name in self.gpu_hosts else 0,
             "ranks": [
                 {
                     "rank": r,
@@ -338,6 +361,9 @@ class Supervisor:
             return
         if kind == agent.HELLO or kind == agent.PONG:
             return
+        if kind == agent.GPU:
+            self._gpu(host, payload)
+            return
         rank = self.ranks.get(rank_no)
         if rank is None:
             return
@@ -364,6 +390,35 @@ class Supervisor:
                 for text in splitter.flush():
                     self._line(rank_no, rank, text, "stdout" if kind_ == agent.STDOUT else "stderr")
             self._exited(rank_no, rank, code)
+
+    def _gpu(self, host: str, payload: bytes) -> None:
+        """One GPU sample of ``host``: to gpu.csv, the stats, the idle watch and the view."""
+        try:
+            message = json.loads(payload)
+        except ValueError:
+            return
+        if not isinstance(message, dict):
+            return
+        if "error" in message:
+            if host not in self.gpu_failed:
+                self.gpu_failed.add(host)
+                self.view.notice(f"{host}: GPU sampling failed ({message['error']}); the job goes on")
+            return
+        samples = parse_sample(host, message)
+        if not samples:
+            return
+        if self.gpu_csv is None and self.log_dir is not None:
+            self.gpu_csv = open(self.log_dir / "gpu.csv", "w", encoding="utf-8")  # noqa: SIM115
+            self.gpu_csv.write(",".join(CSV_COLUMNS) + "\n")
+        if self.gpu_csv is not None:
+            self.gpu_csv.write(csv_rows(samples))
+            self.gpu_csv.flush()
+        self.gpu_stats.add(samples)
+        warning = self.gpu_idle.update(samples)
+        if not self.hurry:
+            self.view.gpus(host, samples)
+            if warning is not None:
+                self.view.notice(f"warning: {warning}")
 
     def _line(self, rank_no: int, rank: _Rank, text: str, stream: str) -> None:
         rank.tail.append(text)
@@ -502,4 +557,6 @@ class Supervisor:
             log_dir=self.log_dir,
             commands=tuple(r.command for r in self.ranks.values()),
             job_id=self._job_id(),
+            gpu_summary=tuple(self.gpu_stats.summary()),
+            gpu_warnings=tuple(self.gpu_idle.warned.values()),
         )

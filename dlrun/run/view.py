@@ -3,7 +3,8 @@
 Two views implement the supervisor's ``View`` protocol:
 
 * ``PlainView`` (here) — when stdout is not a terminal (CI): one line per log line,
-  ``[<rank> <host>] <text>``, greppable; dlrun's own notices start with ``dlrun:``.
+  ``[<rank> <host>] <text>``, greppable; dlrun's own notices start with ``dlrun:``, each
+  host's GPUs too (``dlrun: gpu h1 util …``, at most every ``dlrun.run.gpus.PLAIN_EVERY`` s).
 * ``LiveView`` (``dlrun.run.live``) — on a terminal: rich's ``Live`` owns the screen.
 
 The text of summaries is built by pure functions (``summary_lines``, ``root_cause_lines``) so
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from dlrun.render import WorkerCommand
+from dlrun.run.gpus import GpuSample, PlainThrottle, plain_line
+from dlrun.run.gpus import summary_lines as gpu_lines
 from dlrun.run.result import RankState, RunResult
 
 if TYPE_CHECKING:  # rich is imported only for the live view (~40 ms a job otherwise)
@@ -62,6 +65,7 @@ def summary_lines(result: RunResult) -> list[str]:
     for r in result.ranks:
         code = "-" if r.exit_code is None else str(r.exit_code)
         lines.append(f"{r.rank:>4}  {r.host:<{width}}  {code:>4}  {r.state.value:<11}  {duration_text(r.duration)}")
+    lines.extend(gpu_summary_lines(result))
     ok = sum(1 for r in result.ranks if r.state == RankState.SUCCEEDED)
     stopped = sum(1 for r in result.ranks if r.state == RankState.STOPPED)
     if result.ok and stopped:  # tf-ps: the chief's end ended the job, and dlrun stopped the servers
@@ -78,6 +82,11 @@ def summary_lines(result: RunResult) -> list[str]:
     return lines
 
 
+def gpu_summary_lines(result: RunResult) -> list[str]:
+    """Each host's GPUs over the job (mean utilization, peak memory), then the idle warnings."""
+    return [*gpu_lines(result.gpu_summary), *(f"dlrun: warning: {w}" for w in result.gpu_warnings)]
+
+
 class PlainView:
     """``[<rank> <host>] <text>`` lines on a stream (CI, pipes, files)."""
 
@@ -86,6 +95,7 @@ class PlainView:
         self.show = set(ranks) if ranks is not None else None
         self.prefix: dict[int, str] = {}
         self.commands: Sequence[WorkerCommand] = ()
+        self.gpu_due = PlainThrottle()
 
     def start(self, commands: Sequence[WorkerCommand], log_dir: Path | None) -> None:
         self.commands = commands
@@ -109,6 +119,10 @@ class PlainView:
     def notice(self, text: str) -> None:
         self.out.write(f"dlrun: {text}\n")
         self.out.flush()
+
+    def gpus(self, host: str, samples: Sequence[GpuSample]) -> None:
+        if self.gpu_due.due(samples):
+            self.notice(plain_line(host, samples))
 
     def flush(self) -> None:
         self.out.flush()
