@@ -57,3 +57,72 @@ def test_a_plain_tcp_client_gets_nothing() -> None:
         except ConnectionResetError:
             data = b""
     assert b"spec" not in data
+
+
+def relayed_pair() -> tuple[socket.socket, socket.socket, list[threading.Thread]]:
+    """A driver's and a task's plain sockets, joined by two relays over one real TLS connection."""
+    from dlrun.spark.task import TlsLink, start_relay
+
+    job = make_job_tls("j1")
+    listener = socket.create_server(("127.0.0.1", 0))
+    driver: list[tuple[socket.socket, threading.Thread]] = []
+
+    def accept() -> None:
+        conn, _ = listener.accept()
+        link = TlsLink(conn, server_context(job), server_side=True)
+        link.handshake()
+        driver.append(start_relay(link, "driver"))
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    link = TlsLink(socket.create_connection(listener.getsockname()), client_context(job.cert_pem), server_side=False)
+    link.handshake()
+    task, task_relay = start_relay(link, "task")
+    thread.join(10)
+    listener.close()
+    return driver[0][0], task, [driver[0][1], task_relay]
+
+
+def read_to_eof(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(1 << 20):
+        data += chunk
+    return data
+
+
+def test_the_relays_carry_bytes_and_each_half_close_and_then_end() -> None:
+    driver, task, relays = relayed_pair()
+    task.sendall(b"hello\n")
+    assert driver.recv(100) == b"hello\n"
+    spec = bytes(range(256)) * 12_000  # megabytes one way: backpressure, many records
+    sender = threading.Thread(target=driver.sendall, args=(spec,))
+    sender.start()
+    got = b""
+    while len(got) < len(spec):
+        got += task.recv(1 << 20)
+    sender.join()
+    assert got == spec
+    task.sendall(b"task end")
+    task.shutdown(socket.SHUT_WR)  # the task's half-close: the driver reads to EOF, still may write
+    assert read_to_eof(driver) == b"task end"
+    driver.sendall(b"verdict\n")
+    driver.close()
+    assert read_to_eof(task) == b"verdict\n"
+    task.close()
+    for relay in relays:
+        relay.join(10)
+        assert not relay.is_alive()
+
+
+def test_a_dropped_side_drops_the_other() -> None:
+    driver, task, relays = relayed_pair()
+    task.sendall(b"agent output")
+    assert driver.recv(100) == b"agent output"
+    driver.shutdown(socket.SHUT_RDWR)  # the driver abandons the task
+    driver.close()
+    task.settimeout(10)
+    assert read_to_eof(task) == b""  # the agent's stdin ends: its watchdog stops the ranks
+    task.close()
+    for relay in relays:
+        relay.join(10)
+        assert not relay.is_alive()
