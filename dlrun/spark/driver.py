@@ -194,7 +194,7 @@ class SparkEngine:
         tls = make_job_tls(job_id)
         bind, driver_host = listen_addresses(sc.master, dict(sc.getConf().getAll()))
         server = HelloServer(token, job_id, n, tls, bind)
-        if server.bound != bind:
+        if not server.on_bind:
             view.notice(f"spark: cannot listen on {bind} (spark.driver.bindAddress/host): listening on"
                         f" {server.bound} (the channel is TLS either way)")
         setup = {
@@ -229,7 +229,8 @@ class SparkEngine:
                 with ExitStack() as stack:
                     rendezvous = None
                     if config.framework == "horovod":
-                        rendezvous = stack.enter_context(_horovod_rendezvous(hellos, driver_host, bind))
+                        where = bind if server.on_bind else "0.0.0.0"
+                        rendezvous = stack.enter_context(_horovod_rendezvous(hellos, driver_host, where))
                     _, commands = task_commands(config, hellos, job_id, rendezvous=rendezvous)
                     stage = transport
 
@@ -515,13 +516,13 @@ def listen_addresses(master: str, conf: Mapping[str, str]) -> tuple[str, str]:
     return str(conf.get("spark.driver.bindAddress") or host), host
 
 
-def _listen(bind: str, backlog: int) -> socket.socket:
-    """A listener on ``bind`` (an address or a name), else on every interface."""
+def _listen(bind: str, backlog: int) -> tuple[socket.socket, bool]:
+    """A listener on ``bind`` (an address or a name), else on every interface; (it, whether on ``bind``)."""
     try:
         family = socket.getaddrinfo(bind, 0, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((bind, 0), family=family, backlog=backlog)
+        return socket.create_server((bind, 0), family=family, backlog=backlog), True
     except OSError:
-        return socket.create_server(("0.0.0.0", 0), backlog=backlog)
+        return socket.create_server(("0.0.0.0", 0), backlog=backlog), False
 
 
 class HelloServer:
@@ -536,7 +537,7 @@ class HelloServer:
         self._context = server_context(tls)
         self._cond = threading.Condition()
         self._closed = False
-        self._listener = _listen(bind, max(128, size))
+        self._listener, self.on_bind = _listen(bind, max(128, size))
         self._listener.settimeout(0.2)
         self.bound = str(self._listener.getsockname()[0])
         self.port = int(self._listener.getsockname()[1])
@@ -655,7 +656,8 @@ class HelloServer:
 
 
 class SparkChannel(Channel):
-    """A task's socket: the agent's stdin and stdout, then the task's end frame and verdict."""
+    """A task's channel (the local end of its TLS relay): the agent's stdin and stdout, then
+    the task's end frame and verdict."""
 
     def __init__(self, link: TaskLink) -> None:
         self.host = link.hello.name

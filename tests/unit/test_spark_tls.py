@@ -126,3 +126,13 @@ def test_a_dropped_side_drops_the_other() -> None:
     for relay in relays:
         relay.join(10)
         assert not relay.is_alive()
+
+
+def test_the_listener_faces_the_executors() -> None:
+    from dlrun.spark.driver import listen_addresses
+
+    assert listen_addresses("local[3]", {"spark.driver.host": "10.1.2.3"}) == ("127.0.0.1", "127.0.0.1")
+    assert listen_addresses("local-cluster[2,1,1024]", {}) == ("127.0.0.1", "127.0.0.1")
+    assert listen_addresses("spark://head:7077", {"spark.driver.host": "10.1.2.3"}) == ("10.1.2.3", "10.1.2.3")
+    behind_nat = {"spark.driver.host": "gw.example", "spark.driver.bindAddress": "172.17.0.2"}
+    assert listen_addresses("yarn", behind_nat) == ("172.17.0.2", "gw.example")
