@@ -607,14 +607,14 @@ class HelloServer:
             self._cond.notify_all()
 
     def _reject(self, conn: socket.socket, why: str, tcp: socket.socket | None = None) -> None:
-        """Close a connection (and its relay: ``tcp``) and note why, to be reported once."""
+        """Note why, to be reported once, and close a connection (and its relay: ``tcp``)."""
+        with self._cond:
+            self.rejected.append(why)
+            self._cond.notify_all()
         if tcp is not None:  # the relay sees its peer gone and ends at once
             with contextlib.suppress(OSError):
                 tcp.shutdown(socket.SHUT_RDWR)
         conn.close()
-        with self._cond:
-            self.rejected.append(why)
-            self._cond.notify_all()
 
     def wait(self, timeout: float, failed: Callable[[], str | None],
              report: Callable[[str], None] = lambda why: None) -> dict[int, TaskLink]:
@@ -623,10 +623,12 @@ class HelloServer:
         deadline = time.monotonic() + timeout
         reported = 0
         with self._cond:
-            while len(self.links) < self.size:
+            while True:
                 for why in self.rejected[reported:]:
                     report(why)
                 reported = len(self.rejected)
+                if len(self.links) >= self.size:
+                    break
                 error = failed()
                 if error is not None:
                     raise BackendUnavailable(

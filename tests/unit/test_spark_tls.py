@@ -136,3 +136,44 @@ def test_the_listener_faces_the_executors() -> None:
     assert listen_addresses("spark://head:7077", {"spark.driver.host": "10.1.2.3"}) == ("10.1.2.3", "10.1.2.3")
     behind_nat = {"spark.driver.host": "gw.example", "spark.driver.bindAddress": "172.17.0.2"}
     assert listen_addresses("yarn", behind_nat) == ("172.17.0.2", "gw.example")
+
+
+def test_the_hello_server_admits_only_a_tls_task_with_the_token() -> None:
+    import json
+
+    from dlrun.spark.driver import HelloServer
+    from dlrun.spark.task import TlsLink, start_relay
+
+    job = make_job_tls("j1")
+    server = HelloServer("t0ken", "j1", 1, job)
+    address = ("127.0.0.1", server.port)
+
+    def task(token: str) -> socket.socket:
+        link = TlsLink(socket.create_connection(address), client_context(job.cert_pem), server_side=False)
+        link.handshake()
+        sock, _ = start_relay(link, "task")
+        hello = {"token": token, "job_id": "j1", "partition": 0, "host": "127.0.0.1", "port": 4000}
+        sock.sendall(json.dumps(hello).encode() + b"\n")
+        return sock
+
+    try:
+        with socket.create_connection(address) as plain:  # no TLS: refused
+            plain.sendall(b'{"token": "t0ken", "job_id": "j1", "partition": 0}\n')
+            plain.settimeout(10)
+            try:
+                assert b"{" not in plain.recv(100)
+            except ConnectionResetError:
+                pass
+        impostor = task("wrong")
+        impostor.settimeout(10)
+        assert read_to_eof(impostor) == b""  # dropped without a word
+        reported: list[str] = []
+        good = task("t0ken")
+        links = server.wait(10, lambda: None, report=reported.append)
+        assert list(links) == [0] and links[0].hello.port == 4000
+        links[0].sock.sendall(b"spec\n")
+        assert good.recv(100) == b"spec\n"
+        assert len(reported) == 2 and "no TLS handshake" in reported[0], reported
+        assert "without this job's hello" in reported[1], reported
+    finally:
+        server.close()
