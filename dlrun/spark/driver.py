@@ -6,14 +6,21 @@ logs, fail fast, root cause, exit codes, ``--max-restarts``); only the way a "ho
 differs. Each barrier task is one host with one slot. ``SparkEngine.session`` holds the Spark
 context and the shipped script; each ``place`` is one stage:
 
-1. The driver listens on a TCP port (``HelloServer``) and submits one barrier stage of N
-   tasks (``rdd.barrier().mapPartitions``) from a background thread.
-2. Each task (``dlrun.spark.task.task_main``, on an executor) connects to the driver, picks a
-   free port on its host, ``allGather``s ``host:port`` with the other tasks (the barrier: every
-   task is running), reads its GPUs from ``TaskContext.resources()`` and sends one hello line
-   (JSON: token, partition, host, port, gpus, python, script). Then it starts the host agent
-   through the bootstrap's loader (the command line travels in the closure) with the connected
-   socket as the agent's stdin and stdout and a parent-death signal, and waits for it.
+1. The driver makes the job's TLS key and certificate (``dlrun.spark.tls``), listens on a TCP
+   port on the interface facing the executors (``listen_addresses``: loopback for local
+   masters) (``HelloServer``) and submits one barrier stage of N tasks
+   (``rdd.barrier().mapPartitions``) from a background thread. The closure carries the
+   driver's address, the certificate (public), the token and the agent's command line; never
+   the env or the spec.
+2. Each task (``dlrun.spark.task.task_main``, on an executor) connects to the driver and
+   completes a TLS 1.3 handshake trusting only that certificate, picks a free port on its
+   host, ``allGather``s ``host:port`` with the other tasks (the barrier: every task is
+   running), reads its GPUs from ``TaskContext.resources()`` and sends one hello line inside
+   TLS (JSON: token, partition, host, port, gpus, python, script). A connection that fails the
+   handshake or says a wrong hello is closed and reported once; the job goes on. Then the task
+   starts the host agent through the bootstrap's loader with a local socket as its stdin and
+   stdout (``task.relay`` carries that socket's bytes over TLS, on both sides) and a
+   parent-death signal, and waits for it.
 3. Once all N hellos are in (within ``start_timeout``), the driver builds one ``Host`` per
    task, a ``Plan`` with the ports the tasks picked (rank = partition id) and renders the
    commands; the supervisor runs them over ``SparkTransport``, whose ``open`` returns a
@@ -52,6 +59,7 @@ import re
 import secrets
 import shutil
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -76,7 +84,8 @@ from dlrun.run.launch import LaunchConfig, check_ranks_shown, run_job
 from dlrun.run.result import RankState, RunResult
 from dlrun.run.supervisor import View
 from dlrun.spark import task
-from dlrun.spark.task import TASK_END
+from dlrun.spark.task import TASK_END, TlsLink, start_relay
+from dlrun.spark.tls import JobTls, make_job_tls, server_context
 from dlrun.transport.base import Channel, Transport
 
 __all__ = [
@@ -85,6 +94,7 @@ __all__ = [
     "SparkEngine",
     "SparkTransport",
     "TaskHello",
+    "listen_addresses",
     "run_spark",
     "slots_message",
     "task_commands",
@@ -181,11 +191,16 @@ class SparkEngine:
         self.stages += 1
         n = spark.num_workers
         token = secrets.token_hex(16)
-        server = HelloServer(token, job_id, n)
-        driver_host = str(sc.getConf().get("spark.driver.host", socket.gethostname()))
+        tls = make_job_tls(job_id)
+        bind, driver_host = listen_addresses(sc.master, dict(sc.getConf().getAll()))
+        server = HelloServer(token, job_id, n, tls, bind)
+        if not server.on_bind:
+            view.notice(f"spark: cannot listen on {bind} (spark.driver.bindAddress/host): listening on"
+                        f" {server.bound} (the channel is TLS either way)")
         setup = {
             "driver": [driver_host, server.port],
-            "token": token,
+            "cert": tls.cert_pem,  # pinned: the task trusts this certificate and nothing else
+            "token": token,  # authenticates the task inside TLS; as private as Spark's own traffic
             "job_id": job_id,
             # the task may not import dlrun: it gets the agent's command line, the driver sends its source
             "agent_argv": agent_argv([task.EXECUTOR_PYTHON], pidns=config.pidns),
@@ -195,10 +210,12 @@ class SparkEngine:
         job = _StageJob(sc, job_id, n, partial(task.task_main, setup))
         transport: SparkTransport | None = None
         with _quiet_task_failures(sc):
-            view.notice(f"spark: submitting a barrier stage of {n} tasks to {sc.master} (job {job_id})")
+            view.notice(f"spark: submitting a barrier stage of {n} tasks to {sc.master} (job {job_id});"
+                        f" they report to {driver_host}:{server.port} over TLS")
             job.start()
             try:
-                links = server.wait(spark.start_timeout, job.failed)
+                links = server.wait(spark.start_timeout, job.failed,
+                                    report=lambda why: view.notice(f"spark: refused a connection: {why}"))
                 server.close()  # every task is in: a retried or stray task finds no door
                 hellos = [link.hello for link in links.values()]
                 missing_gpus = [h.name for h in hellos if len(h.gpus) < spark.gpus_per_worker]
@@ -212,7 +229,8 @@ class SparkEngine:
                 with ExitStack() as stack:
                     rendezvous = None
                     if config.framework == "horovod":
-                        rendezvous = stack.enter_context(_horovod_rendezvous(hellos, driver_host))
+                        where = bind if server.on_bind else "0.0.0.0"
+                        rendezvous = stack.enter_context(_horovod_rendezvous(hellos, driver_host, where))
                     _, commands = task_commands(config, hellos, job_id, rendezvous=rendezvous)
                     stage = transport
 
@@ -485,19 +503,43 @@ class TaskLink:
     leftover: bytes = b""
 
 
-class HelloServer:
-    """Accepts the barrier tasks' connections; keeps each one that says the right hello."""
+def listen_addresses(master: str, conf: Mapping[str, str]) -> tuple[str, str]:
+    """(where the driver's task listener binds, where the tasks connect to it).
 
-    def __init__(self, token: str, job_id: str, size: int) -> None:
+    A local master's executors run here: loopback. Otherwise Spark's own choice for its driver:
+    ``spark.driver.bindAddress`` (default ``spark.driver.host``) to bind, ``spark.driver.host``
+    (default this machine's name) to connect.
+    """
+    if _is_local(master) or master.startswith("local-cluster"):
+        return "127.0.0.1", "127.0.0.1"
+    host = str(conf.get("spark.driver.host") or socket.gethostname())
+    return str(conf.get("spark.driver.bindAddress") or host), host
+
+
+def _listen(bind: str, backlog: int) -> tuple[socket.socket, bool]:
+    """A listener on ``bind`` (an address or a name), else on every interface; (it, whether on ``bind``)."""
+    try:
+        family = socket.getaddrinfo(bind, 0, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((bind, 0), family=family, backlog=backlog), True
+    except OSError:
+        return socket.create_server(("0.0.0.0", 0), backlog=backlog), False
+
+
+class HelloServer:
+    """Accepts the barrier tasks' connections over TLS; keeps each one that says the right hello."""
+
+    def __init__(self, token: str, job_id: str, size: int, tls: JobTls, bind: str = "127.0.0.1") -> None:
         self.token = token
         self.job_id = job_id
         self.size = size
         self.links: dict[int, TaskLink] = {}
         self.rejected: list[str] = []
+        self._context = server_context(tls)
         self._cond = threading.Condition()
         self._closed = False
-        self._listener = socket.create_server(("0.0.0.0", 0), backlog=max(128, size))
+        self._listener, self.on_bind = _listen(bind, max(128, size))
         self._listener.settimeout(0.2)
+        self.bound = str(self._listener.getsockname()[0])
         self.port = int(self._listener.getsockname()[1])
         self._thread = threading.Thread(target=self._accept_loop, name="dlrun-spark-hello", daemon=True)
         self._thread.start()
@@ -512,7 +554,14 @@ class HelloServer:
                 return
             threading.Thread(target=self._greet, args=(conn, peer), daemon=True).start()
 
-    def _greet(self, conn: socket.socket, peer: tuple[Any, ...]) -> None:
+    def _greet(self, tcp: socket.socket, peer: tuple[Any, ...]) -> None:
+        link = TlsLink(tcp, self._context, server_side=True)
+        try:
+            link.handshake()
+        except (OSError, ssl.SSLError) as exc:
+            self._reject(tcp, f"{peer[0]}: no TLS handshake ({exc})")
+            return
+        conn, _ = start_relay(link, f"dlrun-relay-{peer[0]}:{peer[1]}")
         conn.settimeout(30)
         buf = b""
         try:
@@ -533,7 +582,7 @@ class HelloServer:
             or not hmac.compare_digest(str(hello.get("token", "")), self.token)
             or hello.get("job_id") != self.job_id
         ):
-            self._reject(conn, f"{peer[0]}: connection without this job's hello")
+            self._reject(conn, f"{peer[0]}: connection without this job's hello", tcp)
             return
         try:
             task = TaskHello(
@@ -547,25 +596,39 @@ class HelloServer:
                 iface=str(hello["iface"]) if hello.get("iface") else None,
             )
         except (KeyError, TypeError, ValueError):
-            self._reject(conn, f"{peer[0]}: malformed hello")
+            self._reject(conn, f"{peer[0]}: malformed hello", tcp)
             return
         conn.settimeout(None)
         with self._cond:
             if self._closed or task.partition in self.links or not 0 <= task.partition < self.size:
-                self._reject(conn, f"{task.name}: duplicate or late hello")
+                self._reject(conn, f"{task.name}: duplicate or late hello", tcp)
                 return
             self.links[task.partition] = TaskLink(task, conn, leftover)
             self._cond.notify_all()
 
-    def _reject(self, conn: socket.socket, why: str) -> None:
-        self.rejected.append(why)
+    def _reject(self, conn: socket.socket, why: str, tcp: socket.socket | None = None) -> None:
+        """Note why, to be reported once, and close a connection (and its relay: ``tcp``)."""
+        with self._cond:
+            self.rejected.append(why)
+            self._cond.notify_all()
+        if tcp is not None:  # the relay sees its peer gone and ends at once
+            with contextlib.suppress(OSError):
+                tcp.shutdown(socket.SHUT_RDWR)
         conn.close()
 
-    def wait(self, timeout: float, failed: Callable[[], str | None]) -> dict[int, TaskLink]:
-        """Every task's link, in partition order; BackendUnavailable if the stage fails or is slow."""
+    def wait(self, timeout: float, failed: Callable[[], str | None],
+             report: Callable[[str], None] = lambda why: None) -> dict[int, TaskLink]:
+        """Every task's link, in partition order; BackendUnavailable if the stage fails or is slow.
+        Each refused connection is ``report``ed once, from the calling thread."""
         deadline = time.monotonic() + timeout
+        reported = 0
         with self._cond:
-            while len(self.links) < self.size:
+            while True:
+                for why in self.rejected[reported:]:
+                    report(why)
+                reported = len(self.rejected)
+                if len(self.links) >= self.size:
+                    break
                 error = failed()
                 if error is not None:
                     raise BackendUnavailable(
@@ -595,7 +658,8 @@ class HelloServer:
 
 
 class SparkChannel(Channel):
-    """A task's socket: the agent's stdin and stdout, then the task's end frame and verdict."""
+    """A task's channel (the local end of its TLS relay): the agent's stdin and stdout, then
+    the task's end frame and verdict."""
 
     def __init__(self, link: TaskLink) -> None:
         self.host = link.hello.name
@@ -924,7 +988,7 @@ def _watch_stage(job: _StageJob, transport: SparkTransport, grace: float = 3.0) 
 
 
 @contextmanager
-def _horovod_rendezvous(hellos: Sequence[TaskHello], driver_host: str) -> Iterator[tuple[str, int]]:
+def _horovod_rendezvous(hellos: Sequence[TaskHello], driver_host: str, bind: str) -> Iterator[tuple[str, int]]:
     """dlrun's gloo rendezvous on the driver, its scopes sized as ``horovod_topology`` counts."""
     from dlrun.run.rendezvous import RendezvousServer, scope_sizes
 
@@ -934,7 +998,7 @@ def _horovod_rendezvous(hellos: Sequence[TaskHello], driver_host: str) -> Iterat
         address = driver_host
     topology = horovod_topology(hellos)
     ranks = [(h.host, topology[h.partition][0]) for h in sorted(hellos, key=lambda h: h.partition)]
-    with RendezvousServer(scope_sizes(ranks), host="0.0.0.0") as server:
+    with RendezvousServer(scope_sizes(ranks), host=bind) as server:
         bound = server.address
         assert bound is not None
         yield address, bound[1]

@@ -2,7 +2,8 @@
 
 Each job makes its own key and self-signed certificate (``make_job_tls``). The driver serves
 with both (``server_context``); a task trusts that one certificate and nothing else
-(``client_context``, standard library only, so it runs on executors), so only the driver's
+(``client_context``, which lives in ``dlrun.spark.task``: standard library only, it travels
+to the executors with the task's code, without ``cryptography``), so only the driver's
 process can complete a handshake, whatever the network. TLS 1.3 only. The job token then
 authenticates the task inside the encrypted channel.
 """
@@ -14,6 +15,10 @@ import os
 import ssl
 import tempfile
 from dataclasses import dataclass
+
+from dlrun.spark.task import client_context
+
+__all__ = ["CERT_DAYS", "JobTls", "client_context", "make_job_tls", "server_context"]
 
 CERT_DAYS = 30  # long enough for any job; the key never leaves the driver's memory and a temp file
 
@@ -67,15 +72,4 @@ def server_context(tls: JobTls) -> ssl.SSLContext:
             with os.fdopen(fd, "w") as fh:
                 fh.write(text)
         context.load_cert_chain(cert, key)
-    return context
-
-
-def client_context(cert_pem: str) -> ssl.SSLContext:
-    """A task's side: TLS 1.3, trusting exactly the job's certificate (pinned). The host name is
-    not checked: no other certificate can pass, and the driver's address may be any of its own."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.minimum_version = ssl.TLSVersion.TLSv1_3
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_REQUIRED
-    context.load_verify_locations(cadata=cert_pem)
     return context

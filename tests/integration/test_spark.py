@@ -334,18 +334,22 @@ def test_importing_the_backend_does_not_import_pyspark() -> None:
 
 def test_the_task_function_needs_no_dlrun_on_the_executors() -> None:
     import dlrun.spark.task
+    from dlrun.spark.tls import make_job_tls
 
     cloudpickle = pyspark.cloudpickle
     cloudpickle.register_pickle_by_value(dlrun.spark.task)
-    data = cloudpickle.dumps(partial(task_main, {"driver": ["h", 1]}))
+    cert = make_job_tls("j").cert_pem
+    data = cloudpickle.dumps((partial(task_main, {"driver": ["h", 1], "cert": cert}), dlrun.spark.task.client_context))
     probe = ("import pickle, sys\n"
              "sys.modules['dlrun'] = None  # importing dlrun now fails\n"
-             "task = pickle.loads(sys.stdin.buffer.read())\n"
-             "print(task.func.__name__, task.args[0]['driver'])\n")
+             "sys.modules['cryptography'] = None  # and so does cryptography: the task's TLS is stdlib\n"
+             "task, client_context = pickle.loads(sys.stdin.buffer.read())\n"
+             "context = client_context(task.args[0]['cert'])\n"
+             "print(task.func.__name__, task.args[0]['driver'], context.minimum_version.name)\n")
     env = {**os.environ, "PYTHONPATH": str(Path(pyspark.__file__).parent.parent)}
     out = subprocess.run([sys.executable, "-c", probe], input=data, capture_output=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr.decode()
-    assert out.stdout.decode().strip() == "task_main ['h', 1]"
+    assert out.stdout.decode().strip() == "task_main ['h', 1] TLSv1_3"
 
 
 # ============================================================================ local[3]
