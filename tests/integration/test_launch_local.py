@@ -299,7 +299,7 @@ def test_help_does_not_import_heavy_modules() -> None:
 
 def test_keras3_warning_only_when_needed(tmp_path: Path) -> None:
     pytest.importorskip("keras")
-    plain = write(tmp_path / "plain.py", "print('hi')\n")
+    plain = write(tmp_path / "plain.py", "def later():\n    import tensorflow\nprint('hi')\n")  # a TF job
     out = run_dlrun("launch", "--dry-run", str(plain), cwd=tmp_path)
     from importlib.metadata import version
 
@@ -308,6 +308,9 @@ def test_keras3_warning_only_when_needed(tmp_path: Path) -> None:
     out = run_dlrun("launch", "--dry-run", "-e", "TF_USE_LEGACY_KERAS=1", str(plain), cwd=tmp_path)
     assert "TF_USE_LEGACY_KERAS" not in out.stderr
     out = run_dlrun("launch", "--dry-run", "--framework", "torch", str(plain), cwd=tmp_path)
+    assert "TF_USE_LEGACY_KERAS" not in out.stderr
+    no_tf = write(tmp_path / "no_tf.py", "print('hi')\n")  # both contracts, but no TensorFlow: no warning
+    out = run_dlrun("launch", "--dry-run", str(no_tf), cwd=tmp_path)
     assert "TF_USE_LEGACY_KERAS" not in out.stderr
 
 
