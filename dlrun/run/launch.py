@@ -80,7 +80,7 @@ class LaunchConfig:
     hosts: str | None = None
     np: int | None = None
     base_port: int | None = None  # None: DEFAULT_BASE_PORT, or the first free run here (local_base_port)
-    framework: str = AUTO  # auto: the script's imports choose (resolve_framework)
+    framework: str = "tf"  # the CLI and dlrun.launch default to auto: the script's imports choose (resolve_framework)
     dry_run: bool = False
     json_output: bool = False
     log_dir: str | None = None

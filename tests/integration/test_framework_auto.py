@@ -54,8 +54,8 @@ def test_a_shell_script_gets_both_contracts_and_an_explicit_framework_is_kept(tm
     first, env = dry_run(tmp_path, str(shell))
     assert first == "dlrun: framework tf+torch (run.sh is not a Python script: both the tf and the torch contracts)"
     assert "TF_CONFIG" in env[0] and env[0]["MASTER_ADDR"] == "127.0.0.1" and env[1]["RANK"] == "1"
-    out = run_dlrun("launch", "--dry-run", "--json", "--framework", "torch", str(script(tmp_path, "k.py", "import keras")),
-                    cwd=tmp_path)
+    keras_script = script(tmp_path, "k.py", "import keras")
+    out = run_dlrun("launch", "--dry-run", "--json", "--framework", "torch", str(keras_script), cwd=tmp_path)
     assert "dlrun: framework" not in out.stderr
     assert "TF_CONFIG" not in json.loads(out.stdout)["ranks"][0]["env"]
 

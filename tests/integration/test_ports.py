@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
 from dlrun.errors import PlanError
 from dlrun.inventory import Host, Inventory
 from dlrun.plan import choose_ports, listening_ranks, make_plan
+
+from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
 
 TORCH_JOB = """
 import os, time

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 import dlrun
-from conftest import run_dlrun
 from dlrun.run.view import PlainView, root_cause_lines
+
+from conftest import run_dlrun
 
 
 def root_cause_block(stdout: str) -> str:
