@@ -9,7 +9,9 @@ exactly as Horovod does it (``horovod/runner/common/util/hosts.py``):
   ``cross_size`` is their number (so hosts with different slot counts work).
 
 Ports: one per rank, ``base_port + local_rank``. Hosts on a loopback address all share this
-machine, so there every rank gets ``base_port + rank`` instead, to avoid collisions.
+machine, so there every rank gets ``base_port + rank`` instead, to avoid collisions. Where
+dlrun picked free ports on the hosts (``choose_ports``: only the ranks that listen,
+``listening_ranks``), ``ports`` gives them per rank.
 
 Roles (ParameterServerStrategy): every slot of a host with a role is a task of that type,
 indexed in rank order among tasks of its type. Without roles every rank is a ``worker``
@@ -174,10 +176,13 @@ def listening_ranks(framework: str, ranks: Sequence[RankSpec]) -> tuple[RankSpec
 
 def choose_ports(framework: str, ranks: Sequence[RankSpec], free: Mapping[str, Sequence[int]]) -> dict[int, int]:
     """rank → port for each listening rank: the first port its host reported free that no
-    other rank of the job has (hosts may share a machine: 127.0.0.x, one port space)."""
+    other rank of the job has (hosts may share a machine: 127.0.0.x, one port space). A host
+    that did not answer keeps the port rule (its agent's failure is reported when the job starts)."""
     taken: set[int] = set()
     chosen: dict[int, int] = {}
     for spec in listening_ranks(framework, ranks):
+        if spec.host.name not in free:
+            continue
         port = next((p for p in free.get(spec.host.name, ()) if p not in taken), None)
         if port is None:
             raise PlanError(f"no free port for rank {spec.rank} on host {spec.host.name} among the"

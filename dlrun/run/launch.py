@@ -3,8 +3,10 @@
 ``LaunchConfig`` holds what the user asked for. ``run_job`` checks it, asks the engine
 (``dlrun.run.engine``) to place each attempt's ranks, supervises them, shows them, restarts a
 failed job (``max_restarts``) and returns the ``RunResult``; ``--dry-run`` stops after render.
+``run_job`` first resolves ``--framework auto`` from the script's imports (``resolve_framework``).
 ``HostsEngine`` places ranks on the inventory's hosts: inventory → connect → start agents
-(each runs the preflight probe and answers the code push's survey) → plan → push → render.
+(each runs the preflight probe, answers the code push's survey and says which ports are
+free) → plan (listening ranks on free ports) → push → render.
 The agents start before the plan so that the probe and the survey cost no extra round trip or
 interpreter per host: the ranks' spec goes to the same agents once the plan is known, and an
 error finding closes them before anything starts. A host whose survey finds the code already
@@ -663,7 +665,8 @@ class HostsEngine:
                     self.warnings = (warning,)
             plan = job_plan(config, inventory, job_id, addresses)
             if ports_asked:
-                free = {name: answers[name].free_ports or () for name in ports_asked if name in answers}
+                free = {name: a.free_ports for name, a in answers.items()
+                        if name in ports_asked and a.free_ports is not None}
                 if config.base_port is None:  # dlrun picks: free on each host that listens
                     self.ports = choose_ports(config.framework, plan.ranks, free)
                     plan = job_plan(config, inventory, job_id, addresses, self.ports)
