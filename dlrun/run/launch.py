@@ -652,17 +652,20 @@ class HostsEngine:
                     inventory = default_ranks_for_gpus(inventory, reports)
                 # an error finding raises here
                 preflight = check_preflight(inventory, used_hosts, reports, framework=config.framework)
+                warned: list[str] = []  # repeated in the root cause of a job that then fails
                 for finding in preflight.findings:
                     if finding.severity == "warning":
                         where = f"{finding.host}: " if finding.host else ""
                         print(f"dlrun: preflight warning: {where}{finding.message}", file=sys.stderr)
+                        warned.append(f"preflight: {where}{finding.message}")
                 inventory = inventory.with_slots(preflight.gpu_slots())
                 self.gpus = preflight.devices()
                 self.found_ifaces = interfaces_at(reports, addresses)
                 warning = keras_warning(config, inventory, reports)
                 if warning:
                     print(f"dlrun: warning: {warning}", file=sys.stderr)
-                    self.warnings = (warning,)
+                    warned.append(warning)
+                self.warnings = tuple(warned)
             plan = job_plan(config, inventory, job_id, addresses)
             if ports_asked:
                 free = {name: a.free_ports for name, a in answers.items()

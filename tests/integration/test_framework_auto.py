@@ -123,6 +123,13 @@ def test_torch_versions_that_differ_across_hosts_stop_a_torch_job(cluster, tmp_p
     assert "torch versions differ across hosts" in out.stderr
     assert "2.0.0" in out.stderr and here in out.stderr and "host0" in out.stderr and "host1" in out.stderr
     assert not any((h.workdir / "started").exists() for h in cluster.hosts[:2])
+    # a job that is not torch's runs: the difference is a warning, repeated when the job fails
+    failing = shared_script(cluster, "fails.py", "raise SystemExit(4)\n")
+    out = run_dlrun("launch", "--plain", "--no-push", "--framework", "none", "--hosts", str(hosts), "--ssh-config",
+                    str(cluster.ssh_config), str(failing), cwd=tmp_path, timeout=120)
+    assert out.returncode == 4, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "dlrun: preflight warning: torch versions differ across hosts" in out.stderr
+    assert "  warning before the start: preflight: torch versions differ across hosts" in out.stdout
 
 
 @pytest.mark.ssh
