@@ -235,7 +235,8 @@ def keras_warning(config: LaunchConfig, inventory: Inventory,
         versions = sorted({r.keras or "" for r in keras3.values()})
         where = f" on {', '.join(keras3)}"
         no_tf_keras = [name for name, r in keras3.items() if not r.tf_keras]
-        install = f"Install tf_keras ({', '.join(no_tf_keras)} lack it) and pass" if no_tf_keras else "Pass"
+        lack = "lacks" if len(no_tf_keras) == 1 else "lack"
+        install = f"Install tf_keras ({', '.join(no_tf_keras)} {lack} it) and pass" if no_tf_keras else "Pass"
     else:
         from importlib import metadata
 

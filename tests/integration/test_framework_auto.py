@@ -155,3 +155,26 @@ def test_the_keras_warning_follows_the_hosts_keras(cluster, tmp_path: Path) -> N
     assert out.returncode == 0 and "TF_USE_LEGACY_KERAS" not in out.stderr, out.stderr
     out = launch((str(keras3), str(keras3)), "-e", "TF_USE_LEGACY_KERAS=1")
     assert "TF_USE_LEGACY_KERAS is unset" not in out.stderr
+
+
+def test_the_keras_warning_reads_the_reports_of_a_tf_job_only() -> None:
+    from dlrun.inventory import Host, Inventory
+    from dlrun.plan import detect_framework
+    from dlrun.run.launch import LaunchConfig, keras_warning
+    from dlrun.topo.records import HostReport
+
+    inventory = Inventory(hosts=(Host(name="a", address="10.0.0.1"), Host(name="b", address="10.0.0.2")))
+    reports = [HostReport(host="a", keras="3.9.9"), HostReport(host="b", keras="3.9.9", tf_keras="2.19.0")]
+    tf = LaunchConfig(script="/nonexistent/train.py", framework="tf")
+    text = keras_warning(tf, inventory, reports) or ""
+    assert text.startswith("Keras 3.9.9 is installed on a, b and TF_USE_LEGACY_KERAS is unset")
+    assert "Install tf_keras (a lacks it) and pass --env TF_USE_LEGACY_KERAS=1" in text
+    assert keras_warning(tf, inventory, [HostReport(host="a", keras="2.15.0"), HostReport(host="b")]) is None
+    opted = LaunchConfig(script="/nonexistent/train.py", framework="tf", env={"TF_USE_LEGACY_KERAS": "1"})
+    assert keras_warning(opted, inventory, reports) is None
+    both = "import torch\nimport tensorflow\n"
+    with_tf = LaunchConfig(script="x.py", framework="tf+torch", detected=detect_framework("x.py", both))
+    assert keras_warning(with_tf, inventory, reports) is not None
+    shell = LaunchConfig(script="run.sh", framework="tf+torch", detected=detect_framework("run.sh", None))
+    assert keras_warning(shell, inventory, reports) is None
+    assert keras_warning(LaunchConfig(script="x.py", framework="torch"), inventory, reports) is None

@@ -108,3 +108,25 @@ def test_the_api_result_carries_the_exception(tmp_path: Path) -> None:
     assert result.root_cause is not None and result.root_cause.rank == 1
     assert result.root_cause.exception[-1] == "ValueError: bad batch 200: shape (3, 4) is not (3, 5)"
     assert any("ValueError: bad batch 200" in line for line in root_cause_lines(result, result.commands))
+
+
+def test_the_root_cause_block_in_order() -> None:
+    from dlrun.run.result import RankResult, RankState, RunResult
+
+    root = RankResult(rank=1, host="h1", state=RankState.FAILED, exit_code=134, duration=1.0, tail=("last",),
+                      exception=('  File "t.py", line 3, in f', "ValueError: x"),
+                      error_file=('  File "t.py", line 3, in f', "RuntimeError: recorded"))
+    lines = root_cause_lines(RunResult(ranks=(root,), exit_code=134, root_cause=root, warnings=("Keras 3",)), ())
+    assert lines == [
+        "dlrun: root cause: rank 1 on host h1 exited with code 134",
+        "  exception (last frames of rank 1's traceback):",
+        '    |   File "t.py", line 3, in f',
+        "    | ValueError: x",
+        "  error file (TORCHELASTIC_ERROR_FILE of rank 1):",
+        '    |   File "t.py", line 3, in f',
+        "    | RuntimeError: recorded",
+        "  killed by SIGABRT (134)",
+        "  warning before the start: Keras 3",
+        "  last 1 line of rank 1:",
+        "    | last",
+    ]
