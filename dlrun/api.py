@@ -57,7 +57,7 @@ def launch(
     *,
     hosts: str | None = None,
     np: int | None = None,
-    framework: str = "tf",
+    framework: str = "auto",
     base_port: int | None = None,
     dry_run: bool = False,
     json_output: bool = False,
@@ -96,10 +96,12 @@ def launch(
     """Run ``script`` on every rank, as ``dlrun launch`` does; how the job ended.
 
     The result has the exit code, every rank's ``RankResult`` and the root cause; a dry run's
-    has the rendered ``commands``. ``ranks``: the ranks shown (``--ranks``); ``view``: where the
-    ranks' lines go (default: the terminal's live view, plain lines elsewhere). ``gpu_every``:
-    seconds between GPU samples on every host (0: none); the result's ``gpu_summary`` and
-    ``gpu_warnings`` say how the GPUs were used (``gpu_idle_after``: when an idle one is named).
+    has the rendered ``commands``. ``framework``: ``auto`` (the script's imports choose) or one
+    of ``tf``, ``tf-ps``, ``horovod``, ``torch``, ``none``. ``ranks``: the ranks shown
+    (``--ranks``); ``view``: where the ranks' lines go (default: the terminal's live view, plain
+    lines elsewhere). ``gpu_every``: seconds between GPU samples on every host (0: none); the
+    result's ``gpu_summary`` and ``gpu_warnings`` say how the GPUs were used (``gpu_idle_after``:
+    when an idle one is named).
     """
     from dlrun.run.launch import LaunchConfig, run_job
 

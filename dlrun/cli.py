@@ -7,7 +7,8 @@ defined once and shown in sections of ``--help``. Every
 traceback. Heavy imports (paramiko, TensorFlow, pyspark) happen only inside the command
 that needs them, so ``dlrun --help`` stays fast.
 
-Exit codes: 0 success; a failed rank's own exit code; 1 topo/preflight error findings;
+Exit codes: 0 success; a failed rank's own exit code; 1 topo/preflight error findings (and a
+``--base-port`` port taken on a host);
 2 usage or inventory error; 130/143 interrupted (SIGINT/SIGTERM); 255 a host unreachable
 or lost (as ssh does).
 """
@@ -25,7 +26,7 @@ import click
 
 from dlrun import __version__
 from dlrun.errors import DlrunError
-from dlrun.plan import DEFAULT_BASE_PORT, DEFAULT_HOST_TIMEOUT, FRAMEWORKS
+from dlrun.plan import AUTO, DEFAULT_BASE_PORT, DEFAULT_HOST_TIMEOUT, FRAMEWORKS
 
 #: dlrun.push.session.SHARD_POLICIES: importing that module would cost ``dlrun --help`` 50 ms
 #: (tests/integration/test_launch_local.py checks that both say the same)
@@ -231,7 +232,9 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @option("Job", "--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: localhost).")
 @option("Job", "--np", "-n", "np", type=int, help="Number of ranks (default: every slot; 2 on localhost).")
-@option("Job", "--framework", type=click.Choice(FRAMEWORKS), default="tf", show_default=True)
+@option("Job", "--framework", type=click.Choice((AUTO, *FRAMEWORKS)), default=AUTO, show_default=True,
+        help="The rank contract; auto: from the script's imports (never run), both tf and torch when"
+        " they name none. tf-ps is never guessed.")
 @option("Job", "--env", "-e", multiple=True, callback=_env_option, help="NAME=VALUE for every rank (repeatable).")
 @option("Job", "--base-port", type=click.IntRange(1, 65535),
         help=f"Port of local rank 0 (default {DEFAULT_BASE_PORT}; on this machine alone, the first free run "

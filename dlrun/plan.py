@@ -9,7 +9,9 @@ exactly as Horovod does it (``horovod/runner/common/util/hosts.py``):
   ``cross_size`` is their number (so hosts with different slot counts work).
 
 Ports: one per rank, ``base_port + local_rank``. Hosts on a loopback address all share this
-machine, so there every rank gets ``base_port + rank`` instead, to avoid collisions.
+machine, so there every rank gets ``base_port + rank`` instead, to avoid collisions. Where
+dlrun picked free ports on the hosts (``choose_ports``: only the ranks that listen,
+``listening_ranks``), ``ports`` gives them per rank.
 
 Roles (ParameterServerStrategy): every slot of a host with a role is a task of that type,
 indexed in rank order among tasks of its type. Without roles every rank is a ``worker``
@@ -20,13 +22,15 @@ from __future__ import annotations
 
 import ast
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dlrun.errors import PlanError
 from dlrun.inventory import Host, Inventory
 
 FRAMEWORKS = ("tf", "tf-ps", "horovod", "torch", "none")
+#: ``--framework auto`` (the default): the script's imports choose (``detect_framework``).
+AUTO = "auto"
 #: What ``--framework auto`` plans when a script's imports name no framework: both the TF and
 #: the torch contracts, which do not collide (TF_CONFIG beside MASTER_ADDR, RANK …).
 TF_AND_TORCH = "tf+torch"
@@ -44,6 +48,7 @@ class Detected:
 
     framework: str
     reason: str
+    imports: frozenset[str] = frozenset()  # the frameworks whose imports were found ("tf", "torch", …)
 
 
 def detect_framework(script: str, source: str | None) -> Detected:
@@ -68,14 +73,26 @@ def detect_framework(script: str, source: str | None) -> Detected:
             imported.append(node.module.split(".")[0])
     found = {framework: next(m for m in imported if m in modules)
              for framework, modules in FRAMEWORK_IMPORTS if any(m in modules for m in imported)}
+    imports = frozenset(found)
     if "horovod" in found:
-        return Detected("horovod", f"import {found['horovod']} in {name}")
+        return Detected("horovod", f"import {found['horovod']} in {name}", imports)
     if "torch" in found and "tf" in found:
-        return Detected(TF_AND_TORCH, f"import {found['torch']} and {found['tf']} in {name}: both contracts")
+        return Detected(TF_AND_TORCH, f"import {found['torch']} and {found['tf']} in {name}: both contracts", imports)
     for framework in ("torch", "tf"):
         if framework in found:
-            return Detected(framework, f"import {found[framework]} in {name}")
+            return Detected(framework, f"import {found[framework]} in {name}", imports)
     return Detected(TF_AND_TORCH, f"no framework imported in {name}: both the tf and the torch contracts")
+
+
+def is_torch(framework: str) -> bool:
+    """Does the job get torch's contract (``torch``, or both contracts)?"""
+    return framework in ("torch", TF_AND_TORCH)
+
+
+def is_tf(framework: str) -> bool:
+    """Does the job get a TF_CONFIG (``tf``, ``tf-ps``, or both contracts)?"""
+    return framework in ("tf", "tf-ps", TF_AND_TORCH)
+
 DEFAULT_BASE_PORT = 23456
 DEFAULT_HOST_TIMEOUT = 30.0  # seconds of silence after which a host counts as lost
 
@@ -144,6 +161,36 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
         return False
+
+
+def listening_ranks(framework: str, ranks: Sequence[RankSpec]) -> tuple[RankSpec, ...]:
+    """The ranks that listen on their ``port``: every rank of TF_CONFIG's cluster (each runs a
+    server there) and, for torch, rank 0 (its ``MASTER_PORT`` is the store's). Horovod's ranks
+    meet at dlrun's rendezvous server, ``none``'s at nothing: no port."""
+    if is_tf(framework):
+        return tuple(r for r in ranks if r.task_type != "evaluator")
+    if is_torch(framework):
+        return tuple(ranks[:1])
+    return ()
+
+
+def choose_ports(framework: str, ranks: Sequence[RankSpec], free: Mapping[str, Sequence[int]]) -> dict[int, int]:
+    """rank → port for each listening rank: the first port its host reported free that no
+    other rank of the job has (hosts may share a machine: 127.0.0.x, one port space). A host
+    that did not answer keeps the port rule (its agent's failure is reported when the job starts)."""
+    taken: set[int] = set()
+    chosen: dict[int, int] = {}
+    for spec in listening_ranks(framework, ranks):
+        if spec.host.name not in free:
+            continue
+        port = next((p for p in free.get(spec.host.name, ()) if p not in taken), None)
+        if port is None:
+            raise PlanError(f"no free port for rank {spec.rank} on host {spec.host.name} among the"
+                            f" {len(free.get(spec.host.name, ()))} free ones dlrun found there",
+                            hint="pass --base-port PORT with a range that is free on every host")
+        taken.add(port)
+        chosen[spec.rank] = port
+    return chosen
 
 
 def make_plan(

@@ -2,7 +2,7 @@
 
 ``HostAgents`` opens every host's channel in parallel through the one bootstrap
 (``dlrun.remote.boot_argv``, the agent's source first on its stdin), may ask each agent to run
-the preflight probe and answer the code push's survey before the spec, pings it while it
+the preflight probe, answer the code push's survey and say which ports are free before the spec, pings it while it
 waits, and turns every frame and every closed channel into an event on one queue, which the
 ``Supervisor`` reads.
 """
@@ -71,6 +71,7 @@ class AgentAnswer:
     stdout: str | None
     error: str | None = None
     survey: Mapping[str, Any] | None = None
+    free_ports: tuple[int, ...] | None = None  # which of the asked ports are free there (None: not asked)
 
 
 class HostAgents:
@@ -95,9 +96,11 @@ class HostAgents:
         self.asked: dict[str, frozenset[int]] = {}  # host -> the answer frames it was asked for
         self.payload = boot_payload("agent")  # the agent's source, on its stdin before any message
 
-    def start(self, probe: str | None = None, surveys: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    def start(self, probe: str | None = None, surveys: Mapping[str, Mapping[str, Any]] | None = None,
+              ports: Mapping[str, Sequence[int]] | None = None) -> None:
         """Start every agent not started yet (in parallel). With ``probe``, each runs it first;
-        with ``surveys`` (host → ``dlrun.push.session.survey_request``), those hosts answer it first."""
+        with ``surveys`` (host → ``dlrun.push.session.survey_request``), those hosts answer it first;
+        with ``ports`` (host → ports), those hosts say which of them are free."""
         links = [link for link in self.links.values() if link.channel is None and link.error is None]
         if not links:
             return
@@ -111,6 +114,9 @@ class HostAgents:
 
                 request += encode_message({"op": "survey", "source": source_of("push_helper"), "request": survey})
                 asked.add(agent.SURVEY)
+            if (wanted := (ports or {}).get(name)) is not None:
+                request += encode_message({"op": "ports", "ports": list(wanted)})
+                asked.add(agent.PORTS)
             if probe is not None:
                 request += encode_message({"op": "probe", "source": probe})
                 asked.add(agent.PROBE)
@@ -173,6 +179,7 @@ class HostAgents:
         events stay queued for the supervisor. A host asked nothing answers at once."""
         probes: dict[str, str] = {}
         surveys: dict[str, Mapping[str, Any]] = {}
+        free: dict[str, tuple[int, ...]] = {}
         errors = {name: f"agent not started: {link.error}" for name, link in self.links.items()
                   if link.error is not None}
         waiting = {name for name in self.links if name not in errors and self.asked.get(name)}
@@ -193,11 +200,17 @@ class HostAgents:
                         with contextlib.suppress(ValueError):
                             surveys[host] = json.loads(payload)
                         surveys.setdefault(host, {"error": "unreadable survey answer"})
+                    elif kind == agent.PORTS:
+                        try:
+                            free[host] = tuple(int(p) for p in json.loads(payload)["free"])
+                        except (ValueError, KeyError, TypeError):
+                            free[host] = ()
             elif event[0] == "closed" and host in waiting:
                 detail = " / ".join(str(event[3]).strip().splitlines()[-3:])
                 errors[host] = f"the agent ended (exit {event[2]}) before answering" + (f": {detail}" if detail else "")
             got = {agent.PROBE} if host in probes else set()
             got |= {agent.SURVEY} if host in surveys else set()
+            got |= {agent.PORTS} if host in free else set()
             if host in errors or self.asked.get(host, frozenset()) <= got:
                 waiting.discard(host)
         for name in waiting:
@@ -205,7 +218,7 @@ class HostAgents:
         for event in held:  # the supervisor sees every event, in order
             self.events.put(event)
         return {name: AgentAnswer(name, probes.get(name), None if name in probes else errors.get(name),
-                                  surveys.get(name)) for name in self.links}
+                                  surveys.get(name), free.get(name)) for name in self.links}
 
     def release(self, names: Sequence[str]) -> None:
         """Close these hosts' channels: their agents exit without starting anything."""

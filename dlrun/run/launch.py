@@ -3,8 +3,10 @@
 ``LaunchConfig`` holds what the user asked for. ``run_job`` checks it, asks the engine
 (``dlrun.run.engine``) to place each attempt's ranks, supervises them, shows them, restarts a
 failed job (``max_restarts``) and returns the ``RunResult``; ``--dry-run`` stops after render.
+``run_job`` first resolves ``--framework auto`` from the script's imports (``resolve_framework``).
 ``HostsEngine`` places ranks on the inventory's hosts: inventory → connect → start agents
-(each runs the preflight probe and answers the code push's survey) → plan → push → render.
+(each runs the preflight probe, answers the code push's survey and says which ports are
+free) → plan (listening ranks on free ports) → push → render.
 The agents start before the plan so that the probe and the survey cost no extra round trip or
 interpreter per host: the ranks' spec goes to the same agents once the plan is known, and an
 error finding closes them before anything starts. A host whose survey finds the code already
@@ -31,7 +33,20 @@ from typing import TYPE_CHECKING
 
 from dlrun.errors import UsageError
 from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
-from dlrun.plan import DEFAULT_BASE_PORT, DEFAULT_HOST_TIMEOUT, Plan, make_plan
+from dlrun.plan import (
+    AUTO,
+    DEFAULT_BASE_PORT,
+    DEFAULT_HOST_TIMEOUT,
+    TF_AND_TORCH,
+    Detected,
+    Plan,
+    choose_ports,
+    detect_framework,
+    is_tf,
+    is_torch,
+    listening_ranks,
+    make_plan,
+)
 from dlrun.remote.tf_server import server_source
 from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
 from dlrun.run.addresses import facing_address, interfaces_at, local_base_port, reachable_addresses, socket_ifaces
@@ -67,7 +82,7 @@ class LaunchConfig:
     hosts: str | None = None
     np: int | None = None
     base_port: int | None = None  # None: DEFAULT_BASE_PORT, or the first free run here (local_base_port)
-    framework: str = "tf"
+    framework: str = "tf"  # the CLI and dlrun.launch default to auto: the script's imports choose (resolve_framework)
     dry_run: bool = False
     json_output: bool = False
     log_dir: str | None = None
@@ -90,6 +105,24 @@ class LaunchConfig:
     setup_always: bool = False
     gpu_every: float = 2.0  # --gpu-every: seconds between each host's GPU samples (0: none)
     gpu_idle_after: float = 60.0  # --gpu-idle-after: an idle GPU beside a busy one is named after this long
+    detected: Detected | None = None  # what --framework auto found in the script (resolve_framework)
+
+
+def resolve_framework(config: LaunchConfig) -> LaunchConfig:
+    """``--framework auto``: read the script's imports (never running it) and pick the contract,
+    said on dlrun's first line; an explicit framework stays as given."""
+    if config.framework != AUTO:
+        return config
+    script = Path(config.script)
+    if config.script.endswith(".py"):
+        try:
+            detected = detect_framework(config.script, script.read_text(encoding="utf-8", errors="replace"))
+        except OSError:
+            detected = Detected(TF_AND_TORCH, f"{script.name} cannot be read here: both the tf and the torch contracts")
+    else:
+        detected = detect_framework(config.script, None)
+    print(f"dlrun: framework {detected.framework} ({detected.reason})", file=sys.stderr)
+    return replace(config, framework=detected.framework, detected=detected)
 
 
 def new_job_id() -> str:
@@ -120,10 +153,11 @@ def make_transport(inventory: Inventory, ssh: SSHOptions) -> Transport:
 
 
 def job_plan(config: LaunchConfig, inventory: Inventory, job_id: str,
-             addresses: Mapping[str, str] | None = None) -> Plan:
-    """The rank plan of this launch (``make_plan`` with the options that shape it)."""
+             addresses: Mapping[str, str] | None = None, ports: Mapping[int, int] | None = None) -> Plan:
+    """The rank plan of this launch (``make_plan`` with the options that shape it); ``ports``:
+    rank → port where dlrun chose them (free on the rank's host)."""
     return make_plan(inventory, job_id=job_id, np=config.np, base_port=config.base_port or DEFAULT_BASE_PORT,
-                     framework=config.framework, addresses=addresses)
+                     framework=config.framework, addresses=addresses, ports=ports)
 
 
 def render_commands(
@@ -135,8 +169,9 @@ def render_commands(
     rendezvous: tuple[str, int] | None = None,
     gpus_for: Mapping[str, Sequence[str]] | None = None,
     found_ifaces: Mapping[str, str] | None = None,
+    ports: Mapping[int, int] | None = None,
 ) -> tuple[Plan, tuple[WorkerCommand, ...]]:
-    plan = job_plan(config, inventory, job_id, addresses)
+    plan = job_plan(config, inventory, job_id, addresses, ports)
     if cwd_for is None:
         cwd_for = {h.name: (os.getcwd() if h.is_local else h.workdir) for h in plan.hosts}
     commands = worker_commands(
@@ -167,31 +202,57 @@ def warn_replaced_env(config: LaunchConfig, commands: Sequence[WorkerCommand]) -
         print(f"dlrun: warning: --env {name} is set by dlrun for each rank; yours is replaced", file=sys.stderr)
 
 
-def keras_warning(config: LaunchConfig, inventory: Inventory) -> str | None:
-    """Keras 3 cannot model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585)."""
-    if config.framework not in ("tf", "tf-ps"):
+def tf_job(config: LaunchConfig) -> bool:
+    """Does the job run TensorFlow: ``tf``/``tf-ps``, or both contracts for a script that imports TF?"""
+    if config.framework == TF_AND_TORCH:
+        return config.detected is not None and "tf" in config.detected.imports
+    return is_tf(config.framework)
+
+
+def keras_warning(config: LaunchConfig, inventory: Inventory,
+                  reports: Sequence[HostReport] | None = None) -> str | None:
+    """Keras 3 cannot model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585).
+
+    ``reports``: the preflight's, whose per-host Keras and tf_keras versions decide (the hosts'
+    Pythons run the job, not this machine's); without them, this machine's Keras does."""
+    if not tf_job(config):
         return None
-    if "TF_USE_LEGACY_KERAS" in config.env or "TF_USE_LEGACY_KERAS" in os.environ:
-        return None
-    if all("TF_USE_LEGACY_KERAS" in h.env for h in inventory.hosts):
+    if "TF_USE_LEGACY_KERAS" in config.env:
         return None
     try:  # a script that opts in itself (as examples/train_digits.py does) needs no warning
         if "TF_USE_LEGACY_KERAS" in Path(config.script).read_text(encoding="utf-8", errors="replace"):
             return None
     except OSError:
         pass
-    from importlib import metadata
+    unset = [h for h in inventory.hosts if "TF_USE_LEGACY_KERAS" not in h.env
+             and not (h.is_local and "TF_USE_LEGACY_KERAS" in os.environ)]
+    if not unset:
+        return None
+    if reports is not None:
+        by_host = {r.host: r for r in reports if r.reachable}
+        keras3 = {h.name: by_host[h.name] for h in unset
+                  if h.name in by_host and (by_host[h.name].keras or "").startswith("3.")}
+        if not keras3:
+            return None
+        versions = sorted({r.keras or "" for r in keras3.values()})
+        where = f" on {', '.join(keras3)}"
+        no_tf_keras = [name for name, r in keras3.items() if not r.tf_keras]
+        lack = "lacks" if len(no_tf_keras) == 1 else "lack"
+        install = f"Install tf_keras ({', '.join(no_tf_keras)} {lack} it) and pass" if no_tf_keras else "Pass"
+    else:
+        from importlib import metadata
 
-    try:
-        version = metadata.version("keras")
-    except metadata.PackageNotFoundError:
-        return None
-    if not version.startswith("3."):
-        return None
+        try:
+            versions = [metadata.version("keras")]
+        except metadata.PackageNotFoundError:
+            return None
+        if not versions[0].startswith("3."):
+            return None
+        where, install = "", "Install tf_keras and pass"
     return (
-        f"Keras {version} is installed and TF_USE_LEGACY_KERAS is unset: Keras 3 cannot model.fit under "
-        "MultiWorkerMirroredStrategy (keras-team/keras#20585). Install tf_keras and pass "
-        "--env TF_USE_LEGACY_KERAS=1, or use a custom training loop."
+        f"Keras {', '.join(versions)} is installed{where} and TF_USE_LEGACY_KERAS is unset: Keras 3 cannot"
+        " model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585). "
+        f"{install} --env TF_USE_LEGACY_KERAS=1, or use a custom training loop."
     )
 
 
@@ -459,6 +520,40 @@ def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
         raise UsageError(f"cannot write to the log directory {log_root}", hint="pass --log-dir DIR")
 
 
+#: Where dlrun looks for free ports when no --base-port is given (below Linux's ephemeral
+#: ports, 32768 up): a window at a random offset, so that jobs started at once differ.
+PORT_RANGE = (20000, 32768)
+
+
+def ports_to_ask(config: LaunchConfig, inventory: Inventory, hosts: Sequence[Host], *,
+                 given: bool) -> dict[str, tuple[int, ...]]:
+    """host → the ports its agent is asked about: those its ranks will listen on (``--base-port``
+    and up, to be checked), or a window of candidates to choose from. None for a job whose ranks
+    listen nowhere (Horovod, none); ``given``: the user chose ``--base-port`` (on this machine
+    alone dlrun chose it otherwise, with ``local_base_port``)."""
+    if not (is_tf(config.framework) or is_torch(config.framework)) or (inventory.all_local and not given):
+        return {}
+    most = config.np or (inventory.total_slots if all(h.slots for h in inventory.hosts) else 16 * len(inventory.hosts))
+    if config.base_port is not None:
+        start, count = config.base_port, min(most, 65536 - config.base_port)
+    else:
+        count = most + 32  # room for ports other programs hold
+        start = PORT_RANGE[0] + secrets.randbelow(max(1, PORT_RANGE[1] - PORT_RANGE[0] - count))
+    return {h.name: tuple(range(start, start + count)) for h in hosts}
+
+
+def check_ports_free(plan: Plan, free: Mapping[str, Sequence[int]]) -> None:
+    """``--base-port``: every port a rank will listen on is free on its host, or nothing starts."""
+    from dlrun.errors import PreflightError
+
+    busy = [(spec.host.name, spec.port, spec.rank) for spec in listening_ranks(plan.framework, plan.ranks)
+            if spec.host.name in free and spec.port not in free[spec.host.name]]
+    if busy:
+        lines = "\n".join(f"  {host}: port {port} (rank {rank}) is in use" for host, port, rank in busy)
+        raise PreflightError(f"ports the ranks would listen on are taken; nothing was started:\n{lines}",
+                             hint="pass another --base-port, or none: dlrun then picks ports free on every host")
+
+
 def _probe_source() -> str:
     from dlrun.remote import source_of
 
@@ -485,13 +580,17 @@ class HostsEngine:
         self.cwd_for: Mapping[str, str | None] | None = None
         self.gpus: Mapping[str, Sequence[str]] = {}
         self.found_ifaces: Mapping[str, str] = {}
+        self.base_port_given = False
+        self.ports: Mapping[int, int] | None = None  # rank -> port, where dlrun chose free ones
+        self.warnings: tuple[str, ...] = ()  # printed before the start, repeated in a failure's root cause
         self.dry_run_pushes: tuple[HostPushSummary, ...] = ()  # what --dry-run's push would send
 
     def prepare(self, config: LaunchConfig) -> LaunchConfig:
         if config.hosts is None and config.np is not None and config.np < 1:
             raise UsageError("--np must be at least 1")
         self.inventory = resolve_inventory(config.hosts, config.np)
-        if config.base_port is None:
+        self.base_port_given = config.base_port is not None
+        if config.base_port is None and self.inventory.all_local:
             config = replace(config, base_port=local_base_port(self.inventory, config.np))
         slots_from_gpus = config.preflight and any(h.slots is None for h in self.inventory.hosts)
         if slots_from_gpus:  # slots come from the probe: every host may be used
@@ -539,10 +638,12 @@ class HostsEngine:
                 from dlrun.push.session import survey_request
 
                 surveys = {name: survey_request([target]) for name, target in targets.items()}
-            # the agents start while we plan; each runs the probe and answers the push survey first
-            agents.start(probe=_probe_source() if config.preflight else None, surveys=surveys)
+            # the agents start while we plan; each runs the probe, answers the push survey and
+            # says which ports are free first
+            ports_asked = ports_to_ask(config, inventory, used_hosts, given=self.base_port_given)
+            agents.start(probe=_probe_source() if config.preflight else None, surveys=surveys, ports=ports_asked)
             answers: Mapping[str, AgentAnswer] = {}
-            if config.preflight or targets:
+            if config.preflight or targets or ports_asked:
                 from dlrun.topo.preflight import PROBE_TIMEOUT  # the agents' answers wait as long as a probe
 
                 answers = agents.answers(PROBE_TIMEOUT)
@@ -552,15 +653,31 @@ class HostsEngine:
                 reports = [report_from_answer(a.host, a.stdout, a.error) for a in answers.values()]
                 if config.hosts is None and config.np is None:
                     inventory = default_ranks_for_gpus(inventory, reports)
-                preflight = check_preflight(inventory, used_hosts, reports)  # an error finding raises here
+                # an error finding raises here
+                preflight = check_preflight(inventory, used_hosts, reports, framework=config.framework)
+                warned: list[str] = []  # repeated in the root cause of a job that then fails
                 for finding in preflight.findings:
                     if finding.severity == "warning":
                         where = f"{finding.host}: " if finding.host else ""
                         print(f"dlrun: preflight warning: {where}{finding.message}", file=sys.stderr)
+                        warned.append(f"preflight: {where}{finding.message}")
                 inventory = inventory.with_slots(preflight.gpu_slots())
                 self.gpus = preflight.devices()
                 self.found_ifaces = interfaces_at(reports, addresses)
+                warning = keras_warning(config, inventory, reports)
+                if warning:
+                    print(f"dlrun: warning: {warning}", file=sys.stderr)
+                    warned.append(warning)
+                self.warnings = tuple(warned)
             plan = job_plan(config, inventory, job_id, addresses)
+            if ports_asked:
+                free = {name: a.free_ports for name, a in answers.items()
+                        if name in ports_asked and a.free_ports is not None}
+                if config.base_port is None:  # dlrun picks: free on each host that listens
+                    self.ports = choose_ports(config.framework, plan.ranks, free)
+                    plan = job_plan(config, inventory, job_id, addresses, self.ports)
+                else:
+                    check_ports_free(plan, free)
             pushed = push_for_launch(config, transport, plan.hosts, settled_hosts(targets, answers))
             run_setup_step(config, transport, plan.hosts, pushed, job_id,
                            manifest.result() if manifest is not None else None)
@@ -577,11 +694,11 @@ class HostsEngine:
         assert self.transport is not None, "place() runs inside session()"
         agents, self.agents = self.agents, None  # a restart's ranks get fresh agents
         with ExitStack() as stack:
-            plan = job_plan(config, self.inventory, job_id, self.addresses)
+            plan = job_plan(config, self.inventory, job_id, self.addresses, self.ports)
             rendezvous = stack.enter_context(horovod_rendezvous(plan)) if config.framework == "horovod" else None
             _, commands = render_commands(
                 config, self.inventory, job_id, addresses=self.addresses, cwd_for=self.cwd_for,
-                rendezvous=rendezvous, gpus_for=self.gpus, found_ifaces=self.found_ifaces,
+                rendezvous=rendezvous, gpus_for=self.gpus, found_ifaces=self.found_ifaces, ports=self.ports,
             )
             yield Placement(self.transport, commands, agents,
                             ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None)
@@ -597,9 +714,11 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
     engine = engine or HostsEngine()
     if config.max_restarts < 0:
         raise UsageError(f"--max-restarts must be at least 0, not {config.max_restarts}")
-    config = engine.prepare(config)
+    config = engine.prepare(resolve_framework(config))
     job_id = new_job_id()
-    warning = keras_warning(config, engine.inventory)
+    # with a preflight, the hosts' own Keras decides (HostsEngine.session warns then)
+    probed = isinstance(engine, HostsEngine) and config.preflight and not config.dry_run
+    warning = None if probed else keras_warning(config, engine.inventory)
     if config.dry_run:
         commands = engine.dry_run(config, job_id)
         warn_replaced_env(config, commands)
@@ -620,10 +739,11 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
     check_local_inputs(config, engine.inventory)
     shown = view or make_view(config.ranks_shown, force_plain=config.plain)
     with engine.session(config, job_id) as config:
+        warnings = (warning,) if warning else getattr(engine, "warnings", ())
         attempt = 0
         while True:
             result = _attempt(config, engine, job_id if attempt == 0 else f"{job_id}-r{attempt}", shown,
-                              first=attempt == 0)
+                              first=attempt == 0, warnings=warnings)
             if result.ok or result.interrupted_by is not None or attempt == config.max_restarts:
                 return replace(result, job_id=job_id, attempts=attempt + 1)
             attempt += 1
@@ -631,7 +751,8 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
                          f" ({attempt} of {config.max_restarts} restarts)")
 
 
-def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, *, first: bool) -> RunResult:
+def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, *, first: bool,
+             warnings: tuple[str, ...] = ()) -> RunResult:
     """One attempt: placed by the engine, supervised, its summary shown once the engine cleaned up."""
     with engine.place(config, job_id, view) as placement:
         check_ranks_shown(config, len(placement.commands))
@@ -653,6 +774,7 @@ def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, *, f
         with forward_signals(supervisor), placement.watch():
             result = supervisor.run()
         placement.done(result)
+    result = replace(result, warnings=warnings)  # repeated in a failure's root cause
     view.finish(result)
     return result
 

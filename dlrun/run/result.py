@@ -33,6 +33,8 @@ class RankResult:
     duration: float | None
     tail: tuple[str, ...] = ()
     error: str | None = None  # agent's words when the rank could not start
+    exception: tuple[str, ...] = ()  # its output's last Python traceback: innermost frames, exception line
+    error_file: tuple[str, ...] = ()  # what torch's @record wrote to TORCHELASTIC_ERROR_FILE (lines shown)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class RunResult:
     attempts: int = 1
     gpu_summary: tuple[dict[str, Any], ...] = ()
     gpu_warnings: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()  # what dlrun warned before the start (repeated in a failure's root cause)
 
     @property
     def ok(self) -> bool:

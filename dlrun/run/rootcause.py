@@ -28,6 +28,11 @@ class TracebackCatcher:
     _frames: list[str] | None = None
     _buffer: list[str] = field(default_factory=list)
 
+    @property
+    def reading(self) -> bool:
+        """Inside a traceback: every line counts (otherwise only a traceback's first line does)."""
+        return self._frames is not None
+
     def feed(self, line: str) -> None:
         if line.startswith(TRACEBACK_START):
             self._frames = []

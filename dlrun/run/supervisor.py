@@ -48,6 +48,7 @@ from dlrun.render import WorkerCommand
 from dlrun.run.agents import HostAgents, HostLink, close_aside, encode_message, with_agent_words
 from dlrun.run.gpus import CSV_COLUMNS, GpuSample, GpuStats, IdleWatch, csv_rows, parse_sample, visible_gpus
 from dlrun.run.result import RankResult, RankState, RunResult
+from dlrun.run.rootcause import TRACEBACK_START, TracebackCatcher, error_file_lines
 from dlrun.transport.base import Transport
 
 TAIL_LINES = 20
@@ -138,6 +139,8 @@ class _Rank:
     splitters: dict[int, LineSplitter] = field(default_factory=dict)
     log: IO[str] | None = None
     error: str | None = None
+    traceback: TracebackCatcher = field(default_factory=TracebackCatcher)  # the exception it raised
+    error_file: tuple[str, ...] = ()  # its TORCHELASTIC_ERROR_FILE, from the EXIT frame
 
 
 
@@ -373,8 +376,12 @@ class Supervisor:
             texts = splitter.feed(payload)
             if texts:  # a chunk's lines go to the tail, the file and the screen in one step each
                 rank.tail.extend(texts[-TAIL_LINES:])
+                joined = "\n".join(texts)
                 if rank.log is not None:
-                    rank.log.write("\n".join(texts) + "\n")
+                    rank.log.write(joined + "\n")
+                if rank.traceback.reading or TRACEBACK_START in joined:  # a line at a time only there
+                    for text in texts:
+                        rank.traceback.feed(text)
                 if not self.hurry:
                     self.view.lines(rank_no, texts, stream)
         elif kind == agent.STARTED:
@@ -385,7 +392,10 @@ class Supervisor:
             rank.error = payload.decode(errors="replace")
             self._line(rank_no, rank, f"dlrun: {rank.error}", "stderr")
         elif kind == agent.EXIT:
-            code = int(json.loads(payload)["code"])
+            info = json.loads(payload)
+            code = int(info["code"])
+            if info.get("error_file") is not None:
+                rank.error_file = tuple(error_file_lines(info["error_file"]))
             for kind_, splitter in rank.splitters.items():
                 for text in splitter.flush():
                     self._line(rank_no, rank, text, "stdout" if kind_ == agent.STDOUT else "stderr")
@@ -422,6 +432,7 @@ class Supervisor:
 
     def _line(self, rank_no: int, rank: _Rank, text: str, stream: str) -> None:
         rank.tail.append(text)
+        rank.traceback.feed(text)
         if rank.log is not None:
             rank.log.write(text + "\n")
         if not self.hurry:
@@ -534,6 +545,8 @@ class Supervisor:
                     duration=duration,
                     tail=tuple(rank.tail),
                     error=rank.error,
+                    exception=rank.traceback.last,
+                    error_file=rank.error_file,
                 )
             )
         root = results[self.root_cause] if self.root_cause is not None else None

@@ -24,6 +24,7 @@ from dlrun.render import WorkerCommand
 from dlrun.run.gpus import GpuSample, PlainThrottle, plain_line
 from dlrun.run.gpus import summary_lines as gpu_lines
 from dlrun.run.result import RankState, RunResult
+from dlrun.run.rootcause import signal_text
 
 if TYPE_CHECKING:  # rich is imported only for the live view (~40 ms a job otherwise)
     from dlrun.run.live import LiveView
@@ -39,7 +40,9 @@ def duration_text(seconds: float | None) -> str:
 
 
 def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> list[str]:
-    """The root-cause block: rank, host, exit code, command and its last lines."""
+    """The root-cause block: rank, host, exit code, command, the exception it raised (its
+    traceback's last frames, what ``@record`` wrote), the signal that killed it, the warnings
+    dlrun gave before the start, and its last lines."""
     root = result.root_cause
     if root is None:
         return []
@@ -52,6 +55,16 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
     if root.rank in by_rank:
         argv = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in by_rank[root.rank].argv]
         lines.append(f"  command: {shlex.join(argv)}")
+    recorded_line = root.error_file[-1] if root.error_file else None
+    if root.exception and root.exception[-1] != recorded_line:  # @record's message says it already
+        lines.append(f"  exception (last frames of rank {root.rank}'s traceback):")
+        lines.extend(f"    | {text}" for text in root.exception)
+    if root.error_file:
+        lines.append(f"  error file (TORCHELASTIC_ERROR_FILE of rank {root.rank}):")
+        lines.extend(f"    | {text}" for text in root.error_file)
+    if root.state != RankState.LOST and (killed := signal_text(root.exit_code)):
+        lines.append(f"  {killed}")
+    lines.extend(f"  warning before the start: {text}" for text in result.warnings)
     if root.tail:
         lines.append(f"  last {len(root.tail)} line{'s' if len(root.tail) != 1 else ''} of rank {root.rank}:")
         lines.extend(f"    | {text}" for text in root.tail)

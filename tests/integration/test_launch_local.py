@@ -205,7 +205,8 @@ def test_dlrun_options_may_follow_the_script_up_to_the_scripts_own(tmp_path: Pat
         out = run_dlrun("launch", "--dry-run", "--json", *args, cwd=tmp_path)
         assert out.returncode == 0, out.stderr
         ranks = json.loads(out.stdout)["ranks"]
-        return sorted({r["host"] for r in ranks}), ranks[0]["argv"][2:], out.stderr
+        said = "".join(line for line in out.stderr.splitlines(True) if not line.startswith("dlrun: framework "))
+        return sorted({r["host"] for r in ranks}), ranks[0]["argv"][2:], said
 
     assert plan("train.py", "--hosts", "gpu1:2,gpu2:2") == (["gpu1", "gpu2"], [], "")
     assert plan("train.py", "-H", "gpu1:1", "--np=1", "--epochs", "3", "--lr", "1") == (
@@ -299,7 +300,7 @@ def test_help_does_not_import_heavy_modules() -> None:
 
 def test_keras3_warning_only_when_needed(tmp_path: Path) -> None:
     pytest.importorskip("keras")
-    plain = write(tmp_path / "plain.py", "print('hi')\n")
+    plain = write(tmp_path / "plain.py", "def later():\n    import tensorflow\nprint('hi')\n")  # a TF job
     out = run_dlrun("launch", "--dry-run", str(plain), cwd=tmp_path)
     from importlib.metadata import version
 
@@ -308,6 +309,9 @@ def test_keras3_warning_only_when_needed(tmp_path: Path) -> None:
     out = run_dlrun("launch", "--dry-run", "-e", "TF_USE_LEGACY_KERAS=1", str(plain), cwd=tmp_path)
     assert "TF_USE_LEGACY_KERAS" not in out.stderr
     out = run_dlrun("launch", "--dry-run", "--framework", "torch", str(plain), cwd=tmp_path)
+    assert "TF_USE_LEGACY_KERAS" not in out.stderr
+    no_tf = write(tmp_path / "no_tf.py", "print('hi')\n")  # both contracts, but no TensorFlow: no warning
+    out = run_dlrun("launch", "--dry-run", str(no_tf), cwd=tmp_path)
     assert "TF_USE_LEGACY_KERAS" not in out.stderr
 
 

@@ -1,0 +1,132 @@
+"""The root cause of a failed job names what went wrong in the failed rank: the exception it
+raised (even when other lines came after it), what torch's ``@record`` wrote, the signal that
+killed it, and the warning dlrun gave before the start."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+
+import dlrun
+from dlrun.run.view import PlainView, root_cause_lines
+
+from conftest import run_dlrun
+
+
+def root_cause_block(stdout: str) -> str:
+    """From ``dlrun: root cause`` to the summary table."""
+    start = stdout.index("dlrun: root cause:")
+    return stdout[start:stdout.index("\nrank ", start)]
+
+
+RAISES_AFTER_200_LINES = """
+import atexit, os, sys
+def cleanup():  # what comes after the traceback: more lines than the tail shows
+    for i in range(30):
+        print(f"cleanup line {i}", file=sys.stderr, flush=True)
+if os.environ["DLRUN_RANK"] == "1":
+    atexit.register(cleanup)
+    for i in range(200):
+        print(f"batch {i}: loss {1 / (i + 1):.4f}", flush=True)
+    def load(batch):
+        raise ValueError(f"bad batch {batch}: shape (3, 4) is not (3, 5)")
+    load(200)
+"""
+
+
+def test_the_exception_is_shown_even_when_lines_followed_it(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(RAISES_AFTER_200_LINES)
+    out = run_dlrun("launch", "--plain", "--framework", "none", "-n", "2", str(script), cwd=tmp_path, timeout=120)
+    assert out.returncode == 1, out.stdout[-3000:]
+    block = root_cause_block(out.stdout)
+    assert "dlrun: root cause: rank 1 on host localhost exited with code 1" in block
+    exception = block[block.index("exception (last frames of rank 1's traceback):"):block.index("last 20 lines")]
+    assert "ValueError: bad batch 200: shape (3, 4) is not (3, 5)" in exception
+    assert "in load" in exception and 'raise ValueError(f"bad batch' in exception
+    assert "cleanup line 29" in block.split("last 20 lines", 1)[1]  # the tail as before
+
+
+def test_a_rank_killed_by_a_signal_names_it(tmp_path: Path) -> None:
+    script = tmp_path / "abort.py"
+    script.write_text("import os\nprint('about to abort', flush=True)\nos.abort()\n")
+    out = run_dlrun("launch", "--plain", "--framework", "none", "-n", "1", str(script), cwd=tmp_path, timeout=120)
+    assert out.returncode == 134, out.stdout[-3000:]
+    block = root_cause_block(out.stdout)
+    assert "  killed by SIGABRT (134)" in block and "about to abort" in block
+    assert "exception (" not in block
+
+
+RECORDED = """
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main() -> None:
+    raise RuntimeError("CUDA out of memory on rank 0 (recorded)")
+
+main()
+"""
+
+
+def test_the_error_file_that_record_wrote_is_shown(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    script = tmp_path / "recorded.py"
+    script.write_text(RECORDED)
+    out = run_dlrun("launch", "--plain", "-n", "1", str(script), cwd=tmp_path, timeout=180)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.stderr.startswith("dlrun: framework torch (import torch in recorded.py)")
+    block = root_cause_block(out.stdout)
+    recorded = block[block.index("error file (TORCHELASTIC_ERROR_FILE of rank 0):"):]
+    assert "RuntimeError: CUDA out of memory on rank 0 (recorded)" in recorded.split("last ", 1)[0]
+    assert "exception (" not in block  # the traceback says the same: shown once
+
+
+def test_a_warning_given_before_the_start_is_repeated_in_the_root_cause(tmp_path: Path) -> None:
+    pytest.importorskip("keras")
+    from importlib.metadata import version
+
+    if not version("keras").startswith("3."):
+        pytest.skip("the warning is about Keras 3")
+    script = tmp_path / "fit.py"
+    script.write_text("def later():\n    import tensorflow\nraise SystemExit(3)\n")
+    if "TF_USE_LEGACY_KERAS" in os.environ:
+        pytest.skip("this environment opts in to legacy Keras already")
+    out = run_dlrun("launch", "--plain", "-n", "1", str(script), cwd=tmp_path, timeout=120)
+    assert out.returncode == 3, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "dlrun: warning: Keras" in out.stderr
+    assert "  warning before the start: Keras" in root_cause_block(out.stdout)
+
+
+def test_the_api_result_carries_the_exception(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(RAISES_AFTER_200_LINES)
+    result = dlrun.launch(script, np=2, framework="none", plain=True, grace=2, log_dir=str(tmp_path / "logs"),
+                          view=PlainView(io.StringIO()))
+    assert result.root_cause is not None and result.root_cause.rank == 1
+    assert result.root_cause.exception[-1] == "ValueError: bad batch 200: shape (3, 4) is not (3, 5)"
+    assert any("ValueError: bad batch 200" in line for line in root_cause_lines(result, result.commands))
+
+
+def test_the_root_cause_block_in_order() -> None:
+    from dlrun.run.result import RankResult, RankState, RunResult
+
+    root = RankResult(rank=1, host="h1", state=RankState.FAILED, exit_code=134, duration=1.0, tail=("last",),
+                      exception=('  File "t.py", line 3, in f', "ValueError: x"),
+                      error_file=('  File "t.py", line 3, in f', "RuntimeError: recorded"))
+    lines = root_cause_lines(RunResult(ranks=(root,), exit_code=134, root_cause=root, warnings=("Keras 3",)), ())
+    assert lines == [
+        "dlrun: root cause: rank 1 on host h1 exited with code 134",
+        "  exception (last frames of rank 1's traceback):",
+        '    |   File "t.py", line 3, in f',
+        "    | ValueError: x",
+        "  error file (TORCHELASTIC_ERROR_FILE of rank 1):",
+        '    |   File "t.py", line 3, in f',
+        "    | RuntimeError: recorded",
+        "  killed by SIGABRT (134)",
+        "  warning before the start: Keras 3",
+        "  last 1 line of rank 1:",
+        "    | last",
+    ]
