@@ -78,6 +78,7 @@ def launch(
     setup: str | None = None,
     setup_always: bool = False,
     max_restarts: int = 0,
+    min_hosts: int | None = None,
     backend: str = "ssh",
     master: str | None = None,
     cores_per_worker: int = 1,
@@ -109,7 +110,7 @@ def launch(
         ranks_shown=None if ranks is None else tuple(ranks), env=dict(env or {}), iface=iface, plain=plain,
         pidns=pidns, preflight=preflight, push=push, data=None if data is None else str(data), shard=shard,
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
-        max_push_size=max_push_size, setup=setup, setup_always=setup_always,
+        min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
                         connect_timeout=connect_timeout, host_timeout=host_timeout),
     )
@@ -121,6 +122,8 @@ def launch(
         raise UsageError("--backend spark needs --master URL")
     if hosts is not None:
         raise UsageError("--backend spark takes its workers from Spark: drop --hosts")
+    if min_hosts is not None:
+        raise UsageError("--min-hosts goes with the SSH backend: a Spark restart is a fresh stage of -n tasks")
     spark = SparkConfig(master=master, num_workers=2 if np is None else np, cores_per_worker=cores_per_worker,
                         gpus_per_worker=gpus_per_worker, conf=dict(conf or {}), start_timeout=start_timeout)
     return run_job(config, SparkEngine(spark), view=view)
