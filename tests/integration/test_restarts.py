@@ -165,3 +165,17 @@ def test_dry_run_shows_the_restart_policy(tmp_path: Path) -> None:
     assert json.loads(out.stdout)["restarts"] == {"max_restarts": 2, "min_hosts": None}
     out = run_dlrun("launch", "--dry-run", "--min-hosts", "1", str(script), cwd=tmp_path)
     assert out.returncode == 2 and "--min-hosts goes with --max-restarts" in out.stderr
+
+
+def test_the_torch_example_resumes_from_its_checkpoint(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("torch")
+    script = shared_script(cluster, "train_torch_ddp.py", (REPO / "examples" / "train_torch_ddp.py").read_text())
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    out = run_dlrun("launch", "--plain", "--framework", "torch", "--max-restarts", "1", "--hosts", str(hosts),
+                    *ssh_args(cluster), str(script), "--epochs", "3", "--crash-after", "1", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    # host1 has no checkpoint of its own: rank 0 sent it
+    assert sorted(re.findall(r"^\[(\d) host\d\] restart 1: resuming after epoch 1$", out.stdout, re.M)) == ["0", "1"]
+    assert "epoch 1/3" not in out.stdout.split("relaunching")[1], out.stdout
+    assert len(set(re.findall(r"rank \d parameter checksum (-?[0-9.]+)", out.stdout))) == 1, out.stdout
+    no_process_left(job_of(out.stdout), 2)
