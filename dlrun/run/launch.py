@@ -770,8 +770,8 @@ def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, log_
     """One attempt: placed by the engine and supervised; the caller shows its summary once the
     engine cleaned up."""
     with engine.place(config, job_id, view) as placement:
-        check_ranks_shown(config, len(placement.commands))
-        if config.attempt == 0:  # once, not again for each restart
+        if config.attempt == 0:  # once, not again for each restart (--min-hosts may leave fewer ranks)
+            check_ranks_shown(config, len(placement.commands))
             warn_replaced_env(config, placement.commands)
         else:
             hosts = len({c.host_name for c in placement.commands})

@@ -179,3 +179,21 @@ def test_the_torch_example_resumes_from_its_checkpoint(cluster, tmp_path: Path) 
     assert "epoch 1/3" not in out.stdout.split("relaunching")[1], out.stdout
     assert len(set(re.findall(r"rank \d parameter checksum (-?[0-9.]+)", out.stdout))) == 1, out.stdout
     no_process_left(job_of(out.stdout), 2)
+
+
+def test_lost_hosts_and_each_attempts_line() -> None:
+    from dlrun.run.result import Attempt, RankResult, RankState, RunResult
+    from dlrun.run.view import attempt_lines
+
+    lost = RankResult(2, "h2", RankState.LOST, 255, 1.0, error="connection to the host was lost\nmore")
+    ranks = (RankResult(0, "h0", RankState.STOPPED, 143, 1.0), RankResult(1, "h1", RankState.STOPPED, 255, 1.0,
+                                                                            error="connection lost"), lost)
+    failed = RunResult(ranks, 255, root_cause=lost)
+    assert failed.lost_hosts == ("h1", "h2")  # in rank order; h0 was stopped, not lost
+    history = (Attempt(0, "J", ("h0", "h1", "h2"), 255, lost), Attempt(1, "J-r1", ("h0",), 0, dropped=("h1", "h2")))
+    assert attempt_lines(RunResult((), 0, history=history)) == [
+        "dlrun: 2 attempts:",
+        "  attempt 1 (job J, 3 hosts): host h2 lost (rank 2): connection to the host was lost",
+        "  attempt 2 (job J-r1, 1 host, without h1, h2): succeeded",
+    ]
+    assert attempt_lines(RunResult((), 0, history=history[:1])) == []
