@@ -80,6 +80,7 @@ def launch(
     max_restarts: int = 0,
     gpu_every: float = 2.0,
     gpu_idle_after: float = 60.0,
+    min_hosts: int | None = None,
     backend: str = "ssh",
     master: str | None = None,
     cores_per_worker: int = 1,
@@ -117,8 +118,8 @@ def launch(
         ranks_shown=None if ranks is None else tuple(ranks), env=dict(env or {}), iface=iface, plain=plain,
         pidns=pidns, preflight=preflight, push=push, data=None if data is None else str(data), shard=shard,
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
-        max_push_size=max_push_size, setup=setup, setup_always=setup_always, gpu_every=gpu_every,
-        gpu_idle_after=gpu_idle_after,
+        min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
+        gpu_every=gpu_every, gpu_idle_after=gpu_idle_after,
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
                         connect_timeout=connect_timeout, host_timeout=host_timeout),
     )
@@ -130,6 +131,8 @@ def launch(
         raise UsageError("--backend spark needs --master URL")
     if hosts is not None:
         raise UsageError("--backend spark takes its workers from Spark: drop --hosts")
+    if min_hosts is not None:
+        raise UsageError("--min-hosts goes with the SSH backend: a Spark restart is a fresh stage of -n tasks")
     spark = SparkConfig(master=master, num_workers=2 if np is None else np, cores_per_worker=cores_per_worker,
                         gpus_per_worker=gpus_per_worker, conf=dict(conf or {}), start_timeout=start_timeout)
     return run_job(config, SparkEngine(spark), view=view)

@@ -244,6 +244,9 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
         help="Seconds between SIGTERM and SIGKILL.")
 @option("Job", "--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
         help="Run a failed job again (a new job id; Spark: a fresh barrier stage) this many times.")
+@option("Job", "--min-hosts", type=click.IntRange(min=1),
+        help="With --max-restarts: a restart after a lost host runs on the hosts left, if at least this many"
+        " (default: the same hosts, the lost one reconnected).")
 @option("Job", "--no-pidns", "pidns", is_flag=True, flag_value=False, default=True,
         help="Do not run each host's ranks in a PID namespace.")
 @option("Job", "--no-preflight", "preflight", is_flag=True, flag_value=False, default=True,
@@ -295,7 +298,7 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
                     "--setup-always": "setup_always", "--base-port": "base_port", "--no-preflight": "preflight",
                     "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
-                    "--connect-timeout": "connect_timeout"},
+                    "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts"},
                    spark, "the SSH backend, not --backend spark (Spark places tasks and ships the code)")
     code = run(script, args, **settings).exit_code
     if spark:

@@ -202,9 +202,12 @@ def make_plan(
     framework: str = "tf",
     addresses: Mapping[str, str] | None = None,
     ports: Mapping[int, int] | None = None,
+    restart_count: int = 0,
+    max_restarts: int = 0,
 ) -> Plan:
     """Assign ranks host by host. ``addresses`` maps host name → address the ranks use;
-    ``ports`` (rank → port) overrides the port rule where the ranks picked their own (Spark)."""
+    ``ports`` (rank → port) overrides the port rule where the ranks picked their own (Spark);
+    ``restart_count``: which attempt of the job this plan is (``--max-restarts``)."""
     if framework not in (*FRAMEWORKS, TF_AND_TORCH):
         raise PlanError(f"unknown framework {framework!r} (expected one of {', '.join(FRAMEWORKS)})")
     total = inventory.total_slots
@@ -273,4 +276,5 @@ def make_plan(
                 )
             )
             rank += 1
-    return Plan(job_id=job_id, framework=framework, ranks=tuple(ranks), uses_roles=uses_roles)
+    return Plan(job_id=job_id, framework=framework, ranks=tuple(ranks), uses_roles=uses_roles,
+                restart_count=restart_count, max_restarts=max_restarts)

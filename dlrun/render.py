@@ -71,6 +71,7 @@ def dlrun_env(plan: Plan, spec: RankSpec) -> dict[str, str]:
         "DLRUN_LOCAL_WORLD_SIZE": str(spec.local_size),
         "DLRUN_HOST": spec.host.name,
         "DLRUN_JOB_ID": plan.job_id,
+        "DLRUN_RESTART_COUNT": str(plan.restart_count),  # 0, then 1, 2 … for each restart (--max-restarts)
     }
 
 

@@ -8,6 +8,11 @@ environment. With CUDA, each rank trains on ``cuda:LOCAL_RANK`` over NCCL; witho
 CPU over gloo: the same file serves a laptop's CI and a GPU cluster. Every rank prints its loss,
 and at the end a checksum of its parameters (identical on every rank when DDP kept them in
 sync) and the test accuracy.
+
+Resuming (``dlrun launch --max-restarts N``): after each epoch rank 0 saves a checkpoint (model,
+optimizer, epoch) in its working directory. On a restart (``DLRUN_RESTART_COUNT`` > 0) rank 0
+loads it and sends it to every rank (the other hosts need not have the file), and training goes
+on from the next epoch. ``--crash-after E`` makes the first attempt fail after epoch E, to try it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +37,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--checkpoint", default="checkpoint-torch-ddp.pt", help="rank 0's, in its working directory")
+    parser.add_argument("--crash-after", type=int, default=0, help="the first attempt fails after this epoch")
     args = parser.parse_args()
+    restart = int(os.environ.get("DLRUN_RESTART_COUNT", "0"))
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
@@ -57,7 +66,17 @@ def main() -> None:
     loss_fn = torch.nn.CrossEntropyLoss()
     print(f"rank {rank}/{world} (local {os.environ.get('LOCAL_RANK')}, host group {os.environ.get('GROUP_RANK')})"
           f" on {device}")
-    for epoch in range(args.epochs):
+    start = 0
+    if restart == 0 and rank == 0 and os.path.exists(args.checkpoint):
+        os.remove(args.checkpoint)  # an earlier job's: this job starts from scratch
+    elif restart > 0:
+        saved = load_checkpoint(args.checkpoint, rank)
+        if saved is not None:
+            model.module.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+            start = saved["epoch"]
+        print(f"restart {restart}: " + (f"resuming after epoch {start}" if start else "no checkpoint, from scratch"))
+    for epoch in range(start, args.epochs):
         sampler.set_epoch(epoch)
         total, rows = 0.0, 0
         for xb, yb in loader:
@@ -68,6 +87,12 @@ def main() -> None:
             total += loss.item() * len(xb)
             rows += len(xb)
         print(f"epoch {epoch + 1}/{args.epochs}: loss {total / rows:.4f}")
+        if rank == 0:  # written aside, then renamed: a crash mid-write leaves the last one whole
+            state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
+            torch.save(state, args.checkpoint + ".tmp")
+            os.replace(args.checkpoint + ".tmp", args.checkpoint)
+        if restart == 0 and epoch + 1 == args.crash_after:
+            raise SystemExit(f"--crash-after {args.crash_after}: failing on purpose (rank {rank})")
 
     with torch.no_grad():
         predicted = model(torch.from_numpy(x_test).to(device)).argmax(dim=1).cpu().numpy()
@@ -75,6 +100,13 @@ def main() -> None:
     print(f"rank {rank} parameter checksum {checksum:.6f}")
     print(f"test accuracy: {float(np.mean(predicted == y_test)):.4f}")
     dist.destroy_process_group()
+
+
+def load_checkpoint(path: str, rank: int) -> dict[str, Any] | None:
+    """Rank 0's checkpoint, read by rank 0 and broadcast to every rank (None: there is none)."""
+    box: list[Any] = [torch.load(path, map_location="cpu") if rank == 0 and os.path.exists(path) else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ where the ranks run and how their hosts' agents are reached: the hosts engine
 (``dlrun.run.launch.HostsEngine``: the inventory's hosts over SSH or on this machine) or the
 Spark engine (``dlrun.spark.driver.SparkEngine``: the tasks of a barrier stage). Each attempt
 is one ``place``: the engine yields a ``Placement``, the pipeline supervises it, and the
-placement hears how it ended (``done``) before the engine cleans up.
+placement hears how it ended (``done``) before the engine cleans up. A restart is the next
+``place`` with ``config.attempt`` one higher; the hosts engine first hears which hosts the failed
+attempt lost (``HostsEngine.regroup``: reconnect them, or leave them out with ``--min-hosts``).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from dlrun.errors import UsageError
+from dlrun.errors import DlrunError, UsageError
 from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
 from dlrun.plan import (
     AUTO,
@@ -52,7 +52,7 @@ from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
 from dlrun.run.addresses import facing_address, interfaces_at, local_base_port, reachable_addresses, socket_ifaces
 from dlrun.run.agents import AgentAnswer, HostAgents
 from dlrun.run.engine import Engine, HeldView, Placement
-from dlrun.run.result import RunResult
+from dlrun.run.result import Attempt, RunResult
 from dlrun.run.supervisor import Supervisor, View
 from dlrun.run.view import make_view
 from dlrun.transport.base import Transport, default_python
@@ -99,6 +99,8 @@ class LaunchConfig:
     shard: str = "files"
     split_lines: bool = False
     max_restarts: int = 0  # a failed job runs again (new job id) this many times
+    min_hosts: int | None = None  # --min-hosts: a restart goes on without lost hosts while this many remain
+    attempt: int = 0  # which attempt this config runs (0: the first; set by run_job)
     code: str | None = None  # --code DIR: the folder to push (holding the script), not the script's own
     max_push_size: str | None = None  # --max-push-size: the code push's limit (dlrun.push.tree.parse_size)
     setup: str | None = None  # --setup CMD: for every host, instead of the inventory's setup
@@ -157,7 +159,8 @@ def job_plan(config: LaunchConfig, inventory: Inventory, job_id: str,
     """The rank plan of this launch (``make_plan`` with the options that shape it); ``ports``:
     rank → port where dlrun chose them (free on the rank's host)."""
     return make_plan(inventory, job_id=job_id, np=config.np, base_port=config.base_port or DEFAULT_BASE_PORT,
-                     framework=config.framework, addresses=addresses, ports=ports)
+                     framework=config.framework, addresses=addresses, ports=ports, restart_count=config.attempt,
+                     max_restarts=config.max_restarts)
 
 
 def render_commands(
@@ -584,6 +587,9 @@ class HostsEngine:
         self.ports: Mapping[int, int] | None = None  # rank -> port, where dlrun chose free ones
         self.warnings: tuple[str, ...] = ()  # printed before the start, repeated in a failure's root cause
         self.dry_run_pushes: tuple[HostPushSummary, ...] = ()  # what --dry-run's push would send
+        self.ports_chosen = False  # dlrun chose the base port (no --base-port): a restart chooses again
+        self.reconnect: tuple[Host, ...] = ()  # hosts lost in the last attempt: reconnected, probed again
+        self.dropped: tuple[str, ...] = ()  # hosts lost and left out (--min-hosts)
 
     def prepare(self, config: LaunchConfig) -> LaunchConfig:
         if config.hosts is None and config.np is not None and config.np < 1:
@@ -591,6 +597,7 @@ class HostsEngine:
         self.inventory = resolve_inventory(config.hosts, config.np)
         self.base_port_given = config.base_port is not None
         if config.base_port is None and self.inventory.all_local:
+            self.ports_chosen = True
             config = replace(config, base_port=local_base_port(self.inventory, config.np))
         slots_from_gpus = config.preflight and any(h.slots is None for h in self.inventory.hosts)
         if slots_from_gpus:  # slots come from the probe: every host may be used
@@ -689,10 +696,65 @@ class HostsEngine:
             agents.close()
             transport.close()
 
+    def regroup(self, config: LaunchConfig, failed: RunResult) -> str | None:
+        """After a failed attempt: the hosts it lost are reconnected (and probed) by the next
+        ``place``, or with ``--min-hosts`` left out while enough remain. None: go on; else why not."""
+        lost = [h for h in self.inventory.hosts if h.name in failed.lost_hosts]
+        if not lost:
+            return None
+        if config.min_hosts is None:
+            self.reconnect = tuple(lost)
+            return None
+        names = {h.name for h in lost}
+        remaining = replace(self.inventory, hosts=tuple(h for h in self.inventory.hosts if h.name not in names))
+        try:
+            hosts = job_plan(self.shrunk(config, remaining), remaining, "regroup").hosts if remaining.hosts else ()
+        except DlrunError as exc:
+            return f"without {', '.join(sorted(names))} the job cannot be planned: {exc}"
+        if len(hosts) < config.min_hosts:
+            return (f"{len(hosts)} host{'s' if len(hosts) != 1 else ''} left without {', '.join(sorted(names))},"
+                    f" fewer than --min-hosts {config.min_hosts}")
+        self.inventory, self.dropped = remaining, (*self.dropped, *sorted(names))
+        return None
+
+    @staticmethod
+    def shrunk(config: LaunchConfig, inventory: Inventory) -> LaunchConfig:
+        """``--np`` capped at the slots left after dropping hosts (fewer ranks, not a plan error)."""
+        if config.np is None or config.np <= inventory.total_slots:
+            return config
+        return replace(config, np=inventory.total_slots)
+
+    def rejoin(self, config: LaunchConfig) -> HostAgents | None:
+        """Reconnect the hosts lost in the last attempt; with the preflight, their agents start
+        now and run the probe again (the other hosts' agents start with the ranks)."""
+        hosts, self.reconnect = self.reconnect, ()
+        assert self.transport is not None
+        self.addresses = {**self.addresses, **reachable_addresses(hosts, self.transport.reconnect(hosts))}
+        if not config.preflight:
+            return None
+        from dlrun.topo.preflight import PROBE_TIMEOUT, check_preflight, report_from_answer
+
+        agents = HostAgents(self.transport, hosts, pidns=config.pidns, host_timeout=config.ssh.host_timeout)
+        try:
+            agents.start(probe=_probe_source())
+            answers = agents.answers(PROBE_TIMEOUT)
+            check_preflight(self.inventory, hosts, [report_from_answer(a.host, a.stdout, a.error)
+                                                   for a in answers.values()])
+        except BaseException:
+            agents.close()
+            raise
+        return agents
+
     @contextmanager
     def place(self, config: LaunchConfig, job_id: str, view: View) -> Iterator[Placement]:
         assert self.transport is not None, "place() runs inside session()"
         agents, self.agents = self.agents, None  # a restart's ranks get fresh agents
+        if config.attempt:
+            config = self.shrunk(config, self.inventory)
+            if self.ports_chosen:  # a fresh run of free ports (the last attempt's may still be held)
+                config = replace(config, base_port=local_base_port(self.inventory, config.np))
+            if self.reconnect:
+                agents = self.rejoin(config)
         with ExitStack() as stack:
             plan = job_plan(config, self.inventory, job_id, self.addresses, self.ports)
             rendezvous = stack.enter_context(horovod_rendezvous(plan)) if config.framework == "horovod" else None
@@ -704,17 +766,50 @@ class HostsEngine:
                             ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None)
 
 
+RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts' ports settle)
+
+
+def restart_policy(config: LaunchConfig) -> dict[str, int | None]:
+    """The ``--dry-run --json`` document's ``restarts`` field."""
+    return {"max_restarts": config.max_restarts, "min_hosts": config.min_hosts}
+
+
+def restart_policy_text(config: LaunchConfig) -> str:
+    """The restart policy, as ``--dry-run`` shows it."""
+    if not config.max_restarts:
+        return "restarts: none (a failed job ends; --max-restarts N runs it again)"
+    hosts = ("after a lost host, on the hosts left while at least "
+             f"{config.min_hosts} remain (--min-hosts)" if config.min_hosts is not None
+             else "always on the same hosts (a lost host is reconnected)")
+    return (f"restarts: up to {config.max_restarts} after a failed rank or a lost host (not after Ctrl-C or"
+            f" SIGTERM), {hosts}")
+
+
+def check_restart_options(config: LaunchConfig) -> None:
+    if config.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be at least 0, not {config.max_restarts}")
+    if config.min_hosts is not None:
+        if config.min_hosts < 1:
+            raise UsageError(f"--min-hosts must be at least 1, not {config.min_hosts}")
+        if not config.max_restarts:
+            raise UsageError("--min-hosts goes with --max-restarts N (it says where a restart may run)")
+
+
 def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | None = None) -> RunResult:
     """The pipeline, the same for every engine (default: ``HostsEngine``); how the job ended.
 
     ``--dry-run`` prints the commands and returns them (exit code 0). Otherwise every attempt is
-    placed by the engine and supervised here; a failed one is run again (a new job id
-    ``<job>-r<k>``) up to ``max_restarts`` times. ``view`` replaces the terminal's (tests, API).
+    placed by the engine and supervised here; a failed one (a rank's failure or a lost host,
+    never an interrupt) is run again (a new job id ``<job>-r<k>``, logs in
+    ``<job>/attempt-<k>/``) up to ``max_restarts`` times; the hosts engine reconnects a lost host
+    or, with ``min_hosts``, leaves it out (``HostsEngine.regroup``). ``view`` replaces the
+    terminal's (tests, API).
     """
     engine = engine or HostsEngine()
-    if config.max_restarts < 0:
-        raise UsageError(f"--max-restarts must be at least 0, not {config.max_restarts}")
+    check_restart_options(config)
     config = engine.prepare(resolve_framework(config))
+    if isinstance(engine, HostsEngine) and config.min_hosts is not None and config.min_hosts > len(engine.used_hosts):
+        raise UsageError(f"--min-hosts {config.min_hosts}: the job has {len(engine.used_hosts)} hosts")
     job_id = new_job_id()
     # with a preflight, the hosts' own Keras decides (HostsEngine.session warns then)
     probed = isinstance(engine, HostsEngine) and config.preflight and not config.dry_run
@@ -724,6 +819,7 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
         warn_replaced_env(config, commands)
         if config.json_output:
             document = plan_to_json(commands)
+            document["restarts"] = restart_policy(config)
             if isinstance(engine, HostsEngine) and engine.dry_run_pushes:  # Spark ships a zip, no push
                 from dlrun.push.view import summary_json
 
@@ -733,36 +829,82 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
             if warning:
                 print(f"dlrun: warning: {warning}", file=sys.stderr)
             print(dry_run_text(commands))
+            print(restart_policy_text(config))
         return RunResult(ranks=(), exit_code=0, commands=commands, job_id=job_id, attempts=0)
     if warning:
         print(f"dlrun: warning: {warning}", file=sys.stderr)
     check_local_inputs(config, engine.inventory)
     shown = view or make_view(config.ranks_shown, force_plain=config.plain)
+    logs = Path(config.log_dir or DEFAULT_LOG_DIR) / job_id
+    history: list[Attempt] = []
     with engine.session(config, job_id) as config:
         warnings = (warning,) if warning else getattr(engine, "warnings", ())
         attempt = 0
+        dropped: tuple[str, ...] = ()
         while True:
-            result = _attempt(config, engine, job_id if attempt == 0 else f"{job_id}-r{attempt}", shown,
-                              first=attempt == 0, warnings=warnings)
-            if result.ok or result.interrupted_by is not None or attempt == config.max_restarts:
-                return replace(result, job_id=job_id, attempts=attempt + 1)
+            attempt_id = job_id if attempt == 0 else f"{job_id}-r{attempt}"
+            result = _attempt(replace(config, attempt=attempt), engine, attempt_id, shown,
+                              logs / f"attempt-{attempt}" if config.max_restarts else logs, warnings=warnings)
+            history.append(Attempt(attempt, attempt_id, tuple(dict.fromkeys(r.host for r in result.ranks)),
+                                   result.exit_code, result.root_cause, result.interrupted_by, dropped))
+            final = replace(result, job_id=job_id, attempts=attempt + 1, history=tuple(history))
+            last = result.ok or result.interrupted_by is not None or attempt == config.max_restarts
+            why_not = None if last or not isinstance(engine, HostsEngine) else engine.regroup(config, result)
+            if why_not is not None:
+                shown.notice(f"not restarting: {why_not}")
+            shown.finish(final)
+            if last or why_not is not None:
+                return final
             attempt += 1
+            newly = tuple(engine.dropped[len(dropped):]) if isinstance(engine, HostsEngine) else ()
+            dropped = (*dropped, *newly)
+            where = f" without {', '.join(newly)} (lost)" if newly else ""
             shown.notice(f"attempt {attempt} failed (exit code {result.exit_code}): relaunching {engine.restart_unit}"
-                         f" ({attempt} of {config.max_restarts} restarts)")
+                         f"{where} ({attempt} of {config.max_restarts} restarts)")
+            signum = _pause(RESTART_PAUSE)
+            if signum is not None:
+                shown.notice(f"signal {signum} before the restart: not restarting")
+                return replace(final, exit_code=128 + signum, interrupted_by=signum)
 
 
-def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, *, first: bool,
+def _pause(seconds: float) -> int | None:
+    """Wait between attempts; an interrupt (SIGINT, SIGTERM, SIGHUP) ends the wait and is returned."""
+    if threading.current_thread() is not threading.main_thread():
+        time.sleep(seconds)
+        return None
+    caught: list[int] = []
+    woken = threading.Event()
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        caught.append(signum)
+        woken.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        woken.wait(seconds)
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    return caught[0] if caught else None
+
+
+def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, log_dir: Path, *,
              warnings: tuple[str, ...] = ()) -> RunResult:
-    """One attempt: placed by the engine, supervised, its summary shown once the engine cleaned up."""
+    """One attempt: placed by the engine and supervised; the caller shows its summary once the
+    engine cleaned up."""
     with engine.place(config, job_id, view) as placement:
-        check_ranks_shown(config, len(placement.commands))
-        if first:  # once, not again for each restart
+        if config.attempt == 0:  # once, not again for each restart (--min-hosts may leave fewer ranks)
+            check_ranks_shown(config, len(placement.commands))
             warn_replaced_env(config, placement.commands)
+        else:
+            hosts = len({c.host_name for c in placement.commands})
+            view.notice(f"attempt {config.attempt + 1} of {config.max_restarts + 1} (restart {config.attempt},"
+                        f" job {job_id}): {len(placement.commands)} ranks on {hosts} host{'s' if hosts != 1 else ''}")
         supervisor = Supervisor(
             placement.transport,
             placement.commands,
             HeldView(view),
-            log_dir=Path(config.log_dir or DEFAULT_LOG_DIR) / job_id,
+            log_dir=log_dir,
             grace=config.grace,
             host_timeout=config.ssh.host_timeout,
             pidns=config.pidns,
@@ -775,7 +917,6 @@ def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, *, f
             result = supervisor.run()
         placement.done(result)
     result = replace(result, warnings=warnings)  # repeated in a failure's root cause
-    view.finish(result)
     return result
 
 

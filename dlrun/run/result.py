@@ -38,13 +38,28 @@ class RankResult:
 
 
 @dataclass(frozen=True)
+class Attempt:
+    """One run of the job (``--max-restarts``): its number (0: the first), job id, hosts, how
+    it ended, and the hosts dropped before it (lost in an earlier attempt, ``--min-hosts``)."""
+
+    number: int
+    job_id: str
+    hosts: tuple[str, ...]
+    exit_code: int
+    root_cause: RankResult | None = None
+    interrupted_by: int | None = None
+    dropped: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class RunResult:
     """How a job ended: per-rank results, the root cause and the exit code for the shell.
 
     ``commands``: what the ranks ran (a dry run's result has only these); ``attempts``: how
-    many times the job ran (``max_restarts``); ``job_id``: the first attempt's id (a restart's
-    is ``<job_id>-r<k>``, in ``log_dir``). ``gpu_summary``: each GPU's mean utilization and peak
-    memory (``dlrun.run.gpus.GpuStats.summary``); ``gpu_warnings``: its idle-GPU warnings.
+    many times the job ran (``max_restarts``), ``history`` each attempt's end; ``job_id``: the
+    first attempt's id (a restart's is ``<job_id>-r<k>``). ``gpu_summary``: each GPU's mean
+    utilization and peak memory (``dlrun.run.gpus.GpuStats.summary``); ``gpu_warnings``: its
+    idle-GPU warnings.
     """
 
     ranks: tuple[RankResult, ...]
@@ -58,8 +73,17 @@ class RunResult:
     gpu_summary: tuple[dict[str, Any], ...] = ()
     gpu_warnings: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()  # what dlrun warned before the start (repeated in a failure's root cause)
+    history: tuple[Attempt, ...] = ()
 
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
+
+    @property
+    def lost_hosts(self) -> tuple[str, ...]:
+        """Hosts whose connection dropped or went silent: a rank of theirs is LOST, or was
+        stopping when its host's link failed (exit 255 with the reason)."""
+        lost = [r.host for r in self.ranks if r.state == RankState.LOST or (
+            r.state in (RankState.STOPPED, RankState.NOT_STARTED) and r.exit_code == 255 and r.error)]
+        return tuple(dict.fromkeys(lost))
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, TextIO
 from dlrun.render import WorkerCommand
 from dlrun.run.gpus import GpuSample, PlainThrottle, plain_line
 from dlrun.run.gpus import summary_lines as gpu_lines
-from dlrun.run.result import RankState, RunResult
+from dlrun.run.result import Attempt, RankState, RunResult
 from dlrun.run.rootcause import signal_text
 
 if TYPE_CHECKING:  # rich is imported only for the live view (~40 ms a job otherwise)
@@ -71,6 +71,31 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
     return lines
 
 
+def attempt_text(attempt: Attempt) -> str:
+    """How one attempt ended, in a line: its root cause, or success, or the signal."""
+    root = attempt.root_cause
+    if attempt.exit_code == 0:
+        end = "succeeded"
+    elif root is not None and root.state == RankState.LOST:
+        end = f"host {root.host} lost (rank {root.rank}): {(root.error or '').splitlines()[0][:160]}"
+    elif root is not None:
+        end = f"rank {root.rank} on host {root.host} exited with code {root.exit_code}"
+    elif attempt.interrupted_by is not None:
+        end = f"interrupted by signal {attempt.interrupted_by}"
+    else:
+        end = f"failed with exit code {attempt.exit_code}"
+    hosts = f"{len(attempt.hosts)} host{'s' if len(attempt.hosts) != 1 else ''}"
+    without = f", without {', '.join(attempt.dropped)}" if attempt.dropped else ""
+    return f"attempt {attempt.number + 1} (job {attempt.job_id}, {hosts}{without}): {end}"
+
+
+def attempt_lines(result: RunResult) -> list[str]:
+    """Every attempt's end, once the job ran more than once (``--max-restarts``)."""
+    if len(result.history) < 2:
+        return []
+    return [f"dlrun: {len(result.history)} attempts:", *(f"  {attempt_text(a)}" for a in result.history)]
+
+
 def summary_lines(result: RunResult) -> list[str]:
     """The closing table: rank, host, exit code, state, duration; then where the logs are."""
     width = max([4, *(len(r.host) for r in result.ranks)])
@@ -89,6 +114,7 @@ def summary_lines(result: RunResult) -> list[str]:
         verdict = f"dlrun: interrupted by signal {result.interrupted_by}; every rank stopped"
     else:
         verdict = f"dlrun: job failed ({ok}/{len(result.ranks)} ranks succeeded)"
+    lines.extend(attempt_lines(result))
     lines.append(f"{verdict}; exit code {result.exit_code}")
     if result.log_dir is not None:
         lines.append(f"dlrun: logs in {result.log_dir}/")

@@ -839,6 +839,8 @@ def task_commands(
         np=len(ordered),
         framework=config.framework,
         ports={h.partition: h.port for h in ordered},
+        restart_count=config.attempt,
+        max_restarts=config.max_restarts,
     )
     commands = worker_commands(
         plan,

@@ -91,6 +91,11 @@ class Transport(ABC):
         Returns host name → the network address other ranks reach it at.
         """
 
+    def reconnect(self, hosts: Sequence[Host]) -> Mapping[str, str]:
+        """Connect to these hosts again, dropping their old connections (a restart after a lost
+        host); as ``connect``. Transports without connections just connect."""
+        return self.connect(hosts)
+
     @abstractmethod
     def open(self, host: Host, argv: Sequence[str]) -> Channel:
         """Start ``argv`` on the host (no shell parses it) and return its channel."""

@@ -119,6 +119,16 @@ class HostRouter(Transport):
             addresses.update(self._for(remote[0]).connect(remote))
         return addresses
 
+    def reconnect(self, hosts: Sequence[Host]) -> Mapping[str, str]:
+        addresses: dict[str, str] = {}
+        local = [h for h in hosts if h.is_local]
+        remote = [h for h in hosts if not h.is_local]
+        if local:
+            addresses.update(self.local.reconnect(local))
+        if remote:
+            addresses.update(self._for(remote[0]).reconnect(remote))
+        return addresses
+
     def open(self, host: Host, argv: Sequence[str]) -> Channel:
         return self._for(host).open(host, argv)
 

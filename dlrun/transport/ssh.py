@@ -513,6 +513,14 @@ class SSHTransport(Transport):
             raise type(first)(message)
         return {h.name: self.targets[h.name].hostname for h in hosts}
 
+    def reconnect(self, hosts: Sequence[Host]) -> Mapping[str, str]:
+        for host in hosts:
+            old = self.clients.pop(host.name, None)
+            self.silent.pop(host.name, None)
+            if old is not None:  # over a dead connection closing can block: aside
+                threading.Thread(target=old.close, name=f"dlrun-drop-{host.name}", daemon=True).start()
+        return self.connect(hosts)
+
     def _connect_one(self, host: Host) -> TransportError | None:
         try:
             self.clients[host.name] = self._client(self.targets[host.name])

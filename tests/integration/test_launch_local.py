@@ -423,7 +423,7 @@ def test_max_restarts_runs_a_failed_job_again_with_a_new_job_id(tmp_path: Path) 
     assert out.returncode == 0, out.stdout + out.stderr
     assert "dlrun: attempt 1 failed (exit code 3): relaunching the job (1 of 2 restarts)" in out.stdout
     assert re.search(r"^\[0 localhost\] attempt of [\w-]+-r1$", out.stdout, re.M), out.stdout
-    assert out.stdout.count("relaunching") == 1 and out.stdout.rstrip().endswith("-r1/")  # its logs: the last's
+    assert out.stdout.count("relaunching") == 1 and out.stdout.rstrip().endswith("/attempt-1/")  # the last's
     out = run_dlrun("launch", "--plain", "--framework", "none", "--max-restarts", "0", str(script), cwd=tmp_path)
     assert out.returncode == 3 and "relaunching" not in out.stdout
 

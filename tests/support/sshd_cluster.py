@@ -874,6 +874,11 @@ class SshdCluster:
         self._launch(h)
         self._wait_ready([h])
 
+    def stop_host(self, i: int | str) -> None:
+        """SIGKILL host i's listener and everything under it (sessions and their commands): the
+        host is gone and cannot be reached again until ``restart_host(i)``."""
+        self._stop_host(self.host(i))
+
     def _stop_host(self, h: SshdHost) -> None:
         listeners: set[int] = set()
         if h.process is not None and h.process.poll() is None:  # not reaped: pid not reused

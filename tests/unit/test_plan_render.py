@@ -109,7 +109,7 @@ def test_env_layers_and_dlrun_variables() -> None:
     assert cmd.env["A"] == "d" and cmd.env["B"] == "h" and cmd.env["C"] == "x"
     assert dlrun_env(plan, plan.ranks[0]) == {
         "DLRUN_RANK": "0", "DLRUN_LOCAL_RANK": "0", "DLRUN_WORLD_SIZE": "1", "DLRUN_LOCAL_WORLD_SIZE": "1",
-        "DLRUN_HOST": "h", "DLRUN_JOB_ID": "J"}
+        "DLRUN_HOST": "h", "DLRUN_JOB_ID": "J", "DLRUN_RESTART_COUNT": "0"}
     assert cmd.env["PYTHONUNBUFFERED"] == "1"
     (quiet,) = worker_commands(plan, "t.py", [], python_for={"h": ["p"]}, extra_env={"PYTHONUNBUFFERED": ""})
     assert quiet.env["PYTHONUNBUFFERED"] == ""
