@@ -413,11 +413,6 @@ def dump():
         with open(os.environ["DLRUN_BENCH_TRACE"], "w") as fh:
             json.dump(EVENTS, fh)
 atexit.register(dump)
-_exit = os._exit
-def exit_now(code):
-    dump()
-    _exit(code)
-os._exit = exit_now
 sys.argv = ["dlrun", *sys.argv[1:]]
 cli.main()
 """

@@ -15,12 +15,11 @@ or lost (as ssh does).
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from collections.abc import Callable
 from functools import wraps
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import click
 
@@ -48,19 +47,6 @@ def _reports_errors(func: F) -> F:
             sys.exit(130)
 
     return wrapper  # type: ignore[return-value]
-
-
-def _exit_now(code: int) -> NoReturn:
-    """End ``dlrun launch`` without the interpreter's teardown of paramiko and friends (50-110 ms).
-
-    Everything that matters is written by now: the logs are closed, the hosts disconnected.
-    Under click's test runner (stdout swapped) it exits the normal way.
-    """
-    if sys.stdout is not sys.__stdout__ or sys.stdout is None:
-        sys.exit(code)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _parse_env(pairs: tuple[str, ...], option: str = "--env") -> dict[str, str]:
@@ -300,10 +286,7 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
                     "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts"},
                    spark, "the SSH backend, not --backend spark (Spark places tasks and ships the code)")
-    code = run(script, args, **settings).exit_code
-    if spark:
-        sys.exit(code)  # the JVM and py4j's threads end with the interpreter's own exit
-    _exit_now(code)
+    sys.exit(run(script, args, **settings).exit_code)
 
 
 def _refuse_unused(options: dict[str, str], unused: bool, needs: str) -> None:

@@ -292,8 +292,8 @@ def task_main(setup: Mapping[str, Any], _rows: Iterable[Any]) -> Iterator[str]:
     def die_with_parent() -> None:
         if libc is not None:
             libc.prctl(1, int(signal.SIGHUP), 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
+        if os.getppid() != parent:  # the task died before the prctl: go too
+            os._exit(1)  # in the forked child before exec, where only _exit is safe
 
     # the bootstrap's loader (in the PID namespace wrapper): the agent's source comes on the socket
     argv = [sys.executable if arg == EXECUTOR_PYTHON else arg for arg in setup["agent_argv"]]
