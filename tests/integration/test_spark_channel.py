@@ -207,16 +207,23 @@ def test_the_secret_never_crosses_loopback_in_clear_and_bad_peers_are_refused(
     secret = secrets.token_hex(20)
     script = tmp_path / "uses_secret.py"
     script.write_text(USES_SECRET)
-    out = io.StringIO()
-    view = KnockFirst(out)
-    config = LaunchConfig(script=str(script), env={"SECRET_TOKEN": secret}, log_dir=str(tmp_path / "logs"),
-                          grace=2, plain=True)
-    capture = Capture(tmp_path / "lo.pcap")
-    try:
-        code = run_spark(config, SparkConfig(master=MASTER, num_workers=2), view=view)
-    finally:
-        stats = capture.stop()
-    text = out.getvalue()
+    agent_source = (REPO / "dlrun" / "remote" / "agent.py").stat().st_size
+    for _ in range(2):  # a capture that missed the channel's bytes proves nothing: record the job again
+        out = io.StringIO()
+        view = KnockFirst(out)
+        config = LaunchConfig(script=str(script), env={"SECRET_TOKEN": secret}, log_dir=str(tmp_path / "logs"),
+                              grace=2, plain=True)
+        capture = Capture(tmp_path / "lo.pcap")
+        try:
+            code = run_spark(config, SparkConfig(master=MASTER, num_workers=2), view=view)
+        finally:
+            stats = capture.stop()
+        text = out.getvalue()
+        streams = tcp_streams((tmp_path / "lo.pcap").read_bytes())
+        port = view.got["address"][1]
+        channel = sum(len(data) for (sport, dport), data in streams.items() if port in (sport, dport))
+        if channel > agent_source:
+            break
 
     # the job ran, and every rank had the secret
     assert code == 0, text
@@ -237,11 +244,8 @@ def test_the_secret_never_crosses_loopback_in_clear_and_bad_peers_are_refused(
     # every byte on loopback: the secret and the agent's program never, the job and the channel yes
     assert re.search(r"^0 packets dropped by kernel$", stats, re.M), stats  # (on lo each packet counts twice)
     pcap = (tmp_path / "lo.pcap").read_bytes()
-    streams = tcp_streams(pcap)
-    port = got["address"][1]
-    channel = sum(len(data) for (sport, dport), data in streams.items() if port in (sport, dport))
-    agent_source = (REPO / "dlrun" / "remote" / "agent.py").stat().st_size
-    assert channel > agent_source, f"only {channel} bytes on the driver's channel"
+    sizes = {key: len(data) for key, data in streams.items()}
+    assert channel > agent_source, f"only {channel} bytes on the driver's channel (port {port}): {sizes}"
     job_id = re.search(r"\(job ([\w-]+)\)", text)
     assert job_id and any(job_id.group(1).encode() in data for data in streams.values()), "Spark's traffic unseen"
     for needle in [*spellings(secret), AGENT_LINE]:
