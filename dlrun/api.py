@@ -41,14 +41,17 @@ def ssh_options(
     ssh_config: str | None = None,
     known_hosts: str | None = None,
     accept_new_host_keys: bool = False,
-    connect_timeout: float = 10.0,
-    host_timeout: float = DEFAULT_HOST_TIMEOUT,
+    connect_timeout: float | None = None,
+    host_timeout: float | None = None,
 ) -> SSHOptions:
-    """The SSH settings every command shares."""
+    """The SSH settings every command shares; a timeout left None follows each host's ssh config
+    (``ConnectTimeout``, ``ServerAliveInterval`` × ``ServerAliveCountMax``), else 10 s and 30 s."""
     from dlrun.run.launch import SSHOptions
 
     return SSHOptions(config_file=ssh_config, accept_new_host_keys=accept_new_host_keys,
-                      connect_timeout=connect_timeout, known_hosts=known_hosts, host_timeout=host_timeout)
+                      connect_timeout=connect_timeout, known_hosts=known_hosts,
+                      host_timeout=DEFAULT_HOST_TIMEOUT if host_timeout is None else host_timeout,
+                      host_timeout_given=host_timeout is not None)
 
 
 def launch(
@@ -90,8 +93,8 @@ def launch(
     ssh_config: str | None = None,
     known_hosts: str | None = None,
     accept_new_host_keys: bool = False,
-    connect_timeout: float = 10.0,
-    host_timeout: float = DEFAULT_HOST_TIMEOUT,
+    connect_timeout: float | None = None,
+    host_timeout: float | None = None,
     view: View | None = None,
 ) -> RunResult:
     """Run ``script`` on every rank, as ``dlrun launch`` does; how the job ended.
@@ -144,8 +147,8 @@ def topo(
     ssh_config: str | None = None,
     known_hosts: str | None = None,
     accept_new_host_keys: bool = False,
-    connect_timeout: float = 10.0,
-    host_timeout: float = DEFAULT_HOST_TIMEOUT,
+    connect_timeout: float | None = None,
+    host_timeout: float | None = None,
 ) -> TopoResult:
     """Probe every host (this machine without ``hosts``), as ``dlrun topo`` does."""
     from dlrun.inventory import load_inventory
@@ -188,8 +191,8 @@ def push(
     ssh_config: str | None = None,
     known_hosts: str | None = None,
     accept_new_host_keys: bool = False,
-    connect_timeout: float = 10.0,
-    host_timeout: float = DEFAULT_HOST_TIMEOUT,
+    connect_timeout: float | None = None,
+    host_timeout: float | None = None,
 ) -> tuple[HostPushSummary, ...]:
     """Push ``code`` and each host's shard of ``data``, as ``dlrun push`` does; one summary per
     host. ``live``: progress bars (default: on a terminal); ``summary``: print the closing table.

@@ -128,12 +128,13 @@ ssh_options = options(
            help="known_hosts file (default from ssh config)."),
     option("SSH", "--accept-new-host-keys", is_flag=True,
            help="Add unknown host keys to known_hosts (never changed ones)."),
-    option("SSH", "--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
-           help="Seconds to reach each host."),
-    option("SSH", "--host-timeout", type=click.FloatRange(min=0), default=DEFAULT_HOST_TIMEOUT, show_default=True,
+    option("SSH", "--connect-timeout", type=click.FloatRange(min=0, min_open=True),
+           help="Seconds to reach each host (default: the ssh config's ConnectTimeout, else 10)."),
+    option("SSH", "--host-timeout", type=click.FloatRange(min=0),
            help="Seconds of silence after which a host (or Spark task) counts as lost: quiet hosts are"
            " asked for a reply every few seconds. A job's agents stop their ranks after the same"
-           " silence. 0: never."),
+           f" silence. 0: never. Default: the ssh config's ServerAliveInterval x ServerAliveCountMax,"
+           f" else {DEFAULT_HOST_TIMEOUT:g}."),
 )
 
 #: The dataset each host gets its shard of (``dlrun launch`` and ``dlrun push``).

@@ -70,9 +70,10 @@ DEFAULT_LOG_DIR = "dlrun-logs"  # dlrun.push.tree.DEFAULT_LOG_DIR (importing it 
 class SSHOptions:
     config_file: str | None = None
     accept_new_host_keys: bool = False
-    connect_timeout: float = 10.0
+    connect_timeout: float | None = None  # None: the ssh config's ConnectTimeout, else 10 s
     known_hosts: str | None = None
     host_timeout: float = DEFAULT_HOST_TIMEOUT  # seconds of silence before a host is lost (0: never)
+    host_timeout_given: bool = False  # on dlrun's command line: else SSH liveness follows the ssh config
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ def make_transport(inventory: Inventory, ssh: SSHOptions) -> Transport:
             accept_new_host_keys=ssh.accept_new_host_keys,
             connect_timeout=ssh.connect_timeout,
             known_hosts=ssh.known_hosts,
-            host_timeout=ssh.host_timeout,
+            host_timeout=ssh.host_timeout if ssh.host_timeout_given else None,
         )
     )
 

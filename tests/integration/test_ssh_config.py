@@ -269,3 +269,25 @@ def test_timeouts_and_strict_host_key_checking_from_the_config_where_dlrun_sets_
     given = SSHTransport(config_file=str(config), connect_timeout=5, host_timeout=0, accept_new_host_keys=True)
     assert (given.target("a").connect_timeout, given.target("a").alive_limit) == (5, None)
     assert given.target("b").accept_new
+
+
+def test_the_command_line_uses_the_configs_connect_timeout_unless_given(tmp_path: Path) -> None:
+    """A port that accepts and never speaks SSH: the wait is the ssh config's ConnectTimeout,
+    unless --connect-timeout says otherwise."""
+    import socket
+
+    from conftest import run_dlrun
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        config = tmp_path / "config"
+        config.write_text(f"Host slowhost\n    HostName 127.0.0.1\n    Port {silent.getsockname()[1]}\n"
+                          "    ConnectTimeout 1\n")
+        from_config = run_dlrun("topo", "--hosts", "slowhost:1", "--ssh-config", str(config), cwd=tmp_path,
+                                timeout=60)
+        given = run_dlrun("topo", "--hosts", "slowhost:1", "--ssh-config", str(config), "--connect-timeout", "2",
+                          cwd=tmp_path, timeout=60)
+    finally:
+        silent.close()
+    assert "within 1 s" in from_config.stdout + from_config.stderr, from_config.stdout + from_config.stderr
+    assert "within 2 s" in given.stdout + given.stderr, given.stdout + given.stderr
