@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from dlrun.errors import HostUnreachable
 from dlrun.inventory import Host
@@ -110,23 +110,21 @@ class HostRouter(Transport):
         return self.remote
 
     def connect(self, hosts: Sequence[Host]) -> Mapping[str, str]:
-        addresses: dict[str, str] = {}
-        local = [h for h in hosts if h.is_local]
-        remote = [h for h in hosts if not h.is_local]
-        if local:
-            addresses.update(self.local.connect(local))
-        if remote:
-            addresses.update(self._for(remote[0]).connect(remote))
-        return addresses
+        return self._split(hosts, lambda transport, some: transport.connect(some))
 
     def reconnect(self, hosts: Sequence[Host]) -> Mapping[str, str]:
+        return self._split(hosts, lambda transport, some: transport.reconnect(some))
+
+    def _split(self, hosts: Sequence[Host],
+               step: Callable[[Transport, Sequence[Host]], Mapping[str, str]]) -> Mapping[str, str]:
+        """``step`` for this machine's hosts, then for the remote ones, on their transports."""
         addresses: dict[str, str] = {}
         local = [h for h in hosts if h.is_local]
         remote = [h for h in hosts if not h.is_local]
         if local:
-            addresses.update(self.local.reconnect(local))
+            addresses.update(step(self.local, local))
         if remote:
-            addresses.update(self._for(remote[0]).reconnect(remote))
+            addresses.update(step(self._for(remote[0]), remote))
         return addresses
 
     def open(self, host: Host, argv: Sequence[str]) -> Channel:
