@@ -134,6 +134,7 @@ class Plan:
     uses_roles: bool
     restart_count: int = 0  # which attempt this is (0: the first)
     max_restarts: int = 0
+    run_id: str = ""  # the job's id across its attempts (torchrun's run id); "": job_id
 
     @property
     def world_size(self) -> int:
@@ -204,10 +205,12 @@ def make_plan(
     ports: Mapping[int, int] | None = None,
     restart_count: int = 0,
     max_restarts: int = 0,
+    run_id: str = "",
 ) -> Plan:
     """Assign ranks host by host. ``addresses`` maps host name → address the ranks use;
     ``ports`` (rank → port) overrides the port rule where the ranks picked their own (Spark);
-    ``restart_count``: which attempt of the job this plan is (``--max-restarts``)."""
+    ``restart_count``: which attempt of the job this plan is (``--max-restarts``); ``run_id``: the
+    job's id, the same for every attempt (``job_id`` is the attempt's)."""
     if framework not in (*FRAMEWORKS, TF_AND_TORCH):
         raise PlanError(f"unknown framework {framework!r} (expected one of {', '.join(FRAMEWORKS)})")
     total = inventory.total_slots
@@ -277,4 +280,4 @@ def make_plan(
             )
             rank += 1
     return Plan(job_id=job_id, framework=framework, ranks=tuple(ranks), uses_roles=uses_roles,
-                restart_count=restart_count, max_restarts=max_restarts)
+                restart_count=restart_count, max_restarts=max_restarts, run_id=run_id or job_id)

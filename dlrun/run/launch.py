@@ -102,6 +102,7 @@ class LaunchConfig:
     max_restarts: int = 0  # a failed job runs again (new job id) this many times
     min_hosts: int | None = None  # --min-hosts: a restart goes on without lost hosts while this many remain
     attempt: int = 0  # which attempt this config runs (0: the first; set by run_job)
+    run_id: str = ""  # the job's id, the same for every attempt (set by run_job; "": the attempt's)
     code: str | None = None  # --code DIR: the folder to push (holding the script), not the script's own
     max_push_size: str | None = None  # --max-push-size: the code push's limit (dlrun.push.tree.parse_size)
     setup: str | None = None  # --setup CMD: for every host, instead of the inventory's setup
@@ -161,7 +162,7 @@ def job_plan(config: LaunchConfig, inventory: Inventory, job_id: str,
     rank → port where dlrun chose them (free on the rank's host)."""
     return make_plan(inventory, job_id=job_id, np=config.np, base_port=config.base_port or DEFAULT_BASE_PORT,
                      framework=config.framework, addresses=addresses, ports=ports, restart_count=config.attempt,
-                     max_restarts=config.max_restarts)
+                     max_restarts=config.max_restarts, run_id=config.run_id)
 
 
 def render_commands(
@@ -844,7 +845,7 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
         dropped: tuple[str, ...] = ()
         while True:
             attempt_id = job_id if attempt == 0 else f"{job_id}-r{attempt}"
-            result = _attempt(replace(config, attempt=attempt), engine, attempt_id, shown,
+            result = _attempt(replace(config, attempt=attempt, run_id=job_id), engine, attempt_id, shown,
                               logs / f"attempt-{attempt}" if config.max_restarts else logs, warnings=warnings)
             history.append(Attempt(attempt, attempt_id, tuple(dict.fromkeys(r.host for r in result.ranks)),
                                    result.exit_code, result.root_cause, result.interrupted_by, dropped))

@@ -841,6 +841,7 @@ def task_commands(
         ports={h.partition: h.port for h in ordered},
         restart_count=config.attempt,
         max_restarts=config.max_restarts,
+        run_id=config.run_id,
     )
     commands = worker_commands(
         plan,

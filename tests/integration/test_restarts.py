@@ -20,7 +20,8 @@ pytestmark = pytest.mark.ssh
 
 FLAKY = """
 import os, sys
-names = ("DLRUN_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "DLRUN_JOB_ID")
+names = ("DLRUN_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "DLRUN_JOB_ID",
+         "TORCHELASTIC_RUN_ID")
 print("env", *(os.environ.get(n) for n in names), flush=True)
 sys.exit(3 if os.environ["DLRUN_RESTART_COUNT"] == os.environ["DLRUN_RANK"] == "0" else 0)
 """
@@ -78,8 +79,9 @@ def test_a_failed_attempt_runs_again_with_its_restart_count(cluster, tmp_path: P
                     *ssh_args(cluster), str(script), cwd=tmp_path, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     job = job_of(out.stdout)
-    assert re.search(rf"^\[1 host1\] env 0 0 1 {job}$", out.stdout, re.M), out.stdout
-    assert re.search(rf"^\[1 host1\] env 1 1 1 {job}-r1$", out.stdout, re.M), out.stdout
+    # each attempt has its own job id (the sweep's); torchrun's run id stays the job's
+    assert re.search(rf"^\[1 host1\] env 0 0 1 {job} {job}$", out.stdout, re.M), out.stdout
+    assert re.search(rf"^\[1 host1\] env 1 1 1 {job}-r1 {job}$", out.stdout, re.M), out.stdout
     assert "attempt 2 of 2 (restart 1" in out.stdout
     assert f"attempt 1 (job {job}, 2 hosts): rank 0 on host host0 exited with code 3" in out.stdout
     assert f"attempt 2 (job {job}-r1, 2 hosts): succeeded" in out.stdout

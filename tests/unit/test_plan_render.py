@@ -131,6 +131,12 @@ def test_torch_env() -> None:
                    "TORCHELASTIC_ERROR_FILE": "/tmp/dlrun-j/attempt_0/3/error.json"}
     cmds = worker_commands(plan, "t.py", [], python_for={"a": ["p"], "b": ["p"]})
     assert cmds[0].env["OMP_NUM_THREADS"] == "1"
+    # a restart is a new attempt of the same run, as under torchrun
+    again = make_plan(parse_inline("a:2,b:2"), job_id="j-r1", framework="torch", restart_count=1, max_restarts=2,
+                      run_id="j")
+    env = torch_env(again, again.ranks[0])
+    assert (env["TORCHELASTIC_RUN_ID"], env["TORCHELASTIC_RESTART_COUNT"], env["TORCHELASTIC_MAX_RESTARTS"]) == (
+        "j", "1", "2")
 
 
 def test_secrets_masked_everywhere() -> None:
