@@ -6,11 +6,17 @@ dlrun gives every rank its HOROVOD_* environment and runs the gloo rendezvous it
 horovodrun, no MPI and no ssh between workers are needed. Each rank trains on its own shard;
 ``hvd.DistributedOptimizer`` averages gradients; rank 0 prints the test accuracy. With CUDA,
 each rank trains on GPU ``hvd.local_rank()`` (Horovod's own pattern); without it, on the CPU.
+
+Resuming (``dlrun launch --max-restarts N``): after each epoch rank 0 saves a checkpoint (model,
+optimizer, epoch) in its working directory. On a restart (``DLRUN_RESTART_COUNT`` > 0) rank 0
+loads it and ``hvd.broadcast_object`` sends it to every rank, so the other hosts need not have
+the file. ``--crash-after E`` makes the first attempt fail after epoch E, to try it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import horovod.torch as hvd
 import numpy as np
@@ -24,7 +30,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--checkpoint", default="checkpoint-horovod.pt", help="rank 0's, in its working directory")
+    parser.add_argument("--crash-after", type=int, default=0, help="the first attempt fails after this epoch")
     args = parser.parse_args()
+    restart = int(os.environ.get("DLRUN_RESTART_COUNT", "0"))
 
     hvd.init()
     cuda = torch.cuda.is_available()
@@ -43,6 +52,20 @@ def main() -> None:
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr * hvd.size())
+    first = 0
+    if restart == 0 and hvd.rank() == 0 and os.path.exists(args.checkpoint):
+        os.remove(args.checkpoint)  # an earlier job's: this job starts from scratch
+    elif restart > 0:
+        saved = torch.load(args.checkpoint, map_location="cpu") if hvd.rank() == 0 and os.path.exists(
+            args.checkpoint) else None
+        # the same name on every rank: Horovod matches collectives by name, and its default is the
+        # object's type (dict on rank 0, NoneType elsewhere), which never matches
+        saved = hvd.broadcast_object(saved, root_rank=0, name="checkpoint")
+        if saved is not None:
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+            first = saved["epoch"]
+        print(f"restart {restart}: " + (f"resuming after epoch {first}" if first else "no checkpoint, from scratch"))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
@@ -50,7 +73,7 @@ def main() -> None:
     print(f"rank {hvd.rank()}/{hvd.size()} local {hvd.local_rank()}/{hvd.local_size()} "
           f"cross {hvd.cross_rank()}/{hvd.cross_size()}: {len(x_shard)} rows")
 
-    for epoch in range(args.epochs):
+    for epoch in range(first, args.epochs):
         order = torch.randperm(len(x_shard), generator=torch.Generator().manual_seed(epoch))
         total = 0.0
         for start in range(0, len(order), args.batch):
@@ -63,6 +86,12 @@ def main() -> None:
         mean = hvd.allreduce(torch.tensor(total / len(x_shard), device=device), name="epoch_loss")
         if hvd.rank() == 0:
             print(f"epoch {epoch + 1}/{args.epochs}: loss {float(mean):.4f}")
+            # written aside, then renamed: a crash mid-write leaves the last one whole
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
+            torch.save(state, args.checkpoint + ".tmp")
+            os.replace(args.checkpoint + ".tmp", args.checkpoint)
+        if restart == 0 and epoch + 1 == args.crash_after:
+            raise SystemExit(f"--crash-after {args.crash_after}: failing on purpose (rank {hvd.rank()})")
 
     with torch.no_grad():
         predicted = model(torch.from_numpy(x_test).to(device)).argmax(dim=1).cpu().numpy()

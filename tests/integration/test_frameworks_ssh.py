@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, hosts_toml, run_dlrun, shared_script
+from support.sshd_cluster import wait_job_processes_gone
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
@@ -60,6 +61,25 @@ def test_horovod_two_hosts_two_slots(cluster, tmp_path: Path, horovod: None) -> 
     assert len(set(re.findall(r"parameter checksum (-?[0-9.]+)", out.stdout))) == 1
     accuracy = float(re.findall(r"\[0 host0\] test accuracy: ([0-9.]+)", out.stdout)[0])
     assert accuracy >= 0.90
+
+
+def test_the_horovod_example_resumes_after_a_restart(cluster, tmp_path: Path, horovod: None) -> None:  # type: ignore[no-untyped-def]
+    """Attempt 0 fails after epoch 1; attempt 1 gets a fresh gloo rendezvous, and both ranks go on
+    from rank 0's checkpoint (host1 has none of its own: hvd.broadcast_object sent it)."""
+    script = example(cluster, "train_horovod.py")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    out = run_dlrun("launch", "--plain", "--framework", "horovod", "--max-restarts", "1", "--hosts", str(hosts),
+                    "--ssh-config", str(cluster.ssh_config), str(script), "--epochs", "3", "--crash-after", "1",
+                    cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert sorted(re.findall(r"^\[(\d) host\d\] restart 1: resuming after epoch 1$", out.stdout, re.M)) == ["0", "1"]
+    after = out.stdout.split("relaunching")[1]
+    assert "epoch 1/3" not in after and "epoch 3/3" in after, out.stdout
+    assert len(set(re.findall(r"parameter checksum (-?[0-9.]+)", after))) == 1, out.stdout
+    job = re.search(r"logs in (?:\S+/)?dlrun-logs/([\w-]+)/", out.stdout)
+    assert job, out.stdout
+    assert wait_job_processes_gone(job.group(1), timeout=15) == []
+    assert wait_job_processes_gone(f"{job.group(1)}-r1", timeout=15) == []
 
 
 def test_parameter_server_strategy_chief_workers_ps(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
