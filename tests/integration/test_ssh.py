@@ -264,13 +264,19 @@ def test_wrong_key_is_an_authentication_error(cluster, tmp_path: Path) -> None: 
 
 
 @pytest.mark.slow
-def test_tf_example_across_two_ssh_hosts(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_tf_example_across_two_ssh_hosts_resumes_after_a_restart(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The first attempt fails after epoch 1; the restart goes on from the chief's checkpoint on
+    both hosts (host1 has none of its own: the all-reduce sent it) and trains to the end."""
     pytest.importorskip("tf_keras")
     script = shared_script(cluster, "train_digits.py", (REPO / "examples" / "train_digits.py").read_text())
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
-    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), str(script), "--epochs", "12",
-                    cwd=tmp_path, timeout=400)
+    out = run_dlrun("launch", "--plain", "--max-restarts", "1", "--hosts", str(hosts), *ssh_args(cluster),
+                    str(script), "--epochs", "12", "--crash-after", "1", cwd=tmp_path, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert sorted(re.findall(r"^\[(\d) host\d\] restart 1: resuming after epoch 1$", out.stdout, re.M)) == ["0", "1"]
+    after = out.stdout.split("relaunching")[1]
+    assert "epoch 1/12" not in after and re.search(r"\[1 host1\] epoch 12/12: loss", after), out.stdout
+    assert len(set(re.findall(r"weight checksum (-?[0-9.]+)", after))) == 1, out.stdout
     accuracies = [float(m) for m in re.findall(r"\] test accuracy: ([0-9.]+)", out.stdout)]
     assert len(accuracies) == 2 and min(accuracies) >= 0.90
     assert (cluster.hosts[0].workdir / "scripts" / "dlrun-model" / "digits.keras").exists()
