@@ -6,6 +6,13 @@ The inventory gives hosts roles (one ``chief``, ``worker``s, ``ps``, at most one
 ``tf.distribute.Server`` on every ps and worker and this script on the chief, which drives
 them with a ``ClusterCoordinator``: variables live on the ps tasks, steps run on the workers.
 When this script exits, dlrun stops the servers and exits with this script's code.
+
+Resuming (``dlrun launch --max-restarts N``): the chief alone runs the training loop, so after
+each epoch it reads the model's and the optimizer's variables from the ps tasks and saves them
+with the epoch in its own working directory; on ``DLRUN_RESTART_COUNT`` > 0 it assigns them
+back and goes on from the next epoch. (``tf.train.Checkpoint`` would make every ps write its
+own shard to that path, which needs a filesystem the hosts share.) ``--crash-after E`` makes
+the first attempt fail after epoch E, to try it.
 """
 
 from __future__ import annotations
@@ -27,7 +34,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--steps-per-epoch", type=int, default=40)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--checkpoint", default="checkpoint-ps.npz", help="the chief's, in its working directory")
+    parser.add_argument("--crash-after", type=int, default=0, help="the first attempt fails after this epoch")
     args = parser.parse_args()
+    restart = int(os.environ.get("DLRUN_RESTART_COUNT", "0"))
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     if resolver.task_type == "evaluator":  # a side-car evaluator (role = "evaluator") would read checkpoints
@@ -50,6 +60,7 @@ def main() -> None:
              tf.keras.layers.Dense(10)]
         )
         optimizer = tf.keras.optimizers.Adam(0.01)
+        optimizer.build(model.trainable_variables)  # its variables exist before the first step: a restart fills them
         train_loss = tf.keras.metrics.Mean()
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -77,12 +88,29 @@ def main() -> None:
         features, labels = next(it)
         return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_fn, args=(features, labels)), None)
 
-    for epoch in range(args.epochs):
+    saved = [*model.variables, *optimizer.variables]  # held by the ps tasks; read and written from here
+    start = 0
+    if restart == 0 and os.path.exists(args.checkpoint):
+        os.remove(args.checkpoint)  # an earlier job's: this job starts from scratch
+    elif restart > 0:
+        if os.path.exists(args.checkpoint):
+            with np.load(args.checkpoint) as archive:
+                start = int(archive["arr_0"])
+                for i, variable in enumerate(saved):
+                    variable.assign(archive[f"arr_{i + 1}"])
+        print(f"restart {restart}: " + (f"resuming after epoch {start}" if start else "no checkpoint, from scratch"))
+
+    for epoch in range(start, args.epochs):
         train_loss.reset_states()
         for _ in range(args.steps_per_epoch):
             coordinator.schedule(step_fn, args=(iterator,))
         coordinator.join()
         print(f"epoch {epoch + 1}/{args.epochs}: loss {float(train_loss.result()):.4f}")
+        with open(args.checkpoint + ".tmp", "wb") as out:  # then renamed: a crash mid-write keeps the last one
+            np.savez(out, np.array(epoch + 1), *[v.numpy() for v in saved])
+        os.replace(args.checkpoint + ".tmp", args.checkpoint)
+        if restart == 0 and epoch + 1 == args.crash_after:
+            raise SystemExit(f"--crash-after {args.crash_after}: failing on purpose (chief)")
 
     logits = model(x_test, training=False)
     print(f"test accuracy: {float(np.mean(np.argmax(logits.numpy(), axis=1) == y_test)):.4f}")

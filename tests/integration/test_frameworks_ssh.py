@@ -95,9 +95,14 @@ def test_parameter_server_strategy_chief_workers_ps(cluster, tmp_path: Path) -> 
         # an evaluator runs the script, not a server: a cluster listing it made the chief wait forever
         f'[[hosts]]\naddress = "{h[3].name}"\nrole = "evaluator"\nworkdir = "{h[3].workdir}"\n'
     )
-    out = run_dlrun("launch", "--plain", "--framework", "tf-ps", "--grace", "3", "--hosts", str(hosts),
-                    "--ssh-config", str(cluster.ssh_config), str(script), "--epochs", "6", cwd=tmp_path, timeout=400)
+    # the first attempt fails after epoch 2; the restart goes on from the chief's checkpoint
+    out = run_dlrun("launch", "--plain", "--framework", "tf-ps", "--grace", "3", "--max-restarts", "1", "--hosts",
+                    str(hosts), "--ssh-config", str(cluster.ssh_config), str(script), "--epochs", "6",
+                    "--crash-after", "2", cwd=tmp_path, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    after = out.stdout.split("relaunching")[1]
+    assert "[0 host0] restart 1: resuming after epoch 2" in after
+    assert "epoch 2/6" not in after and "[0 host0] epoch 6/6" in after, out.stdout
     assert "chief: 2 workers, 1 ps" in out.stdout
     assert "[4 host3] evaluator: beside 2 workers" in out.stdout
     assert "dlrun.remote.tf_server: ps 0 serving" in out.stdout

@@ -245,7 +245,9 @@ def test_the_secret_never_crosses_loopback_in_clear_and_bad_peers_are_refused(
     assert re.search(r"^0 packets dropped by kernel$", stats, re.M), stats  # (on lo each packet counts twice)
     pcap = (tmp_path / "lo.pcap").read_bytes()
     sizes = {key: len(data) for key, data in streams.items()}
-    assert channel > agent_source, f"only {channel} bytes on the driver's channel (port {port}): {sizes}"
+    notices = [line for line in text.splitlines() if line.startswith("dlrun: spark:")]
+    assert channel > agent_source, (f"only {channel} bytes on the driver's channel (port {port}): {sizes};"
+                                    f" tcpdump: {stats!r}; the job's notices: {notices}")
     job_id = re.search(r"\(job ([\w-]+)\)", text)
     assert job_id and any(job_id.group(1).encode() in data for data in streams.values()), "Spark's traffic unseen"
     for needle in [*spellings(secret), AGENT_LINE]:
