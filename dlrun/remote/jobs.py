@@ -135,6 +135,8 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
         root = jobs_root()
         names = sorted(os.listdir(root)) if os.path.isdir(root) else []
         return {"jobs": [r for r in (job_record(n) for n in names) if r is not None]}
+    if op == "state":
+        return {"job": job_record(job_id)}
     if op == "logs":
         return logs(job_id, {str(k): int(v) for k, v in (request.get("offsets") or {}).items()})
     if op == "stop":

@@ -1,0 +1,318 @@
+"""Detached jobs from the client's side: ``launch --detach``, ``ps``, ``logs``, ``attach``, ``stop``.
+
+``start_detached`` runs inside ``HostsEngine.session`` (inventory, preflight, push, setup and
+ports are a launch's), renders the ranks, closes the early agents and hands each host's ranks
+to a keeper (``dlrun.remote.keeper``): host 0's first (the leader: it listens for the others
+over TLS with the job's pinned certificate), then the rest in parallel. It returns once the
+leader says every rank started. The other commands run ``dlrun.remote.jobs`` on each host
+and merge the answers. Mechanism and files: ``docs/detach.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TextIO
+
+from dlrun.errors import DlrunError, UsageError
+from dlrun.inventory import Host
+from dlrun.remote import boot_argv, boot_payload, source_of
+from dlrun.render import WorkerCommand
+from dlrun.run.agents import agent_argv
+from dlrun.run.result import RunResult
+from dlrun.run.supervisor import View, agent_spec
+from dlrun.transport.base import Transport, default_python
+
+if TYPE_CHECKING:
+    from dlrun.run.launch import HostsEngine, LaunchConfig
+
+START_TIMEOUT = 120.0  # seconds for every rank of a detached job to start
+POLL = 0.5  # seconds between two looks at the hosts (start, --follow, attach, stop)
+FINAL = ("succeeded", "failed", "stopped", "lost")
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A detached job as ``dlrun ps`` shows it: the leader's record where it answered."""
+
+    job_id: str
+    state: str
+    ranks: int
+    started_at: float
+    script: str
+    hosts: tuple[str, ...]
+    exit_code: int | None = None
+    root_cause: str | None = None
+    root_tail: tuple[str, ...] = ()
+    alive: bool = False
+    rank_states: tuple[Mapping[str, Any], ...] = ()
+
+    @property
+    def ended(self) -> bool:
+        return self.state in FINAL and not self.alive
+
+
+def check_detach(config: LaunchConfig, hosts_engine: bool) -> None:
+    """What ``--detach`` does not support (yet) is a usage error before anything starts."""
+    if not hosts_engine:
+        raise UsageError("--detach goes with the SSH backend (a Spark stage lives with its driver)")
+    if config.framework == "horovod":
+        raise UsageError("--detach: --framework horovod needs the gloo rendezvous server dlrun runs here")
+    if config.framework == "tf-ps":
+        raise UsageError("--detach: --framework tf-ps (servers stopped when the chief ends) is not supported yet")
+    if config.max_restarts or config.min_hosts is not None:
+        raise UsageError("--detach: --max-restarts and --min-hosts are not supported yet")
+    if config.dry_run:
+        raise UsageError("--detach starts a job: drop --dry-run")
+
+
+def keeper_configs(job_id: str, commands: Sequence[WorkerCommand], *, agent_argv_of: Callable[[Host], list[str]],
+                   token: str, cert_pem: str, key_pem: str, grace: float, host_timeout: float,
+                   script: str, pidns_source: str) -> dict[str, dict[str, Any]]:
+    """Each host's keeper config, host 0 (the leader) first; followers lack the leader's port."""
+    by_host: dict[str, list[WorkerCommand]] = {}
+    for command in commands:
+        by_host.setdefault(command.host_name, []).append(command)
+    names = list(by_host)
+    leader = names[0]
+    configs: dict[str, dict[str, Any]] = {}
+    for name, ranks in by_host.items():
+        host = ranks[0].spec.host
+        config: dict[str, Any] = {
+            "job_id": job_id, "host": name, "leader": name == leader, "leader_host": leader,
+            "token": token, "cert_pem": cert_pem, "grace": grace, "host_timeout": host_timeout,
+            "script": script, "hosts": names,
+            "agent_argv": agent_argv_of(host), "agent_source": pidns_source,
+            "spec": agent_spec(job_id, name, ranks, grace=grace, host_timeout=0, gpu_every=0),
+        }
+        if name == leader:
+            config["key_pem"] = key_pem
+            config["world"] = {str(c.rank): c.host_name for c in commands}
+            config["followers"] = names[1:]
+        configs[name] = config
+    return configs
+
+
+def run_program(transport: Transport, host: Host, name: str, request: Mapping[str, Any], *args: str,
+                timeout: float = 60.0) -> dict[str, Any]:
+    """Run host program ``name`` with one JSON request; its one JSON answer."""
+    result = transport.run(host, boot_argv(default_python(host), name, *args),
+                           stdin=boot_payload(name) + json.dumps(request).encode() + b"\n", timeout=timeout)
+    if result.exit_code != 0:
+        detail = " / ".join(result.stderr.decode("utf-8", "replace").strip().splitlines()[-3:])
+        raise DlrunError(f"dlrun-{name} exited with code {result.exit_code}: {detail}", host=host.name)
+    try:
+        answer: dict[str, Any] = json.loads(result.stdout.decode("utf-8", "replace").strip().splitlines()[-1])
+    except (ValueError, IndexError) as exc:
+        raise DlrunError(f"dlrun-{name} answered no JSON: {result.stdout[-200:]!r}", host=host.name) from exc
+    if "error" in answer and name == "jobs" and len(answer) == 1:
+        raise DlrunError(f"dlrun-jobs: {answer['error']}", host=host.name)
+    return answer
+
+
+def record_of(document: Mapping[str, Any]) -> JobRecord:
+    return JobRecord(
+        job_id=str(document.get("job_id", "")), state=str(document.get("state", "?")),
+        ranks=len(document.get("ranks") or ()), started_at=float(document.get("started_at") or 0),
+        script=str(document.get("script", "")), hosts=tuple(document.get("hosts") or ()),
+        exit_code=document.get("exit_code"), root_cause=document.get("root_cause"),
+        root_tail=tuple(document.get("root_tail") or ()), alive=bool(document.get("alive")),
+        rank_states=tuple(document.get("ranks") or ()))
+
+
+def merge_records(documents: Sequence[Mapping[str, Any]]) -> list[JobRecord]:
+    """One record per job from every host's answer: the leader's where it answered; a job whose
+    keeper lives on any host is alive."""
+    jobs: dict[str, Mapping[str, Any]] = {}
+    alive: dict[str, bool] = {}
+    for document in documents:
+        job_id = str(document.get("job_id", ""))
+        alive[job_id] = alive.get(job_id, False) or bool(document.get("alive"))
+        if job_id not in jobs or (document.get("leader") and not jobs[job_id].get("leader")):
+            jobs[job_id] = document
+    return [replace(record_of(d), alive=alive[j]) for j, d in sorted(jobs.items())]
+
+
+def age_text(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 86400:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+def ps_lines(records: Sequence[JobRecord], now: float) -> list[str]:
+    """``dlrun ps``'s table."""
+    width = max([len("job"), *(len(r.job_id) for r in records)])
+    lines = [f"{'job':<{width}}  {'state':<10}  {'ranks':>5}  {'age':>5}  {'exit':>4}  script"]
+    for r in records:
+        code = "" if r.exit_code is None else str(r.exit_code)
+        lines.append(f"{r.job_id:<{width}}  {r.state:<10}  {r.ranks:>5}  {age_text(now - r.started_at):>5}"
+                     f"  {code:>4}  {r.script}")
+    return lines
+
+
+def summary_lines(record: JobRecord) -> list[str]:
+    """The end of ``attach`` (and of a detached launch that failed): root cause, ranks, verdict."""
+    lines: list[str] = []
+    if record.root_cause:
+        lines.append(f"dlrun: root cause: {record.root_cause}")
+        lines.extend(f"    | {text}" for text in record.root_tail[-10:])
+    for entry in sorted(record.rank_states, key=lambda e: int(e.get("rank", 0))):
+        code = "" if entry.get("code") is None else str(entry.get("code"))
+        lines.append(f"{entry.get('rank', '?'):>4}  {entry.get('host', '?')}  {code:>4}  {entry.get('state', '?')}")
+    lines.append(f"dlrun: job {record.job_id} {record.state}; exit code "
+                 f"{'?' if record.exit_code is None else record.exit_code}")
+    return lines
+
+
+def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view: View) -> RunResult:
+    """Hand the job to the hosts' keepers; return once every rank started (exit code 0) or the
+    job already failed (its exit code)."""
+    from dlrun.tls import make_job_tls
+
+    with engine.place(config, job_id, view) as placement:
+        if placement.agents is not None:
+            placement.agents.close()  # the keepers start their own agents
+        transport = placement.transport
+        tls = make_job_tls(job_id)
+        hosts = {c.host_name: c.spec.host for c in placement.commands}
+        configs = keeper_configs(
+            job_id, placement.commands, agent_argv_of=lambda h: agent_argv(default_python(h), pidns=config.pidns),
+            token=secrets.token_hex(32), cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
+            host_timeout=config.ssh.host_timeout, script=" ".join([config.script, *config.args])[:200],
+            pidns_source=source_of("agent"))
+        names = list(configs)
+        leader = hosts[names[0]]
+        answer = run_program(transport, leader, "keeper", configs[names[0]], job_id)
+        address = engine.addresses.get(leader.name, leader.address)
+        for name in names[1:]:
+            configs[name]["leader_address"] = [address, int(answer["port"])]
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(names) - 1))) as pool:
+            list(pool.map(lambda n: run_program(transport, hosts[n], "keeper", configs[n], job_id), names[1:]))
+        record = wait_started(transport, leader, job_id)
+    if record.state in FINAL:
+        for line in summary_lines(record):
+            print(line, file=sys.stderr)
+        code = record.exit_code if record.exit_code is not None else 1
+        return RunResult(ranks=(), exit_code=code or 1, job_id=job_id)
+    hosts_option = f" --hosts {config.hosts}" if config.hosts else ""
+    print(f"dlrun: {record.ranks} ranks started on {len(names)} host{'s' if len(names) != 1 else ''};"
+          f" dlrun attach|logs|stop {job_id}{hosts_option}")
+    print(f"dlrun: detached job {job_id}", flush=True)
+    return RunResult(ranks=(), exit_code=0, job_id=job_id)
+
+
+def wait_started(transport: Transport, leader: Host, job_id: str) -> JobRecord:
+    """Poll the leader's record until every rank started (or the job ended)."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        document = run_program(transport, leader, "jobs", {"op": "state", "job": job_id}).get("job")
+        if document is not None:
+            record = record_of(document)
+            if record.state not in ("starting",):
+                return record
+        if time.monotonic() > deadline:
+            raise DlrunError(f"the ranks of detached job {job_id} did not all start within {START_TIMEOUT:g} s"
+                             f" (dlrun logs {job_id}; dlrun stop {job_id})", host=leader.name)
+        time.sleep(POLL)
+
+
+# --------------------------------------------------------------------------- ps, logs, attach, stop
+
+
+class JobHosts:
+    """The hosts given to ``ps``/``logs``/``attach``/``stop`` and the transport that reaches them."""
+
+    def __init__(self, transport: Transport, hosts: Sequence[Host]) -> None:
+        self.transport = transport
+        self.hosts = tuple(hosts)
+
+    def ask(self, request: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """Every host's answer (in parallel), by host name."""
+        with ThreadPoolExecutor(max_workers=min(32, len(self.hosts))) as pool:
+            answers = list(pool.map(lambda h: run_program(self.transport, h, "jobs", request), self.hosts))
+        return {h.name: a for h, a in zip(self.hosts, answers, strict=True)}
+
+    def ps(self) -> list[JobRecord]:
+        return merge_records([d for a in self.ask({"op": "ps"}).values() for d in a.get("jobs", [])])
+
+    def record(self, job_id: str) -> JobRecord:
+        documents = [a["job"] for a in self.ask({"op": "state", "job": job_id}).values() if a.get("job")]
+        if not documents:
+            names = ", ".join(h.name for h in self.hosts)
+            raise UsageError(f"no job {job_id} on {names} (dlrun ps lists the jobs; --hosts names the hosts)")
+        return merge_records(documents)[0]
+
+    def stop(self, job_id: str, timeout: float) -> JobRecord:
+        self.record(job_id)  # a job that is not there is an error
+        self.ask({"op": "stop", "job": job_id})
+        deadline = time.monotonic() + timeout
+        while True:
+            record = self.record(job_id)
+            if record.ended or time.monotonic() > deadline:
+                return record
+            time.sleep(POLL)
+
+    def delete(self, job_id: str) -> None:
+        for name, answer in self.ask({"op": "delete", "job": job_id}).items():
+            if answer.get("error"):
+                raise UsageError(f"{name}: {answer['error']}")
+
+
+class LogFollower:
+    """Each host's rank logs from where the last look ended, in ``[<rank> <host>] <text>`` lines."""
+
+    def __init__(self, hosts: JobHosts, job_id: str, out: TextIO) -> None:
+        self.hosts = hosts
+        self.job_id = job_id
+        self.out = out
+        self.offsets: dict[str, dict[str, int]] = {h.name: {} for h in hosts.hosts}
+
+    def poll(self) -> JobRecord | None:
+        """Print what is new; the merged record of the job (None: no host has it)."""
+        documents = []
+        with ThreadPoolExecutor(max_workers=min(32, len(self.hosts.hosts))) as pool:
+            answers = list(pool.map(self._ask, self.hosts.hosts))
+        for host, answer in zip(self.hosts.hosts, answers, strict=True):
+            for key, piece in sorted(answer.get("files", {}).items(), key=lambda kv: rank_of(kv[0])):
+                self.offsets[host.name][key] = int(piece["offset"])
+                text = str(piece["text"])
+                if text:
+                    prefix = f"[{rank_of(key)} {host.name}] "
+                    self.out.write(prefix + text[:-1].replace("\n", "\n" + prefix) + "\n")
+            if answer.get("job"):
+                documents.append(answer["job"])
+        self.out.flush()
+        return merge_records(documents)[0] if documents else None
+
+    def _ask(self, host: Host) -> dict[str, Any]:
+        return run_program(self.hosts.transport, host, "jobs",
+                           {"op": "logs", "job": self.job_id, "offsets": self.offsets[host.name]})
+
+    def follow(self) -> JobRecord:
+        """Poll until the job has ended everywhere; its record."""
+        while True:
+            record = self.poll()
+            if record is None:
+                raise UsageError(f"no job {self.job_id} on {', '.join(h.name for h in self.hosts.hosts)}")
+            if record.ended:
+                self.poll()  # the last lines, written before the end
+                return record
+            time.sleep(POLL)
+
+
+def rank_of(key: str) -> int:
+    """``attempt-0/rank-3.log`` → 3."""
+    name = key.rpartition("/")[2]
+    try:
+        return int(name.removeprefix("rank-").removesuffix(".log"))
+    except ValueError:
+        return -1
