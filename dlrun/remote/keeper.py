@@ -52,6 +52,22 @@ def jobs_root() -> str:
     return os.path.join(os.path.expanduser("~"), ".dlrun", "jobs")
 
 
+def host_folder(host: str) -> str:
+    """The host's own folder name in the job's folder: hosts may share a home (NFS)."""
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in host)
+    return "host-" + name
+
+
+def boot_id() -> str:
+    """This machine's boot (``/proc/sys/kernel/random/boot_id``): a pid means something only
+    on the machine and boot that wrote it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return os.uname().nodename
+
+
 def write_json(path: str, document: dict[str, Any]) -> None:
     """Atomically: a reader (``dlrun ps``) never sees half a file."""
     temp = path + ".tmp"
@@ -647,7 +663,7 @@ def detach(jobdir: str) -> int | None:
     os.close(null)
     os.close(log)
     with open(os.path.join(jobdir, "keeper.pid"), "w") as fh:
-        fh.write(str(os.getpid()))
+        fh.write(f"{os.getpid()} {boot_id()}")
     os.write(write_end, str(os.getpid()).encode())
     os.close(write_end)
     return None
@@ -659,9 +675,9 @@ def main() -> None:
     if not job_id or "/" in job_id or job_id.startswith("."):
         sys.exit(f"dlrun-keeper: bad job id {job_id!r}")
     os.makedirs(jobs_root(), mode=0o700, exist_ok=True)
-    jobdir = os.path.join(jobs_root(), job_id)
+    jobdir = os.path.join(jobs_root(), job_id, host_folder(str(config["host"])))
     os.makedirs(jobdir, mode=0o700, exist_ok=True)
-    os.chmod(jobdir, 0o700)
+    os.chmod(os.path.dirname(jobdir), 0o700)
     listener = None
     context = None
     port = 0

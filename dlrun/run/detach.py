@@ -214,10 +214,11 @@ def wait_started(transport: Transport, leader: Host, job_id: str) -> JobRecord:
     """Poll the leader's record until every rank started (or the job ended)."""
     deadline = time.monotonic() + START_TIMEOUT
     while True:
-        document = run_program(transport, leader, "jobs", {"op": "state", "job": job_id}).get("job")
-        if document is not None:
-            record = record_of(document)
-            if record.state not in ("starting",):
+        documents = run_program(transport, leader, "jobs", {"op": "state", "job": job_id}).get("jobs") or []
+        leaders = [d for d in documents if d.get("leader")]
+        if leaders:
+            record = merge_records(leaders)[0]
+            if record.state != "starting":
                 return record
         if time.monotonic() > deadline:
             raise DlrunError(f"the ranks of detached job {job_id} did not all start within {START_TIMEOUT:g} s"
@@ -245,7 +246,7 @@ class JobHosts:
         return merge_records([d for a in self.ask({"op": "ps"}).values() for d in a.get("jobs", [])])
 
     def record(self, job_id: str) -> JobRecord:
-        documents = [a["job"] for a in self.ask({"op": "state", "job": job_id}).values() if a.get("job")]
+        documents = [d for a in self.ask({"op": "state", "job": job_id}).values() for d in a.get("jobs") or []]
         if not documents:
             names = ", ".join(h.name for h in self.hosts)
             raise UsageError(f"no job {job_id} on {names} (dlrun ps lists the jobs; --hosts names the hosts)")
@@ -274,28 +275,26 @@ class LogFollower:
         self.hosts = hosts
         self.job_id = job_id
         self.out = out
-        self.offsets: dict[str, dict[str, int]] = {h.name: {} for h in hosts.hosts}
+        self.offsets: dict[str, int] = {}  # host-<name>/attempt-K/rank-N.log -> bytes printed
 
     def poll(self) -> JobRecord | None:
         """Print what is new; the merged record of the job (None: no host has it)."""
-        documents = []
-        with ThreadPoolExecutor(max_workers=min(32, len(self.hosts.hosts))) as pool:
-            answers = list(pool.map(self._ask, self.hosts.hosts))
-        for host, answer in zip(self.hosts.hosts, answers, strict=True):
-            for key, piece in sorted(answer.get("files", {}).items(), key=lambda kv: rank_of(kv[0])):
-                self.offsets[host.name][key] = int(piece["offset"])
-                text = str(piece["text"])
-                if text:
-                    prefix = f"[{rank_of(key)} {host.name}] "
-                    self.out.write(prefix + text[:-1].replace("\n", "\n" + prefix) + "\n")
-            if answer.get("job"):
-                documents.append(answer["job"])
+        request = {"op": "logs", "job": self.job_id, "offsets": dict(self.offsets)}
+        answers = self.hosts.ask(request).values()
+        documents: list[Mapping[str, Any]] = []
+        pieces: dict[str, Mapping[str, Any]] = {}
+        for answer in answers:  # hosts that share a home answer the same files: each once
+            for key, piece in answer.get("files", {}).items():
+                pieces.setdefault(key, piece)
+            documents.extend(answer.get("jobs") or [])
+        for key, piece in sorted(pieces.items(), key=lambda kv: rank_of(kv[0])):
+            self.offsets[key] = int(piece["offset"])
+            text = str(piece["text"])
+            if text:
+                prefix = f"[{rank_of(key)} {piece.get('host', '?')}] "
+                self.out.write(prefix + text[:-1].replace("\n", "\n" + prefix) + "\n")
         self.out.flush()
         return merge_records(documents)[0] if documents else None
-
-    def _ask(self, host: Host) -> dict[str, Any]:
-        return run_program(self.hosts.transport, host, "jobs",
-                           {"op": "logs", "job": self.job_id, "offsets": self.offsets[host.name]})
 
     def follow(self) -> JobRecord:
         """Poll until the job has ended everywhere; its record."""
@@ -310,7 +309,7 @@ class LogFollower:
 
 
 def rank_of(key: str) -> int:
-    """``attempt-0/rank-3.log`` → 3."""
+    """``host-a/attempt-0/rank-3.log`` → 3."""
     name = key.rpartition("/")[2]
     try:
         return int(name.removeprefix("rank-").removesuffix(".log"))
