@@ -1,0 +1,127 @@
+"""The pure pieces of detached jobs: keeper configs, merged records, the ps table, the jobs
+program's records from a job folder, and the keeper's copy of the agent's frame kinds."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from dlrun.errors import UsageError
+from dlrun.inventory import load_inventory
+from dlrun.remote import agent, jobs, keeper
+from dlrun.run.detach import (
+    check_detach,
+    keeper_configs,
+    merge_records,
+    ps_lines,
+    rank_of,
+    record_of,
+    summary_lines,
+)
+from dlrun.run.launch import LaunchConfig, render_commands
+
+
+def configs() -> dict[str, dict[str, object]]:
+    config = LaunchConfig(script="train.py", hosts="a:1,b:2", framework="none")
+    _, commands = render_commands(config, load_inventory("a:1,b:2"), "job1")
+    return keeper_configs("job1", commands, agent_argv_of=lambda h: ["agent", h.name], token="t", cert_pem="CERT",
+                          key_pem="KEY", grace=3.0, host_timeout=30.0, script="train.py", pidns_source="SRC")
+
+
+def test_host_0_leads_and_alone_gets_the_key_and_the_world() -> None:
+    found = configs()
+    assert list(found) == ["a", "b"]
+    leader, follower = found["a"], found["b"]
+    assert leader["leader"] is True and leader["key_pem"] == "KEY" and leader["followers"] == ["b"]
+    assert leader["world"] == {"0": "a", "1": "b", "2": "b"}
+    assert follower["leader"] is False and "key_pem" not in follower and "world" not in follower
+    assert follower["leader_host"] == "a" and follower["cert_pem"] == "CERT"
+    assert follower["agent_argv"] == ["agent", "b"]
+    spec = follower["spec"]
+    assert isinstance(spec, dict)
+    assert [r["rank"] for r in spec["ranks"]] == [1, 2]
+    assert spec["host_timeout"] == 0  # the keeper is next to its agent: the pipe's EOF is its watchdog
+
+
+def test_what_detach_does_not_support_is_refused() -> None:
+    check_detach(LaunchConfig(script="t.py", framework="torch", detach=True), True)
+    for config, hosts_engine in ((LaunchConfig(script="t.py", framework="horovod"), True),
+                                 (LaunchConfig(script="t.py", framework="tf-ps"), True),
+                                 (LaunchConfig(script="t.py", max_restarts=1), True),
+                                 (LaunchConfig(script="t.py"), False)):
+        with pytest.raises(UsageError):
+            check_detach(config, hosts_engine)
+
+
+def test_the_leaders_record_wins_and_any_live_keeper_keeps_the_job_alive() -> None:
+    follower = {"job_id": "j", "leader": False, "state": "running", "alive": True, "ranks": [{}]}
+    leader = {"job_id": "j", "leader": True, "state": "failed", "exit_code": 3, "alive": False,
+              "ranks": [{}, {}], "started_at": 100.0, "script": "t.py"}
+    (merged,) = merge_records([follower, leader])
+    assert merged.state == "failed" and merged.exit_code == 3 and merged.ranks == 2 and merged.alive
+    assert not merged.ended
+    assert merge_records([{**leader, "alive": False}])[0].ended
+
+
+def test_ps_lines_and_summary() -> None:
+    record = record_of({"job_id": "j1", "state": "failed", "exit_code": 3, "started_at": 0.0, "script": "t.py 1",
+                        "ranks": [{"rank": 1, "host": "b", "state": "failed", "code": 3},
+                                  {"rank": 0, "host": "a", "state": "stopped", "code": 143}],
+                        "root_cause": "rank 1 on b exited with code 3", "root_tail": ["ValueError: x"]})
+    lines = ps_lines([record], now=7200.0)
+    assert lines[1].split() == ["j1", "failed", "2", "2.0h", "3", "t.py", "1"]
+    summary = summary_lines(record)
+    assert summary[0] == "dlrun: root cause: rank 1 on b exited with code 3"
+    assert summary[1] == "    | ValueError: x"
+    assert summary[2].split() == ["0", "a", "143", "stopped"]
+    assert summary[-1] == "dlrun: job j1 failed; exit code 3"
+    assert rank_of("host-a/attempt-0/rank-12.log") == 12
+
+
+def test_the_keeper_reads_the_agents_frames() -> None:
+    assert keeper.HEADER.format == agent.HEADER.format
+    assert (keeper.STARTED, keeper.STDOUT, keeper.STDERR, keeper.EXIT, keeper.ERROR, keeper.DONE) == (
+        agent.STARTED, agent.STDOUT, agent.STDERR, agent.EXIT, agent.ERROR, agent.DONE)
+    assert keeper.rank_state(0, stopping=True) == "succeeded"
+    assert keeper.rank_state(143, stopping=True) == "stopped"
+    assert keeper.rank_state(3, stopping=False) == "failed"
+    assert keeper.host_folder("user@h:22") == "host-user_h_22"
+
+
+def write(path: Path, document: dict[str, object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document))
+
+
+def test_the_jobs_program_reads_records_logs_and_prunes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    root = tmp_path / ".dlrun" / "jobs"
+    ended, died, old = root / "ended" / "host-a", root / "died" / "host-a", root / "old" / "host-a"
+    write(ended / "result.json", {"job_id": "ended", "state": "succeeded", "leader": True})
+    write(died / "state.json", {"job_id": "died", "state": "running", "leader": True})
+    (died / "keeper.pid").write_text(f"999999999 {jobs.boot_id()}")  # this machine, no such process
+    write(old / "result.json", {"job_id": "old", "state": "failed"})
+    log = ended / "attempt-0" / "rank-0.log"
+    log.parent.mkdir()
+    log.write_bytes(b"one\ntwo\npart")
+    week = time.time() - 8 * 86400
+    for folder, _dirs, files in os.walk(root / "old"):
+        for name in [".", *files]:
+            os.utime(Path(folder) / name, (week, week))
+
+    answer = jobs.answer({"op": "ps"})
+    assert {(r["job_id"], r["state"], r["alive"]) for r in answer["jobs"]} == {
+        ("ended", "succeeded", False), ("died", "lost", False)}  # "old" is pruned
+    assert not (root / "old").exists()
+
+    first = jobs.answer({"op": "logs", "job": "ended", "offsets": {}})["files"]["host-a/attempt-0/rank-0.log"]
+    assert first["text"] == "one\ntwo\n" and first["offset"] == 8  # whole lines only
+    again = jobs.answer({"op": "logs", "job": "ended", "offsets": {"host-a/attempt-0/rank-0.log": 8}})
+    assert again["files"]["host-a/attempt-0/rank-0.log"]["text"] == ""
+    assert jobs.answer({"op": "logs", "job": "../x"}) == {"error": "bad job id '../x'"}
+    assert jobs.answer({"op": "delete", "job": "ended"}) == {"deleted": True}
+    assert not (root / "ended").exists()
