@@ -218,7 +218,7 @@ class Keeper:
             "state": self.job_state(), "started_at": self.started_at,
             "ranks": [self.ranks[r] for r in sorted(self.ranks)],
             "exit_code": self.exit_code, "root_cause": self.root_cause, "root_tail": self.root_tail,
-            "attempts": 1,
+            "attempts": 1, "port": self.listener.getsockname()[1] if self.listener is not None else None,
         }
         if final:
             document["ended_at"] = time.time()

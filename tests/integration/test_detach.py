@@ -3,9 +3,12 @@ its own, stops on ``dlrun stop``, is followed by ``dlrun attach``, and leaves no
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
+import ssl
 import subprocess
 import time
 from pathlib import Path
@@ -13,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
-from support.sshd_cluster import wait_job_processes_gone
+from support.sshd_cluster import TEST_USER_HOME, wait_job_processes_gone
 
 pytestmark = pytest.mark.ssh
 
@@ -152,4 +155,46 @@ def test_attach_shows_the_lines_and_the_exit_code(cluster, tmp_path: Path) -> No
         assert f"[{rank} {host}] rank {rank} step 0\n" in out.stdout, out.stdout
         assert f"[{rank} {host}] rank {rank} done\n" in out.stdout, out.stdout
     assert f"dlrun: job {job} failed; exit code 5" in out.stdout, out.stdout
+    nothing_left(job)
+
+
+def host_folder(job: str, host: str) -> Path:
+    return TEST_USER_HOME / ".dlrun" / "jobs" / job / f"host-{host}"
+
+
+def test_a_killed_follower_keeper_is_a_lost_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleeper.py", SLEEPER)
+    job = detach(cluster, tmp_path, script)
+    pid = int((host_folder(job, "host1") / "keeper.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGKILL)  # its agent sees EOF and stops rank 1; the leader sees the connection end
+    out = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
+    assert out.returncode == 255, out.stdout + out.stderr
+    assert "dlrun: root cause: host host1 lost: its keeper's connection closed" in out.stdout, out.stdout
+    assert re.search(r"^\s+0\s+host0\s+143\s+stopped$", out.stdout, re.M), out.stdout
+    nothing_left(job)
+
+
+def test_the_leader_answers_no_one_without_the_job_token(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleeper.py", SLEEPER)
+    job = detach(cluster, tmp_path, script)
+    try:
+        state = json.loads((host_folder(job, "host0") / "state.json").read_text())
+        address = (cluster.hosts[0].address, int(state["port"]))
+        with socket.create_connection(address, timeout=10) as plain:  # no TLS: no handshake, closed
+            plain.sendall(b'{"token": "x", "host": "host1"}\n')
+            plain.settimeout(15)
+            try:
+                assert b"{" not in plain.recv(100)  # at most a TLS alert, then the end
+            except ConnectionResetError:
+                pass
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        with context.wrap_socket(socket.create_connection(address, timeout=10)) as tls:
+            assert tls.version() == "TLSv1.3"
+            tls.sendall(b'{"token": "wrong", "host": "host1"}\n')
+            assert tls.recv(100) == b""  # closed without a word
+        time.sleep(1)
+        assert json.loads((host_folder(job, "host0") / "state.json").read_text())["state"] == "running"
+    finally:
+        assert run_dlrun("stop", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120).returncode == 143
     nothing_left(job)
