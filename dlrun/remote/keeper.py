@@ -34,6 +34,7 @@ STARTED, STDOUT, STDERR, EXIT, ERROR, DONE = 2, 3, 4, 5, 6, 7
 TAIL_LINES = 20
 HANDSHAKE_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 30.0  # a follower's tries to reach the leader
+RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts' ports settle)
 STOP_MARGIN = 15.0  # past the grace, an agent that has not reported is killed
 FINAL = ("succeeded", "failed", "stopped", "lost")
 
@@ -177,7 +178,10 @@ class Keeper:
         self.host = str(config["host"])
         self.leader = bool(config["leader"])
         self.jobdir = jobdir
-        self.attempt_dir = os.path.join(jobdir, "attempt-0")
+        self.specs: list[dict[str, Any]] = list(config.get("specs") or [config["spec"]])
+        self.attempt = 0  # which of ``specs`` runs (--max-restarts: one spec per attempt)
+        self.history: list[dict[str, Any]] = []  # the failed attempts before this one
+        self.generation = 0  # which agent the events come from (a restart starts a fresh one)
         self.grace = float(config.get("grace", 10.0))
         self.host_timeout = float(config.get("host_timeout") or 0) or None
         self.listener = listener
@@ -200,7 +204,7 @@ class Keeper:
         self.ranks: dict[int, dict[str, Any]] = {
             int(rank): {"rank": int(rank), "host": host, "state": "pending", "code": None}
             for rank, host in world.items()}
-        self.own = [int(r["rank"]) for r in config["spec"]["ranks"]]
+        self.own = [int(r["rank"]) for r in self.specs[0]["ranks"]]
         for rank in self.own:
             self.ranks.setdefault(rank, {"rank": rank, "host": self.host, "state": "pending", "code": None})
         self.followers = [str(h) for h in config.get("followers", [])]
@@ -209,6 +213,8 @@ class Keeper:
         self.exit_code: int | None = None
         self.interrupted_by: int | None = None
         self.failed_code = 0
+        self.closed_generation = 0  # the last agent whose end was handled
+        self.held: list[Event] = []  # events wait_agent took that are not the agent's
 
     # ---------------------------------------------------------------- records
     def record(self, final: bool = False) -> dict[str, Any]:
@@ -218,7 +224,8 @@ class Keeper:
             "state": self.job_state(), "started_at": self.started_at,
             "ranks": [self.ranks[r] for r in sorted(self.ranks)],
             "exit_code": self.exit_code, "root_cause": self.root_cause, "root_tail": self.root_tail,
-            "attempts": 1, "port": self.listener.getsockname()[1] if self.listener is not None else None,
+            "attempts": self.attempt + 1, "history": self.history,
+            "port": self.listener.getsockname()[1] if self.listener is not None else None,
         }
         if final:
             document["ended_at"] = time.time()
@@ -236,28 +243,38 @@ class Keeper:
         return "starting"
 
     # ---------------------------------------------------------------- the agent
+    @property
+    def attempt_dir(self) -> str:
+        return os.path.join(self.jobdir, f"attempt-{self.attempt}")
+
     def start_agent(self) -> None:
+        """A fresh agent for this attempt's spec, its ranks' logs in ``attempt-K/``."""
+        for log in self.logs.values():
+            log.close()
+        self.generation += 1
+        self.agent_done = False
+        spec = self.specs[self.attempt]
         os.makedirs(self.attempt_dir, mode=0o700, exist_ok=True)
         for rank in self.own:
             self.logs[rank] = open(  # noqa: SIM115 - open while the rank runs
                 os.path.join(self.attempt_dir, f"rank-{rank}.log"), "w", encoding="utf-8")
             self.tails[rank] = deque(maxlen=TAIL_LINES)
         env = dict(os.environ)
-        env["DLRUN_JOB_ID"] = self.job_id  # what tests and sweeps look for, on the agent too
+        env["DLRUN_JOB_ID"] = str(spec["job_id"])  # the attempt's: what sweeps and tests look for
         with open(os.path.join(self.jobdir, "agent.log"), "ab") as stderr:
             self.agent = subprocess.Popen([str(a) for a in self.config["agent_argv"]], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, stderr=stderr, env=env, start_new_session=True)
         assert self.agent.stdin is not None
         payload = str(self.config["agent_source"]).encode("utf-8")
         self.agent.stdin.write(b"%010d" % len(payload) + payload)
-        self.agent.stdin.write(json.dumps(self.config["spec"]).encode() + b"\n")
+        self.agent.stdin.write(json.dumps(spec).encode() + b"\n")
         self.agent.stdin.flush()
-        threading.Thread(target=self.read_agent, daemon=True).start()
+        threading.Thread(target=self.read_agent, args=(self.agent, self.generation), daemon=True).start()
 
-    def read_agent(self) -> None:
-        assert self.agent is not None and self.agent.stdout is not None
+    def read_agent(self, agent: subprocess.Popen[bytes], generation: int) -> None:
+        assert agent.stdout is not None
         buf = b""
-        fd = self.agent.stdout.fileno()
+        fd = agent.stdout.fileno()
         while True:
             try:
                 data = os.read(fd, 65536)
@@ -272,10 +289,10 @@ class Keeper:
                 if len(buf) - pos - HEADER.size < length:
                     break
                 start = pos + HEADER.size
-                self.events.put(("frame", kind, rank, buf[start:start + length]))
+                self.events.put(("frame", generation, kind, rank, buf[start:start + length]))
                 pos = start + length
             buf = buf[pos:]
-        self.events.put(("agent-closed",))
+        self.events.put(("agent-closed", generation))
 
     def tell_agent(self, message: dict[str, Any]) -> None:
         if self.agent is None or self.agent.stdin is None:
@@ -375,6 +392,11 @@ class Keeper:
         """The leader: once every rank has ended, the result goes to every host. True: ended."""
         if not all(r["state"] in FINAL for r in self.ranks.values()):
             return False
+        lost = any(r["state"] == "lost" for r in self.ranks.values())
+        if self.root_cause is not None and self.interrupted_by is None and not lost \
+                and self.attempt + 1 < len(self.specs):
+            self.restart(self.attempt + 1)
+            return False
         if self.interrupted_by is not None:
             self.exit_code = 128 + self.interrupted_by
             for entry in self.ranks.values():
@@ -391,6 +413,29 @@ class Keeper:
         for peer in self.peers.values():
             peer.send({"op": "end", "result": result})
         return True
+
+    def restart(self, attempt: int) -> None:
+        """Run the job again with attempt K's spec (pre-rendered by the client, with its restart
+        count); the leader tells every follower to do the same. A lost host is not restarted:
+        its keeper is gone."""
+        if self.leader:
+            self.history.append({"attempt": self.attempt, "job_id": self.specs[self.attempt]["job_id"],
+                                 "exit_code": self.failed_code, "root_cause": self.root_cause})
+        self.wait_agent(self.grace + STOP_MARGIN)
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.kill()
+            self.agent.wait()
+        self.attempt = attempt
+        for entry in self.ranks.values():
+            entry.update(state="pending", code=None)
+        self.root_cause, self.root_tail, self.failed_code = None, [], 0
+        self.stopping, self.kill_at = False, None
+        if self.leader:
+            time.sleep(RESTART_PAUSE)
+            for peer in self.peers.values():
+                peer.send({"op": "restart", "attempt": attempt})
+        self.start_agent()
+        self.record()
 
     # ---------------------------------------------------------------- the network
     def accept(self) -> None:
@@ -502,10 +547,13 @@ class Keeper:
 
     def handle(self, event: Event) -> None:
         kind = event[0]
+        if kind in ("frame", "agent-closed") and event[1] != self.generation:
+            return  # an earlier attempt's agent: everything it said was handled before the restart
         if kind == "frame":
-            self.on_frame(int(event[1]), int(event[2]), bytes(event[3]))
+            self.on_frame(int(event[2]), int(event[3]), bytes(event[4]))
         elif kind == "agent-closed":
             self.agent_done = True
+            self.closed_generation = self.generation
             for rank in self.own:  # ranks the agent never reported: it is gone, so are they
                 if self.ranks[rank]["state"] not in FINAL and rank in self.logs and not self.reported_exit(rank):
                     self.report(rank, "exit", 255)
@@ -547,12 +595,16 @@ class Keeper:
         elif op == "stop":
             self.stop_own()
             self.record()
+        elif op == "restart":
+            self.restart(int(message["attempt"]))
         elif op == "end":
             result = message.get("result") or {}
             self.ended = True
             self.exit_code = result.get("exit_code")
             self.root_cause = result.get("root_cause")
             self.root_tail = result.get("root_tail") or []
+            self.history = list(result.get("history") or [])
+            self.attempt = int(result.get("attempts") or 1) - 1
             for entry in result.get("ranks") or []:
                 self.ranks[int(entry["rank"])] = entry
             self.interrupted_by = signal.SIGTERM if result.get("state") == "stopped" else None
@@ -591,13 +643,20 @@ class Keeper:
         if self.agent is None:
             return
         deadline = time.monotonic() + seconds
-        while self.agent.poll() is None and time.monotonic() < deadline:
+        closed = self.closed_generation == self.generation
+        while not closed and time.monotonic() < deadline:
             try:
                 event = self.events.get(timeout=0.25)
             except queue.Empty:
                 continue
-            if event[0] == "frame":
-                self.on_frame(int(event[1]), int(event[2]), bytes(event[3]))
+            closed = event[0] == "agent-closed" and event[1] == self.generation
+            if event[0] in ("frame", "agent-closed"):
+                self.handle(event)
+            else:
+                self.held.append(event)
+        for event in self.held:
+            self.events.put(event)
+        self.held = []
 
     def finish(self) -> None:
         if self.agent is not None:

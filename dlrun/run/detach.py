@@ -51,6 +51,7 @@ class JobRecord:
     root_tail: tuple[str, ...] = ()
     alive: bool = False
     rank_states: tuple[Mapping[str, Any], ...] = ()
+    history: tuple[Mapping[str, Any], ...] = ()  # the failed attempts before the last
 
     @property
     def ended(self) -> bool:
@@ -65,20 +66,30 @@ def check_detach(config: LaunchConfig, hosts_engine: bool) -> None:
         raise UsageError("--detach: --framework horovod needs the gloo rendezvous server dlrun runs here")
     if config.framework == "tf-ps":
         raise UsageError("--detach: --framework tf-ps (servers stopped when the chief ends) is not supported yet")
-    if config.max_restarts or config.min_hosts is not None:
-        raise UsageError("--detach: --max-restarts and --min-hosts are not supported yet")
+    if config.min_hosts is not None:
+        raise UsageError("--detach: --min-hosts is not supported yet (a restart runs on the same hosts)")
     if config.dry_run:
         raise UsageError("--detach starts a job: drop --dry-run")
 
 
-def keeper_configs(job_id: str, commands: Sequence[WorkerCommand], *, agent_argv_of: Callable[[Host], list[str]],
-                   token: str, cert_pem: str, key_pem: str, grace: float, host_timeout: float,
-                   script: str, pidns_source: str) -> dict[str, dict[str, Any]]:
-    """Each host's keeper config, host 0 (the leader) first; followers lack the leader's port."""
+def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCommand]]], *,
+                   agent_argv_of: Callable[[Host], list[str]], token: str, cert_pem: str, key_pem: str,
+                   grace: float, host_timeout: float, script: str, pidns_source: str) -> dict[str, dict[str, Any]]:
+    """Each host's keeper config, host 0 (the leader) first; followers lack the leader's port.
+    ``attempts``: each attempt's job id and ranks (``--max-restarts``: rendered ahead, each with
+    its restart count), on the same hosts."""
+    commands = attempts[0][1]
     by_host: dict[str, list[WorkerCommand]] = {}
     for command in commands:
         by_host.setdefault(command.host_name, []).append(command)
     names = list(by_host)
+    specs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for attempt_id, ranks_of_attempt in attempts:
+        for name in names:
+            mine = [c for c in ranks_of_attempt if c.host_name == name]
+            if [c.rank for c in mine] != [c.rank for c in by_host[name]]:
+                raise UsageError(f"--detach: attempt {attempt_id} places other ranks on {name}")
+            specs[name].append(agent_spec(attempt_id, name, mine, grace=grace, host_timeout=0, gpu_every=0))
     leader = names[0]
     configs: dict[str, dict[str, Any]] = {}
     for name, ranks in by_host.items():
@@ -88,7 +99,7 @@ def keeper_configs(job_id: str, commands: Sequence[WorkerCommand], *, agent_argv
             "token": token, "cert_pem": cert_pem, "grace": grace, "host_timeout": host_timeout,
             "script": script, "hosts": names,
             "agent_argv": agent_argv_of(host), "agent_source": pidns_source,
-            "spec": agent_spec(job_id, name, ranks, grace=grace, host_timeout=0, gpu_every=0),
+            "specs": specs[name],
         }
         if name == leader:
             config["key_pem"] = key_pem
@@ -122,7 +133,7 @@ def record_of(document: Mapping[str, Any]) -> JobRecord:
         script=str(document.get("script", "")), hosts=tuple(document.get("hosts") or ()),
         exit_code=document.get("exit_code"), root_cause=document.get("root_cause"),
         root_tail=tuple(document.get("root_tail") or ()), alive=bool(document.get("alive")),
-        rank_states=tuple(document.get("ranks") or ()))
+        rank_states=tuple(document.get("ranks") or ()), history=tuple(document.get("history") or ()))
 
 
 def merge_records(documents: Sequence[Mapping[str, Any]]) -> list[JobRecord]:
@@ -162,6 +173,10 @@ def ps_lines(records: Sequence[JobRecord], now: float) -> list[str]:
 def summary_lines(record: JobRecord) -> list[str]:
     """The end of ``attach`` (and of a detached launch that failed): root cause, ranks, verdict."""
     lines: list[str] = []
+    if record.history:
+        lines.append(f"dlrun: {len(record.history) + 1} attempts:")
+        lines.extend(f"  attempt {int(h.get('attempt', 0)) + 1} (job {h.get('job_id')}): {h.get('root_cause')}"
+                     for h in record.history)
     if record.root_cause:
         lines.append(f"dlrun: root cause: {record.root_cause}")
         lines.extend(f"    | {text}" for text in record.root_tail[-10:])
@@ -178,26 +193,30 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
     job already failed (its exit code)."""
     from dlrun.tls import make_job_tls
 
-    with engine.place(config, job_id, view) as placement:
-        if placement.agents is not None:
-            placement.agents.close()  # the keepers start their own agents
-        transport = placement.transport
-        tls = make_job_tls(job_id)
-        hosts = {c.host_name: c.spec.host for c in placement.commands}
-        configs = keeper_configs(
-            job_id, placement.commands, agent_argv_of=lambda h: agent_argv(default_python(h), pidns=config.pidns),
-            token=secrets.token_hex(32), cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
-            host_timeout=config.ssh.host_timeout, script=" ".join([config.script, *config.args])[:200],
-            pidns_source=source_of("agent"))
-        names = list(configs)
-        leader = hosts[names[0]]
-        answer = run_program(transport, leader, "keeper", configs[names[0]], job_id)
-        address = engine.addresses.get(leader.name, leader.address)
-        for name in names[1:]:
-            configs[name]["leader_address"] = [address, int(answer["port"])]
-        with ThreadPoolExecutor(max_workers=min(32, max(1, len(names) - 1))) as pool:
-            list(pool.map(lambda n: run_program(transport, hosts[n], "keeper", configs[n], job_id), names[1:]))
-        record = wait_started(transport, leader, job_id)
+    attempts: list[tuple[str, Sequence[WorkerCommand]]] = []
+    for k in range(config.max_restarts + 1):  # every attempt's ranks, rendered now (restart count, ports)
+        attempt_id = job_id if k == 0 else f"{job_id}-r{k}"
+        with engine.place(replace(config, attempt=k), attempt_id, view) as placement:
+            if placement.agents is not None:
+                placement.agents.close()  # the keepers start their own agents
+            attempts.append((attempt_id, placement.commands))
+    transport = placement.transport
+    tls = make_job_tls(job_id)
+    hosts = {c.host_name: c.spec.host for c in placement.commands}
+    configs = keeper_configs(
+        job_id, attempts, agent_argv_of=lambda h: agent_argv(default_python(h), pidns=config.pidns),
+        token=secrets.token_hex(32), cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
+        host_timeout=config.ssh.host_timeout, script=" ".join([config.script, *config.args])[:200],
+        pidns_source=source_of("agent"))
+    names = list(configs)
+    leader = hosts[names[0]]
+    answer = run_program(transport, leader, "keeper", configs[names[0]], job_id)
+    address = engine.addresses.get(leader.name, leader.address)
+    for name in names[1:]:
+        configs[name]["leader_address"] = [address, int(answer["port"])]
+    with ThreadPoolExecutor(max_workers=min(32, max(1, len(names) - 1))) as pool:
+        list(pool.map(lambda n: run_program(transport, hosts[n], "keeper", configs[n], job_id), names[1:]))
+    record = wait_started(transport, leader, job_id)
     if record.state in FINAL:
         for line in summary_lines(record):
             print(line, file=sys.stderr)
@@ -287,7 +306,7 @@ class LogFollower:
             for key, piece in answer.get("files", {}).items():
                 pieces.setdefault(key, piece)
             documents.extend(answer.get("jobs") or [])
-        for key, piece in sorted(pieces.items(), key=lambda kv: rank_of(kv[0])):
+        for key, piece in sorted(pieces.items(), key=lambda kv: (rank_of(kv[0]), kv[0])):
             self.offsets[key] = int(piece["offset"])
             text = str(piece["text"])
             if text:

@@ -198,3 +198,29 @@ def test_the_leader_answers_no_one_without_the_job_token(cluster, tmp_path: Path
     finally:
         assert run_dlrun("stop", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120).returncode == 143
     nothing_left(job)
+
+
+FLAKY = """
+import os, sys
+restart, rank = os.environ["DLRUN_RESTART_COUNT"], os.environ["DLRUN_RANK"]
+print("restart", restart, os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["DLRUN_JOB_ID"], flush=True)
+sys.exit(3 if restart == "0" and rank == "1" else 0)
+"""
+
+
+def test_max_restarts_runs_a_failed_detached_job_again(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "flaky.py", FLAKY)
+    out = run_dlrun("launch", "--detach", "--framework", "torch", "--max-restarts", "1", *common(cluster, tmp_path),
+                    str(script), cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    for rank, host in (("0", "host0"), ("1", "host1")):
+        assert f"[{rank} {host}] restart 0 0 {job}\n" in attached.stdout, attached.stdout
+        assert f"[{rank} {host}] restart 1 1 {job}-r1\n" in attached.stdout, attached.stdout
+    assert "dlrun: 2 attempts:" in attached.stdout, attached.stdout
+    assert f"  attempt 1 (job {job}): rank 1 on host1 exited with code 3" in attached.stdout, attached.stdout
+    assert f"dlrun: job {job} succeeded; exit code 0" in attached.stdout, attached.stdout
+    nothing_left(job)
+    assert wait_job_processes_gone(f"{job}-r1", timeout=15) == []

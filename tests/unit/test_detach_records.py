@@ -26,9 +26,12 @@ from dlrun.run.launch import LaunchConfig, render_commands
 
 
 def configs() -> dict[str, dict[str, object]]:
-    config = LaunchConfig(script="train.py", hosts="a:1,b:2", framework="none")
-    _, commands = render_commands(config, load_inventory("a:1,b:2"), "job1")
-    return keeper_configs("job1", commands, agent_argv_of=lambda h: ["agent", h.name], token="t", cert_pem="CERT",
+    inventory = load_inventory("a:1,b:2")
+    attempts = []
+    for k, job in enumerate(("job1", "job1-r1")):
+        config = LaunchConfig(script="train.py", hosts="a:1,b:2", framework="torch", max_restarts=1, attempt=k)
+        attempts.append((job, render_commands(config, inventory, job)[1]))
+    return keeper_configs("job1", attempts, agent_argv_of=lambda h: ["agent", h.name], token="t", cert_pem="CERT",
                           key_pem="KEY", grace=3.0, host_timeout=30.0, script="train.py", pidns_source="SRC")
 
 
@@ -41,17 +44,19 @@ def test_host_0_leads_and_alone_gets_the_key_and_the_world() -> None:
     assert follower["leader"] is False and "key_pem" not in follower and "world" not in follower
     assert follower["leader_host"] == "a" and follower["cert_pem"] == "CERT"
     assert follower["agent_argv"] == ["agent", "b"]
-    spec = follower["spec"]
-    assert isinstance(spec, dict)
-    assert [r["rank"] for r in spec["ranks"]] == [1, 2]
-    assert spec["host_timeout"] == 0  # the keeper is next to its agent: the pipe's EOF is its watchdog
+    specs = follower["specs"]
+    assert isinstance(specs, list)
+    assert [spec["job_id"] for spec in specs] == ["job1", "job1-r1"]  # one per attempt, rendered ahead
+    assert [r["rank"] for r in specs[1]["ranks"]] == [1, 2]
+    assert [r["env"]["TORCHELASTIC_RESTART_COUNT"] for spec in specs for r in spec["ranks"]] == ["0", "0", "1", "1"]
+    assert specs[0]["host_timeout"] == 0  # the keeper is next to its agent: the pipe's EOF is its watchdog
 
 
 def test_what_detach_does_not_support_is_refused() -> None:
     check_detach(LaunchConfig(script="t.py", framework="torch", detach=True), True)
     for config, hosts_engine in ((LaunchConfig(script="t.py", framework="horovod"), True),
                                  (LaunchConfig(script="t.py", framework="tf-ps"), True),
-                                 (LaunchConfig(script="t.py", max_restarts=1), True),
+                                 (LaunchConfig(script="t.py", max_restarts=1, min_hosts=1), True),
                                  (LaunchConfig(script="t.py"), False)):
         with pytest.raises(UsageError):
             check_detach(config, hosts_engine)
