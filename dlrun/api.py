@@ -266,15 +266,16 @@ def ps(hosts: str | None = None, **ssh: Any) -> list[JobRecord]:
 
 
 def logs(job: str, hosts: str | None = None, *, follow: bool = False, delete: bool = False,
-         out: TextIO | None = None, **ssh: Any) -> JobRecord | None:
-    """Print every rank's output of detached job ``job`` (``follow``: until it ends); with
-    ``delete``, remove its folder on every host afterwards. Its record (None once deleted)."""
+         since: float | None = None, out: TextIO | None = None, **ssh: Any) -> JobRecord | None:
+    """Print every rank's output of detached job ``job`` (``follow``: until it ends; ``since``:
+    from that many seconds ago); with ``delete``, remove its folder on every host afterwards.
+    Its record (None once deleted)."""
     import sys
 
     from dlrun.run.detach import LogFollower
 
     with _job_hosts(hosts, ssh) as job_hosts:
-        follower = LogFollower(job_hosts, job, out or sys.stdout)
+        follower = LogFollower(job_hosts, job, out or sys.stdout, since)
         record = follower.follow() if follow else follower.poll()
         if record is None:
             raise UsageError(f"no job {job} on {', '.join(h.name for h in job_hosts.hosts)}")
@@ -284,8 +285,10 @@ def logs(job: str, hosts: str | None = None, *, follow: bool = False, delete: bo
         return record
 
 
-def attach(job: str, hosts: str | None = None, *, out: TextIO | None = None, **ssh: Any) -> int:
-    """Follow detached job ``job``'s lines until it ends, then its summary; its exit code.
+def attach(job: str, hosts: str | None = None, *, since: float | None = None, out: TextIO | None = None,
+           **ssh: Any) -> int:
+    """Follow detached job ``job``'s lines (from ``since`` seconds ago, else from its start)
+    until it ends, then its summary; its exit code.
     Ctrl-C (KeyboardInterrupt) detaches again: the job goes on, and 0 is returned."""
     import sys
 
@@ -294,7 +297,7 @@ def attach(job: str, hosts: str | None = None, *, out: TextIO | None = None, **s
     stream = out or sys.stdout
     with _job_hosts(hosts, ssh) as job_hosts:
         try:
-            record = LogFollower(job_hosts, job, stream).follow()
+            record = LogFollower(job_hosts, job, stream, since).follow()
         except KeyboardInterrupt:
             stream.write(f"dlrun: detached from job {job}; it goes on (dlrun attach {job} to come back)\n")
             return 0

@@ -377,6 +377,11 @@ job_hosts_option = option("Hosts", "--hosts", "-H",
                           help="The hosts the job runs on, as given to launch (default: this machine).")
 
 
+#: ``logs`` and ``attach`` from a while ago rather than from the start.
+since_option = option("Output", "--since", metavar="DURATION",
+                      help="Start each rank's lines this long ago (90, 30s, 10m, 2h, 1d; default: from the start).")
+
+
 @main.command(cls=GroupedCommand)
 @job_hosts_option
 @ssh_options
@@ -397,26 +402,30 @@ def ps(hosts: str | None, **ssh: Any) -> None:
 @job_hosts_option
 @option("Output", "--follow", "-f", is_flag=True, help="Keep printing new lines until the job ends.")
 @option("Output", "--delete", is_flag=True, help="Then remove the job's folder (logs, result) on every host.")
+@since_option
 @ssh_options
 @_reports_errors
-def logs(job: str, hosts: str | None, follow: bool, delete: bool, **ssh: Any) -> None:
+def logs(job: str, hosts: str | None, follow: bool, delete: bool, since: str | None, **ssh: Any) -> None:
     """Print every rank's output of detached JOB so far, as [<rank> <host>] lines."""
     from dlrun.api import logs as print_logs
+    from dlrun.run.detach import parse_duration
 
-    print_logs(job, hosts, follow=follow, delete=delete, **ssh)
+    print_logs(job, hosts, follow=follow, delete=delete, since=None if since is None else parse_duration(since), **ssh)
 
 
 @main.command(cls=GroupedCommand)
 @click.argument("job")
 @job_hosts_option
+@since_option
 @ssh_options
 @_reports_errors
-def attach(job: str, hosts: str | None, **ssh: Any) -> None:
+def attach(job: str, hosts: str | None, since: str | None, **ssh: Any) -> None:
     """Follow detached JOB's lines to its end, then its summary; exit with its exit code.
     Ctrl-C detaches again (the job goes on)."""
     from dlrun.api import attach as follow
+    from dlrun.run.detach import parse_duration
 
-    sys.exit(follow(job, hosts, **ssh))
+    sys.exit(follow(job, hosts, since=None if since is None else parse_duration(since), **ssh))
 
 
 @main.command(cls=GroupedCommand)

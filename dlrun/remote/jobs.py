@@ -121,8 +121,23 @@ def prune(now: float) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def logs(job_id: str, offsets: dict[str, int]) -> dict[str, Any]:
-    """Each rank log's whole lines from its offset (keys ``host-X/attempt-K/rank-N.log``)."""
+def offset_since(index_path: str, since: float) -> int:
+    """The first offset of a rank log written at ``since`` or later, from its ``.idx`` file
+    (``<time> <offset>`` lines); -1 when nothing that recent was written (start at the end)."""
+    try:
+        with open(index_path) as fh:
+            for line in fh:
+                when, _, where = line.partition(" ")
+                if float(when) >= since:
+                    return int(where)
+    except (OSError, ValueError):
+        return 0
+    return -1
+
+
+def logs(job_id: str, offsets: dict[str, int], since: float | None = None) -> dict[str, Any]:
+    """Each rank log's whole lines from its offset (keys ``host-X/attempt-K/rank-N.log``); a
+    file not in ``offsets`` starts at 0, or with ``since`` (a time here) where its index says."""
     files: dict[str, Any] = {}
     for hostdir in host_dirs(job_id):
         host = (read_json(os.path.join(hostdir, "state.json")) or {}).get("host", "?")
@@ -134,8 +149,15 @@ def logs(job_id: str, offsets: dict[str, int]) -> dict[str, Any]:
                 if not name.endswith(".log"):
                     continue
                 key = "/".join((os.path.basename(hostdir), attempt, name))
-                offset = int(offsets.get(key, 0))
-                with open(os.path.join(folder, name), "rb") as fh:
+                path = os.path.join(folder, name)
+                if key in offsets:
+                    offset = int(offsets[key])
+                elif since is not None:
+                    offset = offset_since(path[: -len(".log")] + ".idx", since)
+                    offset = os.path.getsize(path) if offset < 0 else offset
+                else:
+                    offset = 0
+                with open(path, "rb") as fh:
                     fh.seek(offset)
                     data = fh.read(READ_LIMIT)
                 end = data.rfind(b"\n") + 1
@@ -180,7 +202,9 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
     if op == "state":
         return {"jobs": job_records(job_id)}
     if op == "logs":
-        return logs(job_id, {str(k): int(v) for k, v in (request.get("offsets") or {}).items()})
+        ago = request.get("since_ago")  # seconds before now on this host's clock (no clock skew)
+        return logs(job_id, {str(k): int(v) for k, v in (request.get("offsets") or {}).items()},
+                    None if ago is None else time.time() - float(ago))
     if op == "stop":
         return stop(job_id)
     if op == "delete":

@@ -36,6 +36,7 @@ HANDSHAKE_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 30.0  # a follower's tries to reach the leader
 RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts' ports settle)
 STOP_MARGIN = 15.0  # past the grace, an agent that has not reported is killed
+INDEX_EVERY = 1.0  # seconds between two lines of a rank log's time index
 FINAL = ("succeeded", "failed", "stopped", "lost")
 
 Event = Tuple[Any, ...]
@@ -191,6 +192,8 @@ class Keeper:
         self.peers: dict[str, Peer] = {}
         self.leader_peer: Peer | None = None
         self.logs: dict[int, Any] = {}
+        self.indexes: dict[int, Any] = {}  # rank -> its log's index: when each offset was written
+        self.indexed: dict[int, float] = {}  # rank -> when its index last got a line
         self.splitters: dict[tuple[int, int], bytes] = {}
         self.tails: dict[int, deque[str]] = {}
         self.agent: subprocess.Popen[bytes] | None = None
@@ -249,15 +252,17 @@ class Keeper:
 
     def start_agent(self) -> None:
         """A fresh agent for this attempt's spec, its ranks' logs in ``attempt-K/``."""
-        for log in self.logs.values():
+        for log in [*self.logs.values(), *self.indexes.values()]:
             log.close()
+        self.splitters.clear()
         self.generation += 1
         self.agent_done = False
         spec = self.specs[self.attempt]
         os.makedirs(self.attempt_dir, mode=0o700, exist_ok=True)
         for rank in self.own:
-            self.logs[rank] = open(  # noqa: SIM115 - open while the rank runs
-                os.path.join(self.attempt_dir, f"rank-{rank}.log"), "w", encoding="utf-8")
+            self.logs[rank] = open(os.path.join(self.attempt_dir, f"rank-{rank}.log"), "wb")  # noqa: SIM115
+            self.indexes[rank] = open(os.path.join(self.attempt_dir, f"rank-{rank}.idx"), "w")  # noqa: SIM115
+            self.indexed[rank] = 0.0
             self.tails[rank] = deque(maxlen=TAIL_LINES)
         env = dict(os.environ)
         env["DLRUN_JOB_ID"] = str(spec["job_id"])  # the attempt's: what sweeps and tests look for
@@ -309,6 +314,19 @@ class Keeper:
             self.kill_at = time.monotonic() + self.grace + STOP_MARGIN
             self.tell_agent({"op": "stop", "grace": self.grace})
 
+    def write_log(self, rank: int, lines: list[str]) -> None:
+        """Lines to the rank's log; at most once a second, ``<time> <byte offset>`` to its index
+        (``attach --since`` starts there)."""
+        log = self.logs[rank]
+        now = time.time()
+        if now - self.indexed[rank] >= INDEX_EVERY:
+            self.indexed[rank] = now
+            self.indexes[rank].write(f"{now:.3f} {log.tell()}\n")
+            self.indexes[rank].flush()
+        log.write(("\n".join(lines) + "\n").encode("utf-8", "replace"))
+        log.flush()
+        self.tails[rank].extend(lines)
+
     def on_frame(self, kind: int, rank: int, payload: bytes) -> None:
         if kind in (STDOUT, STDERR) and rank in self.logs:
             key = (rank, kind)
@@ -317,25 +335,17 @@ class Keeper:
             self.splitters[key] = rest
             if sep:
                 lines = text.decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n").split("\n")
-                self.logs[rank].write("\n".join(lines) + "\n")
-                self.logs[rank].flush()
-                self.tails[rank].extend(lines)
+                self.write_log(rank, lines)
         elif kind == STARTED:
             self.report(rank, "running", None)
         elif kind == ERROR and rank in self.logs:
             message = payload.decode("utf-8", "replace")
-            self.logs[rank].write(f"dlrun: {message}\n")
-            self.logs[rank].flush()
-            self.tails[rank].append(message)
+            self.write_log(rank, [f"dlrun: {message}"])
         elif kind == EXIT:
             for key in [k for k in self.splitters if k[0] == rank]:
                 rest = self.splitters.pop(key)
                 if rest and rank in self.logs:
-                    line = rest.decode("utf-8", "replace")
-                    self.logs[rank].write(line + "\n")
-                    self.tails[rank].append(line)
-            if rank in self.logs:
-                self.logs[rank].flush()
+                    self.write_log(rank, [rest.decode("utf-8", "replace")])
             try:
                 code = int(json.loads(payload)["code"])
             except (ValueError, KeyError, TypeError):
@@ -670,7 +680,7 @@ class Keeper:
             except subprocess.TimeoutExpired:
                 self.agent.kill()
                 self.agent.wait()
-        for log in self.logs.values():
+        for log in [*self.logs.values(), *self.indexes.values()]:
             log.close()
         time.sleep(0.2)  # the last messages reach the followers before the connections close
         for peer in list(self.peers.values()):

@@ -290,15 +290,18 @@ class JobHosts:
 class LogFollower:
     """Each host's rank logs from where the last look ended, in ``[<rank> <host>] <text>`` lines."""
 
-    def __init__(self, hosts: JobHosts, job_id: str, out: TextIO) -> None:
+    def __init__(self, hosts: JobHosts, job_id: str, out: TextIO, since: float | None = None) -> None:
         self.hosts = hosts
         self.job_id = job_id
         self.out = out
+        self.since = since  # seconds: the first look starts each log this long ago (its host's clock)
         self.offsets: dict[str, int] = {}  # host-<name>/attempt-K/rank-N.log -> bytes printed
 
     def poll(self) -> JobRecord | None:
         """Print what is new; the merged record of the job (None: no host has it)."""
-        request = {"op": "logs", "job": self.job_id, "offsets": dict(self.offsets)}
+        request: dict[str, Any] = {"op": "logs", "job": self.job_id, "offsets": dict(self.offsets)}
+        if self.since is not None:
+            request["since_ago"], self.since = self.since, None  # files that appear later start at 0
         answers = self.hosts.ask(request).values()
         documents: list[Mapping[str, Any]] = []
         pieces: dict[str, Mapping[str, Any]] = {}
@@ -325,6 +328,19 @@ class LogFollower:
                 self.poll()  # the last lines, written before the end
                 return record
             time.sleep(POLL)
+
+
+def parse_duration(text: str) -> float:
+    """``--since``: ``90``, ``30s``, ``10m``, ``2h`` or ``1d``, in seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
+    try:
+        seconds = float(number) * units[unit]
+    except ValueError:
+        raise UsageError(f"--since {text}: expected a duration such as 90, 30s, 10m, 2h or 1d") from None
+    if seconds < 0:
+        raise UsageError(f"--since {text}: a duration is not negative")
+    return seconds
 
 
 def rank_of(key: str) -> int:

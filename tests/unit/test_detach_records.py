@@ -17,6 +17,7 @@ from dlrun.run.detach import (
     check_detach,
     keeper_configs,
     merge_records,
+    parse_duration,
     ps_lines,
     rank_of,
     record_of,
@@ -130,3 +131,24 @@ def test_the_jobs_program_reads_records_logs_and_prunes(tmp_path: Path, monkeypa
     assert jobs.answer({"op": "logs", "job": "../x"}) == {"error": "bad job id '../x'"}
     assert jobs.answer({"op": "delete", "job": "ended"}) == {"deleted": True}
     assert not (root / "ended").exists()
+
+
+def test_since_starts_each_log_where_its_time_index_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    folder = tmp_path / ".dlrun" / "jobs" / "j" / "host-a" / "attempt-0"
+    folder.mkdir(parents=True)
+    (folder / "rank-0.log").write_bytes(b"old\nnew\n")
+    now = time.time()
+    (folder / "rank-0.idx").write_text(f"{now - 100:.3f} 0\n{now - 10:.3f} 4\n")
+    key = "host-a/attempt-0/rank-0.log"
+    assert jobs.answer({"op": "logs", "job": "j", "since_ago": 50})["files"][key]["text"] == "new\n"
+    assert jobs.answer({"op": "logs", "job": "j", "since_ago": 500})["files"][key]["text"] == "old\nnew\n"
+    assert jobs.answer({"op": "logs", "job": "j", "since_ago": 1})["files"][key]["text"] == ""  # nothing that recent
+    assert jobs.answer({"op": "logs", "job": "j", "since_ago": 1, "offsets": {key: 0}})["files"][key]["offset"] == 8
+
+
+def test_durations() -> None:
+    assert [parse_duration(t) for t in ("90", "30s", "10m", "2h", "1d")] == [90, 30, 600, 7200, 86400]
+    for bad in ("", "x", "-5m"):
+        with pytest.raises(UsageError):
+            parse_duration(bad)
