@@ -761,6 +761,8 @@ def main() -> None:
     sys.stdout.flush()
     pid = detach(jobdir)
     if pid is not None:
+        if not pid:
+            sys.exit(f"dlrun-keeper: the keeper did not start (see {jobdir}/keeper.log)")
         print(json.dumps({"pid": pid, "port": port, "jobdir": jobdir}), flush=True)
         os._exit(0)
     code = 1

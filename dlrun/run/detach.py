@@ -55,7 +55,9 @@ class JobRecord:
 
     @property
     def ended(self) -> bool:
-        return self.state in FINAL and not self.alive
+        """The leader decided the end (a frozen follower's keeper may still be alive: the
+        result does not wait for it; every other host's lines were written before)."""
+        return self.state in FINAL
 
 
 def check_detach(config: LaunchConfig, hosts_engine: bool) -> None:

@@ -224,3 +224,20 @@ def test_max_restarts_runs_a_failed_detached_job_again(cluster, tmp_path: Path) 
     assert f"dlrun: job {job} succeeded; exit code 0" in attached.stdout, attached.stdout
     nothing_left(job)
     assert wait_job_processes_gone(f"{job}-r1", timeout=15) == []
+
+
+def test_a_frozen_follower_is_lost_and_stops_its_ranks_when_it_thaws(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleeper.py", SLEEPER)
+    out = run_dlrun("launch", "--detach", "--framework", "none", "--grace", "2", "--host-timeout", "3",
+                    *common(cluster, tmp_path), str(script), cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    pid = int((host_folder(job, "host1") / "keeper.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGSTOP)  # silent, but its connection stays open
+    try:
+        attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert attached.returncode == 255, attached.stdout + attached.stderr
+    assert "dlrun: root cause: host host1 lost: silent for 3 s" in attached.stdout, attached.stdout
+    nothing_left(job)  # the thawed keeper hears the end and stops rank 1

@@ -69,8 +69,8 @@ def test_the_leaders_record_wins_and_any_live_keeper_keeps_the_job_alive() -> No
               "ranks": [{}, {}], "started_at": 100.0, "script": "t.py"}
     (merged,) = merge_records([follower, leader])
     assert merged.state == "failed" and merged.exit_code == 3 and merged.ranks == 2 and merged.alive
-    assert not merged.ended
-    assert merge_records([{**leader, "alive": False}])[0].ended
+    assert merged.ended
+    assert not merge_records([{**leader, "state": "running"}])[0].ended
 
 
 def test_ps_lines_and_summary() -> None:
