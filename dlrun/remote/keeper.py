@@ -217,6 +217,7 @@ class Keeper:
         self.interrupted_by: int | None = None
         self.failed_code = 0
         self.closed_generation = 0  # the last agent whose end was handled
+        self.agent_lock = threading.Lock()
         self.held: list[Event] = []  # events wait_agent took that are not the agent's
 
     # ---------------------------------------------------------------- records
@@ -266,14 +267,14 @@ class Keeper:
             self.tails[rank] = deque(maxlen=TAIL_LINES)
         env = dict(os.environ)
         env["DLRUN_JOB_ID"] = str(spec["job_id"])  # the attempt's: what sweeps and tests look for
-        with open(os.path.join(self.jobdir, "agent.log"), "ab") as stderr:
+        with open(os.path.join(self.jobdir, "agent.log"), "ab") as stderr, self.agent_lock:
             self.agent = subprocess.Popen([str(a) for a in self.config["agent_argv"]], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, stderr=stderr, env=env, start_new_session=True)
-        assert self.agent.stdin is not None
-        payload = str(self.config["agent_source"]).encode("utf-8")
-        self.agent.stdin.write(b"%010d" % len(payload) + payload)
-        self.agent.stdin.write(json.dumps(spec).encode() + b"\n")
-        self.agent.stdin.flush()
+            assert self.agent.stdin is not None
+            payload = str(self.config["agent_source"]).encode("utf-8")
+            self.agent.stdin.write(b"%010d" % len(payload) + payload)
+            self.agent.stdin.write(json.dumps(spec).encode() + b"\n")
+            self.agent.stdin.flush()
         threading.Thread(target=self.read_agent, args=(self.agent, self.generation), daemon=True).start()
 
     def read_agent(self, agent: subprocess.Popen[bytes], generation: int) -> None:
@@ -300,13 +301,15 @@ class Keeper:
         self.events.put(("agent-closed", generation))
 
     def tell_agent(self, message: dict[str, Any]) -> None:
-        if self.agent is None or self.agent.stdin is None:
-            return
-        try:
-            self.agent.stdin.write(json.dumps(message).encode() + b"\n")
-            self.agent.stdin.flush()
-        except (OSError, ValueError):
-            pass
+        with self.agent_lock:  # the main loop and the heartbeat thread both write
+            agent = self.agent
+            if agent is None or agent.stdin is None:
+                return
+            try:
+                agent.stdin.write(json.dumps(message).encode() + b"\n")
+                agent.stdin.flush()
+            except (OSError, ValueError):
+                pass
 
     def stop_own(self) -> None:
         if not self.stopping:
@@ -501,6 +504,8 @@ class Keeper:
             targets = list(self.peers.values()) if self.leader else [p for p in (self.leader_peer,) if p]
             for peer in targets:
                 peer.send({"op": "beat"})
+            # the agent's silence clock (the spec's host_timeout): a frozen keeper's ranks stop too
+            self.tell_agent({"op": "ping"})
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> int:

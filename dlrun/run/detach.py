@@ -91,7 +91,8 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
             mine = [c for c in ranks_of_attempt if c.host_name == name]
             if [c.rank for c in mine] != [c.rank for c in by_host[name]]:
                 raise UsageError(f"--detach: attempt {attempt_id} places other ranks on {name}")
-            specs[name].append(agent_spec(attempt_id, name, mine, grace=grace, host_timeout=0, gpu_every=0))
+            specs[name].append(agent_spec(attempt_id, name, mine, grace=grace, host_timeout=host_timeout,
+                                          gpu_every=0))
     leader = names[0]
     configs: dict[str, dict[str, Any]] = {}
     for name, ranks in by_host.items():

@@ -236,6 +236,8 @@ def test_a_frozen_follower_is_lost_and_stops_its_ranks_when_it_thaws(cluster, tm
     os.kill(pid, signal.SIGSTOP)  # silent, but its connection stays open
     try:
         attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
+        # its agent misses the keeper's pings as the leader misses its beats: rank 1 stops anyway
+        assert wait_job_processes_gone(job, timeout=30) == []
     finally:
         os.kill(pid, signal.SIGCONT)
     assert attached.returncode == 255, attached.stdout + attached.stderr

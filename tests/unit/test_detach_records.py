@@ -50,7 +50,7 @@ def test_host_0_leads_and_alone_gets_the_key_and_the_world() -> None:
     assert [spec["job_id"] for spec in specs] == ["job1", "job1-r1"]  # one per attempt, rendered ahead
     assert [r["rank"] for r in specs[1]["ranks"]] == [1, 2]
     assert [r["env"]["TORCHELASTIC_RESTART_COUNT"] for spec in specs for r in spec["ranks"]] == ["0", "0", "1", "1"]
-    assert specs[0]["host_timeout"] == 0  # the keeper is next to its agent: the pipe's EOF is its watchdog
+    assert specs[0]["host_timeout"] == 30.0  # the keeper pings its agent: a frozen keeper's ranks stop too
 
 
 def test_what_detach_does_not_support_is_refused() -> None:
