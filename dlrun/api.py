@@ -292,17 +292,26 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
     Ctrl-C (KeyboardInterrupt) detaches again: the job goes on, and 0 is returned."""
     import sys
 
-    from dlrun.run.detach import LogFollower, summary_lines
+    from dlrun.run.detach import LogFollower, run_result
+    from dlrun.run.view import PlainView, make_view
 
     stream = out or sys.stdout
+    shown = PlainView(out) if out is not None else make_view()
     with _job_hosts(hosts, ssh) as job_hosts:
         try:
-            record = LogFollower(job_hosts, job, stream, since).follow()
+            record = LogFollower(job_hosts, job, stream, since, view=shown).follow()
         except KeyboardInterrupt:
-            stream.write(f"dlrun: detached from job {job}; it goes on (dlrun attach {job} to come back)\n")
+            shown.notice(f"detached from job {job}; it goes on (dlrun attach {job} to come back)")
             return 0
-        stream.write("\n".join(summary_lines(record)) + "\n")
-        return 1 if record.exit_code is None else record.exit_code
+        for attempt in record.history:
+            shown.notice(f"attempt {int(attempt.get('attempt', 0)) + 1} (job {attempt.get('job_id')}) failed:"
+                         f" {attempt.get('root_cause')}")
+        if record.root_cause and run_result(record).root_cause is None and record.state != "stopped":
+            shown.notice(f"root cause: {record.root_cause}")
+        shown.finish(run_result(record))
+        code = 1 if record.exit_code is None else record.exit_code
+        stream.write(f"dlrun: job {job} {record.state}; exit code {code}\n")
+        return code
 
 
 def stop(job: str, hosts: str | None = None, *, timeout: float = 60.0, **ssh: Any) -> JobRecord:

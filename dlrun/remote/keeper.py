@@ -210,6 +210,9 @@ class Keeper:
         self.own = [int(r["rank"]) for r in self.specs[0]["ranks"]]
         for rank in self.own:
             self.ranks.setdefault(rank, {"rank": rank, "host": self.host, "state": "pending", "code": None})
+        for rank, argv in (config.get("argv") or {}).items():  # what the summary's root cause names
+            if int(rank) in self.ranks:
+                self.ranks[int(rank)]["argv"] = argv
         self.followers = [str(h) for h in config.get("followers", [])]
         self.root_cause: str | None = None
         self.root_tail: list[str] = []
@@ -376,7 +379,9 @@ class Keeper:
             return
         if what == "running":
             entry["state"] = "running"
+            entry["started"] = time.time()  # when the leader heard it: the summary's durations
         else:
+            entry["ended"] = time.time()
             entry["code"] = code
             entry["state"] = rank_state(code, self.stopping)
             if entry["state"] == "failed":
@@ -440,7 +445,7 @@ class Keeper:
             self.agent.wait()
         self.attempt = attempt
         for entry in self.ranks.values():
-            entry.update(state="pending", code=None)
+            entry.update(state="pending", code=None, started=None, ended=None)
         self.root_cause, self.root_tail, self.failed_code = None, [], 0
         self.stopping, self.kill_at = False, None
         if self.leader:

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from dlrun.errors import DlrunError, UsageError
 from dlrun.inventory import Host
+from dlrun.plan import RankSpec
 from dlrun.remote import boot_argv, boot_payload, source_of
 from dlrun.render import WorkerCommand
 from dlrun.run.agents import agent_argv
-from dlrun.run.result import RunResult
+from dlrun.run.result import RankResult, RankState, RunResult
 from dlrun.run.supervisor import View, agent_spec
 from dlrun.transport.base import Transport, default_python
 
@@ -107,6 +108,7 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
         if name == leader:
             config["key_pem"] = key_pem
             config["world"] = {str(c.rank): c.host_name for c in commands}
+            config["argv"] = {str(c.rank): list(c.argv) for c in commands}
             config["followers"] = names[1:]
         configs[name] = config
     return configs
@@ -293,10 +295,14 @@ class JobHosts:
 class LogFollower:
     """Each host's rank logs from where the last look ended, in ``[<rank> <host>] <text>`` lines."""
 
-    def __init__(self, hosts: JobHosts, job_id: str, out: TextIO, since: float | None = None) -> None:
+    def __init__(self, hosts: JobHosts, job_id: str, out: TextIO, since: float | None = None,
+                 view: View | None = None) -> None:
         self.hosts = hosts
         self.job_id = job_id
         self.out = out
+        self.view = view  # attach: lines and states go to the launch's view instead of ``out``
+        self.shown: dict[int, tuple[str, Any]] = {}  # rank -> (state, code) the view has
+        self.started = False  # the view was started (the ranks are known)
         self.since = since  # seconds: the first look starts each log this long ago (its host's clock)
         self.offsets: dict[str, int] = {}  # host-<name>/attempt-K/rank-N.log -> bytes printed
 
@@ -312,14 +318,29 @@ class LogFollower:
             for key, piece in answer.get("files", {}).items():
                 pieces.setdefault(key, piece)
             documents.extend(answer.get("jobs") or [])
+        record = merge_records(documents)[0] if documents else None
+        if self.view is not None and record is not None and not self.started:
+            self.view.start(view_commands(record), None)
+            self.started = True
         for key, piece in sorted(pieces.items(), key=lambda kv: (rank_of(kv[0]), kv[0])):
             self.offsets[key] = int(piece["offset"])
             text = str(piece["text"])
-            if text:
+            if not text:
+                continue
+            if self.view is not None and self.started:
+                self.view.lines(rank_of(key), text[:-1].split("\n"), "stdout")
+            elif self.view is None:
                 prefix = f"[{rank_of(key)} {piece.get('host', '?')}] "
                 self.out.write(prefix + text[:-1].replace("\n", "\n" + prefix) + "\n")
+        if self.view is not None and record is not None:
+            for entry in record.rank_states:
+                now = (str(entry.get("state")), entry.get("code"))
+                if self.shown.get(int(entry["rank"])) != now:
+                    self.shown[int(entry["rank"])] = now
+                    self.view.state(int(entry["rank"]), STATES.get(now[0], RankState.FAILED), now[1])
+            self.view.flush()
         self.out.flush()
-        return merge_records(documents)[0] if documents else None
+        return record
 
     def follow(self) -> JobRecord:
         """Poll until the job has ended everywhere; its record."""
@@ -331,6 +352,41 @@ class LogFollower:
                 self.poll()  # the last lines, written before the end
                 return record
             time.sleep(POLL)
+
+
+STATES = {state.value: state for state in RankState}
+
+
+def view_commands(record: JobRecord) -> tuple[WorkerCommand, ...]:
+    """Stand-ins for the ranks' commands, enough for the view (rank, host)."""
+    hosts: dict[str, Host] = {}
+    commands = []
+    for entry in sorted(record.rank_states, key=lambda e: int(e["rank"])):
+        name = str(entry.get("host", "?"))
+        host = hosts.setdefault(name, Host(address=name, name=name))
+        spec = RankSpec(rank=int(entry["rank"]), local_rank=0, local_size=1, cross_rank=0, cross_size=1,
+                        host_index=list(hosts).index(name), host=host, address=name, port=0,
+                        task_type="worker", task_index=int(entry["rank"]))
+        commands.append(WorkerCommand(spec=spec, argv=tuple(str(a) for a in entry.get("argv") or ())))
+    return tuple(commands)
+
+
+def run_result(record: JobRecord) -> RunResult:
+    """The record as the view's summary takes it (the root cause: the failed or lost rank)."""
+    ranks = tuple(RankResult(rank=int(e["rank"]), host=str(e.get("host", "?")),
+                             state=STATES.get(str(e.get("state")), RankState.FAILED), exit_code=e.get("code"),
+                             duration=e["ended"] - e["started"] if e.get("ended") and e.get("started") else None)
+                  for e in sorted(record.rank_states, key=lambda e: int(e["rank"])))
+    root = None
+    if record.root_cause and record.state != "stopped":
+        for r in ranks:
+            if r.state == RankState.LOST or (r.state == RankState.FAILED and r.exit_code == record.exit_code):
+                root = replace(r, tail=record.root_tail, error=record.root_cause if r.state == RankState.LOST else None)
+                break
+    code = 1 if record.exit_code is None else record.exit_code
+    return RunResult(ranks=ranks, exit_code=code, root_cause=root, job_id=record.job_id,
+                     interrupted_by=code - 128 if record.state == "stopped" and code > 128 else None,
+                     attempts=len(record.history) + 1)
 
 
 def parse_duration(text: str) -> float:

@@ -28,7 +28,7 @@ def test_a_local_detached_job_runs_and_is_followed(tmp_path: Path) -> None:
     attached = run_dlrun("attach", job, cwd=tmp_path, timeout=120, env=home)
     assert attached.returncode == 4, attached.stdout + attached.stderr
     assert "[1 localhost] rank 1 step 2\n" in attached.stdout, attached.stdout
-    assert "dlrun: root cause: rank 1 on localhost exited with code 4" in attached.stdout, attached.stdout
+    assert "dlrun: root cause: rank 1 on host localhost exited with code 4" in attached.stdout, attached.stdout
     assert wait_job_processes_gone(job, timeout=15) == []
     assert (tmp_path / "home" / ".dlrun" / "jobs" / job / "host-localhost" / "result.json").is_file()
     ps = run_dlrun("ps", cwd=tmp_path, timeout=60, env=home)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,12 @@ from dlrun.run.detach import (
     ps_lines,
     rank_of,
     record_of,
+    run_result,
     summary_lines,
+    view_commands,
 )
 from dlrun.run.launch import LaunchConfig, render_commands
+from dlrun.run.result import RankState
 
 
 def configs() -> dict[str, dict[str, object]]:
@@ -152,3 +156,20 @@ def test_durations() -> None:
     for bad in ("", "x", "-5m"):
         with pytest.raises(UsageError):
             parse_duration(bad)
+
+
+def test_the_record_feeds_the_launch_views_summary() -> None:
+    record = record_of({"job_id": "j", "state": "failed", "exit_code": 3,
+                        "root_cause": "rank 1 on b exited with code 3",
+                        "root_tail": ["boom"], "ranks": [
+                            {"rank": 1, "host": "b", "state": "failed", "code": 3, "argv": ["python", "t.py"],
+                             "started": 10.0, "ended": 15.0},
+                            {"rank": 0, "host": "a", "state": "stopped", "code": 143}]})
+    assert [(c.rank, c.host_name, c.argv) for c in view_commands(record)] == [
+        (0, "a", ()), (1, "b", ("python", "t.py"))]
+    result = run_result(record)
+    assert result.exit_code == 3 and result.interrupted_by is None
+    assert result.root_cause is not None and result.root_cause.rank == 1 and result.root_cause.tail == ("boom",)
+    assert result.ranks[1].duration == 5.0 and result.ranks[0].state == RankState.STOPPED
+    stopped = run_result(replace(record, state="stopped", exit_code=143, root_cause="stopped by signal 15"))
+    assert stopped.interrupted_by == 15 and stopped.root_cause is None
