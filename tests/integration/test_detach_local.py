@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from pathlib import Path
 
-from conftest import run_dlrun
+from conftest import REPO, dlrun_argv, run_dlrun
 from support.sshd_cluster import wait_job_processes_gone
 
 STEPS = """
@@ -41,3 +44,29 @@ def test_what_detach_cannot_do_yet_is_refused(tmp_path: Path) -> None:
     out = run_dlrun("launch", "--detach", "--framework", "horovod", str(script), cwd=tmp_path, timeout=60,
                     env={"HOME": str(tmp_path)})
     assert out.returncode == 2 and "--framework horovod" in out.stderr, out.stderr
+
+
+def test_ctrl_c_in_attach_detaches_and_the_job_goes_on(tmp_path: Path) -> None:
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(600)\n")
+    home = {"HOME": str(tmp_path / "home")}
+    out = run_dlrun("launch", "--detach", "--framework", "none", "-n", "2", str(script), cwd=tmp_path,
+                    timeout=120, env=home)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].removeprefix("dlrun: detached job ")
+    try:
+        attach = subprocess.Popen(dlrun_argv("attach", job), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO), **home})
+        assert attach.stdout is not None
+        assert attach.stdout.readline() == "dlrun: starting 2 ranks on 1 host\n"
+        assert "ready" in attach.stdout.readline()
+        attach.send_signal(signal.SIGINT)
+        rest, _ = attach.communicate(timeout=60)
+        assert attach.returncode == 0, rest
+        assert f"dlrun: detached from job {job}; it goes on" in rest, rest
+        ps = run_dlrun("ps", cwd=tmp_path, timeout=60, env=home)
+        assert f"{job}  running" in ps.stdout, ps.stdout
+    finally:
+        stopped = run_dlrun("stop", job, cwd=tmp_path, timeout=120, env=home)
+    assert stopped.returncode == 143, stopped.stdout + stopped.stderr
+    assert wait_job_processes_gone(job, timeout=15) == []
