@@ -245,3 +245,15 @@ def test_a_frozen_follower_is_lost_and_stops_its_ranks_when_it_thaws(cluster, tm
     assert attached.returncode == 255, attached.stdout + attached.stderr
     assert "host host1 lost: silent for 3 s" in attached.stdout, attached.stdout
     nothing_left(job)  # the thawed keeper hears the end and stops rank 1
+
+
+def test_followers_that_lose_their_leader_stop_their_ranks(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleeper.py", SLEEPER)
+    job = detach(cluster, tmp_path, script)
+    pid = int((host_folder(job, "host0") / "keeper.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGKILL)  # the leader's agent sees EOF; the follower sees the connection end
+    nothing_left(job)
+    result = json.loads((host_folder(job, "host1") / "result.json").read_text())
+    assert result["exit_code"] == 255 and result["root_cause"].startswith("lost the leader keeper (host0)"), result
+    ps = run_dlrun("ps", *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
+    assert re.search(rf"^{job}\s+lost\s", ps.stdout, re.M), ps.stdout
