@@ -4,7 +4,7 @@ Shipped by ``dlrun.remote``'s loader with its JSON config on stdin after the sou
 library only, Python >= 3.8. It makes ``~/.dlrun/jobs/<JOB-ID>/`` (0700), detaches
 (double fork, ``setsid``), prints one JSON line (``{"pid", "port"}``) for the client and lives
 on with no client. It starts an ordinary agent as the client would, writes each rank's output
-to ``attempt-0/rank-N.log`` and keeps the agent's stdin open, so the agent's own watchdog stops
+to ``attempt-K/rank-N.log`` and keeps the agent's stdin open, so the agent's own watchdog stops
 the ranks if the keeper dies. Host 0's keeper leads: the others connect to it over TLS 1.3
 (pinned per-job certificate, token checked inside), report their ranks and heartbeats, and get
 ``stop`` and ``end``. The leader decides fail-fast, lost hosts and the result, written to
@@ -118,7 +118,6 @@ class Peer:
         self.lock = threading.Lock()
         self.heard = time.monotonic()
         self.closed = False
-        self.ended = False  # the leader sent it "end" (or it sent one to us)
 
     def send(self, message: dict[str, Any]) -> None:
         data = json.dumps(message).encode() + b"\n"

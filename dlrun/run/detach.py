@@ -10,8 +10,10 @@ and merge the answers. Mechanism and files: ``docs/detach.md``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
+import shlex
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -219,15 +221,20 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
     address = engine.addresses.get(leader.name, leader.address)
     for name in names[1:]:
         configs[name]["leader_address"] = [address, int(answer["port"])]
-    with ThreadPoolExecutor(max_workers=min(32, max(1, len(names) - 1))) as pool:
-        list(pool.map(lambda n: run_program(transport, hosts[n], "keeper", configs[n], job_id), names[1:]))
+    try:
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(names) - 1))) as pool:
+            list(pool.map(lambda n: run_program(transport, hosts[n], "keeper", configs[n], job_id), names[1:]))
+    except BaseException:  # the keepers that started stop the job (else the leader ends it as lost)
+        with contextlib.suppress(DlrunError):
+            JobHosts(transport, list(hosts.values())).ask({"op": "stop", "job": job_id})
+        raise
     record = wait_started(transport, leader, job_id)
     if record.state in FINAL:
         for line in summary_lines(record):
             print(line, file=sys.stderr)
         code = record.exit_code if record.exit_code is not None else 1
         return RunResult(ranks=(), exit_code=code or 1, job_id=job_id)
-    hosts_option = f" --hosts {config.hosts}" if config.hosts else ""
+    hosts_option = f" --hosts {shlex.quote(config.hosts)}" if config.hosts else ""
     print(f"dlrun: {record.ranks} ranks started on {len(names)} host{'s' if len(names) != 1 else ''};"
           f" dlrun attach|logs|stop {job_id}{hosts_option}")
     print(f"dlrun: detached job {job_id}", flush=True)
