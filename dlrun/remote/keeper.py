@@ -30,7 +30,9 @@ from typing import Any, Tuple
 
 #: The agent's frames (``dlrun.remote.agent``: each host program is shipped alone, imports none).
 HEADER = struct.Struct(">BiI")
-STARTED, STDOUT, STDERR, EXIT, ERROR, DONE = 2, 3, 4, 5, 6, 7
+STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, GPU = 2, 3, 4, 5, 6, 7, 11
+#: ``gpu.csv``'s columns, as the attached supervisor writes them (``dlrun.run.gpus.CSV_COLUMNS``)
+GPU_COLUMNS = "time,host,gpu,util,mem_used_mib,mem_total_mib,power_w,temp_c"
 TAIL_LINES = 20
 HANDSHAKE_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 30.0  # a follower's tries to reach the leader
@@ -48,6 +50,19 @@ def rank_state(code: int | None, stopping: bool) -> str:
     if code == 0:
         return "succeeded"
     return "stopped" if stopping else "failed"
+
+
+def gpu_rows(when: float, host: str, text: str) -> str:
+    """``gpu.csv`` rows from nvidia-smi's ``index, uuid, util, mem used, mem total, power, temp``
+    lines; what it could not say (``[N/A]``) is an empty cell."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) < 7:
+            continue
+        values = ["" if c.startswith("[") else c for c in (cells[0], *cells[2:7])]
+        rows.append(",".join([f"{when:.3f}", host, *values]) + "\n")
+    return "".join(rows)
 
 
 def jobs_root() -> str:
@@ -358,6 +373,23 @@ class Keeper:
             self.report(rank, "exit", code)
         elif kind == DONE:
             self.agent_done = True
+        elif kind == GPU:
+            self.gpu_sample(payload)
+
+    def gpu_sample(self, payload: bytes) -> None:
+        """One nvidia-smi sample to ``attempt-K/gpu.csv`` (a failed one to ``keeper.log``)."""
+        try:
+            sample = json.loads(payload)
+        except ValueError:
+            return
+        if "csv" not in sample:
+            print(f"dlrun-keeper: GPU sample: {sample.get('error')}", flush=True)
+            return
+        rows = gpu_rows(float(sample.get("time") or 0), self.host, str(sample["csv"]))
+        path = os.path.join(self.attempt_dir, "gpu.csv")
+        new = not os.path.exists(path)
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write((GPU_COLUMNS + "\n" if new else "") + rows)
 
     def report(self, rank: int, what: str, code: int | None) -> None:
         tail = list(self.tails.get(rank, ())) if code else []

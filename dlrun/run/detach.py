@@ -79,7 +79,8 @@ def check_detach(config: LaunchConfig, hosts_engine: bool) -> None:
 
 def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCommand]]], *,
                    agent_argv_of: Callable[[Host], list[str]], token: str, cert_pem: str, key_pem: str,
-                   grace: float, host_timeout: float, script: str, pidns_source: str) -> dict[str, dict[str, Any]]:
+                   grace: float, host_timeout: float, script: str, pidns_source: str,
+                   gpu_every: float = 0.0) -> dict[str, dict[str, Any]]:
     """Each host's keeper config, host 0 (the leader) first; followers lack the leader's port.
     ``attempts``: each attempt's job id and ranks (``--max-restarts``: rendered ahead, each with
     its restart count), on the same hosts."""
@@ -95,7 +96,7 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
             if [c.rank for c in mine] != [c.rank for c in by_host[name]]:
                 raise UsageError(f"--detach: attempt {attempt_id} places other ranks on {name}")
             specs[name].append(agent_spec(attempt_id, name, mine, grace=grace, host_timeout=host_timeout,
-                                          gpu_every=0))
+                                          gpu_every=gpu_every))
     leader = names[0]
     configs: dict[str, dict[str, Any]] = {}
     for name, ranks in by_host.items():
@@ -214,7 +215,7 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
         job_id, attempts, agent_argv_of=lambda h: agent_argv(default_python(h), pidns=config.pidns),
         token=secrets.token_hex(32), cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
         host_timeout=config.ssh.host_timeout, script=" ".join([config.script, *config.args])[:200],
-        pidns_source=source_of("agent"))
+        pidns_source=source_of("agent"), gpu_every=config.gpu_every)
     names = list(configs)
     leader = hosts[names[0]]
     answer = run_program(transport, leader, "keeper", configs[names[0]], job_id)

@@ -70,3 +70,24 @@ def test_ctrl_c_in_attach_detaches_and_the_job_goes_on(tmp_path: Path) -> None:
         stopped = run_dlrun("stop", job, cwd=tmp_path, timeout=120, env=home)
     assert stopped.returncode == 143, stopped.stdout + stopped.stderr
     assert wait_job_processes_gone(job, timeout=15) == []
+
+
+def test_a_detached_job_samples_its_gpus_into_gpu_csv(tmp_path: Path) -> None:
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    smi = tools / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '0, GPU-a, 97, 71680, 81559, [N/A], 71'\n")
+    smi.chmod(0o755)
+    script = tmp_path / "nap.py"
+    script.write_text("import time\ntime.sleep(1.5)\n")
+    env = {"HOME": str(tmp_path / "home"), "PATH": f"{tools}:{os.environ['PATH']}"}
+    out = run_dlrun("launch", "--detach", "--no-preflight", "--gpu-every", "0.2", "--framework", "none", "-n", "1",
+                    str(script), cwd=tmp_path, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].removeprefix("dlrun: detached job ")
+    assert run_dlrun("attach", job, cwd=tmp_path, timeout=120, env=env).returncode == 0
+    rows = (tmp_path / "home" / ".dlrun" / "jobs" / job / "host-localhost" / "attempt-0" / "gpu.csv").read_text()
+    lines = rows.splitlines()
+    assert lines[0] == "time,host,gpu,util,mem_used_mib,mem_total_mib,power_w,temp_c"
+    assert len(lines) >= 3 and all(line.split(",")[1:] == ["localhost", "0", "97", "71680", "81559", "", "71"]
+                                   for line in lines[1:]), rows

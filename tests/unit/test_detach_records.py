@@ -173,3 +173,12 @@ def test_the_record_feeds_the_launch_views_summary() -> None:
     assert result.ranks[1].duration == 5.0 and result.ranks[0].state == RankState.STOPPED
     stopped = run_result(replace(record, state="stopped", exit_code=143, root_cause="stopped by signal 15"))
     assert stopped.interrupted_by == 15 and stopped.root_cause is None
+
+
+def test_gpu_rows_have_the_attached_supervisors_columns() -> None:
+    from dlrun.run.gpus import CSV_COLUMNS
+
+    assert ",".join(CSV_COLUMNS) == keeper.GPU_COLUMNS
+    assert keeper.GPU == agent.GPU
+    assert keeper.gpu_rows(12.5, "h", "0, GPU-a, 97, 71680, 81559, [N/A], 71\nbroken\n") == (
+        "12.500,h,0,97,71680,81559,,71\n")
