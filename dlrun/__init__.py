@@ -6,13 +6,15 @@ Data flows one way, and the folders follow it:
 - ``topo/``: what each host has (GPUs, links, NICs) and what is wrong across hosts;
 - ``plan``: ranks placed on hosts; ``render``: each rank's env and command (pure);
 - ``push/``: code and data shards to the hosts, only what changed;
-- ``run/``: the launch pipeline, the host agents' supervisor, the terminal view, the exit code;
+- ``run/``: the launch pipeline, the host agents' supervisor, the terminal view, the exit code,
+  detached jobs (``run/detach``: the hosts' keepers run the job);
 - ``transport/``: how a host is reached (this machine, SSH);
 - ``remote/``: the programs that run on the hosts (standard library only);
 - ``spark/``: the Spark barrier stage as an engine under ``run/``.
 
 ``api`` is dlrun from Python (``dlrun.launch``, ``dlrun.topo``, ``dlrun.push``); ``cli`` is a
-thin layer over it; ``errors`` holds the one exception tree.
+thin layer over it; ``errors`` holds the one exception tree; ``tls`` makes a job's pinned
+certificate.
 """
 
 __version__ = "0.1.0"

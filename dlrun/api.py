@@ -8,10 +8,11 @@ modules are imported inside the functions, so ``import dlrun`` stays cheap.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TextIO
 
 from dlrun.errors import UsageError
 from dlrun.plan import DEFAULT_HOST_TIMEOUT
@@ -19,6 +20,7 @@ from dlrun.run.result import RunResult
 
 if TYPE_CHECKING:
     from dlrun.push.session import HostPushSummary
+    from dlrun.run.detach import JobHosts, JobRecord
     from dlrun.run.launch import SSHOptions
     from dlrun.run.supervisor import View
     from dlrun.topo.findings import Finding
@@ -96,6 +98,7 @@ def launch(
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
     view: View | None = None,
+    detach: bool = False,
 ) -> RunResult:
     """Run ``script`` on every rank, as ``dlrun launch`` does; how the job ended.
 
@@ -105,7 +108,8 @@ def launch(
     (``--ranks``); ``view``: where the ranks' lines go (default: the terminal's live view, plain
     lines elsewhere). ``gpu_every``: seconds between GPU samples on every host (0: none); the
     result's ``gpu_summary`` and ``gpu_warnings`` say how the GPUs were used (``gpu_idle_after``:
-    when an idle one is named).
+    when an idle one is named). ``detach``: hand the job to the hosts and return once every rank
+    started (``ps``, ``logs``, ``attach``, ``stop`` follow it).
     """
     from dlrun.run.launch import LaunchConfig, run_job
 
@@ -122,7 +126,7 @@ def launch(
         pidns=pidns, preflight=preflight, push=push, data=None if data is None else str(data), shard=shard,
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
         min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
-        gpu_every=gpu_every, gpu_idle_after=gpu_idle_after,
+        gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach,
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
                         connect_timeout=connect_timeout, host_timeout=host_timeout),
     )
@@ -130,6 +134,8 @@ def launch(
         return run_job(config, view=view)
     from dlrun.spark.driver import SparkConfig, SparkEngine
 
+    if detach:
+        raise UsageError("--detach goes with the SSH backend (a Spark stage lives with its driver)")
     if master is None:
         raise UsageError("--backend spark needs --master URL")
     if hosts is not None:
@@ -233,3 +239,83 @@ def push(
     finally:
         transport.close()
     return summaries
+
+
+# --------------------------------------------------------------------------- detached jobs
+
+
+@contextmanager
+def _job_hosts(hosts: str | None, ssh: Mapping[str, Any]) -> Iterator[JobHosts]:
+    from dlrun.run.detach import JobHosts
+    from dlrun.run.launch import make_transport, resolve_inventory
+
+    inventory = resolve_inventory(hosts, 1)
+    transport = make_transport(inventory, ssh_options(**ssh))
+    try:
+        transport.connect(inventory.hosts)
+        yield JobHosts(transport, inventory.hosts)
+    finally:
+        transport.close()
+
+
+def ps(hosts: str | None = None, **ssh: Any) -> list[JobRecord]:
+    """The detached jobs on ``hosts`` (this machine without), as ``dlrun ps`` lists them.
+    ``ssh``: the SSH settings of :func:`ssh_options`."""
+    with _job_hosts(hosts, ssh) as job_hosts:
+        return job_hosts.ps()
+
+
+def logs(job: str, hosts: str | None = None, *, follow: bool = False, delete: bool = False,
+         since: float | None = None, out: TextIO | None = None, **ssh: Any) -> JobRecord | None:
+    """Print every rank's output of detached job ``job`` (``follow``: until it ends; ``since``:
+    from that many seconds ago); with ``delete``, remove its folder on every host afterwards.
+    Its record (None once deleted)."""
+    import sys
+
+    from dlrun.run.detach import LogFollower
+
+    with _job_hosts(hosts, ssh) as job_hosts:
+        follower = LogFollower(job_hosts, job, out or sys.stdout, since)
+        record = follower.follow() if follow else follower.poll()
+        if record is None:
+            raise UsageError(f"no job {job} on {', '.join(h.name for h in job_hosts.hosts)}")
+        if delete:
+            job_hosts.delete(job)
+            return None
+        return record
+
+
+def attach(job: str, hosts: str | None = None, *, since: float | None = None, out: TextIO | None = None,
+           **ssh: Any) -> int:
+    """Follow detached job ``job``'s lines (from ``since`` seconds ago, else from its start)
+    until it ends, then its summary; its exit code.
+    Ctrl-C (KeyboardInterrupt) detaches again: the job goes on, and 0 is returned."""
+    import sys
+
+    from dlrun.run.detach import LogFollower, run_result
+    from dlrun.run.view import PlainView, make_view
+
+    stream = out or sys.stdout
+    shown = PlainView(out) if out is not None else make_view()
+    with _job_hosts(hosts, ssh) as job_hosts:
+        try:
+            record = LogFollower(job_hosts, job, stream, since, view=shown).follow()
+        except KeyboardInterrupt:
+            shown.notice(f"detached from job {job}; it goes on (dlrun attach {job} to come back)")
+            return 0
+        for attempt in record.history:
+            shown.notice(f"attempt {int(attempt.get('attempt', 0)) + 1} (job {attempt.get('job_id')}) failed:"
+                         f" {attempt.get('root_cause')}")
+        if record.root_cause and run_result(record).root_cause is None and record.state != "stopped":
+            shown.notice(f"root cause: {record.root_cause}")
+        shown.finish(run_result(record))
+        code = 1 if record.exit_code is None else record.exit_code
+        stream.write(f"dlrun: job {job} {record.state}; exit code {code}\n")
+        return code
+
+
+def stop(job: str, hosts: str | None = None, *, timeout: float = 60.0, **ssh: Any) -> JobRecord:
+    """Stop every rank of detached job ``job`` (SIGTERM to its keepers) and wait up to
+    ``timeout`` seconds for the end; its record (exit code 143 for a stopped job)."""
+    with _job_hosts(hosts, ssh) as job_hosts:
+        return job_hosts.stop(job, timeout)

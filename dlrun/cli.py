@@ -234,6 +234,9 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
 @option("Job", "--min-hosts", type=click.IntRange(min=1),
         help="With --max-restarts: a restart after a lost host runs on the hosts left, if at least this many"
         " (default: the same hosts, the lost one reconnected).")
+@option("Job", "--detach", "-d", is_flag=True,
+        help="Hand the job to the hosts and return once every rank started; it runs on without dlrun"
+        " (dlrun ps, logs, attach, stop).")
 @option("Job", "--no-pidns", "pidns", is_flag=True, flag_value=False, default=True,
         help="Do not run each host's ranks in a PID namespace.")
 @option("Job", "--no-preflight", "preflight", is_flag=True, flag_value=False, default=True,
@@ -285,7 +288,7 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
                     "--setup-always": "setup_always", "--base-port": "base_port", "--no-preflight": "preflight",
                     "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
-                    "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts"},
+                    "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach"},
                    spark, "the SSH backend, not --backend spark (Spark places tasks and ships the code)")
     sys.exit(run(script, args, **settings).exit_code)
 
@@ -367,3 +370,75 @@ def push_command(hosts: str, json_output: bool, **settings: Any) -> None:
     summaries = push(hosts, live=False if json_output else None, summary=not json_output, **settings)
     if json_output:
         click.echo(json.dumps(summary_json(summaries), indent=2))
+
+
+#: The hosts of ``ps``, ``logs``, ``attach`` and ``stop``: the ones the job was launched on.
+job_hosts_option = option("Hosts", "--hosts", "-H",
+                          help="The hosts the job runs on, as given to launch (default: this machine).")
+
+
+#: ``logs`` and ``attach`` from a while ago rather than from the start.
+since_option = option("Output", "--since", metavar="DURATION",
+                      help="Start each rank's lines this long ago (90, 30s, 10m, 2h, 1d; default: from the start).")
+
+
+@main.command(cls=GroupedCommand)
+@job_hosts_option
+@ssh_options
+@_reports_errors
+def ps(hosts: str | None, **ssh: Any) -> None:
+    """List the detached jobs on the hosts: id, state, ranks, age, exit code, script."""
+    import time
+
+    from dlrun.api import ps as list_jobs
+    from dlrun.run.detach import ps_lines
+
+    for line in ps_lines(list_jobs(hosts, **ssh), time.time()):
+        click.echo(line)
+
+
+@main.command(cls=GroupedCommand)
+@click.argument("job")
+@job_hosts_option
+@option("Output", "--follow", "-f", is_flag=True, help="Keep printing new lines until the job ends.")
+@option("Output", "--delete", is_flag=True, help="Then remove the job's folder (logs, result) on every host.")
+@since_option
+@ssh_options
+@_reports_errors
+def logs(job: str, hosts: str | None, follow: bool, delete: bool, since: str | None, **ssh: Any) -> None:
+    """Print every rank's output of detached JOB so far, as [<rank> <host>] lines."""
+    from dlrun.api import logs as print_logs
+    from dlrun.run.detach import parse_duration
+
+    print_logs(job, hosts, follow=follow, delete=delete, since=None if since is None else parse_duration(since), **ssh)
+
+
+@main.command(cls=GroupedCommand)
+@click.argument("job")
+@job_hosts_option
+@since_option
+@ssh_options
+@_reports_errors
+def attach(job: str, hosts: str | None, since: str | None, **ssh: Any) -> None:
+    """Follow detached JOB's lines to its end, then its summary; exit with its exit code.
+    Ctrl-C detaches again (the job goes on)."""
+    from dlrun.api import attach as follow
+    from dlrun.run.detach import parse_duration
+
+    sys.exit(follow(job, hosts, since=None if since is None else parse_duration(since), **ssh))
+
+
+@main.command(cls=GroupedCommand)
+@click.argument("job")
+@job_hosts_option
+@ssh_options
+@_reports_errors
+def stop(job: str, hosts: str | None, **ssh: Any) -> None:
+    """Stop every rank of detached JOB; exit with its exit code (143: stopped)."""
+    from dlrun.api import stop as stop_job
+    from dlrun.run.detach import summary_lines
+
+    record = stop_job(job, hosts, **ssh)
+    for line in summary_lines(record):
+        click.echo(line)
+    sys.exit(1 if record.exit_code is None else record.exit_code)

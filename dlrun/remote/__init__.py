@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from importlib import resources
 
 #: The host programs, by the name the controller ships them under.
-PROGRAMS = ("agent", "probe", "push_helper", "tf_server")
+PROGRAMS = ("agent", "probe", "push_helper", "tf_server", "keeper", "jobs")
 
 
 def source_of(name: str) -> str:

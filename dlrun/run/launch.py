@@ -110,6 +110,7 @@ class LaunchConfig:
     gpu_every: float = 2.0  # --gpu-every: seconds between each host's GPU samples (0: none)
     gpu_idle_after: float = 60.0  # --gpu-idle-after: an idle GPU beside a busy one is named after this long
     detected: Detected | None = None  # what --framework auto found in the script (resolve_framework)
+    detach: bool = False  # --detach: the hosts' keepers run the job (dlrun.run.detach)
 
 
 def resolve_framework(config: LaunchConfig) -> LaunchConfig:
@@ -812,6 +813,10 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
     config = engine.prepare(resolve_framework(config))
     if isinstance(engine, HostsEngine) and config.min_hosts is not None and config.min_hosts > len(engine.used_hosts):
         raise UsageError(f"--min-hosts {config.min_hosts}: the job has {len(engine.used_hosts)} hosts")
+    if config.detach:
+        from dlrun.run.detach import check_detach
+
+        check_detach(config, isinstance(engine, HostsEngine))
     job_id = new_job_id()
     # with a preflight, the hosts' own Keras decides (HostsEngine.session warns then)
     probed = isinstance(engine, HostsEngine) and config.preflight and not config.dry_run
@@ -840,6 +845,10 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
     logs = Path(config.log_dir or DEFAULT_LOG_DIR) / job_id
     history: list[Attempt] = []
     with engine.session(config, job_id) as config:
+        if config.detach and isinstance(engine, HostsEngine):
+            from dlrun.run.detach import start_detached
+
+            return start_detached(config, engine, job_id, shown)
         warnings = (warning,) if warning else getattr(engine, "warnings", ())
         attempt = 0
         dropped: tuple[str, ...] = ()

@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from dlrun.errors import DlrunError
 from dlrun.plan import DEFAULT_HOST_TIMEOUT, heartbeat_interval
@@ -142,6 +142,19 @@ class _Rank:
     traceback: TracebackCatcher = field(default_factory=TracebackCatcher)  # the exception it raised
     error_file: tuple[str, ...] = ()  # its TORCHELASTIC_ERROR_FILE, from the EXIT frame
 
+
+
+def agent_spec(job_id: str, host: str, commands: Sequence[WorkerCommand], *, grace: float,
+               host_timeout: float, gpu_every: float) -> dict[str, Any]:
+    """The spec that starts one host's ranks (``dlrun.remote.agent``'s protocol)."""
+    return {
+        "job_id": job_id,
+        "tag": f"{job_id}:{host}",
+        "eof_grace": min(grace, 2.0),
+        "host_timeout": host_timeout,
+        "gpu_every": gpu_every,
+        "ranks": [{"rank": c.rank, "argv": list(c.argv), "env": dict(c.env), "cwd": c.cwd} for c in commands],
+    }
 
 
 class Supervisor:
@@ -254,22 +267,9 @@ class Supervisor:
 
     def _send_spec(self, link: HostLink) -> str | None:
         assert link.channel is not None
-        spec = {
-            "job_id": self._job_id(),
-            "tag": f"{self._job_id()}:{link.host.name}",
-            "eof_grace": min(self.grace, 2.0),
-            "host_timeout": self.host_timeout or 0,
-            "gpu_every": self.gpu_every if link.host.name in self.gpu_hosts else 0,
-            "ranks": [
-                {
-                    "rank": r,
-                    "argv": list(self.ranks[r].command.argv),
-                    "env": dict(self.ranks[r].command.env),
-                    "cwd": self.ranks[r].command.cwd,
-                }
-                for r in link.ranks
-            ],
-        }
+        spec = agent_spec(self._job_id(), link.host.name, [self.ranks[r].command for r in link.ranks],
+                          grace=self.grace, host_timeout=self.host_timeout or 0,
+                          gpu_every=self.gpu_every if link.host.name in self.gpu_hosts else 0)
         try:
             link.channel.send(encode_message(spec))
         except DlrunError as exc:  # the agent is gone: what it said last is the reason

@@ -1,0 +1,226 @@
+"""Answers ``dlrun ps``, ``logs``, ``attach``, ``stop`` on one host, from ``~/.dlrun/jobs/``.
+
+Shipped by ``dlrun.remote``'s loader; one JSON request on stdin after the source, one JSON
+answer on stdout. Standard library only, Python >= 3.8. A job's folder has one folder per host
+(``host-<name>/``: hosts may share a home); a pid there counts only on the machine and boot
+that wrote it. Requests: ``{"op": "ps"}``, ``{"op": "state", "job"}``, ``{"op": "logs", "job",
+"offsets": {file: byte offset}}`` (whole lines from each offset, so ``--follow`` polls
+cheaply), ``{"op": "stop", "job"}`` (SIGTERM to the job's keepers here, found by their pid
+files and checked in ``/proc/<pid>/cmdline``) and ``{"op": "delete", "job"}``. Every run
+first removes job folders older than ``KEEP_DAYS`` that no keeper here runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from typing import Any
+
+KEEP_DAYS = 7
+READ_LIMIT = 1 << 20  # bytes of one log file per answer
+
+
+def jobs_root() -> str:
+    return os.path.join(os.path.expanduser("~"), ".dlrun", "jobs")
+
+
+def boot_id() -> str:
+    """This machine's boot (the keeper writes it beside its pid; the same function is there)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return os.uname().nodename
+
+
+def keeper_pid(hostdir: str, job_id: str) -> int | None:
+    """The pid of the keeper that owns ``hostdir`` while it lives on this machine (its command
+    line names the job), else None."""
+    try:
+        with open(os.path.join(hostdir, "keeper.pid")) as fh:
+            pid_text, _, boot = fh.read().strip().partition(" ")
+        if boot != boot_id():
+            return None
+        pid = int(pid_text)
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = fh.read().split(b"\0")
+    except (OSError, ValueError):
+        return None
+    if b"dlrun-keeper" in argv and job_id.encode() in argv:
+        return pid
+    return None
+
+
+def owned_here(hostdir: str) -> bool:
+    """Was ``hostdir``'s keeper started on this machine, this boot? (Hosts may share a home.)"""
+    try:
+        with open(os.path.join(hostdir, "keeper.pid")) as fh:
+            return fh.read().strip().partition(" ")[2] == boot_id()
+    except OSError:
+        return False
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            document: dict[str, Any] = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return document
+
+
+def host_dirs(job_id: str) -> list[str]:
+    jobdir = os.path.join(jobs_root(), job_id)
+    try:
+        names = sorted(os.listdir(jobdir))
+    except OSError:
+        return []
+    return [os.path.join(jobdir, n) for n in names if n.startswith("host-")]
+
+
+def host_record(job_id: str, hostdir: str) -> dict[str, Any]:
+    """One host's record of the job: its result once ended, else its state. A keeper of this
+    machine that died before the end (a kill -9, a reboot) leaves the job ``lost`` here."""
+    alive = keeper_pid(hostdir, job_id) is not None
+    record = read_json(os.path.join(hostdir, "result.json"))
+    if record is None:
+        record = read_json(os.path.join(hostdir, "state.json")) or {"job_id": job_id, "state": "starting"}
+        gone = not alive and (owned_here(hostdir) or not os.path.exists(os.path.join(hostdir, "keeper.pid")))
+        if gone and record.get("state") not in ("succeeded", "failed", "stopped"):
+            record["state"] = "lost"
+            record["root_cause"] = record.get("root_cause") or "the job's keeper on this host is gone"
+    record["alive"] = alive
+    return record
+
+
+def job_records(job_id: str) -> list[dict[str, Any]]:
+    return [host_record(job_id, d) for d in host_dirs(job_id)]
+
+
+def prune(now: float) -> None:
+    """Remove job folders no keeper here runs that did not change for ``KEEP_DAYS``."""
+    root = jobs_root()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        newest = 0.0
+        for folder, _dirs, files in os.walk(os.path.join(root, name)):
+            for f in [".", *files]:
+                try:
+                    newest = max(newest, os.stat(os.path.join(folder, f)).st_mtime)
+                except OSError:
+                    pass
+        if newest and now - newest > KEEP_DAYS * 86400 and \
+                all(keeper_pid(d, name) is None for d in host_dirs(name)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def offset_since(index_path: str, since: float) -> int:
+    """The first offset of a rank log written at ``since`` or later, from its ``.idx`` file
+    (``<time> <offset>`` lines); -1 when nothing that recent was written (start at the end)."""
+    try:
+        with open(index_path) as fh:
+            for line in fh:
+                when, _, where = line.partition(" ")
+                if float(when) >= since:
+                    return int(where)
+    except (OSError, ValueError):
+        return 0
+    return -1
+
+
+def logs(job_id: str, offsets: dict[str, int], since: float | None = None) -> dict[str, Any]:
+    """Each rank log's whole lines from its offset (keys ``host-X/attempt-K/rank-N.log``); a
+    file not in ``offsets`` starts at 0, or with ``since`` (a time here) where its index says."""
+    files: dict[str, Any] = {}
+    for hostdir in host_dirs(job_id):
+        host = (read_json(os.path.join(hostdir, "state.json")) or {}).get("host", "?")
+        for attempt in sorted(os.listdir(hostdir)):
+            folder = os.path.join(hostdir, attempt)
+            if not attempt.startswith("attempt-") or not os.path.isdir(folder):
+                continue
+            for name in sorted(os.listdir(folder)):
+                if not name.endswith(".log"):
+                    continue
+                key = "/".join((os.path.basename(hostdir), attempt, name))
+                path = os.path.join(folder, name)
+                if key in offsets:
+                    offset = int(offsets[key])
+                elif since is not None:
+                    offset = offset_since(path[: -len(".log")] + ".idx", since)
+                    offset = os.path.getsize(path) if offset < 0 else offset
+                else:
+                    offset = 0
+                with open(path, "rb") as fh:
+                    fh.seek(offset)
+                    data = fh.read(READ_LIMIT)
+                end = data.rfind(b"\n") + 1
+                files[key] = {"offset": offset + end, "text": data[:end].decode("utf-8", "replace"), "host": host}
+    return {"files": files, "jobs": job_records(job_id)}
+
+
+def stop(job_id: str) -> dict[str, Any]:
+    """SIGTERM every keeper of the job on this machine."""
+    signalled = 0
+    for hostdir in host_dirs(job_id):
+        pid = keeper_pid(hostdir, job_id)
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGTERM)
+                signalled += 1
+            except OSError:
+                pass
+    return {"signalled": signalled, "jobs": job_records(job_id)}
+
+
+def delete(job_id: str) -> dict[str, Any]:
+    if any(keeper_pid(d, job_id) is not None for d in host_dirs(job_id)):
+        return {"deleted": False, "error": "the job is running: dlrun stop it first"}
+    jobdir = os.path.join(jobs_root(), job_id)
+    if not os.path.isdir(jobdir):
+        return {"deleted": False}
+    shutil.rmtree(jobdir, ignore_errors=True)
+    return {"deleted": True}
+
+
+def answer(request: dict[str, Any]) -> dict[str, Any]:
+    prune(time.time())
+    op = request.get("op")
+    job_id = str(request.get("job", ""))
+    if op != "ps" and (not job_id or "/" in job_id or job_id.startswith(".")):
+        return {"error": f"bad job id {job_id!r}"}
+    if op == "ps":
+        root = jobs_root()
+        names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+        return {"jobs": [r for n in names for r in job_records(n)]}
+    if op == "state":
+        return {"jobs": job_records(job_id)}
+    if op == "logs":
+        ago = request.get("since_ago")  # seconds before now on this host's clock (no clock skew)
+        return logs(job_id, {str(k): int(v) for k, v in (request.get("offsets") or {}).items()},
+                    None if ago is None else time.time() - float(ago))
+    if op == "stop":
+        return stop(job_id)
+    if op == "delete":
+        return delete(job_id)
+    return {"error": f"unknown op {op!r}"}
+
+
+def main() -> None:
+    data = b""
+    while True:
+        chunk = os.read(0, 65536)
+        if not chunk:
+            break
+        data += chunk
+    sys.stdout.write(json.dumps(answer(json.loads(data))) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,823 @@
+"""The job keeper: one host's supervisor of a detached job (``dlrun launch --detach``).
+
+Shipped by ``dlrun.remote``'s loader with its JSON config on stdin after the source; standard
+library only, Python >= 3.8. It makes ``~/.dlrun/jobs/<JOB-ID>/`` (0700), detaches
+(double fork, ``setsid``), prints one JSON line (``{"pid", "port"}``) for the client and lives
+on with no client. It starts an ordinary agent as the client would, writes each rank's output
+to ``attempt-K/rank-N.log`` and keeps the agent's stdin open, so the agent's own watchdog stops
+the ranks if the keeper dies. Host 0's keeper leads: the others connect to it over TLS 1.3
+(pinned per-job certificate, token checked inside), report their ranks and heartbeats, and get
+``stop`` and ``end``. The leader decides fail-fast, lost hosts and the result, written to
+``state.json`` (while it runs) and ``result.json`` on every host. Mechanism: ``docs/detach.md``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import queue
+import signal
+import socket
+import ssl
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any, Tuple
+
+#: The agent's frames (``dlrun.remote.agent``: each host program is shipped alone, imports none).
+HEADER = struct.Struct(">BiI")
+STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, GPU = 2, 3, 4, 5, 6, 7, 11
+#: ``gpu.csv``'s columns, as the attached supervisor writes them (``dlrun.run.gpus.CSV_COLUMNS``)
+GPU_COLUMNS = "time,host,gpu,util,mem_used_mib,mem_total_mib,power_w,temp_c"
+TAIL_LINES = 20
+HANDSHAKE_TIMEOUT = 10.0
+CONNECT_TIMEOUT = 30.0  # a follower's tries to reach the leader
+RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts' ports settle)
+STOP_MARGIN = 15.0  # past the grace, an agent that has not reported is killed
+INDEX_EVERY = 1.0  # seconds between two lines of a rank log's time index
+FINAL = ("succeeded", "failed", "stopped", "lost")
+
+Event = Tuple[Any, ...]
+
+
+def rank_state(code: int | None, stopping: bool) -> str:
+    """A rank's state from its exit code: one that exits non-zero while the job is being
+    stopped was stopped (its signal's 128 + N), not a new failure."""
+    if code == 0:
+        return "succeeded"
+    return "stopped" if stopping else "failed"
+
+
+def gpu_rows(when: float, host: str, text: str) -> str:
+    """``gpu.csv`` rows from nvidia-smi's ``index, uuid, util, mem used, mem total, power, temp``
+    lines; what it could not say (``[N/A]``) is an empty cell."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) < 7:
+            continue
+        values = ["" if c.startswith("[") else c for c in (cells[0], *cells[2:7])]
+        rows.append(",".join([f"{when:.3f}", host, *values]) + "\n")
+    return "".join(rows)
+
+
+def jobs_root() -> str:
+    return os.path.join(os.path.expanduser("~"), ".dlrun", "jobs")
+
+
+def host_folder(host: str) -> str:
+    """The host's own folder name in the job's folder: hosts may share a home (NFS)."""
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in host)
+    return "host-" + name
+
+
+def boot_id() -> str:
+    """This machine's boot (``/proc/sys/kernel/random/boot_id``): a pid means something only
+    on the machine and boot that wrote it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return os.uname().nodename
+
+
+def write_json(path: str, document: dict[str, Any]) -> None:
+    """Atomically: a reader (``dlrun ps``) never sees half a file."""
+    temp = path + ".tmp"
+    with open(temp, "w", encoding="utf-8") as fh:
+        json.dump(document, fh)
+    os.replace(temp, path)
+
+
+def server_context(cert_pem: str, key_pem: str, folder: str) -> ssl.SSLContext:
+    """The leader's side: TLS 1.3 with the job's certificate; the key is written 0600 only for
+    ``load_cert_chain`` and removed at once."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    cert, key = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+    try:
+        for path, text in ((cert, cert_pem), (key, key_pem)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+        context.load_cert_chain(cert, key)
+    finally:
+        for path in (cert, key):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    return context
+
+
+def client_context(cert_pem: str) -> ssl.SSLContext:
+    """A follower's side: TLS 1.3, trusting exactly the job's certificate (pinned)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(cadata=cert_pem)
+    return context
+
+
+class Peer:
+    """One TLS connection carrying JSON lines; a thread reads it into the keeper's queue."""
+
+    def __init__(self, sock: ssl.SSLSocket, name: str) -> None:
+        self.sock = sock
+        self.name = name
+        self.lock = threading.Lock()
+        self.heard = time.monotonic()
+        self.closed = False
+
+    def send(self, message: dict[str, Any]) -> None:
+        data = json.dumps(message).encode() + b"\n"
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.closed = True
+
+    def read_into(self, events: queue.Queue[Event], buffered: bytes = b"") -> None:
+        buf = buffered
+        while True:
+            while b"\n" in buf:
+                line, _, buf = buf.partition(b"\n")
+                self.heard = time.monotonic()
+                try:
+                    events.put(("peer", self.name, json.loads(line)))
+                except ValueError:
+                    pass
+            try:
+                data = self.sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                events.put(("peer-closed", self.name))
+                return
+            self.heard = time.monotonic()
+            buf += data
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def read_line(sock: ssl.SSLSocket, limit: int = 65536) -> tuple[bytes, bytes]:
+    """The first line from ``sock`` and what came after it (within the socket's timeout)."""
+    buf = b""
+    while b"\n" not in buf:
+        data = sock.recv(4096)
+        if not data or len(buf) > limit:
+            raise OSError("connection closed before the hello")
+        buf += data
+    line, _, rest = buf.partition(b"\n")
+    return line, rest
+
+
+class Keeper:
+    def __init__(self, config: dict[str, Any], jobdir: str, listener: socket.socket | None,
+                 context: ssl.SSLContext | None) -> None:
+        self.config = config
+        self.job_id = str(config["job_id"])
+        self.host = str(config["host"])
+        self.leader = bool(config["leader"])
+        self.jobdir = jobdir
+        self.specs: list[dict[str, Any]] = list(config.get("specs") or [config["spec"]])
+        self.attempt = 0  # which of ``specs`` runs (--max-restarts: one spec per attempt)
+        self.history: list[dict[str, Any]] = []  # the failed attempts before this one
+        self.generation = 0  # which agent the events come from (a restart starts a fresh one)
+        self.grace = float(config.get("grace", 10.0))
+        self.host_timeout = float(config.get("host_timeout") or 0) or None
+        self.listener = listener
+        self.context = context
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.signals: list[int] = []
+        self.peers: dict[str, Peer] = {}
+        self.leader_peer: Peer | None = None
+        self.logs: dict[int, Any] = {}
+        self.indexes: dict[int, Any] = {}  # rank -> its log's index: when each offset was written
+        self.indexed: dict[int, float] = {}  # rank -> when its index last got a line
+        self.splitters: dict[tuple[int, int], bytes] = {}
+        self.tails: dict[int, deque[str]] = {}
+        self.agent: subprocess.Popen[bytes] | None = None
+        self.agent_done = False
+        self.stopping = False
+        self.kill_at: float | None = None
+        self.ended = False  # the job's result is known (leader: decided; follower: told or leader lost)
+        self.started_at = time.time()
+        # the leader's view of the whole job: rank -> {"host", "state", "code"}
+        world = config.get("world") or {}
+        self.ranks: dict[int, dict[str, Any]] = {
+            int(rank): {"rank": int(rank), "host": host, "state": "pending", "code": None}
+            for rank, host in world.items()}
+        self.own = [int(r["rank"]) for r in self.specs[0]["ranks"]]
+        for rank in self.own:
+            self.ranks.setdefault(rank, {"rank": rank, "host": self.host, "state": "pending", "code": None})
+        for rank, argv in (config.get("argv") or {}).items():  # what the summary's root cause names
+            if int(rank) in self.ranks:
+                self.ranks[int(rank)]["argv"] = argv
+        self.followers = [str(h) for h in config.get("followers", [])]
+        self.root_cause: str | None = None
+        self.root_tail: list[str] = []
+        self.exit_code: int | None = None
+        self.interrupted_by: int | None = None
+        self.failed_code = 0
+        self.closed_generation = 0  # the last agent whose end was handled
+        self.agent_lock = threading.Lock()
+        self.held: list[Event] = []  # events wait_agent took that are not the agent's
+
+    # ---------------------------------------------------------------- records
+    def record(self, final: bool = False) -> dict[str, Any]:
+        document: dict[str, Any] = {
+            "job_id": self.job_id, "host": self.host, "leader": self.leader, "pid": os.getpid(),
+            "script": self.config.get("script", ""), "hosts": self.config.get("hosts", [self.host]),
+            "state": self.job_state(), "started_at": self.started_at,
+            "ranks": [self.ranks[r] for r in sorted(self.ranks)],
+            "exit_code": self.exit_code, "root_cause": self.root_cause, "root_tail": self.root_tail,
+            "attempts": self.attempt + 1, "history": self.history,
+            "port": self.listener.getsockname()[1] if self.listener is not None else None,
+        }
+        if final:
+            document["ended_at"] = time.time()
+            write_json(os.path.join(self.jobdir, "result.json"), document)
+        write_json(os.path.join(self.jobdir, "state.json"), document)
+        return document
+
+    def job_state(self) -> str:
+        if self.exit_code is not None:
+            if self.exit_code == 0:
+                return "succeeded"
+            return "stopped" if self.interrupted_by is not None else "failed"
+        if all(r["state"] != "pending" for r in self.ranks.values()):
+            return "stopping" if self.stopping else "running"
+        return "starting"
+
+    # ---------------------------------------------------------------- the agent
+    @property
+    def attempt_dir(self) -> str:
+        return os.path.join(self.jobdir, f"attempt-{self.attempt}")
+
+    def start_agent(self) -> None:
+        """A fresh agent for this attempt's spec, its ranks' logs in ``attempt-K/``."""
+        for log in [*self.logs.values(), *self.indexes.values()]:
+            log.close()
+        self.splitters.clear()
+        self.generation += 1
+        self.agent_done = False
+        spec = self.specs[self.attempt]
+        os.makedirs(self.attempt_dir, mode=0o700, exist_ok=True)
+        for rank in self.own:
+            self.logs[rank] = open(os.path.join(self.attempt_dir, f"rank-{rank}.log"), "wb")  # noqa: SIM115
+            self.indexes[rank] = open(os.path.join(self.attempt_dir, f"rank-{rank}.idx"), "w")  # noqa: SIM115
+            self.indexed[rank] = 0.0
+            self.tails[rank] = deque(maxlen=TAIL_LINES)
+        env = dict(os.environ)
+        env["DLRUN_JOB_ID"] = str(spec["job_id"])  # the attempt's: what sweeps and tests look for
+        with open(os.path.join(self.jobdir, "agent.log"), "ab") as stderr, self.agent_lock:
+            self.agent = subprocess.Popen([str(a) for a in self.config["agent_argv"]], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=stderr, env=env, start_new_session=True)
+            assert self.agent.stdin is not None
+            payload = str(self.config["agent_source"]).encode("utf-8")
+            self.agent.stdin.write(b"%010d" % len(payload) + payload)
+            self.agent.stdin.write(json.dumps(spec).encode() + b"\n")
+            self.agent.stdin.flush()
+        threading.Thread(target=self.read_agent, args=(self.agent, self.generation), daemon=True).start()
+
+    def read_agent(self, agent: subprocess.Popen[bytes], generation: int) -> None:
+        assert agent.stdout is not None
+        buf = b""
+        fd = agent.stdout.fileno()
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            buf += data
+            pos = 0
+            while len(buf) - pos >= HEADER.size:
+                kind, rank, length = HEADER.unpack_from(buf, pos)
+                if len(buf) - pos - HEADER.size < length:
+                    break
+                start = pos + HEADER.size
+                self.events.put(("frame", generation, kind, rank, buf[start:start + length]))
+                pos = start + length
+            buf = buf[pos:]
+        self.events.put(("agent-closed", generation))
+
+    def tell_agent(self, message: dict[str, Any]) -> None:
+        with self.agent_lock:  # the main loop and the heartbeat thread both write
+            agent = self.agent
+            if agent is None or agent.stdin is None:
+                return
+            try:
+                agent.stdin.write(json.dumps(message).encode() + b"\n")
+                agent.stdin.flush()
+            except (OSError, ValueError):
+                pass
+
+    def stop_own(self) -> None:
+        if not self.stopping:
+            self.stopping = True
+            self.kill_at = time.monotonic() + self.grace + STOP_MARGIN
+            self.tell_agent({"op": "stop", "grace": self.grace})
+
+    def write_log(self, rank: int, lines: list[str]) -> None:
+        """Lines to the rank's log; at most once a second, ``<time> <byte offset>`` to its index
+        (``attach --since`` starts there)."""
+        log = self.logs[rank]
+        now = time.time()
+        if now - self.indexed[rank] >= INDEX_EVERY:
+            self.indexed[rank] = now
+            self.indexes[rank].write(f"{now:.3f} {log.tell()}\n")
+            self.indexes[rank].flush()
+        log.write(("\n".join(lines) + "\n").encode("utf-8", "replace"))
+        log.flush()
+        self.tails[rank].extend(lines)
+
+    def on_frame(self, kind: int, rank: int, payload: bytes) -> None:
+        if kind in (STDOUT, STDERR) and rank in self.logs:
+            key = (rank, kind)
+            data = self.splitters.get(key, b"") + payload
+            text, sep, rest = data.rpartition(b"\n")
+            self.splitters[key] = rest
+            if sep:
+                lines = text.decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n").split("\n")
+                self.write_log(rank, lines)
+        elif kind == STARTED:
+            self.report(rank, "running", None)
+        elif kind == ERROR and rank in self.logs:
+            message = payload.decode("utf-8", "replace")
+            self.write_log(rank, [f"dlrun: {message}"])
+        elif kind == EXIT:
+            for key in [k for k in self.splitters if k[0] == rank]:
+                rest = self.splitters.pop(key)
+                if rest and rank in self.logs:
+                    self.write_log(rank, [rest.decode("utf-8", "replace")])
+            try:
+                code = int(json.loads(payload)["code"])
+            except (ValueError, KeyError, TypeError):
+                code = 255
+            self.report(rank, "exit", code)
+        elif kind == DONE:
+            self.agent_done = True
+        elif kind == GPU:
+            self.gpu_sample(payload)
+
+    def gpu_sample(self, payload: bytes) -> None:
+        """One nvidia-smi sample to ``attempt-K/gpu.csv`` (a failed one to ``keeper.log``)."""
+        try:
+            sample = json.loads(payload)
+        except ValueError:
+            return
+        if "csv" not in sample:
+            print(f"dlrun-keeper: GPU sample: {sample.get('error')}", flush=True)
+            return
+        rows = gpu_rows(float(sample.get("time") or 0), self.host, str(sample["csv"]))
+        path = os.path.join(self.attempt_dir, "gpu.csv")
+        new = not os.path.exists(path)
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write((GPU_COLUMNS + "\n" if new else "") + rows)
+
+    def report(self, rank: int, what: str, code: int | None) -> None:
+        tail = list(self.tails.get(rank, ())) if code else []
+        if not self.leader:  # its own record (state.json) follows its ranks
+            entry = self.ranks[rank]
+            entry["state"] = "running" if what == "running" else rank_state(code, self.stopping)
+            entry["code"] = code
+        if self.leader:
+            self.on_rank(self.host, rank, what, code, tail)
+        elif self.leader_peer is not None:
+            self.leader_peer.send({"op": "rank", "rank": rank, "what": what, "code": code, "tail": tail})
+        self.record()
+
+    # ---------------------------------------------------------------- the leader's policy
+    def on_rank(self, host: str, rank: int, what: str, code: int | None, tail: list[str]) -> None:
+        entry = self.ranks.setdefault(rank, {"rank": rank, "host": host, "state": "pending", "code": None})
+        if entry["state"] in FINAL:
+            return
+        if what == "running":
+            entry["state"] = "running"
+            entry["started"] = time.time()  # when the leader heard it: the summary's durations
+        else:
+            entry["ended"] = time.time()
+            entry["code"] = code
+            entry["state"] = rank_state(code, self.stopping)
+            if entry["state"] == "failed":
+                self.fail(f"rank {rank} on {host} exited with code {code}", code or 1, tail)
+        self.record()
+
+    def fail(self, cause: str, code: int, tail: list[str]) -> None:
+        """The first failure is the root cause: stop every rank everywhere."""
+        if self.root_cause is None:
+            self.root_cause, self.root_tail, self.failed_code = cause, tail[-TAIL_LINES:], code
+        self.stop_all()
+
+    def stop_all(self) -> None:
+        for peer in self.peers.values():
+            peer.send({"op": "stop"})
+        self.stop_own()
+
+    def lose_host(self, host: str, why: str) -> None:
+        for entry in self.ranks.values():
+            if entry["host"] == host and entry["state"] not in FINAL:
+                entry["state"], entry["code"] = "lost", 255
+        self.fail(f"host {host} lost: {why}", 255, [])
+        self.record()
+
+    def decide(self) -> bool:
+        """The leader: once every rank has ended, the result goes to every host. True: ended."""
+        if not all(r["state"] in FINAL for r in self.ranks.values()):
+            return False
+        lost = any(r["state"] == "lost" for r in self.ranks.values())
+        if self.root_cause is not None and self.interrupted_by is None and not lost \
+                and self.attempt + 1 < len(self.specs):
+            self.restart(self.attempt + 1)
+            return False
+        if self.interrupted_by is not None:
+            self.exit_code = 128 + self.interrupted_by
+            for entry in self.ranks.values():
+                if entry["state"] == "failed" and entry["code"] in (128 + signal.SIGTERM, 128 + signal.SIGKILL):
+                    entry["state"] = "stopped"
+            if self.root_cause is None:
+                self.root_cause = f"stopped by signal {self.interrupted_by}"
+        elif self.root_cause is not None:
+            self.exit_code = self.failed_code
+        else:
+            self.exit_code = 0
+        self.ended = True
+        result = self.record(final=True)
+        for peer in self.peers.values():
+            peer.send({"op": "end", "result": result})
+        return True
+
+    def restart(self, attempt: int) -> None:
+        """Run the job again with attempt K's spec (pre-rendered by the client, with its restart
+        count); the leader tells every follower to do the same. A lost host is not restarted:
+        its keeper is gone."""
+        if self.leader:
+            self.history.append({"attempt": self.attempt, "job_id": self.specs[self.attempt]["job_id"],
+                                 "exit_code": self.failed_code, "root_cause": self.root_cause})
+        self.wait_agent(self.grace + STOP_MARGIN)
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.kill()
+            self.agent.wait()
+        self.attempt = attempt
+        for entry in self.ranks.values():
+            entry.update(state="pending", code=None, started=None, ended=None)
+        self.root_cause, self.root_tail, self.failed_code = None, [], 0
+        self.stopping, self.kill_at = False, None
+        if self.leader:
+            time.sleep(RESTART_PAUSE)
+            for peer in self.peers.values():
+                peer.send({"op": "restart", "attempt": attempt})
+        self.start_agent()
+        self.record()
+
+    # ---------------------------------------------------------------- the network
+    def accept(self) -> None:
+        assert self.listener is not None and self.context is not None
+        while True:
+            try:
+                raw, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.greet, args=(raw,), daemon=True).start()
+
+    def greet(self, raw: socket.socket) -> None:
+        assert self.context is not None
+        try:
+            raw.settimeout(HANDSHAKE_TIMEOUT)
+            sock = self.context.wrap_socket(raw, server_side=True)
+            line, rest = read_line(sock)
+            hello = json.loads(line)
+            token = str(hello.get("token", ""))
+            if not hmac.compare_digest(token.encode(), str(self.config["token"]).encode()):
+                sock.close()
+                return
+            sock.settimeout(None)
+        except (OSError, ValueError, AttributeError):
+            raw.close()
+            return
+        peer = Peer(sock, str(hello.get("host", "")))
+        self.events.put(("joined", peer))
+        peer.read_into(self.events, rest)
+
+    def connect_leader(self) -> None:
+        address, port = self.config["leader_address"]
+        context = client_context(str(self.config["cert_pem"]))
+        deadline = time.monotonic() + CONNECT_TIMEOUT
+        while True:
+            try:
+                raw = socket.create_connection((address, int(port)), timeout=HANDSHAKE_TIMEOUT)
+                sock = context.wrap_socket(raw)
+                sock.sendall(json.dumps({"token": self.config["token"], "host": self.host}).encode() + b"\n")
+                sock.settimeout(None)
+                break
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise OSError(f"cannot reach the leader keeper at {address}:{port}: {exc}") from exc
+                time.sleep(0.5)
+        self.leader_peer = Peer(sock, "leader")
+        threading.Thread(target=self.leader_peer.read_into, args=(self.events,), daemon=True).start()
+
+    def beat(self) -> None:
+        interval = min(2.0, (self.host_timeout or 8.0) / 4)
+        while not self.ended:
+            time.sleep(interval)
+            targets = list(self.peers.values()) if self.leader else [p for p in (self.leader_peer,) if p]
+            for peer in targets:
+                peer.send({"op": "beat"})
+            # the agent's silence clock (the spec's host_timeout): a frozen keeper's ranks stop too
+            self.tell_agent({"op": "ping"})
+
+    # ---------------------------------------------------------------- the loop
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: self.signals.append(signum))
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        self.record()
+        if self.leader:
+            threading.Thread(target=self.accept, daemon=True).start()
+        else:
+            try:
+                self.connect_leader()
+            except OSError as exc:
+                self.root_cause, self.exit_code = str(exc), 255
+                for rank in self.own:
+                    self.ranks[rank].update(state="lost", code=255)
+                self.record(final=True)
+                return 1
+        self.start_agent()
+        threading.Thread(target=self.beat, daemon=True).start()
+        joined_by = time.monotonic() + CONNECT_TIMEOUT + (self.host_timeout or 0)
+        while True:
+            while self.signals:
+                signum = self.signals.pop(0)
+                if self.leader:
+                    if self.interrupted_by is None:
+                        self.interrupted_by = signum
+                    self.stop_all()
+                else:
+                    if self.leader_peer is not None:
+                        self.leader_peer.send({"op": "interrupt", "signal": signum})
+                    self.stop_own()
+                self.record()
+            try:
+                event = self.events.get(timeout=0.25)
+            except queue.Empty:
+                event = ("tick",)
+            self.handle(event)
+            now = time.monotonic()
+            if self.kill_at is not None and now > self.kill_at:
+                self.tell_agent({"op": "kill"})
+                self.kill_at = None
+            if self.leader:
+                self.watch_followers(now, joined_by)
+                if not self.ended:
+                    self.decide()
+            elif self.leader_peer is not None and not self.ended and self.host_timeout is not None \
+                    and now - self.leader_peer.heard > self.host_timeout:
+                self.leader_lost(f"silent for {self.host_timeout:g} s")
+            if self.ended and self.agent_finished():
+                break
+        self.finish()
+        return 0
+
+    def handle(self, event: Event) -> None:
+        kind = event[0]
+        if kind in ("frame", "agent-closed") and event[1] != self.generation:
+            return  # an earlier attempt's agent: everything it said was handled before the restart
+        if kind == "frame":
+            self.on_frame(int(event[2]), int(event[3]), bytes(event[4]))
+        elif kind == "agent-closed":
+            self.agent_done = True
+            self.closed_generation = self.generation
+            for rank in self.own:  # ranks the agent never reported: it is gone, so are they
+                if self.ranks[rank]["state"] not in FINAL and rank in self.logs and not self.reported_exit(rank):
+                    self.report(rank, "exit", 255)
+        elif kind == "joined":
+            peer = event[1]
+            old = self.peers.get(peer.name)
+            if old is not None:
+                old.close()
+            self.peers[peer.name] = peer
+            if self.stopping:
+                peer.send({"op": "stop"})
+        elif kind == "peer":
+            self.on_message(str(event[1]), event[2])
+        elif kind == "peer-closed":
+            name = str(event[1])
+            if self.leader:
+                peer = self.peers.get(name)
+                if peer is not None and not self.ended:
+                    peer.closed = True
+                    if any(r["host"] == name and r["state"] not in FINAL for r in self.ranks.values()):
+                        self.lose_host(name, "its keeper's connection closed")
+            elif not self.ended:
+                self.leader_lost("its connection closed")
+
+    def reported_exit(self, rank: int) -> bool:
+        return self.ranks[rank]["state"] in FINAL
+
+    def on_message(self, name: str, message: dict[str, Any]) -> None:
+        op = message.get("op")
+        if self.leader:
+            if op == "rank":
+                self.on_rank(name, int(message["rank"]), str(message["what"]), message.get("code"),
+                             [str(t) for t in message.get("tail") or []])
+            elif op == "interrupt":
+                if self.interrupted_by is None:
+                    self.interrupted_by = int(message.get("signal") or signal.SIGTERM)
+                self.stop_all()
+                self.record()
+        elif op == "stop":
+            self.stop_own()
+            self.record()
+        elif op == "restart":
+            self.restart(int(message["attempt"]))
+        elif op == "end":
+            result = message.get("result") or {}
+            self.ended = True
+            self.exit_code = result.get("exit_code")
+            self.root_cause = result.get("root_cause")
+            self.root_tail = result.get("root_tail") or []
+            self.history = list(result.get("history") or [])
+            self.attempt = int(result.get("attempts") or 1) - 1
+            for entry in result.get("ranks") or []:
+                self.ranks[int(entry["rank"])] = entry
+            self.interrupted_by = signal.SIGTERM if result.get("state") == "stopped" else None
+            self.record(final=True)
+
+    def leader_lost(self, why: str) -> None:
+        """A follower without its leader stops its ranks and records why."""
+        self.root_cause = f"lost the leader keeper ({self.config['leader_host']}): {why}"
+        self.stop_own()
+        self.ended = True
+        self.exit_code = 255
+        self.wait_agent(self.grace + STOP_MARGIN)
+        for rank in self.own:
+            if self.ranks[rank]["state"] not in FINAL:
+                self.ranks[rank].update(state="lost", code=255)
+        self.record(final=True)
+
+    def watch_followers(self, now: float, joined_by: float) -> None:
+        if self.ended:
+            return
+        for name in self.followers:
+            peer = self.peers.get(name)
+            pending = any(r["host"] == name and r["state"] not in FINAL for r in self.ranks.values())
+            if not pending:
+                continue
+            if peer is None:
+                if now > joined_by:
+                    self.lose_host(name, "its keeper never connected")
+            elif self.host_timeout is not None and now - peer.heard > self.host_timeout:
+                self.lose_host(name, f"silent for {self.host_timeout:g} s")
+
+    def agent_finished(self) -> bool:
+        return self.agent is None or self.agent.poll() is not None or self.agent_done
+
+    def wait_agent(self, seconds: float) -> None:
+        if self.agent is None:
+            return
+        deadline = time.monotonic() + seconds
+        closed = self.closed_generation == self.generation
+        while not closed and time.monotonic() < deadline:
+            try:
+                event = self.events.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            closed = event[0] == "agent-closed" and event[1] == self.generation
+            if event[0] in ("frame", "agent-closed"):
+                self.handle(event)
+            else:
+                self.held.append(event)
+        for event in self.held:
+            self.events.put(event)
+        self.held = []
+
+    def finish(self) -> None:
+        if self.agent is not None:
+            if self.agent.stdin is not None:
+                try:
+                    self.agent.stdin.close()
+                except OSError:
+                    pass
+            try:
+                self.agent.wait(self.grace + STOP_MARGIN)
+            except subprocess.TimeoutExpired:
+                self.agent.kill()
+                self.agent.wait()
+        for log in [*self.logs.values(), *self.indexes.values()]:
+            log.close()
+        time.sleep(0.2)  # the last messages reach the followers before the connections close
+        for peer in list(self.peers.values()):
+            peer.close()
+        if self.leader_peer is not None:
+            self.leader_peer.close()
+        try:
+            os.unlink(os.path.join(self.jobdir, "keeper.pid"))
+        except OSError:
+            pass
+
+
+def read_config() -> dict[str, Any]:
+    """The JSON line on stdin after the source (read with ``os.read``: nothing is buffered away)."""
+    buf = b""
+    while not buf.endswith(b"\n"):
+        data = os.read(0, 65536)
+        if not data:
+            break
+        buf += data
+    config: dict[str, Any] = json.loads(buf)
+    return config
+
+
+def detach(jobdir: str) -> int | None:
+    """Double fork and ``setsid``. In the first process: the keeper's pid (it then exits); in
+    the keeper: None, with its stdio on ``keeper.log``."""
+    read_end, write_end = os.pipe()
+    first = os.fork()
+    if first:
+        os.close(write_end)
+        data = b""
+        while True:
+            chunk = os.read(read_end, 64)
+            if not chunk:
+                break
+            data += chunk
+        os.waitpid(first, 0)
+        return int(data or b"0")
+    os.close(read_end)
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    null = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(os.path.join(jobdir, "keeper.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    with open(os.path.join(jobdir, "keeper.pid"), "w") as fh:
+        fh.write(f"{os.getpid()} {boot_id()}")
+    os.write(write_end, str(os.getpid()).encode())
+    os.close(write_end)
+    return None
+
+
+def main() -> None:
+    config = read_config()
+    job_id = str(config["job_id"])
+    if not job_id or "/" in job_id or job_id.startswith("."):
+        sys.exit(f"dlrun-keeper: bad job id {job_id!r}")
+    os.makedirs(jobs_root(), mode=0o700, exist_ok=True)
+    jobdir = os.path.join(jobs_root(), job_id, host_folder(str(config["host"])))
+    os.makedirs(jobdir, mode=0o700, exist_ok=True)
+    os.chmod(os.path.dirname(jobdir), 0o700)
+    listener = None
+    context = None
+    port = 0
+    if config["leader"]:
+        context = server_context(str(config["cert_pem"]), str(config["key_pem"]), jobdir)
+        config["key_pem"] = ""
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("0.0.0.0", int(config.get("port") or 0)))
+        listener.listen(64)
+        port = listener.getsockname()[1]
+    sys.stdout.flush()
+    pid = detach(jobdir)
+    if pid is not None:
+        if not pid:
+            sys.exit(f"dlrun-keeper: the keeper did not start (see {jobdir}/keeper.log)")
+        print(json.dumps({"pid": pid, "port": port, "jobdir": jobdir}), flush=True)
+        os._exit(0)
+    code = 1
+    try:
+        code = Keeper(config, jobdir, listener, context).run()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,419 @@
+"""Detached jobs from the client's side: ``launch --detach``, ``ps``, ``logs``, ``attach``, ``stop``.
+
+``start_detached`` runs inside ``HostsEngine.session`` (inventory, preflight, push, setup and
+ports are a launch's), renders the ranks, closes the early agents and hands each host's ranks
+to a keeper (``dlrun.remote.keeper``): host 0's first (the leader: it listens for the others
+over TLS with the job's pinned certificate), then the rest in parallel. It returns once the
+leader says every rank started. The other commands run ``dlrun.remote.jobs`` on each host
+and merge the answers. Mechanism and files: ``docs/detach.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import shlex
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TextIO
+
+from dlrun.errors import DlrunError, UsageError
+from dlrun.inventory import Host
+from dlrun.plan import RankSpec
+from dlrun.remote import boot_argv, boot_payload, source_of
+from dlrun.render import WorkerCommand
+from dlrun.run.agents import agent_argv
+from dlrun.run.result import RankResult, RankState, RunResult
+from dlrun.run.supervisor import View, agent_spec
+from dlrun.transport.base import Transport, default_python
+
+if TYPE_CHECKING:
+    from dlrun.run.launch import HostsEngine, LaunchConfig
+
+START_TIMEOUT = 120.0  # seconds for every rank of a detached job to start
+POLL = 0.5  # seconds between two looks at the hosts (start, --follow, attach, stop)
+FINAL = ("succeeded", "failed", "stopped", "lost")
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A detached job as ``dlrun ps`` shows it: the leader's record where it answered."""
+
+    job_id: str
+    state: str
+    ranks: int
+    started_at: float
+    script: str
+    hosts: tuple[str, ...]
+    exit_code: int | None = None
+    root_cause: str | None = None
+    root_tail: tuple[str, ...] = ()
+    alive: bool = False
+    rank_states: tuple[Mapping[str, Any], ...] = ()
+    history: tuple[Mapping[str, Any], ...] = ()  # the failed attempts before the last
+
+    @property
+    def ended(self) -> bool:
+        """The leader decided the end (a frozen follower's keeper may still be alive: the
+        result does not wait for it; every other host's lines were written before)."""
+        return self.state in FINAL
+
+
+def check_detach(config: LaunchConfig, hosts_engine: bool) -> None:
+    """What ``--detach`` does not support (yet) is a usage error before anything starts."""
+    if not hosts_engine:
+        raise UsageError("--detach goes with the SSH backend (a Spark stage lives with its driver)")
+    if config.framework == "horovod":
+        raise UsageError("--detach: --framework horovod needs the gloo rendezvous server dlrun runs here")
+    if config.framework == "tf-ps":
+        raise UsageError("--detach: --framework tf-ps (servers stopped when the chief ends) is not supported yet")
+    if config.min_hosts is not None:
+        raise UsageError("--detach: --min-hosts is not supported yet (a restart runs on the same hosts)")
+    if config.dry_run:
+        raise UsageError("--detach starts a job: drop --dry-run")
+
+
+def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCommand]]], *,
+                   agent_argv_of: Callable[[Host], list[str]], token: str, cert_pem: str, key_pem: str,
+                   grace: float, host_timeout: float, script: str, pidns_source: str,
+                   gpu_every: float = 0.0) -> dict[str, dict[str, Any]]:
+    """Each host's keeper config, host 0 (the leader) first; followers lack the leader's port.
+    ``attempts``: each attempt's job id and ranks (``--max-restarts``: rendered ahead, each with
+    its restart count), on the same hosts."""
+    commands = attempts[0][1]
+    by_host: dict[str, list[WorkerCommand]] = {}
+    for command in commands:
+        by_host.setdefault(command.host_name, []).append(command)
+    names = list(by_host)
+    specs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for attempt_id, ranks_of_attempt in attempts:
+        for name in names:
+            mine = [c for c in ranks_of_attempt if c.host_name == name]
+            if [c.rank for c in mine] != [c.rank for c in by_host[name]]:
+                raise UsageError(f"--detach: attempt {attempt_id} places other ranks on {name}")
+            specs[name].append(agent_spec(attempt_id, name, mine, grace=grace, host_timeout=host_timeout,
+                                          gpu_every=gpu_every))
+    leader = names[0]
+    configs: dict[str, dict[str, Any]] = {}
+    for name, ranks in by_host.items():
+        host = ranks[0].spec.host
+        config: dict[str, Any] = {
+            "job_id": job_id, "host": name, "leader": name == leader, "leader_host": leader,
+            "token": token, "cert_pem": cert_pem, "grace": grace, "host_timeout": host_timeout,
+            "script": script, "hosts": names,
+            "agent_argv": agent_argv_of(host), "agent_source": pidns_source,
+            "specs": specs[name],
+        }
+        if name == leader:
+            config["key_pem"] = key_pem
+            config["world"] = {str(c.rank): c.host_name for c in commands}
+            config["argv"] = {str(c.rank): list(c.argv) for c in commands}
+            config["followers"] = names[1:]
+        configs[name] = config
+    return configs
+
+
+def run_program(transport: Transport, host: Host, name: str, request: Mapping[str, Any], *args: str,
+                timeout: float = 60.0) -> dict[str, Any]:
+    """Run host program ``name`` with one JSON request; its one JSON answer."""
+    result = transport.run(host, boot_argv(default_python(host), name, *args),
+                           stdin=boot_payload(name) + json.dumps(request).encode() + b"\n", timeout=timeout)
+    if result.exit_code != 0:
+        detail = " / ".join(result.stderr.decode("utf-8", "replace").strip().splitlines()[-3:])
+        raise DlrunError(f"dlrun-{name} exited with code {result.exit_code}: {detail}", host=host.name)
+    try:
+        answer: dict[str, Any] = json.loads(result.stdout.decode("utf-8", "replace").strip().splitlines()[-1])
+    except (ValueError, IndexError) as exc:
+        raise DlrunError(f"dlrun-{name} answered no JSON: {result.stdout[-200:]!r}", host=host.name) from exc
+    if "error" in answer and name == "jobs" and len(answer) == 1:
+        raise DlrunError(f"dlrun-jobs: {answer['error']}", host=host.name)
+    return answer
+
+
+def record_of(document: Mapping[str, Any]) -> JobRecord:
+    return JobRecord(
+        job_id=str(document.get("job_id", "")), state=str(document.get("state", "?")),
+        ranks=len(document.get("ranks") or ()), started_at=float(document.get("started_at") or 0),
+        script=str(document.get("script", "")), hosts=tuple(document.get("hosts") or ()),
+        exit_code=document.get("exit_code"), root_cause=document.get("root_cause"),
+        root_tail=tuple(document.get("root_tail") or ()), alive=bool(document.get("alive")),
+        rank_states=tuple(document.get("ranks") or ()), history=tuple(document.get("history") or ()))
+
+
+def merge_records(documents: Sequence[Mapping[str, Any]]) -> list[JobRecord]:
+    """One record per job from every host's answer: the leader's where it answered; a job whose
+    keeper lives on any host is alive."""
+    jobs: dict[str, Mapping[str, Any]] = {}
+    alive: dict[str, bool] = {}
+    for document in documents:
+        job_id = str(document.get("job_id", ""))
+        alive[job_id] = alive.get(job_id, False) or bool(document.get("alive"))
+        if job_id not in jobs or (document.get("leader") and not jobs[job_id].get("leader")):
+            jobs[job_id] = document
+    return [replace(record_of(d), alive=alive[j]) for j, d in sorted(jobs.items())]
+
+
+def age_text(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 86400:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+def ps_lines(records: Sequence[JobRecord], now: float) -> list[str]:
+    """``dlrun ps``'s table."""
+    width = max([len("job"), *(len(r.job_id) for r in records)])
+    lines = [f"{'job':<{width}}  {'state':<10}  {'ranks':>5}  {'age':>5}  {'exit':>4}  script"]
+    for r in records:
+        code = "" if r.exit_code is None else str(r.exit_code)
+        lines.append(f"{r.job_id:<{width}}  {r.state:<10}  {r.ranks:>5}  {age_text(now - r.started_at):>5}"
+                     f"  {code:>4}  {r.script}")
+    return lines
+
+
+def summary_lines(record: JobRecord) -> list[str]:
+    """The end of ``attach`` (and of a detached launch that failed): root cause, ranks, verdict."""
+    lines: list[str] = []
+    if record.history:
+        lines.append(f"dlrun: {len(record.history) + 1} attempts:")
+        lines.extend(f"  attempt {int(h.get('attempt', 0)) + 1} (job {h.get('job_id')}): {h.get('root_cause')}"
+                     for h in record.history)
+    if record.root_cause:
+        lines.append(f"dlrun: root cause: {record.root_cause}")
+        lines.extend(f"    | {text}" for text in record.root_tail[-10:])
+    for entry in sorted(record.rank_states, key=lambda e: int(e.get("rank", 0))):
+        code = "" if entry.get("code") is None else str(entry.get("code"))
+        lines.append(f"{entry.get('rank', '?'):>4}  {entry.get('host', '?')}  {code:>4}  {entry.get('state', '?')}")
+    lines.append(f"dlrun: job {record.job_id} {record.state}; exit code "
+                 f"{'?' if record.exit_code is None else record.exit_code}")
+    return lines
+
+
+def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view: View) -> RunResult:
+    """Hand the job to the hosts' keepers; return once every rank started (exit code 0) or the
+    job already failed (its exit code)."""
+    from dlrun.tls import make_job_tls
+
+    attempts: list[tuple[str, Sequence[WorkerCommand]]] = []
+    for k in range(config.max_restarts + 1):  # every attempt's ranks, rendered now (restart count, ports)
+        attempt_id = job_id if k == 0 else f"{job_id}-r{k}"
+        with engine.place(replace(config, attempt=k), attempt_id, view) as placement:
+            if placement.agents is not None:
+                placement.agents.close()  # the keepers start their own agents
+            attempts.append((attempt_id, placement.commands))
+    transport = placement.transport
+    tls = make_job_tls(job_id)
+    hosts = {c.host_name: c.spec.host for c in placement.commands}
+    configs = keeper_configs(
+        job_id, attempts, agent_argv_of=lambda h: agent_argv(default_python(h), pidns=config.pidns),
+        token=secrets.token_hex(32), cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
+        host_timeout=config.ssh.host_timeout, script=" ".join([config.script, *config.args])[:200],
+        pidns_source=source_of("agent"), gpu_every=config.gpu_every)
+    names = list(configs)
+    leader = hosts[names[0]]
+    answer = run_program(transport, leader, "keeper", configs[names[0]], job_id)
+    address = engine.addresses.get(leader.name, leader.address)
+    for name in names[1:]:
+        configs[name]["leader_address"] = [address, int(answer["port"])]
+    try:
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(names) - 1))) as pool:
+            list(pool.map(lambda n: run_program(transport, hosts[n], "keeper", configs[n], job_id), names[1:]))
+    except BaseException:  # the keepers that started stop the job (else the leader ends it as lost)
+        with contextlib.suppress(DlrunError):
+            JobHosts(transport, list(hosts.values())).ask({"op": "stop", "job": job_id})
+        raise
+    record = wait_started(transport, leader, job_id)
+    if record.state in FINAL:
+        for line in summary_lines(record):
+            print(line, file=sys.stderr)
+        code = record.exit_code if record.exit_code is not None else 1
+        return RunResult(ranks=(), exit_code=code or 1, job_id=job_id)
+    hosts_option = f" --hosts {shlex.quote(config.hosts)}" if config.hosts else ""
+    print(f"dlrun: {record.ranks} ranks started on {len(names)} host{'s' if len(names) != 1 else ''};"
+          f" dlrun attach|logs|stop {job_id}{hosts_option}")
+    print(f"dlrun: detached job {job_id}", flush=True)
+    return RunResult(ranks=(), exit_code=0, job_id=job_id)
+
+
+def wait_started(transport: Transport, leader: Host, job_id: str) -> JobRecord:
+    """Poll the leader's record until every rank started (or the job ended)."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        documents = run_program(transport, leader, "jobs", {"op": "state", "job": job_id}).get("jobs") or []
+        leaders = [d for d in documents if d.get("leader")]
+        if leaders:
+            record = merge_records(leaders)[0]
+            if record.state != "starting":
+                return record
+        if time.monotonic() > deadline:
+            raise DlrunError(f"the ranks of detached job {job_id} did not all start within {START_TIMEOUT:g} s"
+                             f" (dlrun logs {job_id}; dlrun stop {job_id})", host=leader.name)
+        time.sleep(POLL)
+
+
+# --------------------------------------------------------------------------- ps, logs, attach, stop
+
+
+class JobHosts:
+    """The hosts given to ``ps``/``logs``/``attach``/``stop`` and the transport that reaches them."""
+
+    def __init__(self, transport: Transport, hosts: Sequence[Host]) -> None:
+        self.transport = transport
+        self.hosts = tuple(hosts)
+
+    def ask(self, request: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """Every host's answer (in parallel), by host name."""
+        with ThreadPoolExecutor(max_workers=min(32, len(self.hosts))) as pool:
+            answers = list(pool.map(lambda h: run_program(self.transport, h, "jobs", request), self.hosts))
+        return {h.name: a for h, a in zip(self.hosts, answers, strict=True)}
+
+    def ps(self) -> list[JobRecord]:
+        return merge_records([d for a in self.ask({"op": "ps"}).values() for d in a.get("jobs", [])])
+
+    def record(self, job_id: str) -> JobRecord:
+        documents = [d for a in self.ask({"op": "state", "job": job_id}).values() for d in a.get("jobs") or []]
+        if not documents:
+            names = ", ".join(h.name for h in self.hosts)
+            raise UsageError(f"no job {job_id} on {names} (dlrun ps lists the jobs; --hosts names the hosts)")
+        return merge_records(documents)[0]
+
+    def stop(self, job_id: str, timeout: float) -> JobRecord:
+        self.record(job_id)  # a job that is not there is an error
+        self.ask({"op": "stop", "job": job_id})
+        deadline = time.monotonic() + timeout
+        while True:
+            record = self.record(job_id)
+            if record.ended or time.monotonic() > deadline:
+                return record
+            time.sleep(POLL)
+
+    def delete(self, job_id: str) -> None:
+        for name, answer in self.ask({"op": "delete", "job": job_id}).items():
+            if answer.get("error"):
+                raise UsageError(f"{name}: {answer['error']}")
+
+
+class LogFollower:
+    """Each host's rank logs from where the last look ended, in ``[<rank> <host>] <text>`` lines."""
+
+    def __init__(self, hosts: JobHosts, job_id: str, out: TextIO, since: float | None = None,
+                 view: View | None = None) -> None:
+        self.hosts = hosts
+        self.job_id = job_id
+        self.out = out
+        self.view = view  # attach: lines and states go to the launch's view instead of ``out``
+        self.shown: dict[int, tuple[str, Any]] = {}  # rank -> (state, code) the view has
+        self.started = False  # the view was started (the ranks are known)
+        self.since = since  # seconds: the first look starts each log this long ago (its host's clock)
+        self.offsets: dict[str, int] = {}  # host-<name>/attempt-K/rank-N.log -> bytes printed
+
+    def poll(self) -> JobRecord | None:
+        """Print what is new; the merged record of the job (None: no host has it)."""
+        request: dict[str, Any] = {"op": "logs", "job": self.job_id, "offsets": dict(self.offsets)}
+        if self.since is not None:
+            request["since_ago"], self.since = self.since, None  # files that appear later start at 0
+        answers = self.hosts.ask(request).values()
+        documents: list[Mapping[str, Any]] = []
+        pieces: dict[str, Mapping[str, Any]] = {}
+        for answer in answers:  # hosts that share a home answer the same files: each once
+            for key, piece in answer.get("files", {}).items():
+                pieces.setdefault(key, piece)
+            documents.extend(answer.get("jobs") or [])
+        record = merge_records(documents)[0] if documents else None
+        if self.view is not None and record is not None and not self.started:
+            self.view.start(view_commands(record), None)
+            self.started = True
+        for key, piece in sorted(pieces.items(), key=lambda kv: (rank_of(kv[0]), kv[0])):
+            self.offsets[key] = int(piece["offset"])
+            text = str(piece["text"])
+            if not text:
+                continue
+            if self.view is not None and self.started:
+                self.view.lines(rank_of(key), text[:-1].split("\n"), "stdout")
+            elif self.view is None:
+                prefix = f"[{rank_of(key)} {piece.get('host', '?')}] "
+                self.out.write(prefix + text[:-1].replace("\n", "\n" + prefix) + "\n")
+        if self.view is not None and record is not None:
+            for entry in record.rank_states:
+                now = (str(entry.get("state")), entry.get("code"))
+                if self.shown.get(int(entry["rank"])) != now:
+                    self.shown[int(entry["rank"])] = now
+                    self.view.state(int(entry["rank"]), STATES.get(now[0], RankState.FAILED), now[1])
+            self.view.flush()
+        self.out.flush()
+        return record
+
+    def follow(self) -> JobRecord:
+        """Poll until the job has ended everywhere; its record."""
+        while True:
+            record = self.poll()
+            if record is None:
+                raise UsageError(f"no job {self.job_id} on {', '.join(h.name for h in self.hosts.hosts)}")
+            if record.ended:
+                self.poll()  # the last lines, written before the end
+                return record
+            time.sleep(POLL)
+
+
+STATES = {state.value: state for state in RankState}
+
+
+def view_commands(record: JobRecord) -> tuple[WorkerCommand, ...]:
+    """Stand-ins for the ranks' commands, enough for the view (rank, host)."""
+    hosts: dict[str, Host] = {}
+    commands = []
+    for entry in sorted(record.rank_states, key=lambda e: int(e["rank"])):
+        name = str(entry.get("host", "?"))
+        host = hosts.setdefault(name, Host(address=name, name=name))
+        spec = RankSpec(rank=int(entry["rank"]), local_rank=0, local_size=1, cross_rank=0, cross_size=1,
+                        host_index=list(hosts).index(name), host=host, address=name, port=0,
+                        task_type="worker", task_index=int(entry["rank"]))
+        commands.append(WorkerCommand(spec=spec, argv=tuple(str(a) for a in entry.get("argv") or ())))
+    return tuple(commands)
+
+
+def run_result(record: JobRecord) -> RunResult:
+    """The record as the view's summary takes it (the root cause: the failed or lost rank)."""
+    ranks = tuple(RankResult(rank=int(e["rank"]), host=str(e.get("host", "?")),
+                             state=STATES.get(str(e.get("state")), RankState.FAILED), exit_code=e.get("code"),
+                             duration=e["ended"] - e["started"] if e.get("ended") and e.get("started") else None)
+                  for e in sorted(record.rank_states, key=lambda e: int(e["rank"])))
+    root = None
+    if record.root_cause and record.state != "stopped":
+        for r in ranks:
+            if r.state == RankState.LOST or (r.state == RankState.FAILED and r.exit_code == record.exit_code):
+                root = replace(r, tail=record.root_tail, error=record.root_cause if r.state == RankState.LOST else None)
+                break
+    code = 1 if record.exit_code is None else record.exit_code
+    return RunResult(ranks=ranks, exit_code=code, root_cause=root, job_id=record.job_id,
+                     interrupted_by=code - 128 if record.state == "stopped" and code > 128 else None,
+                     attempts=len(record.history) + 1)
+
+
+def parse_duration(text: str) -> float:
+    """``--since``: ``90``, ``30s``, ``10m``, ``2h`` or ``1d``, in seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
+    try:
+        seconds = float(number) * units[unit]
+    except ValueError:
+        raise UsageError(f"--since {text}: expected a duration such as 90, 30s, 10m, 2h or 1d") from None
+    if seconds < 0:
+        raise UsageError(f"--since {text}: a duration is not negative")
+    return seconds
+
+
+def rank_of(key: str) -> int:
+    """``host-a/attempt-0/rank-3.log`` → 3."""
+    name = key.rpartition("/")[2]
+    try:
+        return int(name.removeprefix("rank-").removesuffix(".log"))
+    except ValueError:
+        return -1

@@ -1,0 +1,259 @@
+"""``dlrun launch --detach`` over real sshd hosts: the job outlives its client, fails fast on
+its own, stops on ``dlrun stop``, is followed by ``dlrun attach``, and leaves no process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import ssl
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+from support.sshd_cluster import TEST_USER_HOME, wait_job_processes_gone
+
+pytestmark = pytest.mark.ssh
+
+STEPS = """
+import os, sys, time
+rank = os.environ["DLRUN_RANK"]
+for i in range(4):
+    print("rank", rank, "step", i, flush=True)
+    time.sleep(1)
+code = int(sys.argv[1]) if len(sys.argv) > 1 and rank == "1" else 0  # rank 1 fails at its end
+print("rank", rank, "done", flush=True)
+sys.exit(code)
+"""
+
+# rank 1 fails after 5 s; rank 0 would sleep for 120 s
+FAIL_FAST = """
+import os, sys, time
+rank = os.environ["DLRUN_RANK"]
+print("rank", rank, "up", flush=True)
+if rank == "1":
+    time.sleep(5)
+    print("Traceback (most recent call last):", file=sys.stderr)
+    print("RuntimeError: rank 1 gives up", file=sys.stderr, flush=True)
+    sys.exit(3)
+time.sleep(120)
+"""
+
+SLEEPER = "import time\nprint('ready', flush=True)\ntime.sleep(600)\n"
+
+
+def keepers_of(job_id: str) -> list[int]:
+    """Pids of this job's keepers (their command line names the job)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if b"dlrun-keeper" in argv and job_id.encode() in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def nothing_left(job_id: str, timeout: float = 30) -> None:
+    assert wait_job_processes_gone(job_id, timeout=timeout) == []
+    deadline = time.monotonic() + timeout
+    while keepers_of(job_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert keepers_of(job_id) == []
+
+
+def common(cluster, tmp_path: Path, n: int = 2) -> list[str]:  # type: ignore[no-untyped-def]
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", n)
+    return ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
+
+
+def detach(cluster, tmp_path: Path, script: Path, *args: str) -> str:  # type: ignore[no-untyped-def]
+    out = run_dlrun("launch", "--detach", "--framework", "none", "--grace", "2", *common(cluster, tmp_path),
+                    str(script), *args, cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"dlrun: detached job ([\w-]+)", last)
+    assert match, out.stdout + out.stderr
+    return match.group(1)
+
+
+def test_a_detached_job_outlives_its_killed_clients(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "steps.py", STEPS)
+    proc = subprocess.Popen(dlrun_argv("launch", "--detach", "--framework", "none", *common(cluster, tmp_path),
+                                       str(script)), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("dlrun: detached job "):
+            break
+    job = lines[-1].split()[-1]
+    proc.kill()  # SIGKILL, if it has not returned yet
+    proc.wait(timeout=30)
+    assert keepers_of(job), "".join(lines)
+    # an attached client killed mid-job does not end the job either
+    attach = subprocess.Popen(dlrun_argv("attach", job, *common(cluster, tmp_path)), cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert attach.stdout is not None
+    assert attach.stdout.readline() == b"dlrun: starting 2 ranks on 2 hosts\n"
+    assert b"step" in attach.stdout.readline()
+    attach.send_signal(signal.SIGKILL)
+    attach.wait()
+    nothing_left(job, timeout=60)
+    logs = run_dlrun("logs", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
+    assert logs.returncode == 0, logs.stderr
+    for rank, host in (("0", "host0"), ("1", "host1")):
+        assert f"[{rank} {host}] rank {rank} step 3\n" in logs.stdout, logs.stdout
+        assert f"[{rank} {host}] rank {rank} done\n" in logs.stdout, logs.stdout
+    ps = run_dlrun("ps", *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
+    assert re.search(rf"^{job}\s+succeeded\s+2\s+\S+\s+0\s+.*steps\.py$", ps.stdout, re.M), ps.stdout
+    deleted = run_dlrun("logs", job, "--delete", *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
+    assert deleted.returncode == 0, deleted.stderr
+    assert job not in run_dlrun("ps", *common(cluster, tmp_path), cwd=tmp_path, timeout=60).stdout
+
+
+def test_a_failed_rank_stops_the_others_and_is_the_root_cause(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "fail_fast.py", FAIL_FAST)
+    job = detach(cluster, tmp_path, script)
+    # rank 0 would sleep 120 s: the attach ends long before only because the keepers stopped it
+    out = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert "dlrun: root cause: rank 1 on host host1 exited with code 3" in out.stdout, out.stdout
+    assert "    | RuntimeError: rank 1 gives up" in out.stdout, out.stdout
+    assert re.search(r"^\s+0\s+host0\s+143\s+stopped\s+\S+$", out.stdout, re.M), out.stdout
+    nothing_left(job)
+    ps = run_dlrun("ps", *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
+    assert re.search(rf"^{job}\s+failed\s+2\s+\S+\s+3\s", ps.stdout, re.M), ps.stdout
+
+
+def test_stop_leaves_no_process_of_the_job(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleeper.py", SLEEPER)
+    job = detach(cluster, tmp_path, script)
+    assert len(wait_job_processes_gone(job, timeout=0)) >= 2  # the ranks (and agents) run
+    out = run_dlrun("stop", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
+    assert out.returncode == 143, out.stdout + out.stderr
+    assert f"dlrun: job {job} stopped; exit code 143" in out.stdout, out.stdout
+    nothing_left(job, timeout=15)
+
+
+def test_attach_shows_the_lines_and_the_exit_code(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "steps.py", STEPS)
+    job = detach(cluster, tmp_path, script, "5")
+    out = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
+    assert out.returncode == 5, out.stdout + out.stderr
+    for rank, host in (("0", "host0"), ("1", "host1")):
+        assert f"[{rank} {host}] rank {rank} step 0\n" in out.stdout, out.stdout
+        assert f"[{rank} {host}] rank {rank} done\n" in out.stdout, out.stdout
+    assert f"dlrun: job {job} failed; exit code 5" in out.stdout, out.stdout
+    nothing_left(job)
+
+
+def host_folder(job: str, host: str) -> Path:
+    return TEST_USER_HOME / ".dlrun" / "jobs" / job / f"host-{host}"
+
+
+def test_a_killed_follower_keeper_is_a_lost_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleeper.py", SLEEPER)
+    job = detach(cluster, tmp_path, script)
+    pid = int((host_folder(job, "host1") / "keeper.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGKILL)  # its agent sees EOF and stops rank 1; the leader sees the connection end
+    out = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
+    assert out.returncode == 255, out.stdout + out.stderr
+    assert "dlrun: root cause: host host1 (rank 1): host host1 lost: its keeper's connection closed" in out.stdout, \
+        out.stdout
+    assert re.search(r"^\s+0\s+host0\s+143\s+stopped\s+\S+$", out.stdout, re.M), out.stdout
+    nothing_left(job)
+
+
+def test_the_leader_answers_no_one_without_the_job_token(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleeper.py", SLEEPER)
+    job = detach(cluster, tmp_path, script)
+    try:
+        state = json.loads((host_folder(job, "host0") / "state.json").read_text())
+        address = (cluster.hosts[0].address, int(state["port"]))
+        with socket.create_connection(address, timeout=10) as plain:  # no TLS: no handshake, closed
+            plain.sendall(b'{"token": "x", "host": "host1"}\n')
+            plain.settimeout(15)
+            try:
+                assert b"{" not in plain.recv(100)  # at most a TLS alert, then the end
+            except ConnectionResetError:
+                pass
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        with context.wrap_socket(socket.create_connection(address, timeout=10)) as tls:
+            assert tls.version() == "TLSv1.3"
+            tls.sendall(b'{"token": "wrong", "host": "host1"}\n')
+            assert tls.recv(100) == b""  # closed without a word
+        time.sleep(1)
+        assert json.loads((host_folder(job, "host0") / "state.json").read_text())["state"] == "running"
+    finally:
+        assert run_dlrun("stop", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120).returncode == 143
+    nothing_left(job)
+
+
+FLAKY = """
+import os, sys
+restart, rank = os.environ["DLRUN_RESTART_COUNT"], os.environ["DLRUN_RANK"]
+print("restart", restart, os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["DLRUN_JOB_ID"], flush=True)
+sys.exit(3 if restart == "0" and rank == "1" else 0)
+"""
+
+
+def test_max_restarts_runs_a_failed_detached_job_again(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "flaky.py", FLAKY)
+    out = run_dlrun("launch", "--detach", "--framework", "torch", "--max-restarts", "1", *common(cluster, tmp_path),
+                    str(script), cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    for rank, host in (("0", "host0"), ("1", "host1")):
+        assert f"[{rank} {host}] restart 0 0 {job}\n" in attached.stdout, attached.stdout
+        assert f"[{rank} {host}] restart 1 1 {job}-r1\n" in attached.stdout, attached.stdout
+    assert f"dlrun: attempt 1 (job {job}) failed: rank 1 on host1 exited with code 3" in attached.stdout, \
+        attached.stdout
+    assert f"dlrun: job {job} succeeded; exit code 0" in attached.stdout, attached.stdout
+    nothing_left(job)
+    assert wait_job_processes_gone(f"{job}-r1", timeout=15) == []
+
+
+def test_a_frozen_follower_is_lost_and_stops_its_ranks_when_it_thaws(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleeper.py", SLEEPER)
+    out = run_dlrun("launch", "--detach", "--framework", "none", "--grace", "2", "--host-timeout", "3",
+                    *common(cluster, tmp_path), str(script), cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    pid = int((host_folder(job, "host1") / "keeper.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGSTOP)  # silent, but its connection stays open
+    try:
+        attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
+        # its agent misses the keeper's pings as the leader misses its beats: rank 1 stops anyway
+        assert wait_job_processes_gone(job, timeout=30) == []
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert attached.returncode == 255, attached.stdout + attached.stderr
+    assert "host host1 lost: silent for 3 s" in attached.stdout, attached.stdout
+    nothing_left(job)  # the thawed keeper hears the end and stops rank 1
+
+
+def test_followers_that_lose_their_leader_stop_their_ranks(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleeper.py", SLEEPER)
+    job = detach(cluster, tmp_path, script)
+    pid = int((host_folder(job, "host0") / "keeper.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGKILL)  # the leader's agent sees EOF; the follower sees the connection end
+    nothing_left(job)
+    result = json.loads((host_folder(job, "host1") / "result.json").read_text())
+    assert result["exit_code"] == 255 and result["root_cause"].startswith("lost the leader keeper (host0)"), result
+    ps = run_dlrun("ps", *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
+    assert re.search(rf"^{job}\s+lost\s", ps.stdout, re.M), ps.stdout

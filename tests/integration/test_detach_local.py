@@ -1,0 +1,93 @@
+"""``dlrun launch --detach`` without ``--hosts``: the local transport runs the same keeper."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from conftest import REPO, dlrun_argv, run_dlrun
+from support.sshd_cluster import wait_job_processes_gone
+
+STEPS = """
+import os, sys, time
+rank = os.environ["DLRUN_RANK"]
+for i in range(3):
+    print("rank", rank, "step", i, flush=True)
+    time.sleep(0.5)
+sys.exit(4 if rank == "1" else 0)
+"""
+
+
+def test_a_local_detached_job_runs_and_is_followed(tmp_path: Path) -> None:
+    script = tmp_path / "steps.py"
+    script.write_text(STEPS)
+    home = {"HOME": str(tmp_path / "home")}  # the job folder: ~/.dlrun/jobs/<job>/host-localhost/
+    out = run_dlrun("launch", "--detach", "--framework", "none", "-n", "2", str(script), cwd=tmp_path,
+                    timeout=120, env=home)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].removeprefix("dlrun: detached job ")
+    attached = run_dlrun("attach", job, cwd=tmp_path, timeout=120, env=home)
+    assert attached.returncode == 4, attached.stdout + attached.stderr
+    assert "[1 localhost] rank 1 step 2\n" in attached.stdout, attached.stdout
+    assert "dlrun: root cause: rank 1 on host localhost exited with code 4" in attached.stdout, attached.stdout
+    assert wait_job_processes_gone(job, timeout=15) == []
+    assert (tmp_path / "home" / ".dlrun" / "jobs" / job / "host-localhost" / "result.json").is_file()
+    ps = run_dlrun("ps", cwd=tmp_path, timeout=60, env=home)
+    assert f"{job}  failed" in ps.stdout, ps.stdout
+
+
+def test_what_detach_cannot_do_yet_is_refused(tmp_path: Path) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("print(1)\n")
+    out = run_dlrun("launch", "--detach", "--framework", "horovod", str(script), cwd=tmp_path, timeout=60,
+                    env={"HOME": str(tmp_path)})
+    assert out.returncode == 2 and "--framework horovod" in out.stderr, out.stderr
+
+
+def test_ctrl_c_in_attach_detaches_and_the_job_goes_on(tmp_path: Path) -> None:
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(600)\n")
+    home = {"HOME": str(tmp_path / "home")}
+    out = run_dlrun("launch", "--detach", "--framework", "none", "-n", "2", str(script), cwd=tmp_path,
+                    timeout=120, env=home)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].removeprefix("dlrun: detached job ")
+    try:
+        attach = subprocess.Popen(dlrun_argv("attach", job), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO), **home})
+        assert attach.stdout is not None
+        assert attach.stdout.readline() == "dlrun: starting 2 ranks on 1 host\n"
+        assert "ready" in attach.stdout.readline()
+        attach.send_signal(signal.SIGINT)
+        rest, _ = attach.communicate(timeout=60)
+        assert attach.returncode == 0, rest
+        assert f"dlrun: detached from job {job}; it goes on" in rest, rest
+        ps = run_dlrun("ps", cwd=tmp_path, timeout=60, env=home)
+        assert f"{job}  running" in ps.stdout, ps.stdout
+    finally:
+        stopped = run_dlrun("stop", job, cwd=tmp_path, timeout=120, env=home)
+    assert stopped.returncode == 143, stopped.stdout + stopped.stderr
+    assert wait_job_processes_gone(job, timeout=15) == []
+
+
+def test_a_detached_job_samples_its_gpus_into_gpu_csv(tmp_path: Path) -> None:
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    smi = tools / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '0, GPU-a, 97, 71680, 81559, [N/A], 71'\n")
+    smi.chmod(0o755)
+    script = tmp_path / "nap.py"
+    script.write_text("import time\ntime.sleep(1.5)\n")
+    env = {"HOME": str(tmp_path / "home"), "PATH": f"{tools}:{os.environ['PATH']}"}
+    out = run_dlrun("launch", "--detach", "--no-preflight", "--gpu-every", "0.2", "--framework", "none", "-n", "1",
+                    str(script), cwd=tmp_path, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].removeprefix("dlrun: detached job ")
+    assert run_dlrun("attach", job, cwd=tmp_path, timeout=120, env=env).returncode == 0
+    rows = (tmp_path / "home" / ".dlrun" / "jobs" / job / "host-localhost" / "attempt-0" / "gpu.csv").read_text()
+    lines = rows.splitlines()
+    assert lines[0] == "time,host,gpu,util,mem_used_mib,mem_total_mib,power_w,temp_c"
+    assert len(lines) >= 3 and all(line.split(",")[1:] == ["localhost", "0", "97", "71680", "81559", "", "71"]
+                                   for line in lines[1:]), rows

@@ -1,0 +1,184 @@
+"""The pure pieces of detached jobs: keeper configs, merged records, the ps table, the jobs
+program's records from a job folder, and the keeper's copy of the agent's frame kinds."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from dlrun.errors import UsageError
+from dlrun.inventory import load_inventory
+from dlrun.remote import agent, jobs, keeper
+from dlrun.run.detach import (
+    check_detach,
+    keeper_configs,
+    merge_records,
+    parse_duration,
+    ps_lines,
+    rank_of,
+    record_of,
+    run_result,
+    summary_lines,
+    view_commands,
+)
+from dlrun.run.launch import LaunchConfig, render_commands
+from dlrun.run.result import RankState
+
+
+def configs() -> dict[str, dict[str, object]]:
+    inventory = load_inventory("a:1,b:2")
+    attempts = []
+    for k, job in enumerate(("job1", "job1-r1")):
+        config = LaunchConfig(script="train.py", hosts="a:1,b:2", framework="torch", max_restarts=1, attempt=k)
+        attempts.append((job, render_commands(config, inventory, job)[1]))
+    return keeper_configs("job1", attempts, agent_argv_of=lambda h: ["agent", h.name], token="t", cert_pem="CERT",
+                          key_pem="KEY", grace=3.0, host_timeout=30.0, script="train.py", pidns_source="SRC")
+
+
+def test_host_0_leads_and_alone_gets_the_key_and_the_world() -> None:
+    found = configs()
+    assert list(found) == ["a", "b"]
+    leader, follower = found["a"], found["b"]
+    assert leader["leader"] is True and leader["key_pem"] == "KEY" and leader["followers"] == ["b"]
+    assert leader["world"] == {"0": "a", "1": "b", "2": "b"}
+    assert follower["leader"] is False and "key_pem" not in follower and "world" not in follower
+    assert follower["leader_host"] == "a" and follower["cert_pem"] == "CERT"
+    assert follower["agent_argv"] == ["agent", "b"]
+    specs = follower["specs"]
+    assert isinstance(specs, list)
+    assert [spec["job_id"] for spec in specs] == ["job1", "job1-r1"]  # one per attempt, rendered ahead
+    assert [r["rank"] for r in specs[1]["ranks"]] == [1, 2]
+    assert [r["env"]["TORCHELASTIC_RESTART_COUNT"] for spec in specs for r in spec["ranks"]] == ["0", "0", "1", "1"]
+    assert specs[0]["host_timeout"] == 30.0  # the keeper pings its agent: a frozen keeper's ranks stop too
+
+
+def test_what_detach_does_not_support_is_refused() -> None:
+    check_detach(LaunchConfig(script="t.py", framework="torch", detach=True), True)
+    for config, hosts_engine in ((LaunchConfig(script="t.py", framework="horovod"), True),
+                                 (LaunchConfig(script="t.py", framework="tf-ps"), True),
+                                 (LaunchConfig(script="t.py", max_restarts=1, min_hosts=1), True),
+                                 (LaunchConfig(script="t.py"), False)):
+        with pytest.raises(UsageError):
+            check_detach(config, hosts_engine)
+
+
+def test_the_leaders_record_wins_and_any_live_keeper_keeps_the_job_alive() -> None:
+    follower = {"job_id": "j", "leader": False, "state": "running", "alive": True, "ranks": [{}]}
+    leader = {"job_id": "j", "leader": True, "state": "failed", "exit_code": 3, "alive": False,
+              "ranks": [{}, {}], "started_at": 100.0, "script": "t.py"}
+    (merged,) = merge_records([follower, leader])
+    assert merged.state == "failed" and merged.exit_code == 3 and merged.ranks == 2 and merged.alive
+    assert merged.ended
+    assert not merge_records([{**leader, "state": "running"}])[0].ended
+
+
+def test_ps_lines_and_summary() -> None:
+    record = record_of({"job_id": "j1", "state": "failed", "exit_code": 3, "started_at": 0.0, "script": "t.py 1",
+                        "ranks": [{"rank": 1, "host": "b", "state": "failed", "code": 3},
+                                  {"rank": 0, "host": "a", "state": "stopped", "code": 143}],
+                        "root_cause": "rank 1 on b exited with code 3", "root_tail": ["ValueError: x"]})
+    lines = ps_lines([record], now=7200.0)
+    assert lines[1].split() == ["j1", "failed", "2", "2.0h", "3", "t.py", "1"]
+    summary = summary_lines(record)
+    assert summary[0] == "dlrun: root cause: rank 1 on b exited with code 3"
+    assert summary[1] == "    | ValueError: x"
+    assert summary[2].split() == ["0", "a", "143", "stopped"]
+    assert summary[-1] == "dlrun: job j1 failed; exit code 3"
+    assert rank_of("host-a/attempt-0/rank-12.log") == 12
+
+
+def test_the_keeper_reads_the_agents_frames() -> None:
+    assert keeper.HEADER.format == agent.HEADER.format
+    assert (keeper.STARTED, keeper.STDOUT, keeper.STDERR, keeper.EXIT, keeper.ERROR, keeper.DONE) == (
+        agent.STARTED, agent.STDOUT, agent.STDERR, agent.EXIT, agent.ERROR, agent.DONE)
+    assert keeper.rank_state(0, stopping=True) == "succeeded"
+    assert keeper.rank_state(143, stopping=True) == "stopped"
+    assert keeper.rank_state(3, stopping=False) == "failed"
+    assert keeper.host_folder("user@h:22") == "host-user_h_22"
+
+
+def write(path: Path, document: dict[str, object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document))
+
+
+def test_the_jobs_program_reads_records_logs_and_prunes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    root = tmp_path / ".dlrun" / "jobs"
+    ended, died, old = root / "ended" / "host-a", root / "died" / "host-a", root / "old" / "host-a"
+    write(ended / "result.json", {"job_id": "ended", "state": "succeeded", "leader": True})
+    write(died / "state.json", {"job_id": "died", "state": "running", "leader": True})
+    (died / "keeper.pid").write_text(f"999999999 {jobs.boot_id()}")  # this machine, no such process
+    write(old / "result.json", {"job_id": "old", "state": "failed"})
+    log = ended / "attempt-0" / "rank-0.log"
+    log.parent.mkdir()
+    log.write_bytes(b"one\ntwo\npart")
+    week = time.time() - 8 * 86400
+    for folder, _dirs, files in os.walk(root / "old"):
+        for name in [".", *files]:
+            os.utime(Path(folder) / name, (week, week))
+
+    answer = jobs.answer({"op": "ps"})
+    assert {(r["job_id"], r["state"], r["alive"]) for r in answer["jobs"]} == {
+        ("ended", "succeeded", False), ("died", "lost", False)}  # "old" is pruned
+    assert not (root / "old").exists()
+
+    first = jobs.answer({"op": "logs", "job": "ended", "offsets": {}})["files"]["host-a/attempt-0/rank-0.log"]
+    assert first["text"] == "one\ntwo\n" and first["offset"] == 8  # whole lines only
+    again = jobs.answer({"op": "logs", "job": "ended", "offsets": {"host-a/attempt-0/rank-0.log": 8}})
+    assert again["files"]["host-a/attempt-0/rank-0.log"]["text"] == ""
+    assert jobs.answer({"op": "logs", "job": "../x"}) == {"error": "bad job id '../x'"}
+    assert jobs.answer({"op": "delete", "job": "ended"}) == {"deleted": True}
+    assert not (root / "ended").exists()
+
+
+def test_since_starts_each_log_where_its_time_index_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    folder = tmp_path / ".dlrun" / "jobs" / "j" / "host-a" / "attempt-0"
+    folder.mkdir(parents=True)
+    (folder / "rank-0.log").write_bytes(b"old\nnew\n")
+    now = time.time()
+    (folder / "rank-0.idx").write_text(f"{now - 100:.3f} 0\n{now - 10:.3f} 4\n")
+    key = "host-a/attempt-0/rank-0.log"
+    assert jobs.answer({"op": "logs", "job": "j", "since_ago": 50})["files"][key]["text"] == "new\n"
+    assert jobs.answer({"op": "logs", "job": "j", "since_ago": 500})["files"][key]["text"] == "old\nnew\n"
+    assert jobs.answer({"op": "logs", "job": "j", "since_ago": 1})["files"][key]["text"] == ""  # nothing that recent
+    assert jobs.answer({"op": "logs", "job": "j", "since_ago": 1, "offsets": {key: 0}})["files"][key]["offset"] == 8
+
+
+def test_durations() -> None:
+    assert [parse_duration(t) for t in ("90", "30s", "10m", "2h", "1d")] == [90, 30, 600, 7200, 86400]
+    for bad in ("", "x", "-5m"):
+        with pytest.raises(UsageError):
+            parse_duration(bad)
+
+
+def test_the_record_feeds_the_launch_views_summary() -> None:
+    record = record_of({"job_id": "j", "state": "failed", "exit_code": 3,
+                        "root_cause": "rank 1 on b exited with code 3",
+                        "root_tail": ["boom"], "ranks": [
+                            {"rank": 1, "host": "b", "state": "failed", "code": 3, "argv": ["python", "t.py"],
+                             "started": 10.0, "ended": 15.0},
+                            {"rank": 0, "host": "a", "state": "stopped", "code": 143}]})
+    assert [(c.rank, c.host_name, c.argv) for c in view_commands(record)] == [
+        (0, "a", ()), (1, "b", ("python", "t.py"))]
+    result = run_result(record)
+    assert result.exit_code == 3 and result.interrupted_by is None
+    assert result.root_cause is not None and result.root_cause.rank == 1 and result.root_cause.tail == ("boom",)
+    assert result.ranks[1].duration == 5.0 and result.ranks[0].state == RankState.STOPPED
+    stopped = run_result(replace(record, state="stopped", exit_code=143, root_cause="stopped by signal 15"))
+    assert stopped.interrupted_by == 15 and stopped.root_cause is None
+
+
+def test_gpu_rows_have_the_attached_supervisors_columns() -> None:
+    from dlrun.run.gpus import CSV_COLUMNS
+
+    assert ",".join(CSV_COLUMNS) == keeper.GPU_COLUMNS
+    assert keeper.GPU == agent.GPU
+    assert keeper.gpu_rows(12.5, "h", "0, GPU-a, 97, 71680, 81559, [N/A], 71\nbroken\n") == (
+        "12.500,h,0,97,71680,81559,,71\n")
