@@ -204,7 +204,7 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
     attempts: list[tuple[str, Sequence[WorkerCommand]]] = []
     for k in range(config.max_restarts + 1):  # every attempt's ranks, rendered now (restart count, ports)
         attempt_id = job_id if k == 0 else f"{job_id}-r{k}"
-        with engine.place(replace(config, attempt=k), attempt_id, view) as placement:
+        with engine.place(replace(config, attempt=k, run_id=job_id), attempt_id, view) as placement:
             if placement.agents is not None:
                 placement.agents.close()  # the keepers start their own agents
             attempts.append((attempt_id, placement.commands))
