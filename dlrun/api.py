@@ -280,6 +280,8 @@ def logs(job: str, hosts: str | None = None, *, follow: bool = False, delete: bo
         if record is None:
             raise UsageError(f"no job {job} on {', '.join(h.name for h in job_hosts.hosts)}")
         if delete:
+            if not record.ended or record.alive:  # a keeper of it may still run, even on a shared home
+                raise UsageError(f"job {job} is {record.state}: dlrun stop {job} first, then delete its logs")
             job_hosts.delete(job)
             return None
         return record

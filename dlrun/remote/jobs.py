@@ -101,8 +101,31 @@ def job_records(job_id: str) -> list[dict[str, Any]]:
     return [host_record(job_id, d) for d in host_dirs(job_id)]
 
 
+def removable(hostdir: str, job_id: str) -> bool:
+    """May this machine remove ``hostdir``? When its keeper ended the job there (a result), or
+    was this machine's and is gone. Another machine's folder without a result (a shared home)
+    may belong to a keeper that still runs there: only that machine can tell."""
+    if os.path.exists(os.path.join(hostdir, "result.json")):
+        return keeper_pid(hostdir, job_id) is None
+    return owned_here(hostdir) and keeper_pid(hostdir, job_id) is None
+
+
+def remove_job(job_id: str) -> bool:
+    """Remove the host folders this machine may remove, then the job's folder once empty;
+    whether it is gone."""
+    jobdir = os.path.join(jobs_root(), job_id)
+    for hostdir in host_dirs(job_id):
+        if removable(hostdir, job_id):
+            shutil.rmtree(hostdir, ignore_errors=True)
+    if host_dirs(job_id):
+        return False
+    shutil.rmtree(jobdir, ignore_errors=True)
+    return not os.path.exists(jobdir)
+
+
 def prune(now: float) -> None:
-    """Remove job folders no keeper here runs that did not change for ``KEEP_DAYS``."""
+    """Remove the job folders that did not change for ``KEEP_DAYS``, as far as ``removable``
+    allows."""
     root = jobs_root()
     try:
         names = os.listdir(root)
@@ -116,9 +139,8 @@ def prune(now: float) -> None:
                     newest = max(newest, os.stat(os.path.join(folder, f)).st_mtime)
                 except OSError:
                     pass
-        if newest and now - newest > KEEP_DAYS * 86400 and \
-                all(keeper_pid(d, name) is None for d in host_dirs(name)):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        if newest and now - newest > KEEP_DAYS * 86400:
+            remove_job(name)
 
 
 def offset_since(index_path: str, since: float) -> int:
@@ -161,6 +183,8 @@ def logs(job_id: str, offsets: dict[str, int], since: float | None = None) -> di
                     fh.seek(offset)
                     data = fh.read(READ_LIMIT)
                 end = data.rfind(b"\n") + 1
+                if end == 0 and len(data) == READ_LIMIT:  # one line longer than a read: as it is
+                    end = len(data)
                 files[key] = {"offset": offset + end, "text": data[:end].decode("utf-8", "replace"), "host": host}
     return {"files": files, "jobs": job_records(job_id)}
 
@@ -182,16 +206,15 @@ def stop(job_id: str) -> dict[str, Any]:
 def delete(job_id: str) -> dict[str, Any]:
     if any(keeper_pid(d, job_id) is not None for d in host_dirs(job_id)):
         return {"deleted": False, "error": "the job is running: dlrun stop it first"}
-    jobdir = os.path.join(jobs_root(), job_id)
-    if not os.path.isdir(jobdir):
+    if not os.path.isdir(os.path.join(jobs_root(), job_id)):
         return {"deleted": False}
-    shutil.rmtree(jobdir, ignore_errors=True)
-    return {"deleted": True}
+    return {"deleted": remove_job(job_id)}
 
 
 def answer(request: dict[str, Any]) -> dict[str, Any]:
-    prune(time.time())
     op = request.get("op")
+    if op != "logs":  # not on every poll of --follow and attach
+        prune(time.time())
     job_id = str(request.get("job", ""))
     if op != "ps" and (not job_id or "/" in job_id or job_id.startswith(".")):
         return {"error": f"bad job id {job_id!r}"}

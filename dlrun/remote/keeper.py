@@ -23,6 +23,7 @@ import ssl
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -36,6 +37,7 @@ GPU_COLUMNS = "time,host,gpu,util,mem_used_mib,mem_total_mib,power_w,temp_c"
 TAIL_LINES = 20
 HANDSHAKE_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 30.0  # a follower's tries to reach the leader
+MAX_GREETINGS = 16  # TLS handshakes the leader runs at once (each a thread, HANDSHAKE_TIMEOUT at most)
 RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts' ports settle)
 STOP_MARGIN = 15.0  # past the grace, an agent that has not reported is killed
 INDEX_EVERY = 1.0  # seconds between two lines of a rank log's time index
@@ -93,29 +95,44 @@ def write_json(path: str, document: dict[str, Any]) -> None:
     os.replace(temp, path)
 
 
-def server_context(cert_pem: str, key_pem: str, folder: str) -> ssl.SSLContext:
-    """The leader's side: TLS 1.3 with the job's certificate; the key is written 0600 only for
-    ``load_cert_chain`` and removed at once."""
+def server_context(cert_pem: str, key_pem: str) -> ssl.SSLContext:
+    """The leader's side: TLS 1.3 with the job's certificate. ``load_cert_chain`` reads files
+    only: the key goes to an anonymous memory file (``memfd_create``, read by its
+    ``/proc/self/fd`` path), never to the job folder, which may be a home on NFS; without
+    memfd, to a 0600 file in the local temp folder, removed at once."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
-    cert, key = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
-    try:
-        for path, text in ((cert, cert_pem), (key, key_pem)):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(text)
-        context.load_cert_chain(cert, key)
-    finally:
-        for path in (cert, key):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+    with tempfile.TemporaryDirectory(prefix="dlrun-keeper-") as private:  # 0700
+        fds = [memory_file(text) for text in (cert_pem, key_pem)]
+        try:
+            paths = [f"/proc/self/fd/{fd}" if fd is not None else "" for fd in fds]
+            for i, text in enumerate((cert_pem, key_pem)):
+                if not paths[i]:
+                    paths[i] = os.path.join(private, f"{i}.pem")
+                    with os.fdopen(os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as fh:
+                        fh.write(text)
+            context.load_cert_chain(paths[0], paths[1])
+        finally:
+            for fd in fds:
+                if fd is not None:
+                    os.close(fd)
     return context
 
 
+def memory_file(text: str) -> int | None:
+    """A file descriptor of an anonymous memory file holding ``text`` (None: no memfd here)."""
+    try:
+        fd = os.memfd_create("dlrun-keeper", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        return None
+    os.write(fd, text.encode())
+    return fd
+
+
 def client_context(cert_pem: str) -> ssl.SSLContext:
-    """A follower's side: TLS 1.3, trusting exactly the job's certificate (pinned)."""
+    """A follower's side: TLS 1.3, trusting exactly the job's certificate (pinned). The same as
+    the Spark task's: each ships alone (by source here, pickled by value there), so neither can
+    import the other."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
     context.check_hostname = False
@@ -156,6 +173,8 @@ class Peer:
                     pass
             try:
                 data = self.sock.recv(65536)
+            except socket.timeout:  # silence: the keeper's clock (``heard``) judges it
+                continue
             except OSError:
                 data = b""
             if not data:
@@ -199,10 +218,12 @@ class Keeper:
         self.generation = 0  # which agent the events come from (a restart starts a fresh one)
         self.grace = float(config.get("grace", 10.0))
         self.host_timeout = float(config.get("host_timeout") or 0) or None
-        self.listener = listener
+        self.listener = listener  # closed (None) once every follower joined
+        self.port = listener.getsockname()[1] if listener is not None else None
         self.context = context
         self.events: queue.Queue[Event] = queue.Queue()
         self.signals: list[int] = []
+        self.greeting = threading.BoundedSemaphore(MAX_GREETINGS)  # TLS handshakes in progress
         self.peers: dict[str, Peer] = {}
         self.leader_peer: Peer | None = None
         self.logs: dict[int, Any] = {}
@@ -246,7 +267,7 @@ class Keeper:
             "ranks": [self.ranks[r] for r in sorted(self.ranks)],
             "exit_code": self.exit_code, "root_cause": self.root_cause, "root_tail": self.root_tail,
             "attempts": self.attempt + 1, "history": self.history,
-            "port": self.listener.getsockname()[1] if self.listener is not None else None,
+            "port": self.port,
         }
         if final:
             document["ended_at"] = time.time()
@@ -467,13 +488,13 @@ class Keeper:
         """Run the job again with attempt K's spec (pre-rendered by the client, with its restart
         count); the leader tells every follower to do the same. A lost host is not restarted:
         its keeper is gone."""
+        interrupted = self.wait_agent(self.grace + STOP_MARGIN)
+        self.end_agent()
+        if self.leader and (interrupted or self.signals):
+            return  # a stop came while the attempt ended: the loop handles it, and it ends the job
         if self.leader:
             self.history.append({"attempt": self.attempt, "job_id": self.specs[self.attempt]["job_id"],
                                  "exit_code": self.failed_code, "root_cause": self.root_cause})
-        self.wait_agent(self.grace + STOP_MARGIN)
-        if self.agent is not None and self.agent.poll() is None:
-            self.agent.kill()
-            self.agent.wait()
         self.attempt = attempt
         for entry in self.ranks.values():
             entry.update(state="pending", code=None, started=None, ended=None)
@@ -488,15 +509,25 @@ class Keeper:
 
     # ---------------------------------------------------------------- the network
     def accept(self) -> None:
-        assert self.listener is not None and self.context is not None
+        listener = self.listener
+        assert listener is not None and self.context is not None
         while True:
             try:
-                raw, _ = self.listener.accept()
+                raw, _ = listener.accept()
             except OSError:
                 return
+            if not self.greeting.acquire(blocking=False):  # a flood of strangers: no thread each
+                raw.close()
+                continue
             threading.Thread(target=self.greet, args=(raw,), daemon=True).start()
 
     def greet(self, raw: socket.socket) -> None:
+        try:
+            self.welcome(raw)
+        finally:
+            self.greeting.release()
+
+    def welcome(self, raw: socket.socket) -> None:
         assert self.context is not None
         try:
             raw.settimeout(HANDSHAKE_TIMEOUT)
@@ -507,7 +538,7 @@ class Keeper:
             if not hmac.compare_digest(token.encode(), str(self.config["token"]).encode()):
                 sock.close()
                 return
-            sock.settimeout(None)
+            sock.settimeout(self.host_timeout or None)  # a send to a peer that stopped reading fails
         except (OSError, ValueError, AttributeError):
             raw.close()
             return
@@ -524,7 +555,7 @@ class Keeper:
                 raw = socket.create_connection((address, int(port)), timeout=HANDSHAKE_TIMEOUT)
                 sock = context.wrap_socket(raw)
                 sock.sendall(json.dumps({"token": self.config["token"], "host": self.host}).encode() + b"\n")
-                sock.settimeout(None)
+                sock.settimeout(self.host_timeout or None)  # a leader that stops reading is lost, not a hang
                 break
             except OSError as exc:
                 if time.monotonic() > deadline:
@@ -616,6 +647,13 @@ class Keeper:
             self.peers[peer.name] = peer
             if self.stopping:
                 peer.send({"op": "stop"})
+            if self.listener is not None and set(self.peers) >= set(self.config["hosts"]) - {self.host}:
+                try:  # every follower is in: nobody else needs the door
+                    self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
+                except OSError:
+                    pass
+                self.listener.close()
+                self.listener = None
         elif kind == "peer":
             self.on_message(str(event[1]), event[2])
         elif kind == "peer-closed":
@@ -690,9 +728,23 @@ class Keeper:
     def agent_finished(self) -> bool:
         return self.agent is None or self.agent.poll() is not None or self.agent_done
 
-    def wait_agent(self, seconds: float) -> None:
-        if self.agent is None:
+    def end_agent(self) -> None:
+        """An agent that outlived its stop: SIGTERM first (its handler stops and sweeps its
+        ranks, which matters without a PID namespace), SIGKILL if that is not enough."""
+        if self.agent is None or self.agent.poll() is not None:
             return
+        self.agent.terminate()
+        try:
+            self.agent.wait(STOP_MARGIN)
+        except subprocess.TimeoutExpired:
+            self.agent.kill()
+            self.agent.wait()
+
+    def wait_agent(self, seconds: float) -> bool:
+        """Handle the agent's frames until it closes (or ``seconds`` pass), holding every other
+        event for the loop; whether one held is a follower's interrupt."""
+        if self.agent is None:
+            return False
         deadline = time.monotonic() + seconds
         closed = self.closed_generation == self.generation
         while not closed and time.monotonic() < deadline:
@@ -705,9 +757,12 @@ class Keeper:
                 self.handle(event)
             else:
                 self.held.append(event)
+        interrupted = any(e[0] == "peer" and isinstance(e[2], dict) and e[2].get("op") == "interrupt"
+                          for e in self.held)
         for event in self.held:
             self.events.put(event)
         self.held = []
+        return interrupted
 
     def finish(self) -> None:
         if self.agent is not None:
@@ -719,8 +774,7 @@ class Keeper:
             try:
                 self.agent.wait(self.grace + STOP_MARGIN)
             except subprocess.TimeoutExpired:
-                self.agent.kill()
-                self.agent.wait()
+                self.end_agent()
         for log in [*self.logs.values(), *self.indexes.values()]:
             log.close()
         time.sleep(0.2)  # the last messages reach the followers before the connections close
@@ -792,7 +846,7 @@ def main() -> None:
     context = None
     port = 0
     if config["leader"]:
-        context = server_context(str(config["cert_pem"]), str(config["key_pem"]), jobdir)
+        context = server_context(str(config["cert_pem"]), str(config["key_pem"]))
         config["key_pem"] = ""
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

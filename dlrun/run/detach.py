@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from dlrun.errors import DlrunError, UsageError
 from dlrun.inventory import Host
 from dlrun.plan import RankSpec
-from dlrun.remote import boot_argv, boot_payload, source_of
+from dlrun.remote import boot_argv, boot_payload, keeper, source_of
 from dlrun.render import WorkerCommand
 from dlrun.run.agents import agent_argv
 from dlrun.run.result import RankResult, RankState, RunResult
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 START_TIMEOUT = 120.0  # seconds for every rank of a detached job to start
 POLL = 0.5  # seconds between two looks at the hosts (start, --follow, attach, stop)
-FINAL = ("succeeded", "failed", "stopped", "lost")
+FINAL = keeper.FINAL  # the job states that are an end
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,8 @@ def check_detach(config: LaunchConfig, hosts_engine: bool) -> None:
         raise UsageError("--detach: --min-hosts is not supported yet (a restart runs on the same hosts)")
     if config.dry_run:
         raise UsageError("--detach starts a job: drop --dry-run")
+    if config.ssh.host_timeout <= 0:  # with no client watching, silence is the only sign of a frozen keeper
+        raise UsageError("--detach needs a --host-timeout above 0: the keepers find a silent host by it")
 
 
 def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCommand]]], *,
@@ -218,23 +220,23 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
         pidns_source=source_of("agent"), gpu_every=config.gpu_every)
     names = list(configs)
     leader = hosts[names[0]]
-    answer = run_program(transport, leader, "keeper", configs[names[0]], job_id)
     address = engine.addresses.get(leader.name, leader.address)
-    for name in names[1:]:
-        configs[name]["leader_address"] = [address, int(answer["port"])]
     try:
+        answer = run_program(transport, leader, "keeper", configs[names[0]], job_id)
+        for name in names[1:]:
+            configs[name]["leader_address"] = [address, int(answer["port"])]
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(names) - 1))) as pool:
             list(pool.map(lambda n: run_program(transport, hosts[n], "keeper", configs[n], job_id), names[1:]))
-    except BaseException:  # the keepers that started stop the job (else the leader ends it as lost)
+        record = wait_started(transport, leader, job_id)
+    except BaseException:  # an interrupt, a keeper that did not start, ranks that never started:
+        # the keepers that started stop the job (else the leader would end it as lost, later)
         with contextlib.suppress(DlrunError):
             JobHosts(transport, list(hosts.values())).ask({"op": "stop", "job": job_id})
         raise
-    record = wait_started(transport, leader, job_id)
-    if record.state in FINAL:
+    if record.state in FINAL and record.exit_code != 0:  # it failed before this look (a quick success is fine)
         for line in summary_lines(record):
             print(line, file=sys.stderr)
-        code = record.exit_code if record.exit_code is not None else 1
-        return RunResult(ranks=(), exit_code=code or 1, job_id=job_id)
+        return RunResult(ranks=(), exit_code=1 if record.exit_code is None else record.exit_code, job_id=job_id)
     hosts_option = f" --hosts {shlex.quote(config.hosts)}" if config.hosts else ""
     print(f"dlrun: {record.ranks} ranks started on {len(names)} host{'s' if len(names) != 1 else ''};"
           f" dlrun attach|logs|stop {job_id}{hosts_option}")
@@ -253,8 +255,8 @@ def wait_started(transport: Transport, leader: Host, job_id: str) -> JobRecord:
             if record.state != "starting":
                 return record
         if time.monotonic() > deadline:
-            raise DlrunError(f"the ranks of detached job {job_id} did not all start within {START_TIMEOUT:g} s"
-                             f" (dlrun logs {job_id}; dlrun stop {job_id})", host=leader.name)
+            raise DlrunError(f"the ranks of detached job {job_id} did not all start within {START_TIMEOUT:g} s;"
+                             f" the job is stopped (dlrun logs {job_id} shows what they printed)", host=leader.name)
         time.sleep(POLL)
 
 

@@ -769,7 +769,7 @@ class HostsEngine:
                             ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None)
 
 
-RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts' ports settle)
+RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts' ports settle; keeper's too)
 
 
 def restart_policy(config: LaunchConfig) -> dict[str, int | None]:

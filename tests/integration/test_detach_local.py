@@ -38,6 +38,16 @@ def test_a_local_detached_job_runs_and_is_followed(tmp_path: Path) -> None:
     assert f"{job}  failed" in ps.stdout, ps.stdout
 
 
+def test_a_job_done_before_the_first_look_is_a_detached_success(tmp_path: Path) -> None:
+    script = tmp_path / "quick.py"
+    script.write_text("print('done')\n")
+    home = {"HOME": str(tmp_path / "home")}
+    out = run_dlrun("launch", "--detach", "--framework", "none", "-n", "2", str(script), cwd=tmp_path,
+                    timeout=120, env=home)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().splitlines()[-1].startswith("dlrun: detached job "), out.stdout
+
+
 def test_what_detach_cannot_do_yet_is_refused(tmp_path: Path) -> None:
     script = tmp_path / "t.py"
     script.write_text("print(1)\n")

@@ -93,6 +93,15 @@ def test_ps_lines_and_summary() -> None:
 
 
 def test_the_keeper_reads_the_agents_frames() -> None:
+    # each host program ships alone, so these are copies: they must stay equal
+    import inspect
+
+    from dlrun.run.launch import RESTART_PAUSE
+
+    assert keeper.RESTART_PAUSE == RESTART_PAUSE
+    for name in ("jobs_root", "boot_id"):
+        assert inspect.getsource(getattr(keeper, name)).split('"""')[-1] == \
+            inspect.getsource(getattr(jobs, name)).split('"""')[-1], name
     assert keeper.HEADER.format == agent.HEADER.format
     assert (keeper.STARTED, keeper.STDOUT, keeper.STDERR, keeper.EXIT, keeper.ERROR, keeper.DONE) == (
         agent.STARTED, agent.STDOUT, agent.STDERR, agent.EXIT, agent.ERROR, agent.DONE)
@@ -182,3 +191,103 @@ def test_gpu_rows_have_the_attached_supervisors_columns() -> None:
     assert keeper.GPU == agent.GPU
     assert keeper.gpu_rows(12.5, "h", "0, GPU-a, 97, 71680, 81559, [N/A], 71\nbroken\n") == (
         "12.500,h,0,97,71680,81559,,71\n")
+
+
+def test_another_machines_folder_is_left_to_it_and_a_long_line_still_moves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hosts sharing a home (NFS) see each other's host folders: one without a result may
+    belong to a keeper alive on the other machine, so neither ``delete`` nor the 7-day prune
+    removes it from here. A line longer than one read is returned as it is, not waited on."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    root = tmp_path / ".dlrun" / "jobs"
+    mine, theirs = root / "shared" / "host-a", root / "shared" / "host-b"
+    write(mine / "result.json", {"job_id": "shared", "state": "succeeded", "leader": True})
+    write(theirs / "state.json", {"job_id": "shared", "state": "running"})
+    (theirs / "keeper.pid").write_text("4242 another-machines-boot-id")
+    week = time.time() - 8 * 86400
+    for folder, _dirs, files in os.walk(root / "shared"):
+        for name in [".", *files]:
+            os.utime(Path(folder) / name, (week, week))
+    jobs.answer({"op": "ps"})  # prunes
+    assert theirs.is_dir() and not mine.exists()
+    assert jobs.answer({"op": "delete", "job": "shared"}) == {"deleted": False}
+    assert theirs.is_dir()
+
+    log = root / "long" / "host-a" / "attempt-0" / "rank-0.log"
+    log.parent.mkdir(parents=True)
+    log.write_bytes(b"x" * (jobs.READ_LIMIT + 10) + b"\n")
+    files = jobs.answer({"op": "logs", "job": "long", "offsets": {}})["files"]
+    assert files["host-a/attempt-0/rank-0.log"]["offset"] == jobs.READ_LIMIT
+
+
+def test_detach_needs_a_host_timeout_and_the_leaders_key_loads_from_memory() -> None:
+    import socket
+    import threading
+
+    from dlrun.run.launch import SSHOptions
+    from dlrun.tls import make_job_tls
+
+    with pytest.raises(UsageError, match="--host-timeout"):
+        check_detach(LaunchConfig(script="t.py", framework="torch", ssh=SSHOptions(host_timeout=0)), True)
+    job = make_job_tls("j")
+    server = keeper.server_context(job.cert_pem, job.key_pem)  # the key never goes to a file
+    a, b = socket.socketpair()
+    got: list[bytes] = []
+
+    def serve() -> None:
+        with server.wrap_socket(a, server_side=True) as tls:
+            got.append(tls.recv(5))
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    with keeper.client_context(job.cert_pem).wrap_socket(b) as tls:
+        tls.sendall(b"hello")
+    thread.join(10)
+    assert got == [b"hello"]
+
+
+def test_the_leader_greets_only_a_peer_with_the_job_token() -> None:
+    """A plain TCP client and a TLS client with a wrong token get nothing and are not peers; the
+    right token joins."""
+    import socket
+    import ssl
+    import threading
+
+    from dlrun.tls import make_job_tls
+
+    job = make_job_tls("j")
+    config = {"job_id": "j", "host": "a", "leader": True, "hosts": ["a", "b"], "token": "right",
+              "specs": [{"job_id": "j", "ranks": []}]}
+    leader = keeper.Keeper(config, "/nonexistent", None, keeper.server_context(job.cert_pem, job.key_pem))
+
+    def client() -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # a stranger: trusts anything
+        return context
+
+    def knock(data: bytes, tls: bool) -> bytes:
+        ours, theirs = socket.socketpair()
+        thread = threading.Thread(target=leader.welcome, args=(ours,), daemon=True)
+        thread.start()
+        theirs.settimeout(15)
+        try:
+            if tls:
+                theirs = client().wrap_socket(theirs)
+            theirs.sendall(data)
+            return theirs.recv(100)
+        except (ConnectionResetError, ssl.SSLError):
+            return b""
+        finally:
+            thread.join(15)
+            theirs.close()
+
+    assert b"{" not in knock(b'{"token": "right", "host": "b"}\n', tls=False)  # no TLS: a TLS alert at most
+    assert knock(b'{"token": "wrong", "host": "b"}\n', tls=True) == b""  # closed without a word
+    assert leader.events.empty()
+    ours, theirs = socket.socketpair()
+    threading.Thread(target=leader.welcome, args=(ours,), daemon=True).start()
+    with client().wrap_socket(theirs) as tls:
+        tls.sendall(b'{"token": "right", "host": "b"}\n')
+        kind, peer = leader.events.get(timeout=15)
+        assert (kind, peer.name) == ("joined", "b")
+        peer.close()
