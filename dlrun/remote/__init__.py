@@ -16,11 +16,13 @@ from importlib import resources
 
 #: The host programs, by the name the controller ships them under.
 PROGRAMS = ("agent", "probe", "push_helper", "tf_server", "keeper", "jobs")
+#: Modules a host program loads from source it was given (the leader keeper: the rendezvous).
+MODULES = ("rendezvous",)
 
 
 def source_of(name: str) -> str:
-    """The source of host program ``name``, read from the installed package (a wheel too)."""
-    if name not in PROGRAMS:
+    """The source of host program (or module) ``name``, read from the installed package (a wheel too)."""
+    if name not in PROGRAMS and name not in MODULES:
         raise ValueError(f"no host program {name!r}")
     return resources.files(__name__).joinpath(f"{name}.py").read_text(encoding="utf-8")
 
