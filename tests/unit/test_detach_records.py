@@ -235,3 +235,36 @@ def test_gpu_rows_have_the_attached_supervisors_columns() -> None:
     assert keeper.GPU == agent.GPU
     assert keeper.gpu_rows(12.5, "h", "0, GPU-a, 97, 71680, 81559, [N/A], 71\nbroken\n") == (
         "12.500,h,0,97,71680,81559,,71\n")
+
+
+def tf_ps_leader(tmp_path: Path) -> keeper.Keeper:
+    """A leader keeper of a chief (rank 0, its own), a worker and a ps; no agent is started."""
+    config = {"job_id": "j", "host": "a", "leader": True, "world": {"0": "a", "1": "b", "2": "c"}, "enders": [0],
+              "specs": [{"job_id": "j", "ranks": [{"rank": 0}]}], "followers": ["b", "c"]}
+    leader = keeper.Keeper(config, str(tmp_path), None, None)
+    for rank, host in ((0, "a"), (1, "b"), (2, "c")):
+        leader.on_rank(host, rank, "running", None, [])
+    return leader
+
+
+def test_the_tf_ps_chiefs_end_stops_the_servers_and_is_the_jobs(tmp_path: Path) -> None:
+    leader = tf_ps_leader(tmp_path)
+    leader.on_rank("a", 0, "exit", 0, [])
+    assert leader.stopping  # the servers never end by themselves
+    leader.on_rank("b", 1, "exit", 143, [])
+    leader.on_rank("c", 2, "exit", -15, [])
+    assert leader.decide()
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["state"] == "succeeded" and result["exit_code"] == 0 and result["root_cause"] is None
+    assert [r["state"] for r in result["ranks"]] == ["succeeded", "stopped", "stopped"]
+
+
+def test_a_tf_ps_server_that_fails_first_is_the_root_cause(tmp_path: Path) -> None:
+    leader = tf_ps_leader(tmp_path)
+    leader.on_rank("c", 2, "exit", 3, ["ps died"])
+    leader.on_rank("a", 0, "exit", 143, [])
+    leader.on_rank("b", 1, "exit", 143, [])
+    assert leader.decide()
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["exit_code"] == 3 and result["root_cause"] == "rank 2 on c exited with code 3"
+    assert [r["state"] for r in result["ranks"]] == ["stopped", "stopped", "failed"]
