@@ -1,6 +1,7 @@
-"""Programs that run on the hosts: the agent, the topology probe, the push helper and the
-TensorFlow server entry point. Standard library only, Python >= 3.8, nothing from dlrun:
-each is shipped as its source, never imported on the host.
+"""Programs that run on the hosts: the agent, the topology probe, the push helper, the
+TensorFlow server entry point, a detached job's keeper and jobs program, and the Horovod
+rendezvous (a module the leader keeper loads). Standard library only, Python >= 3.8, nothing
+from dlrun: each is shipped as its source, never imported on the host.
 
 One bootstrap ships them all (SSH hosts, localhost, Spark tasks): the command line is
 ``python3 -c <LOADER> dlrun-<name> [args]``, a few hundred bytes that ``ps`` shows whole, and

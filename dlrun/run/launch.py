@@ -31,7 +31,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from dlrun.errors import DlrunError, UsageError
+from dlrun.errors import DlrunError, RendezvousError, UsageError
 from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
 from dlrun.plan import (
     AUTO,
@@ -763,9 +763,15 @@ class HostsEngine:
         with ExitStack() as stack:
             plan = job_plan(config, self.inventory, job_id, self.addresses, self.ports)
             rendezvous = None
-            if config.framework == "horovod":
-                rendezvous = ((plan.ranks[0].address, 0) if detached
-                              else stack.enter_context(horovod_rendezvous(plan)))
+            if config.framework == "horovod" and detached:
+                rendezvous = (plan.ranks[0].address, 0)
+                if ":" in rendezvous[0]:
+                    raise RendezvousError(
+                        f"host {plan.ranks[0].host.name}'s address {rendezvous[0]} is IPv6; Horovod's rendezvous"
+                        " client is IPv4-only", host=plan.ranks[0].host.name,
+                        hint="give host 0 an IPv4 address in --hosts")
+            elif config.framework == "horovod":
+                rendezvous = stack.enter_context(horovod_rendezvous(plan))
             _, commands = render_commands(
                 config, self.inventory, job_id, addresses=self.addresses, cwd_for=self.cwd_for,
                 rendezvous=rendezvous, gpus_for=self.gpus, found_ifaces=self.found_ifaces, ports=self.ports,
