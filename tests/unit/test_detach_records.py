@@ -3,6 +3,7 @@ program's records from a job folder, and the keeper's copy of the agent's frame 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import socket
@@ -87,6 +88,7 @@ def test_a_horovod_leader_gets_the_rendezvous_and_every_rank_its_port() -> None:
 
 
 def test_the_keepers_rendezvous_is_loaded_from_source_and_a_restart_clears_it() -> None:
+    ast.parse(source_of("rendezvous"), feature_version=(3, 8))  # the hosts' Python
     module = keeper.load_rendezvous(source_of("rendezvous"))
     assert module.__name__ == "dlrun_rendezvous" and "dlrun.remote.rendezvous" not in module.__dict__
     server = module.RendezvousServer({"global": 1}, host="127.0.0.1")
