@@ -72,6 +72,27 @@ def shared_script(cluster, name: str, text: str) -> Path:  # type: ignore[no-unt
     return path
 
 
+def example(cluster, name: str) -> Path:  # type: ignore[no-untyped-def]
+    """``examples/<name>``, where every test host can read it."""
+    return shared_script(cluster, name, (REPO / "examples" / name).read_text())
+
+
+@pytest.fixture(scope="session")
+def horovod() -> None:
+    """Horovod 0.28.1 built by scripts/build_horovod.sh (cached wheel). A failed build fails loudly."""
+    probe = subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True, text=True)
+    if probe.returncode == 0:
+        return
+    build = subprocess.run(["bash", str(REPO / "scripts" / "build_horovod.sh"), sys.executable],
+                           capture_output=True, text=True, timeout=1800)
+    if build.returncode != 0:
+        pytest.fail(f"Horovod build failed (scripts/build_horovod.sh):\n{build.stderr[-4000:]}")
+    wheel = build.stdout.strip().splitlines()[-1]
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", wheel], capture_output=True, text=True)
+    if install.returncode != 0:
+        pytest.fail(f"installing {wheel} failed:\n{install.stderr[-4000:]}")
+
+
 def hosts_toml(cluster, path: Path, n: int, slots: int = 1, extra: str = "",  # type: ignore[no-untyped-def]
                names: list[str] | None = None, python: str | None = None) -> Path:
     lines = [f'[defaults]\npython = "{python or cluster.python}"\n{extra}']

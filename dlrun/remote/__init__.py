@@ -1,6 +1,7 @@
-"""Programs that run on the hosts: the agent, the topology probe, the push helper and the
-TensorFlow server entry point. Standard library only, Python >= 3.8, nothing from dlrun:
-each is shipped as its source, never imported on the host.
+"""Programs that run on the hosts: the agent, the topology probe, the push helper, the
+TensorFlow server entry point, a detached job's keeper and jobs program, and the Horovod
+rendezvous (a module the leader keeper loads). Standard library only, Python >= 3.8, nothing
+from dlrun: each is shipped as its source, never imported on the host.
 
 One bootstrap ships them all (SSH hosts, localhost, Spark tasks): the command line is
 ``python3 -c <LOADER> dlrun-<name> [args]``, a few hundred bytes that ``ps`` shows whole, and
@@ -16,11 +17,13 @@ from importlib import resources
 
 #: The host programs, by the name the controller ships them under.
 PROGRAMS = ("agent", "probe", "push_helper", "tf_server", "keeper", "jobs")
+#: Modules a host program loads from source it was given (the leader keeper: the rendezvous).
+MODULES = ("rendezvous",)
 
 
 def source_of(name: str) -> str:
-    """The source of host program ``name``, read from the installed package (a wheel too)."""
-    if name not in PROGRAMS:
+    """The source of host program (or module) ``name``, read from the installed package (a wheel too)."""
+    if name not in PROGRAMS and name not in MODULES:
         raise ValueError(f"no host program {name!r}")
     return resources.files(__name__).joinpath(f"{name}.py").read_text(encoding="utf-8")
 

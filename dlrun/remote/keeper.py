@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from collections import deque
 from typing import Any, Tuple
 
@@ -42,6 +43,7 @@ RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts'
 STOP_MARGIN = 15.0  # past the grace, an agent that has not reported is killed
 INDEX_EVERY = 1.0  # seconds between two lines of a rank log's time index
 FINAL = ("succeeded", "failed", "stopped", "lost")
+RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
 
 Event = Tuple[Any, ...]
 
@@ -65,6 +67,25 @@ def gpu_rows(when: float, host: str, text: str) -> str:
         values = ["" if c.startswith("[") else c for c in (cells[0], *cells[2:7])]
         rows.append(",".join([f"{when:.3f}", host, *values]) + "\n")
     return "".join(rows)
+
+
+def fill_rendezvous_port(specs: list[dict[str, Any]], port: int) -> None:
+    """Horovod: every attempt's ranks get the port of the leader keeper's rendezvous server
+    (the client rendered them before it was bound)."""
+    for spec in specs:
+        for rank in spec["ranks"]:
+            env = rank.get("env") or {}
+            if RENDEZVOUS_PORT in env:
+                env[RENDEZVOUS_PORT] = str(port)
+
+
+def load_rendezvous(source: str) -> Any:
+    """``dlrun.remote.rendezvous`` from its source (shipped in the config): a module of this
+    keeper's own, dlrun is not imported."""
+    module = types.ModuleType("dlrun_rendezvous")
+    sys.modules[module.__name__] = module  # what its classes' __module__ names
+    exec(compile(source, "<dlrun-rendezvous>", "exec"), module.__dict__)
+    return module
 
 
 def jobs_root() -> str:
@@ -206,7 +227,7 @@ def read_line(sock: ssl.SSLSocket, limit: int = 65536) -> tuple[bytes, bytes]:
 
 class Keeper:
     def __init__(self, config: dict[str, Any], jobdir: str, listener: socket.socket | None,
-                 context: ssl.SSLContext | None) -> None:
+                 context: ssl.SSLContext | None, rendezvous: Any = None) -> None:
         self.config = config
         self.job_id = str(config["job_id"])
         self.host = str(config["host"])
@@ -221,6 +242,8 @@ class Keeper:
         self.listener = listener  # closed (None) once every follower joined
         self.port = listener.getsockname()[1] if listener is not None else None
         self.context = context
+        self.rendezvous = rendezvous  # the leader of a Horovod job: its gloo rendezvous server, bound
+        self.enders = {int(r) for r in config.get("enders") or []}  # tf-ps: the chief's rank
         self.events: queue.Queue[Event] = queue.Queue()
         self.signals: list[int] = []
         self.greeting = threading.BoundedSemaphore(MAX_GREETINGS)  # TLS handshakes in progress
@@ -269,6 +292,8 @@ class Keeper:
             "attempts": self.attempt + 1, "history": self.history,
             "port": self.port,
         }
+        if self.rendezvous is not None:
+            document["rendezvous_port"] = self.rendezvous.address[1]
         if final:
             document["ended_at"] = time.time()
             write_json(os.path.join(self.jobdir, "result.json"), document)
@@ -438,6 +463,8 @@ class Keeper:
             entry["state"] = rank_state(code, self.stopping)
             if entry["state"] == "failed":
                 self.fail(f"rank {rank} on {host} exited with code {code}", code or 1, tail)
+            elif code == 0 and rank in self.enders and not self.stopping:
+                self.stop_all()  # tf-ps: the chief's end is the job's; the servers never end by themselves
         self.record()
 
     def fail(self, cause: str, code: int, tail: list[str]) -> None:
@@ -502,6 +529,8 @@ class Keeper:
         self.stopping, self.kill_at = False, None
         if self.leader:
             time.sleep(RESTART_PAUSE)
+            if self.rendezvous is not None:  # every rank of the failed attempt has ended: none writes again
+                self.rendezvous.clear()
             for peer in self.peers.values():
                 peer.send({"op": "restart", "attempt": attempt})
         self.start_agent()
@@ -582,6 +611,8 @@ class Keeper:
         self.record()
         if self.leader:
             threading.Thread(target=self.accept, daemon=True).start()
+            if self.rendezvous is not None:
+                self.rendezvous.start()  # bound before the fork; its thread starts here
         else:
             try:
                 self.connect_leader()
@@ -647,7 +678,7 @@ class Keeper:
             self.peers[peer.name] = peer
             if self.stopping:
                 peer.send({"op": "stop"})
-            if self.listener is not None and set(self.peers) >= set(self.config["hosts"]) - {self.host}:
+            if self.listener is not None and set(self.peers) >= set(self.followers):
                 try:  # every follower is in: nobody else needs the door
                     self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
                 except OSError:
@@ -782,6 +813,8 @@ class Keeper:
             peer.close()
         if self.leader_peer is not None:
             self.leader_peer.close()
+        if self.rendezvous is not None:
+            self.rendezvous.stop()
         try:
             os.unlink(os.path.join(self.jobdir, "keeper.pid"))
         except OSError:
@@ -844,7 +877,9 @@ def main() -> None:
     os.chmod(os.path.dirname(jobdir), 0o700)
     listener = None
     context = None
+    rendezvous = None
     port = 0
+    answer: dict[str, Any] = {}
     if config["leader"]:
         context = server_context(str(config["cert_pem"]), str(config["key_pem"]))
         config["key_pem"] = ""
@@ -853,16 +888,28 @@ def main() -> None:
         listener.bind(("0.0.0.0", int(config.get("port") or 0)))
         listener.listen(64)
         port = listener.getsockname()[1]
+        if config.get("rendezvous"):  # Horovod: the job's gloo rendezvous, for the job's lifetime
+            module = load_rendezvous(str(config["rendezvous"]["source"]))
+            rendezvous = module.RendezvousServer(config["rendezvous"]["scopes"], host="0.0.0.0")
+            try:
+                answer["rendezvous_port"] = rendezvous.bind()[1]
+            except module.RendezvousServerError as exc:
+                sys.exit(f"dlrun-keeper: {exc}")
+            config["rendezvous"]["source"] = ""
+    if config.get("rendezvous_port"):
+        answer.setdefault("rendezvous_port", int(config["rendezvous_port"]))
+    if "rendezvous_port" in answer:
+        fill_rendezvous_port(config.get("specs") or [config["spec"]], int(answer["rendezvous_port"]))
     sys.stdout.flush()
     pid = detach(jobdir)
     if pid is not None:
         if not pid:
             sys.exit(f"dlrun-keeper: the keeper did not start (see {jobdir}/keeper.log)")
-        print(json.dumps({"pid": pid, "port": port, "jobdir": jobdir}), flush=True)
+        print(json.dumps({"pid": pid, "port": port, "jobdir": jobdir, **answer}), flush=True)
         os._exit(0)
     code = 1
     try:
-        code = Keeper(config, jobdir, listener, context).run()
+        code = Keeper(config, jobdir, listener, context, rendezvous).run()
     except BaseException:
         import traceback
 

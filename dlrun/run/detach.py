@@ -25,6 +25,7 @@ from dlrun.errors import DlrunError, UsageError
 from dlrun.inventory import Host
 from dlrun.plan import RankSpec
 from dlrun.remote import boot_argv, boot_payload, keeper, source_of
+from dlrun.remote.rendezvous import scope_sizes
 from dlrun.render import WorkerCommand
 from dlrun.run.agents import agent_argv
 from dlrun.run.result import RankResult, RankState, RunResult
@@ -67,10 +68,6 @@ def check_detach(config: LaunchConfig, hosts_engine: bool) -> None:
     """What ``--detach`` does not support (yet) is a usage error before anything starts."""
     if not hosts_engine:
         raise UsageError("--detach goes with the SSH backend (a Spark stage lives with its driver)")
-    if config.framework == "horovod":
-        raise UsageError("--detach: --framework horovod needs the gloo rendezvous server dlrun runs here")
-    if config.framework == "tf-ps":
-        raise UsageError("--detach: --framework tf-ps (servers stopped when the chief ends) is not supported yet")
     if config.min_hosts is not None:
         raise UsageError("--detach: --min-hosts is not supported yet (a restart runs on the same hosts)")
     if config.dry_run:
@@ -82,10 +79,13 @@ def check_detach(config: LaunchConfig, hosts_engine: bool) -> None:
 def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCommand]]], *,
                    agent_argv_of: Callable[[Host], list[str]], token: str, cert_pem: str, key_pem: str,
                    grace: float, host_timeout: float, script: str, pidns_source: str,
-                   gpu_every: float = 0.0) -> dict[str, dict[str, Any]]:
-    """Each host's keeper config, host 0 (the leader) first; followers lack the leader's port.
-    ``attempts``: each attempt's job id and ranks (``--max-restarts``: rendered ahead, each with
-    its restart count), on the same hosts."""
+                   gpu_every: float = 0.0, rendezvous_source: str | None = None,
+                   ends_job: Callable[[WorkerCommand], bool] | None = None) -> dict[str, dict[str, Any]]:
+    """Each host's keeper config, host 0 (the leader) first; followers lack the leader's port
+    (and, for Horovod, its rendezvous port). ``attempts``: each attempt's job id and ranks
+    (``--max-restarts``: rendered ahead, each with its restart count), on the same hosts.
+    ``rendezvous_source``: Horovod, the leader runs ``dlrun.remote.rendezvous``. ``ends_job``:
+    the ranks whose end ends the job (tf-ps: the chief), the leader's ``enders``."""
     commands = attempts[0][1]
     by_host: dict[str, list[WorkerCommand]] = {}
     for command in commands:
@@ -115,6 +115,10 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
             config["world"] = {str(c.rank): c.host_name for c in commands}
             config["argv"] = {str(c.rank): list(c.argv) for c in commands}
             config["followers"] = names[1:]
+            config["enders"] = [c.rank for c in commands if ends_job is not None and ends_job(c)]
+            if rendezvous_source is not None:
+                config["rendezvous"] = {"source": rendezvous_source, "scopes": scope_sizes(
+                    [(c.spec.address, c.spec.local_rank) for c in commands])}
         configs[name] = config
     return configs
 
@@ -206,7 +210,7 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
     attempts: list[tuple[str, Sequence[WorkerCommand]]] = []
     for k in range(config.max_restarts + 1):  # every attempt's ranks, rendered now (restart count, ports)
         attempt_id = job_id if k == 0 else f"{job_id}-r{k}"
-        with engine.place(replace(config, attempt=k, run_id=job_id), attempt_id, view) as placement:
+        with engine.place(replace(config, attempt=k, run_id=job_id), attempt_id, view, detached=True) as placement:
             if placement.agents is not None:
                 placement.agents.close()  # the keepers start their own agents
             attempts.append((attempt_id, placement.commands))
@@ -217,7 +221,9 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
         job_id, attempts, agent_argv_of=lambda h: agent_argv(default_python(h), pidns=config.pidns),
         token=secrets.token_hex(32), cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
         host_timeout=config.ssh.host_timeout, script=" ".join([config.script, *config.args])[:200],
-        pidns_source=source_of("agent"), gpu_every=config.gpu_every)
+        pidns_source=source_of("agent"), gpu_every=config.gpu_every,
+        rendezvous_source=source_of("rendezvous") if config.framework == "horovod" else None,
+        ends_job=placement.ends_job)
     names = list(configs)
     leader = hosts[names[0]]
     address = engine.addresses.get(leader.name, leader.address)
@@ -225,6 +231,8 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
         answer = run_program(transport, leader, "keeper", configs[names[0]], job_id)
         for name in names[1:]:
             configs[name]["leader_address"] = [address, int(answer["port"])]
+            if "rendezvous_port" in answer:
+                configs[name]["rendezvous_port"] = int(answer["rendezvous_port"])
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(names) - 1))) as pool:
             list(pool.map(lambda n: run_program(transport, hosts[n], "keeper", configs[n], job_id), names[1:]))
         record = wait_started(transport, leader, job_id)

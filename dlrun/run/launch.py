@@ -31,7 +31,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from dlrun.errors import DlrunError, UsageError
+from dlrun.errors import DlrunError, RendezvousError, UsageError
 from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
 from dlrun.plan import (
     AUTO,
@@ -749,7 +749,9 @@ class HostsEngine:
         return agents
 
     @contextmanager
-    def place(self, config: LaunchConfig, job_id: str, view: View) -> Iterator[Placement]:
+    def place(self, config: LaunchConfig, job_id: str, view: View, *, detached: bool = False) -> Iterator[Placement]:
+        """``detached``: Horovod's rendezvous is the leader keeper's, on host 0: the ranks get its
+        address and the port ``0``, which the keepers fill in (``docs/detach.md``)."""
         assert self.transport is not None, "place() runs inside session()"
         agents, self.agents = self.agents, None  # a restart's ranks get fresh agents
         if config.attempt:
@@ -760,7 +762,16 @@ class HostsEngine:
                 agents = self.rejoin(config)
         with ExitStack() as stack:
             plan = job_plan(config, self.inventory, job_id, self.addresses, self.ports)
-            rendezvous = stack.enter_context(horovod_rendezvous(plan)) if config.framework == "horovod" else None
+            rendezvous = None
+            if config.framework == "horovod" and detached:
+                rendezvous = (plan.ranks[0].address, 0)
+                if ":" in rendezvous[0]:
+                    raise RendezvousError(
+                        f"host {plan.ranks[0].host.name}'s address {rendezvous[0]} is IPv6; Horovod's rendezvous"
+                        " client is IPv4-only", host=plan.ranks[0].host.name,
+                        hint="give host 0 an IPv4 address in --hosts")
+            elif config.framework == "horovod":
+                rendezvous = stack.enter_context(horovod_rendezvous(plan))
             _, commands = render_commands(
                 config, self.inventory, job_id, addresses=self.addresses, cwd_for=self.cwd_for,
                 rendezvous=rendezvous, gpus_for=self.gpus, found_ifaces=self.found_ifaces, ports=self.ports,

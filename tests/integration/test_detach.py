@@ -1,5 +1,6 @@
 """``dlrun launch --detach`` over real sshd hosts: the job outlives its client, fails fast on
-its own, stops on ``dlrun stop``, is followed by ``dlrun attach``, and leaves no process."""
+its own, stops on ``dlrun stop``, is followed by ``dlrun attach``, and leaves no process; Horovod
+(the leader keeper's rendezvous) and tf-ps (the chief ends the job) run detached too."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+from conftest import REPO, dlrun_argv, example, hosts_toml, run_dlrun, shared_script
 from support.sshd_cluster import TEST_USER_HOME, wait_job_processes_gone
 
 pytestmark = pytest.mark.ssh
@@ -246,3 +247,74 @@ def test_followers_that_lose_their_leader_stop_their_ranks(cluster, tmp_path: Pa
     assert result["exit_code"] == 255 and result["root_cause"].startswith("lost the leader keeper (host0)"), result
     ps = run_dlrun("ps", *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
     assert re.search(rf"^{job}\s+lost\s", ps.stdout, re.M), ps.stdout
+
+
+# --------------------------------------------------------------------------- Horovod and tf-ps
+
+
+def launch_detached(cluster, tmp_path: Path, *args: str) -> str:  # type: ignore[no-untyped-def]
+    out = run_dlrun("launch", "--detach", "--grace", "3", "--ssh-config", str(cluster.ssh_config), *args,
+                    cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1].split()[-1]
+
+
+@pytest.mark.slow
+def test_a_detached_horovod_job_meets_at_the_leaders_rendezvous(cluster, tmp_path: Path, horovod: None) -> None:  # type: ignore[no-untyped-def]
+    script = example(cluster, "train_horovod.py")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    job = launch_detached(cluster, tmp_path, "--framework", "horovod", "--hosts", str(hosts), str(script),
+                          "--epochs", "3")
+    attached = run_dlrun("attach", job, "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
+                         cwd=tmp_path, timeout=300)
+    assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr[-2000:]
+    assert "[0 host0] test accuracy:" in attached.stdout, attached.stdout
+    assert len(set(re.findall(r"parameter checksum (-?[0-9.]+)", attached.stdout))) == 1, attached.stdout
+    ps = run_dlrun("ps", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), cwd=tmp_path, timeout=60)
+    assert re.search(rf"^{job}\s+succeeded\s+2\s+\S+\s+0\s+.*train_horovod\.py", ps.stdout, re.M), ps.stdout
+    nothing_left(job)
+
+
+@pytest.mark.slow
+def test_a_detached_horovod_restart_gets_a_fresh_rendezvous_and_resumes(cluster, tmp_path: Path, horovod: None) -> None:  # type: ignore[no-untyped-def]
+    script = example(cluster, "train_horovod.py")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    job = launch_detached(cluster, tmp_path, "--framework", "horovod", "--max-restarts", "1", "--hosts", str(hosts),
+                          str(script), "--epochs", "3", "--crash-after", "1")
+    attached = run_dlrun("attach", job, "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
+                         cwd=tmp_path, timeout=300)
+    assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr[-2000:]
+    out = attached.stdout
+    assert sorted(re.findall(r"^\[(\d) host\d\] restart 1: resuming after epoch 1$", out, re.M)) == ["0", "1"], out
+    after = out.split("restart 1: resuming after epoch 1")[1]
+    assert "epoch 3/3" in after and len(set(re.findall(r"parameter checksum (-?[0-9.]+)", after))) == 1, out
+    assert f"dlrun: attempt 1 (job {job}) failed: rank " in out, out
+    assert f"dlrun: job {job} succeeded; exit code 0" in out, out
+    nothing_left(job)
+    assert wait_job_processes_gone(f"{job}-r1", timeout=15) == []
+
+
+@pytest.mark.slow
+def test_a_detached_tf_ps_job_ends_with_its_chief_and_stops_the_servers(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("tf_keras")
+    script = example(cluster, "train_ps.py")
+    hosts = tmp_path / "hosts.toml"
+    h = cluster.hosts
+    hosts.write_text(
+        f'[defaults]\npython = "{cluster.python}"\n'
+        + "".join(f'[[hosts]]\naddress = "{host.name}"\nrole = "{role}"\nworkdir = "{host.workdir}"\n'
+                  for host, role in ((h[0], "chief"), (h[1], "worker"), (h[2], "ps"))))
+    job = launch_detached(cluster, tmp_path, "--framework", "tf-ps", "--hosts", str(hosts), str(script),
+                          "--epochs", "2", "--steps-per-epoch", "10")
+    attached = run_dlrun("attach", job, "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
+                         cwd=tmp_path, timeout=300)
+    assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr[-2000:]
+    assert "[0 host0] epoch 2/2" in attached.stdout, attached.stdout
+    assert "dlrun.remote.tf_server: ps 0 serving" in attached.stdout, attached.stdout
+    ps = run_dlrun("ps", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), cwd=tmp_path, timeout=60)
+    assert re.search(rf"^{job}\s+succeeded\s+3\s+\S+\s+0\s+.*train_ps\.py", ps.stdout, re.M), ps.stdout
+    nothing_left(job)
+    result = json.loads((host_folder(job, "host0") / "result.json").read_text())
+    assert result["exit_code"] == 0 and result["root_cause"] is None, result
+    assert {r["host"]: r["state"] for r in result["ranks"]} == {"host0": "succeeded", "host1": "stopped",
+                                                                "host2": "stopped"}, result

@@ -3,36 +3,14 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, hosts_toml, run_dlrun, shared_script
+from conftest import example, hosts_toml, run_dlrun
 from support.sshd_cluster import wait_job_processes_gone
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
-
-
-def example(cluster, name: str) -> Path:  # type: ignore[no-untyped-def]
-    return shared_script(cluster, name, (REPO / "examples" / name).read_text())
-
-
-@pytest.fixture(scope="session")
-def horovod() -> None:
-    """Horovod 0.28.1 built by scripts/build_horovod.sh (cached wheel). A failed build fails loudly."""
-    probe = subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True, text=True)
-    if probe.returncode == 0:
-        return
-    build = subprocess.run(["bash", str(REPO / "scripts" / "build_horovod.sh"), sys.executable],
-                           capture_output=True, text=True, timeout=1800)
-    if build.returncode != 0:
-        pytest.fail(f"Horovod build failed (scripts/build_horovod.sh):\n{build.stderr[-4000:]}")
-    wheel = build.stdout.strip().splitlines()[-1]
-    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", wheel], capture_output=True, text=True)
-    if install.returncode != 0:
-        pytest.fail(f"installing {wheel} failed:\n{install.stderr[-4000:]}")
 
 
 def test_torch_ddp_two_hosts_two_slots(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

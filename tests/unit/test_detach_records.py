@@ -3,8 +3,10 @@ program's records from a job folder, and the keeper's copy of the agent's frame 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import socket
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 
 from dlrun.errors import UsageError
 from dlrun.inventory import load_inventory
-from dlrun.remote import agent, jobs, keeper
+from dlrun.remote import agent, jobs, keeper, source_of
 from dlrun.run.detach import (
     check_detach,
     keeper_configs,
@@ -58,13 +60,66 @@ def test_host_0_leads_and_alone_gets_the_key_and_the_world() -> None:
 
 
 def test_what_detach_does_not_support_is_refused() -> None:
-    check_detach(LaunchConfig(script="t.py", framework="torch", detach=True), True)
-    for config, hosts_engine in ((LaunchConfig(script="t.py", framework="horovod"), True),
-                                 (LaunchConfig(script="t.py", framework="tf-ps"), True),
-                                 (LaunchConfig(script="t.py", max_restarts=1, min_hosts=1), True),
+    for framework in ("torch", "horovod", "tf-ps"):
+        check_detach(LaunchConfig(script="t.py", framework=framework, detach=True), True)
+    for config, hosts_engine in ((LaunchConfig(script="t.py", max_restarts=1, min_hosts=1), True),
                                  (LaunchConfig(script="t.py"), False)):
         with pytest.raises(UsageError):
             check_detach(config, hosts_engine)
+
+
+def test_a_horovod_leader_gets_the_rendezvous_and_every_rank_its_port() -> None:
+    inventory = load_inventory("a:1,b:2")
+    config = LaunchConfig(script="train.py", hosts="a:1,b:2", framework="horovod")
+    commands = render_commands(config, inventory, "job1", rendezvous=("a", 0))[1]
+    found = keeper_configs("job1", [("job1", commands)], agent_argv_of=lambda h: ["agent"], token="t",
+                           cert_pem="C", key_pem="K", grace=3.0, host_timeout=30.0, script="train.py",
+                           pidns_source="SRC", rendezvous_source=source_of("rendezvous"))
+    leader, follower = found["a"], found["b"]
+    rendezvous = leader["rendezvous"]
+    assert isinstance(rendezvous, dict) and "rendezvous" not in follower
+    assert rendezvous["scopes"] == {"global": 3, "local_a": 1, "local_b": 2, "cross_0": 2, "cross_1": 1}
+    specs = follower["specs"]
+    assert isinstance(specs, list)
+    keeper.fill_rendezvous_port(specs, 4242)  # what the follower does with the port the client got
+    assert [(r["env"]["HOROVOD_GLOO_RENDEZVOUS_ADDR"], r["env"]["HOROVOD_GLOO_RENDEZVOUS_PORT"])
+            for r in specs[0]["ranks"]] == [("a", "4242"), ("a", "4242")]
+    assert leader["enders"] == []
+
+
+def test_the_keepers_rendezvous_is_loaded_from_source_and_a_restart_clears_it() -> None:
+    ast.parse(source_of("rendezvous"), feature_version=(3, 8))  # the hosts' Python
+    module = keeper.load_rendezvous(source_of("rendezvous"))
+    assert module.__name__ == "dlrun_rendezvous" and "dlrun.remote.rendezvous" not in module.__dict__
+    server = module.RendezvousServer({"global": 1}, host="127.0.0.1")
+    host, port = server.bind()  # before the keeper's fork: the port goes into the ranks' env
+    try:
+        server.start()
+        assert server.address == (host, port)
+        with socket.create_connection((host, port)) as sock:
+            sock.sendall(b"PUT /global/0 HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+            assert sock.recv(100).startswith(b"HTTP/1.0 200")
+        assert server.snapshot() == {"global": {"0": b"hi"}}
+        server.clear()
+        assert server.snapshot() == {}
+    finally:
+        server.stop()
+    with pytest.raises(module.RendezvousServerError):
+        module.RendezvousServer({}, host="::1")
+
+
+def test_a_tf_ps_leader_knows_the_chief(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text("".join(f'[[hosts]]\naddress = "{name}"\nrole = "{role}"\n'
+                             for name, role in (("c", "chief"), ("p", "ps"), ("w", "worker"))))
+    inventory = load_inventory(str(hosts))
+    config = LaunchConfig(script="train.py", hosts=str(hosts), framework="tf-ps")
+    commands = render_commands(config, inventory, "job1")[1]
+    found = keeper_configs("job1", [("job1", commands)], agent_argv_of=lambda h: ["agent"], token="t",
+                           cert_pem="C", key_pem="K", grace=3.0, host_timeout=30.0, script="train.py",
+                           pidns_source="SRC", ends_job=lambda c: c.spec.task_type == "chief")
+    chief = [c.rank for c in commands if c.spec.task_type == "chief"]
+    assert found["c"]["enders"] == chief and "enders" not in found["p"]
 
 
 def test_the_leaders_record_wins_and_any_live_keeper_keeps_the_job_alive() -> None:
@@ -291,3 +346,36 @@ def test_the_leader_greets_only_a_peer_with_the_job_token() -> None:
         kind, peer = leader.events.get(timeout=15)
         assert (kind, peer.name) == ("joined", "b")
         peer.close()
+
+
+def tf_ps_leader(tmp_path: Path) -> keeper.Keeper:
+    """A leader keeper of a chief (rank 0, its own), a worker and a ps; no agent is started."""
+    config = {"job_id": "j", "host": "a", "leader": True, "world": {"0": "a", "1": "b", "2": "c"}, "enders": [0],
+              "specs": [{"job_id": "j", "ranks": [{"rank": 0}]}], "followers": ["b", "c"]}
+    leader = keeper.Keeper(config, str(tmp_path), None, None)
+    for rank, host in ((0, "a"), (1, "b"), (2, "c")):
+        leader.on_rank(host, rank, "running", None, [])
+    return leader
+
+
+def test_the_tf_ps_chiefs_end_stops_the_servers_and_is_the_jobs(tmp_path: Path) -> None:
+    leader = tf_ps_leader(tmp_path)
+    leader.on_rank("a", 0, "exit", 0, [])
+    assert leader.stopping  # the servers never end by themselves
+    leader.on_rank("b", 1, "exit", 143, [])
+    leader.on_rank("c", 2, "exit", -15, [])
+    assert leader.decide()
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["state"] == "succeeded" and result["exit_code"] == 0 and result["root_cause"] is None
+    assert [r["state"] for r in result["ranks"]] == ["succeeded", "stopped", "stopped"]
+
+
+def test_a_tf_ps_server_that_fails_first_is_the_root_cause(tmp_path: Path) -> None:
+    leader = tf_ps_leader(tmp_path)
+    leader.on_rank("c", 2, "exit", 3, ["ps died"])
+    leader.on_rank("a", 0, "exit", 143, [])
+    leader.on_rank("b", 1, "exit", 143, [])
+    assert leader.decide()
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["exit_code"] == 3 and result["root_cause"] == "rank 2 on c exited with code 3"
+    assert [r["state"] for r in result["ranks"]] == ["stopped", "stopped", "failed"]
