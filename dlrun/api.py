@@ -294,23 +294,25 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
     Ctrl-C (KeyboardInterrupt) detaches again: the job goes on, and 0 is returned."""
     import sys
 
-    from dlrun.run.detach import LogFollower, run_result
+    from dlrun.run.detach import LogFollower
     from dlrun.run.view import PlainView, make_view
 
     stream = out or sys.stdout
     shown = PlainView(out) if out is not None else make_view()
     with _job_hosts(hosts, ssh) as job_hosts:
+        follower = LogFollower(job_hosts, job, stream, since, view=shown)
         try:
-            record = LogFollower(job_hosts, job, stream, since, view=shown).follow()
+            record = follower.follow()
         except KeyboardInterrupt:
             shown.notice(f"detached from job {job}; it goes on (dlrun attach {job} to come back)")
             return 0
         for attempt in record.history:
             shown.notice(f"attempt {int(attempt.get('attempt', 0)) + 1} (job {attempt.get('job_id')}) failed:"
                          f" {attempt.get('root_cause')}")
-        if record.root_cause and run_result(record).root_cause is None and record.state != "stopped":
+        result = follower.result(record)
+        if record.root_cause and result.root_cause is None and record.state != "stopped":
             shown.notice(f"root cause: {record.root_cause}")
-        shown.finish(run_result(record))
+        shown.finish(result)
         code = 1 if record.exit_code is None else record.exit_code
         stream.write(f"dlrun: job {job} {record.state}; exit code {code}\n")
         return code

@@ -158,7 +158,8 @@ def offset_since(index_path: str, since: float) -> int:
 
 
 def logs(job_id: str, offsets: dict[str, int], since: float | None = None) -> dict[str, Any]:
-    """Each rank log's whole lines from its offset (keys ``host-X/attempt-K/rank-N.log``); a
+    """Each rank log's (and ``gpu.csv``'s) whole lines from its offset (keys
+    ``host-X/attempt-K/rank-N.log``, ``host-X/attempt-K/gpu.csv``); a
     file not in ``offsets`` starts at 0, or with ``since`` (a time here) where its index says."""
     files: dict[str, Any] = {}
     for hostdir in host_dirs(job_id):
@@ -168,7 +169,7 @@ def logs(job_id: str, offsets: dict[str, int], since: float | None = None) -> di
             if not attempt.startswith("attempt-") or not os.path.isdir(folder):
                 continue
             for name in sorted(os.listdir(folder)):
-                if not name.endswith(".log"):
+                if not name.endswith(".log") and name != "gpu.csv":  # attach shows the GPUs too
                     continue
                 key = "/".join((os.path.basename(hostdir), attempt, name))
                 path = os.path.join(folder, name)

@@ -28,6 +28,7 @@ from dlrun.remote import boot_argv, boot_payload, keeper, source_of
 from dlrun.remote.rendezvous import scope_sizes
 from dlrun.render import WorkerCommand
 from dlrun.run.agents import agent_argv
+from dlrun.run.gpus import GpuStats, IdleWatch, parse_csv
 from dlrun.run.result import RankResult, RankState, RunResult
 from dlrun.run.supervisor import View, agent_spec
 from dlrun.transport.base import Transport, default_python
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 START_TIMEOUT = 120.0  # seconds for every rank of a detached job to start
 POLL = 0.5  # seconds between two looks at the hosts (start, --follow, attach, stop)
 FINAL = keeper.FINAL  # the job states that are an end
+GPU_IDLE_AFTER = 60.0  # attach's idle-GPU warning: --gpu-idle-after's default (attach has no such option)
 
 
 @dataclass(frozen=True)
@@ -322,7 +324,9 @@ class LogFollower:
         self.shown: dict[int, tuple[str, Any]] = {}  # rank -> (state, code) the view has
         self.started = False  # the view was started (the ranks are known)
         self.since = since  # seconds: the first look starts each log this long ago (its host's clock)
-        self.offsets: dict[str, int] = {}  # host-<name>/attempt-K/rank-N.log -> bytes printed
+        self.offsets: dict[str, int] = {}  # host-<name>/attempt-K/rank-N.log (or gpu.csv) -> bytes read
+        self.gpu_stats = GpuStats()  # attach: the summary's GPU lines, as an attached job's
+        self.gpu_idle = IdleWatch(GPU_IDLE_AFTER)
 
     def poll(self) -> JobRecord | None:
         """Print what is new; the merged record of the job (None: no host has it)."""
@@ -345,6 +349,10 @@ class LogFollower:
             text = str(piece["text"])
             if not text:
                 continue
+            if key.endswith("/gpu.csv"):
+                if self.view is not None and self.started:
+                    self.gpus(text)
+                continue
             if self.view is not None and self.started:
                 self.view.lines(rank_of(key), text[:-1].split("\n"), "stdout")
             elif self.view is None:
@@ -359,6 +367,21 @@ class LogFollower:
             self.view.flush()
         self.out.flush()
         return record
+
+    def gpus(self, text: str) -> None:
+        """New ``gpu.csv`` lines to the view, the idle watch and the summary's statistics."""
+        for samples in parse_csv(text):
+            self.gpu_stats.add(samples)
+            warning = self.gpu_idle.update(samples)
+            assert self.view is not None
+            self.view.gpus(samples[0].host, samples)
+            if warning is not None:
+                self.view.notice(f"warning: {warning}")
+
+    def result(self, record: JobRecord) -> RunResult:
+        """The job's summary as the view takes it, with what attach saw of its GPUs."""
+        return replace(run_result(record), gpu_summary=tuple(self.gpu_stats.summary()),
+                       gpu_warnings=tuple(self.gpu_idle.warned.values()))
 
     def follow(self) -> JobRecord:
         """Poll until the job has ended everywhere; its record."""

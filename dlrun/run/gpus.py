@@ -67,6 +67,22 @@ def parse_sample(host: str, payload: Mapping[str, Any]) -> tuple[GpuSample, ...]
     return tuple(samples)
 
 
+def parse_csv(text: str) -> list[tuple[GpuSample, ...]]:
+    """``gpu.csv`` lines (``csv_rows``; a header is skipped) back into samples, one tuple per
+    host and moment, in the file's order (no uuid: the file has none)."""
+    groups: dict[tuple[float, str], list[GpuSample]] = {}
+    for row in csv.reader(io.StringIO(text)):
+        if len(row) < 8 or not row[2].strip().isdigit():
+            continue
+        try:
+            when = float(row[0])
+        except ValueError:
+            continue
+        groups.setdefault((when, row[1]), []).append(
+            GpuSample(when, row[1], int(row[2]), "", *(_number(v) if v else None for v in row[3:8])))
+    return [tuple(samples) for samples in groups.values()]
+
+
 def _cell(value: float | None) -> str:
     return "" if value is None else f"{value:g}"
 

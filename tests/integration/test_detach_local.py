@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -95,7 +96,11 @@ def test_a_detached_job_samples_its_gpus_into_gpu_csv(tmp_path: Path) -> None:
                     str(script), cwd=tmp_path, timeout=120, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     job = out.stdout.strip().splitlines()[-1].removeprefix("dlrun: detached job ")
-    assert run_dlrun("attach", job, cwd=tmp_path, timeout=120, env=env).returncode == 0
+    attached = run_dlrun("attach", job, cwd=tmp_path, timeout=120, env=env)
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    # attach shows them as an attached job's view does: a status line, then the summary's
+    assert "dlrun: gpu localhost util 97 % mem 70.0/80 GiB" in attached.stdout, attached.stdout
+    assert re.search(r"gpu localhost: util 97 % \(mean\)", attached.stdout), attached.stdout
     rows = (tmp_path / "home" / ".dlrun" / "jobs" / job / "host-localhost" / "attempt-0" / "gpu.csv").read_text()
     lines = rows.splitlines()
     assert lines[0] == "time,host,gpu,util,mem_used_mib,mem_total_mib,power_w,temp_c"

@@ -150,3 +150,16 @@ def test_the_live_table_has_a_line_per_host_with_its_gpus() -> None:
     assert table[2].rstrip().endswith("  0 █ 97% 70.0G  1 ▁ 0% 0.0G  2 ▁ 0% 0.0G  3 ▁ 0% 0.0G  /80 GiB")
     shown = " ".join(console.file.getvalue().split())  # type: ignore[attr-defined]
     assert f"dlrun: warning: {WARNING}" in shown and "gpu h1: util 97 0 % (mean)" in shown
+
+
+def test_gpu_csv_reads_back_into_samples_per_host_and_moment() -> None:
+    """attach (a detached job) feeds the view from the hosts' gpu.csv: what csv_rows wrote."""
+    from dlrun.run.gpus import CSV_COLUMNS, csv_rows, parse_csv, parse_sample
+
+    rows = "0, GPU-a, 97, 71680, 81559, [N/A], 71\n1, GPU-b, 0, 3, 81559, 60, 30\n"
+    first = parse_sample("h1", {"time": 1.5, "csv": rows})
+    second = parse_sample("h2", {"time": 1.5, "csv": "0, GPU-c, 50, 100, 81559, 200, 40\n"})
+    text = ",".join(CSV_COLUMNS) + "\n" + csv_rows(first) + csv_rows(second)
+    back = parse_csv(text)
+    assert [[(s.host, s.index, s.util, s.mem_used_mib, s.power_w, s.temp_c) for s in group] for group in back] == [
+        [("h1", 0, 97.0, 71680.0, None, 71.0), ("h1", 1, 0.0, 3.0, 60.0, 30.0)], [("h2", 0, 50.0, 100.0, 200.0, 40.0)]]
