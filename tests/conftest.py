@@ -102,3 +102,34 @@ def hosts_toml(cluster, path: Path, n: int, slots: int = 1, extra: str = "",  # 
         lines.append(f'[[hosts]]\naddress = "{h.name}"{name}\nslots = {slots}\nworkdir = {workdir}\n')
     path.write_text("\n".join(lines))
     return path
+
+
+def roles_toml(cluster, path: Path, roles: list[tuple[str, int]]) -> Path:  # type: ignore[no-untyped-def]
+    """A tf-ps inventory: host i of the cluster has ``roles[i]`` (role, slots)."""
+    path.write_text(f'[defaults]\npython = "{cluster.python}"\n' + "".join(
+        f'[[hosts]]\naddress = "{h.name}"\nrole = "{role}"\n' + (f"slots = {slots}\n" if slots != 1 else "")
+        + f'workdir = "{h.workdir}"\n' for h, (role, slots) in zip(cluster.hosts, roles, strict=False)))
+    return path
+
+
+def start_ssh_job(cluster, tmp_path: Path, n: int, *args: str,  # type: ignore[no-untyped-def]
+                  ready: int) -> tuple[subprocess.Popen[str], list[str]]:
+    """``dlrun launch --plain --grace 2`` on ``n`` sshd hosts, left running once ``ready`` ranks
+    printed ``ready``; the process and the lines it printed so far."""
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", n)
+    argv = dlrun_argv("launch", "--plain", "--grace", "2", "--hosts", str(hosts), "--ssh-config",
+                      str(cluster.ssh_config), *args)
+    proc = subprocess.Popen(argv, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout is not None
+    seen, lines = 0, []
+    deadline = time.monotonic() + 60
+    while seen < ready and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        seen += "] ready" in line
+    assert seen == ready, "".join(lines)
+    time.sleep(0.5)
+    return proc, lines

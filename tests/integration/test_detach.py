@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, example, hosts_toml, run_dlrun, shared_script
+from conftest import REPO, dlrun_argv, example, hosts_toml, roles_toml, run_dlrun, shared_script
 from support.sshd_cluster import TEST_USER_HOME, wait_job_processes_gone
 
 pytestmark = pytest.mark.ssh
@@ -298,12 +298,7 @@ def test_a_detached_horovod_restart_gets_a_fresh_rendezvous_and_resumes(cluster,
 def test_a_detached_tf_ps_job_ends_with_its_chief_and_stops_the_servers(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("tf_keras")
     script = example(cluster, "train_ps.py")
-    hosts = tmp_path / "hosts.toml"
-    h = cluster.hosts
-    hosts.write_text(
-        f'[defaults]\npython = "{cluster.python}"\n'
-        + "".join(f'[[hosts]]\naddress = "{host.name}"\nrole = "{role}"\nworkdir = "{host.workdir}"\n'
-                  for host, role in ((h[0], "chief"), (h[1], "worker"), (h[2], "ps"))))
+    hosts = roles_toml(cluster, tmp_path / "hosts.toml", [("chief", 1), ("worker", 1), ("ps", 1)])
     job = launch_detached(cluster, tmp_path, "--framework", "tf-ps", "--hosts", str(hosts), str(script),
                           "--epochs", "2", "--steps-per-epoch", "10")
     attached = run_dlrun("attach", job, "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import example, hosts_toml, run_dlrun
+from conftest import example, hosts_toml, roles_toml, run_dlrun
 from support.sshd_cluster import wait_job_processes_gone
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
@@ -63,16 +63,8 @@ def test_the_horovod_example_resumes_after_a_restart(cluster, tmp_path: Path, ho
 def test_parameter_server_strategy_chief_workers_ps(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("tf_keras")
     script = example(cluster, "train_ps.py")
-    hosts = tmp_path / "hosts.toml"
-    h = cluster.hosts
-    hosts.write_text(
-        f'[defaults]\npython = "{cluster.python}"\n'
-        f'[[hosts]]\naddress = "{h[0].name}"\nrole = "chief"\nworkdir = "{h[0].workdir}"\n'
-        f'[[hosts]]\naddress = "{h[1].name}"\nrole = "worker"\nslots = 2\nworkdir = "{h[1].workdir}"\n'
-        f'[[hosts]]\naddress = "{h[2].name}"\nrole = "ps"\nworkdir = "{h[2].workdir}"\n'
-        # an evaluator runs the script, not a server: a cluster listing it made the chief wait forever
-        f'[[hosts]]\naddress = "{h[3].name}"\nrole = "evaluator"\nworkdir = "{h[3].workdir}"\n'
-    )
+    # an evaluator runs the script, not a server: a cluster listing it made the chief wait forever
+    hosts = roles_toml(cluster, tmp_path / "hosts.toml", [("chief", 1), ("worker", 2), ("ps", 1), ("evaluator", 1)])
     # the first attempt fails after epoch 2; the restart goes on from the chief's checkpoint
     out = run_dlrun("launch", "--plain", "--framework", "tf-ps", "--grace", "3", "--max-restarts", "1", "--hosts",
                     str(hosts), "--ssh-config", str(cluster.ssh_config), str(script), "--epochs", "6",

@@ -4,16 +4,13 @@ host is reconnected or left out, an interrupt never restarts, and no process is 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+from conftest import REPO, hosts_toml, run_dlrun, shared_script, start_ssh_job
 from support.sshd_cluster import wait_job_processes_gone
 
 pytestmark = pytest.mark.ssh
@@ -53,25 +50,6 @@ def no_process_left(job_id: str, attempts: int) -> None:
         assert wait_job_processes_gone(job_id if k == 0 else f"{job_id}-r{k}", timeout=15) == []
 
 
-def start_job(cluster, tmp_path: Path, n: int, *args: str, ready: int) -> tuple[subprocess.Popen[str], list[str]]:  # type: ignore[no-untyped-def]
-    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", n)
-    proc = subprocess.Popen(dlrun_argv("launch", "--plain", "--grace", "2", "--hosts", str(hosts), *ssh_args(cluster),
-                                       *args), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.stdout is not None
-    seen, lines = 0, []
-    deadline = time.monotonic() + 60
-    while seen < ready and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        seen += "] ready" in line
-    assert seen == ready, "".join(lines)
-    time.sleep(0.5)
-    return proc, lines
-
-
 def test_a_failed_attempt_runs_again_with_its_restart_count(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     script = shared_script(cluster, "flaky.py", FLAKY)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
@@ -100,7 +78,7 @@ def test_a_failed_attempt_runs_again_with_its_restart_count(cluster, tmp_path: P
 
 def test_a_lost_host_is_left_out_with_min_hosts(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     script = shared_script(cluster, "wait_then_report.py", WAIT_THEN_REPORT)
-    proc, lines = start_job(cluster, tmp_path, 3, "--max-restarts", "1", "--min-hosts", "2", str(script), ready=3)
+    proc, lines = start_ssh_job(cluster, tmp_path, 3, "--max-restarts", "1", "--min-hosts", "2", str(script), ready=3)
     try:
         cluster.stop_host(2)  # its sshd and everything under it: gone, and no reconnect
         out, _ = proc.communicate(timeout=120)
@@ -119,7 +97,7 @@ def test_a_lost_host_is_left_out_with_min_hosts(cluster, tmp_path: Path) -> None
 
 def test_without_min_hosts_a_lost_host_is_reconnected(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     script = shared_script(cluster, "wait_then_report.py", WAIT_THEN_REPORT)
-    proc, lines = start_job(cluster, tmp_path, 2, "--max-restarts", "1", str(script), ready=2)
+    proc, lines = start_ssh_job(cluster, tmp_path, 2, "--max-restarts", "1", str(script), ready=2)
     cluster.kill_sessions(1)  # the connection drops; the host can be reached again
     out, _ = proc.communicate(timeout=120)
     out = "".join(lines) + out
@@ -132,7 +110,7 @@ def test_without_min_hosts_a_lost_host_is_reconnected(cluster, tmp_path: Path) -
 
 def test_too_few_hosts_left_ends_the_job(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     script = shared_script(cluster, "wait_then_report.py", WAIT_THEN_REPORT)
-    proc, lines = start_job(cluster, tmp_path, 2, "--max-restarts", "2", "--min-hosts", "2", str(script), ready=2)
+    proc, lines = start_ssh_job(cluster, tmp_path, 2, "--max-restarts", "2", "--min-hosts", "2", str(script), ready=2)
     try:
         cluster.stop_host(1)
         out, _ = proc.communicate(timeout=120)
@@ -147,7 +125,7 @@ def test_too_few_hosts_left_ends_the_job(cluster, tmp_path: Path) -> None:  # ty
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupt_never_restarts(cluster, tmp_path: Path, sig: signal.Signals) -> None:  # type: ignore[no-untyped-def]
     script = shared_script(cluster, "sleep.py", SLEEPER)
-    proc, lines = start_job(cluster, tmp_path, 2, "--max-restarts", "3", str(script), ready=2)
+    proc, lines = start_ssh_job(cluster, tmp_path, 2, "--max-restarts", "3", str(script), ready=2)
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
     out = "".join(lines) + out

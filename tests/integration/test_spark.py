@@ -43,6 +43,7 @@ from dlrun.spark.driver import (
 from dlrun.spark.task import interface_holding, rank_environ, task_main
 
 from conftest import REPO
+from support.spark import spark_test_context
 from support.sshd_cluster import count_job_processes as job_processes
 
 pytestmark = pytest.mark.spark
@@ -173,26 +174,6 @@ def job_id_of(output: str) -> str:
     match = re.search(r"\(job ([\w-]+)\)", output)
     assert match, output
     return match.group(1)
-
-
-def spark_context_for(master: str, conf: dict[str, str]) -> Iterator[Any]:
-    """A SparkContext for a test class; local-cluster work dirs are removed afterwards."""
-    old = os.environ.get("PYSPARK_PYTHON")
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    spark_conf = pyspark.SparkConf().setMaster(master).setAppName("dlrun-tests")
-    for key, value in {"spark.ui.showConsoleProgress": "false", **conf}.items():
-        spark_conf.set(key, value)
-    sc = pyspark.SparkContext(conf=spark_conf)
-    try:
-        yield sc
-    finally:
-        app = sc.applicationId
-        sc.stop()
-        shutil.rmtree(Path(pyspark.__file__).parent / "work" / app, ignore_errors=True)
-        if old is None:
-            os.environ.pop("PYSPARK_PYTHON", None)
-        else:
-            os.environ["PYSPARK_PYTHON"] = old
 
 
 def check_failing_rank(tmp_path: Path, master: str, n: int, gpus: int = 0) -> str:
@@ -357,7 +338,7 @@ def test_the_task_function_needs_no_dlrun_on_the_executors() -> None:
 
 @pytest.fixture(scope="class")
 def local_sc() -> Iterator[Any]:
-    yield from spark_context_for(TestLocal.MASTER, {})
+    yield from spark_test_context(TestLocal.MASTER, {})
 
 
 @needs_java
@@ -513,11 +494,7 @@ def cluster_sc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     for who in ("worker", "executor"):
         conf[f"spark.{who}.resource.gpu.amount"] = "1"
         conf[f"spark.{who}.resource.gpu.discoveryScript"] = str(gpus)
-    for sc in spark_context_for(TestLocalCluster.MASTER, conf):
-        deadline = time.monotonic() + 120  # the executor JVMs register a few seconds after the context
-        while len(sc._jsc.sc().statusTracker().getExecutorInfos()) < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        yield sc
+    yield from spark_test_context(TestLocalCluster.MASTER, conf, executors=2)
 
 
 @needs_java

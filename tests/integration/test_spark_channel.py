@@ -36,6 +36,7 @@ from dlrun.spark.driver import SparkConfig, run_spark
 from dlrun.spark.tls import client_context, make_job_tls
 
 from conftest import REPO
+from support.spark import spark_test_context
 
 pytestmark = pytest.mark.spark
 
@@ -62,24 +63,7 @@ print("secret digest", hashlib.sha256(secret.encode()).hexdigest(), flush=True)
 
 @pytest.fixture(scope="module")
 def cluster_sc() -> Iterator[Any]:
-    old = os.environ.get("PYSPARK_PYTHON")
-    os.environ["PYSPARK_PYTHON"] = os.environ.get("PYSPARK_PYTHON") or __import__("sys").executable
-    conf = pyspark.SparkConf().setMaster(MASTER).setAppName("dlrun-channel-tests")
-    conf.set("spark.ui.showConsoleProgress", "false")
-    sc = pyspark.SparkContext(conf=conf)
-    deadline = time.monotonic() + 120  # the executor JVMs register a few seconds after the context
-    while len(sc._jsc.sc().statusTracker().getExecutorInfos()) < 3 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    try:
-        yield sc
-    finally:
-        app = sc.applicationId
-        sc.stop()
-        shutil.rmtree(Path(pyspark.__file__).parent / "work" / app, ignore_errors=True)
-        if old is None:
-            os.environ.pop("PYSPARK_PYTHON", None)
-        else:
-            os.environ["PYSPARK_PYTHON"] = old
+    yield from spark_test_context(MASTER, {}, app="dlrun-channel-tests", executors=2)
 
 
 # ============================================================================ bad peers

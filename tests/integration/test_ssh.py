@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script, start_ssh_job
 from support.sshd_cluster import count_job_processes, wait_job_processes_gone
 
 pytestmark = pytest.mark.ssh
@@ -31,23 +31,9 @@ def ssh_args(cluster) -> list[str]:  # type: ignore[no-untyped-def]
 
 
 def start_job(cluster, tmp_path: Path, n: int, *script: str, ready: int) -> tuple[subprocess.Popen[str], str]:  # type: ignore[no-untyped-def]
-    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", n)
-    proc = subprocess.Popen(dlrun_argv("launch", "--plain", "--grace", "2", "--hosts", str(hosts), *ssh_args(cluster),
-                                       *script), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.stdout is not None
-    job_id, seen, lines = None, 0, []
-    deadline = time.monotonic() + 60
-    while seen < ready and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if match := re.search(r"logs in dlrun-logs/([\w-]+)/", line):
-            job_id = match.group(1)
-        seen += "] ready" in line
-    assert job_id and seen == ready, "".join(lines)
-    time.sleep(0.5)
+    proc, lines = start_ssh_job(cluster, tmp_path, n, *script, ready=ready)
+    job_id = next((m.group(1) for line in lines if (m := re.search(r"logs in dlrun-logs/([\w-]+)/", line))), None)
+    assert job_id, "".join(lines)
     return proc, job_id
 
 
