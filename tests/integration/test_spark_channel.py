@@ -136,7 +136,9 @@ class Capture:
     def __init__(self, path: Path) -> None:
         assert TCPDUMP is not None
         self.path = path
-        self.proc = subprocess.Popen([TCPDUMP, "-i", "lo", "-s", "0", "-B", "65536", "-U", "-n", "-w", str(path)],
+        path.unlink(missing_ok=True)  # an earlier capture's header is no sign that this one listens
+        self.proc = subprocess.Popen([TCPDUMP, "-i", "lo", "-s", "0", "-B", "65536", "--immediate-mode", "-U", "-n",
+                                      "-w", str(path)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 20
         while (not path.exists() or path.stat().st_size == 0) and time.monotonic() < deadline:
