@@ -439,13 +439,13 @@ class Keeper:
 
     def report(self, rank: int, what: str, code: int | None) -> None:
         tail = list(self.tails.get(rank, ())) if code else []
-        if not self.leader:  # its own record (state.json) follows its ranks
-            entry = self.ranks[rank]
-            entry["state"] = "running" if what == "running" else rank_state(code, self.stopping)
-            entry["code"] = code
         if self.leader:
-            self.on_rank(self.host, rank, what, code, tail)
-        elif self.leader_peer is not None:
+            self.on_rank(self.host, rank, what, code, tail)  # which writes the record
+            return
+        entry = self.ranks[rank]  # a follower's own record (state.json) follows its ranks
+        entry["state"] = "running" if what == "running" else rank_state(code, self.stopping)
+        entry["code"] = code
+        if self.leader_peer is not None:
             self.leader_peer.send({"op": "rank", "rank": rank, "what": what, "code": code, "tail": tail})
         self.record()
 

@@ -79,7 +79,7 @@ def parse_csv(text: str) -> list[tuple[GpuSample, ...]]:
         except ValueError:
             continue
         groups.setdefault((when, row[1]), []).append(
-            GpuSample(when, row[1], int(row[2]), "", *(_number(v) if v else None for v in row[3:8])))
+            GpuSample(when, row[1], int(row[2]), "", *(_number(v) for v in row[3:8])))
     return [tuple(samples) for samples in groups.values()]
 
 
