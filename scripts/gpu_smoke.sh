@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Smoke-test dlrun on a GPU machine: `dlrun topo`, an NCCL DDP job over every local GPU and a
-# Lightning GPU job, each also under torchrun with the same script, with throughput side by side.
+# Smoke-test dlrun on a GPU machine: `dlrun topo`, an NCCL DDP job over every local GPU (also
+# detached) and a Lightning GPU job, each also under torchrun with the same script, with
+# throughput side by side.
 #   scripts/gpu_smoke.sh [python]      (default python3; needs torch, and lightning for its part)
 # Prints what each one did; exits non-zero when a dlrun job fails. docs/gpu.md records its runs.
 set -uo pipefail
@@ -36,6 +37,15 @@ section "DDP on NCCL, $ngpu rank(s), cuda:LOCAL_RANK"
 timed ddp-dlrun "$py" -m dlrun launch --plain --framework torch --np "$ngpu" scripts/gpu_ddp.py || status=1
 timed ddp-torchrun "$py" -m torch.distributed.run --standalone --nproc-per-node "$ngpu" scripts/gpu_ddp.py
 timed ddp-dlrun-no-pidns "$py" -m dlrun launch --plain --no-pidns --framework torch --np "$ngpu" scripts/gpu_ddp.py
+
+section "DDP on NCCL, detached: launch --detach, then attach (each host's keeper starts the ranks)"
+detached() {
+  local job
+  job=$("$py" -m dlrun launch --detach --framework torch --np "$ngpu" scripts/gpu_ddp.py | sed -n 's/^dlrun: detached job //p')
+  [ -n "$job" ] || return 1
+  "$py" -m dlrun attach "$job"
+}
+timed ddp-dlrun-detached detached || status=1
 
 section "Lightning Trainer(accelerator='gpu', strategy='ddp'), $ngpu rank(s)"
 if "$py" -c 'import lightning' 2>/dev/null || "$py" -c 'import pytorch_lightning' 2>/dev/null; then
