@@ -58,7 +58,7 @@ class FakeChannel(Channel):
         self._program_size: int | None = None
         self._inbox = b""
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes | memoryview) -> None:
         if self._ended.is_set() and self.drop_after is not None:
             raise HostUnreachable("connection lost", host=self.host)
         self._inbox += data

@@ -191,11 +191,11 @@ class _Pieces:
     """The tar stream in SEND_CHUNK pieces, sent as the buffer of READ_CHUNKS pieces fills.
 
     File bytes are read straight into that buffer (``readinto``, one read for several packets:
-    each blocking call lets another host's thread take the GIL), so a byte is copied once here
-    and once into the ``bytes`` of its piece.
+    each blocking call lets another host's thread take the GIL), and each piece is a view of it
+    (``Channel.send`` copies before it returns), so a byte is copied once here.
     """
 
-    def __init__(self, send: Callable[[bytes], None]) -> None:
+    def __init__(self, send: Callable[[memoryview], None]) -> None:
         self.send = send
         self.size = SEND_CHUNK * READ_CHUNKS
         self.buf = bytearray(self.size)
@@ -231,7 +231,7 @@ class _Pieces:
     def flush(self) -> None:
         fill, self.fill = self.fill, 0
         for start in range(0, fill, SEND_CHUNK):
-            self.send(bytes(self.view[start : min(start + SEND_CHUNK, fill)]))
+            self.send(self.view[start : min(start + SEND_CHUNK, fill)])
 
 
 def _file_body(entry: FileEntry, pieces: _Pieces, step: Callable[[int], None]) -> None:
@@ -365,7 +365,7 @@ class _HostPush:
     def _send_line(self, message: Mapping[str, Any], replies: _Replies) -> None:
         self._send(json.dumps(message).encode() + b"\n", replies)
 
-    def _send(self, data: bytes, replies: _Replies) -> None:
+    def _send(self, data: bytes | memoryview, replies: _Replies) -> None:
         assert self.channel is not None
         try:
             self.channel.send(data)

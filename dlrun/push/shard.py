@@ -15,6 +15,7 @@ import posixpath
 import re
 import stat
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from dlrun.push.tree import (
     HashCache,
     Manifest,
     Source,
+    hash_all,
     human_bytes,
     scan_tree,
     sha256_file,
@@ -316,16 +318,19 @@ def split_file(entry: FileEntry, parts: int, *, cache: HashCache | None = None) 
             header = read(0, _next_line_start(read, 1, entry.size))
         cuts = split_points(read, entry.size, len(header), parts, quoted=entry.path.lower().endswith(".csv"))
     st = os.stat(path)
-    out = []
-    for i in range(parts):
-        start, end = cuts[i], cuts[i + 1]
+    ranges = list(pairwise(cuts))
 
-        def compute(start: int = start, end: int = end) -> str:
+    def digest(span: tuple[int, int]) -> str:
+        start, end = span
+
+        def compute() -> str:
             return sha256_file(path, start, end - start, header)
 
-        key = f"{entry.path}#{start}:{end}:{len(header)}"
-        digest = cache.digest(key, st, compute) if cache else compute()
-        out.append(FileEntry(part_name(entry.path, i, parts), len(header) + end - start, entry.mode, digest,
-                             source=Source(file=path, offset=start, prefix=header, mtime=int(st.st_mtime))))
-    return tuple(out)
+        return cache.digest(f"{entry.path}#{start}:{end}:{len(header)}", st, compute) if cache else compute()
+
+    return tuple(
+        FileEntry(part_name(entry.path, i, parts), len(header) + end - start, entry.mode, value,
+                  source=Source(file=path, offset=start, prefix=header, mtime=int(st.st_mtime)))
+        for i, ((start, end), value) in enumerate(zip(ranges, hash_all(digest, ranges), strict=True))
+    )
 

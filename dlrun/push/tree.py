@@ -24,13 +24,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dlrun.errors import SyncError, UsageError
 from dlrun.inventory import Host
+
+T = TypeVar("T")
 
 DATA_DIR_NAME = "data"
 CODE_IGNORE_FILES = (".gitignore", ".dlrunignore")
@@ -39,6 +42,7 @@ CODE_IGNORE_FILES = (".gitignore", ".dlrunignore")
 DATA_IGNORE_FILES = (".dlrunignore",)
 ALWAYS_IGNORED = (".git/", "__pycache__/")
 HASH_BLOCK = 1 << 20
+HASH_THREADS = 8  # at most; hashing is bound by memory bandwidth beyond a few cores
 #: Left out of a code push unless a ``!pattern`` in ``.dlrunignore`` brings them back; so is
 #: any folder holding ``pyvenv.cfg`` or ``conda-meta/`` (an environment), and the job's logs.
 DEFAULT_LEFT_OUT = ("node_modules/", ".tox/", ".nox/", ".mypy_cache/", ".pytest_cache/", ".ruff_cache/",
@@ -570,18 +574,31 @@ def scan_tree(
                 raise SyncError(f"cannot read {child.path}: {exc.strerror or exc}") from exc
     if limit is not None:
         check_push_size(root, [(rel, st.st_size if link is None else 0) for rel, _, st, link in found], limit)
-    entries: list[FileEntry] = []
-    for rel, path, st, link in found:
-        if link is not None:
-            entries.append(FileEntry(rel, 0, 0o777, "", link=link, source=Source(mtime=int(st.st_mtime))))
-            continue
+    files = [(rel, path, st) for rel, path, st, link in found if link is None]
+
+    def digest(item: tuple[str, str, os.stat_result]) -> str:
+        rel, path, st = item
         try:
-            digest = cache.digest(rel, st, partial(sha256_file, path)) if cache else sha256_file(path)
+            return cache.digest(rel, st, partial(sha256_file, path)) if cache else sha256_file(path)
         except OSError as exc:
             raise SyncError(f"cannot read {path}: {exc.strerror or exc}") from exc
-        entries.append(FileEntry(rel, st.st_size, stat.S_IMODE(st.st_mode), digest,
-                                 source=Source(file=path, mtime=int(st.st_mtime))))
+
+    entries = [FileEntry(rel, st.st_size, stat.S_IMODE(st.st_mode), value,
+                         source=Source(file=path, mtime=int(st.st_mtime)))
+               for (rel, path, st), value in zip(files, hash_all(digest, files), strict=True)]
+    entries += [FileEntry(rel, 0, 0o777, "", link=link, source=Source(mtime=int(st.st_mtime)))
+                for rel, _, st, link in found if link is not None]
     return Manifest(tuple(sorted(entries, key=lambda e: e.path)), left_out=tuple(sorted(left_out)))
+
+
+def hash_all(digest: Callable[[T], str], items: Sequence[T]) -> list[str]:
+    """``digest`` of every item, in order, on as many threads as there are cores (hashlib
+    hashes without the GIL; docs/benchmarks.md "Parallel hashing")."""
+    workers = min(len(items), os.cpu_count() or 1, HASH_THREADS)
+    if workers < 2:
+        return [digest(item) for item in items]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dlrun-hash") as pool:
+        return list(pool.map(digest, items))
 
 
 def _read_text(path: str) -> str | None:

@@ -674,7 +674,7 @@ class SparkChannel(Channel):
         self.end: dict[str, Any] | None = None  # the task's TASK_END payload
         self.reason = "the Spark task ended without a word (executor lost or task killed?)"
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes | memoryview) -> None:
         with self._send_lock:
             try:
                 self._sock.sendall(data)

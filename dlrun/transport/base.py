@@ -53,8 +53,9 @@ class Channel(ABC):
     host: str
 
     @abstractmethod
-    def send(self, data: bytes) -> None:
-        """Write all of ``data`` to the command's stdin (raises HostUnreachable if gone)."""
+    def send(self, data: bytes | memoryview) -> None:
+        """Write all of ``data`` to the command's stdin (raises HostUnreachable if gone); a
+        buffer is copied or written before this returns, so the caller may reuse it."""
 
     @abstractmethod
     def recv(self, max_bytes: int = 65536) -> bytes:

@@ -40,7 +40,7 @@ class LocalChannel(Channel):
                 return
             self._stderr += data
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes | memoryview) -> None:
         assert self.proc.stdin is not None
         with self._stdin_lock:
             try:

@@ -10,6 +10,7 @@ import os
 import posixpath
 import subprocess
 import sys
+import threading
 import time
 from itertools import pairwise
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+import dlrun.push.tree as tree_module
 from dlrun.errors import SyncError, UsageError
 from dlrun.inventory import Host
 from dlrun.push.session import (
@@ -58,6 +60,7 @@ from dlrun.push.tree import (
     check_push_size,
     check_space,
     diff_manifests,
+    hash_all,
     parse_ignore,
     parse_size,
     push_root_for,
@@ -243,6 +246,41 @@ def test_hash_cache_skips_unchanged_files_and_rehashes_changed_ones(tmp_path: Pa
     os.utime(target, (old, old))  # same mtime, but ctime and size moved
     assert cache.digest("f", target.stat(), lambda: compute("h3")) == "h3"
     assert calls == ["h1", "h3"]
+
+
+def test_files_are_hashed_on_several_threads_and_listed_in_order(tmp_path: Path) -> None:
+    contents = {f"d{i % 3}/f{i:02d}": os.urandom(1000 * i + 1) for i in range(40)}
+    for rel, data in contents.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    manifest = scan_tree(tmp_path)
+    assert [(e.path, e.sha256) for e in manifest.entries] == [
+        (rel, hashlib.sha256(data).hexdigest()) for rel, data in sorted(contents.items())]
+    names: set[str] = set()
+
+    def digest(item: int) -> str:
+        names.add(threading.current_thread().name)
+        return str(item)
+
+    seen = hash_all(digest, list(range(50)))
+    assert seen == [str(i) for i in range(50)]
+    if (os.cpu_count() or 1) > 1:
+        assert all(name.startswith("dlrun-hash") for name in names)
+
+
+def test_a_file_that_cannot_be_read_while_hashing_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for i in range(5):
+        (tmp_path / f"f{i}").write_text(str(i))
+    real = tree_module.sha256_file
+
+    def sha256_file(path: str, *args: int) -> str:
+        if path.endswith("f3"):
+            raise PermissionError(13, "Permission denied")
+        return real(path)
+
+    monkeypatch.setattr(tree_module, "sha256_file", sha256_file)
+    with pytest.raises(SyncError, match=r"cannot read .*f3: Permission denied"):
+        scan_tree(tmp_path)
 
 
 # --------------------------------------------------------------------------- manifest diff
@@ -448,7 +486,7 @@ def body(entry: FileEntry) -> tuple[bytes, list[int]]:
     """What the tar stream carries for ``entry`` (sent in pieces) and the progress steps."""
     sent: list[bytes] = []
     steps: list[int] = []
-    pieces = _Pieces(sent.append)
+    pieces = _Pieces(lambda piece: sent.append(bytes(piece)))
     _file_body(entry, pieces, steps.append)
     pieces.flush()
     return b"".join(sent), steps
@@ -460,7 +498,8 @@ def test_stream_goes_out_in_whole_ssh_packets_and_carries_every_byte(tmp_path: P
     entry = FileEntry("f", len(data), 0o644, hashlib.sha256(data).hexdigest(), source=Source(file=str(tmp_path / "f")))
     sent: list[bytes] = []
     steps: list[int] = []
-    pieces = _Pieces(sent.append)
+    # each piece is a view of the reused read buffer: a Channel copies it before send returns
+    pieces = _Pieces(lambda piece: sent.append(bytes(piece)))
     pieces.add(b"H" * 512)
     _file_body(entry, pieces, steps.append)
     pieces.zeros(-len(data) % 512 + 1024)
@@ -469,7 +508,6 @@ def test_stream_goes_out_in_whole_ssh_packets_and_carries_every_byte(tmp_path: P
     assert [len(p) for p in sent[:-1]] == [SEND_CHUNK] * (len(sent) - 1)  # one SSH packet each
     assert 0 < len(sent[-1]) <= SEND_CHUNK
     assert sum(steps) == len(data)
-    assert all(isinstance(p, bytes) for p in sent)  # a copy: the read buffer is reused
 
 
 def test_stream_sends_a_range_after_its_prefix_and_zero_fills_a_file_that_shrank(tmp_path: Path) -> None:
