@@ -42,7 +42,7 @@ CODE_IGNORE_FILES = (".gitignore", ".dlrunignore")
 DATA_IGNORE_FILES = (".dlrunignore",)
 ALWAYS_IGNORED = (".git/", "__pycache__/")
 HASH_BLOCK = 1 << 20
-HASH_THREADS = 8  # at most; hashing is bound by memory bandwidth beyond a few cores
+HASH_THREADS = 8  # hashing threads at most, whatever the number of cores
 #: Left out of a code push unless a ``!pattern`` in ``.dlrunignore`` brings them back; so is
 #: any folder holding ``pyvenv.cfg`` or ``conda-meta/`` (an environment), and the job's logs.
 DEFAULT_LEFT_OUT = ("node_modules/", ".tox/", ".nox/", ".mypy_cache/", ".pytest_cache/", ".ruff_cache/",
@@ -593,7 +593,8 @@ def scan_tree(
 
 def hash_all(digest: Callable[[T], str], items: Sequence[T]) -> list[str]:
     """``digest`` of every item, in order, on as many threads as there are cores (hashlib
-    hashes without the GIL; docs/benchmarks.md "Parallel hashing")."""
+    hashes without the GIL; docs/benchmarks.md "Push after parallel hashing"). The first
+    exception, Ctrl-C included, cancels the items not yet started (``Executor.map`` does)."""
     workers = min(len(items), os.cpu_count() or 1, HASH_THREADS)
     if workers < 2:
         return [digest(item) for item in items]

@@ -283,6 +283,21 @@ def test_a_file_that_cannot_be_read_while_hashing_is_named(tmp_path: Path, monke
         scan_tree(tmp_path)
 
 
+def test_hashing_stops_at_the_first_error_without_hashing_the_rest() -> None:
+    done: list[int] = []
+
+    def digest(item: int) -> str:
+        if item == 0:
+            raise SyncError("cannot read 0")
+        time.sleep(0.01)
+        done.append(item)
+        return str(item)
+
+    with pytest.raises(SyncError, match="cannot read 0"):
+        hash_all(digest, list(range(200)))
+    assert len(done) <= tree_module.HASH_THREADS  # only those already started, not 199
+
+
 # --------------------------------------------------------------------------- manifest diff
 
 
