@@ -286,7 +286,7 @@ def test_a_detached_horovod_restart_gets_a_fresh_rendezvous_and_resumes(cluster,
     assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr[-2000:]
     out = attached.stdout
     assert sorted(re.findall(r"^\[(\d) host\d\] restart 1: resuming after epoch 1$", out, re.M)) == ["0", "1"], out
-    after = out.split("restart 1: resuming after epoch 1")[1]
+    after = out.split("restart 1: resuming after epoch 1", 1)[1]  # all that follows the first rank's restart line
     assert "epoch 3/3" in after and len(set(re.findall(r"parameter checksum (-?[0-9.]+)", after))) == 1, out
     assert f"dlrun: attempt 1 (job {job}) failed: rank " in out, out
     assert f"dlrun: job {job} succeeded; exit code 0" in out, out
