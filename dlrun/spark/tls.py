@@ -10,10 +10,9 @@ authenticates the task inside the encrypted channel.
 
 from __future__ import annotations
 
-import os
 import ssl
-import tempfile
 
+from dlrun.remote import keeper
 from dlrun.spark.task import client_context
 from dlrun.tls import CERT_DAYS, JobTls, make_job_tls
 
@@ -21,16 +20,7 @@ __all__ = ["CERT_DAYS", "JobTls", "client_context", "make_job_tls", "server_cont
 
 
 def server_context(tls: JobTls) -> ssl.SSLContext:
-    """The driver's side: TLS 1.3, the job's certificate and key."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_3
-    # ssl loads a key only from a file: a private folder, gone once it is read
-    with tempfile.TemporaryDirectory(prefix="dlrun-tls-") as folder:
-        os.chmod(folder, 0o700)
-        cert, key = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
-        for path, text in ((cert, tls.cert_pem), (key, tls.key_pem)):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(text)
-        context.load_cert_chain(cert, key)
-    return context
+    """The driver's side: TLS 1.3, the job's certificate and key, loaded as a detached job's
+    leader loads them (``dlrun.remote.keeper.server_context``: the key goes to a memory file,
+    never to disk where memfd exists)."""
+    return keeper.server_context(tls.cert_pem, tls.key_pem)
