@@ -21,14 +21,22 @@ sys.exit(4 if rank == "1" else 0)
 """
 
 
-def test_a_local_detached_job_runs_and_is_followed(tmp_path: Path) -> None:
-    script = tmp_path / "steps.py"
-    script.write_text(STEPS)
-    home = {"HOME": str(tmp_path / "home")}  # the job folder: ~/.dlrun/jobs/<job>/host-localhost/
+def detach_locally(tmp_path: Path, name: str, source: str) -> tuple[str, dict[str, str]]:
+    """``dlrun launch --detach -n 2`` of ``source`` without hosts: the job id, and the HOME it
+    ran under (its folder: ~/.dlrun/jobs/<job>/host-localhost/)."""
+    script = tmp_path / name
+    script.write_text(source)
+    home = {"HOME": str(tmp_path / "home")}
     out = run_dlrun("launch", "--detach", "--framework", "none", "-n", "2", str(script), cwd=tmp_path,
                     timeout=120, env=home)
     assert out.returncode == 0, out.stdout + out.stderr
-    job = out.stdout.strip().splitlines()[-1].removeprefix("dlrun: detached job ")
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("dlrun: detached job "), out.stdout
+    return last.removeprefix("dlrun: detached job "), home
+
+
+def test_a_local_detached_job_runs_and_is_followed(tmp_path: Path) -> None:
+    job, home = detach_locally(tmp_path, "steps.py", STEPS)
     attached = run_dlrun("attach", job, cwd=tmp_path, timeout=120, env=home)
     assert attached.returncode == 4, attached.stdout + attached.stderr
     assert "[1 localhost] rank 1 step 2\n" in attached.stdout, attached.stdout
@@ -40,13 +48,7 @@ def test_a_local_detached_job_runs_and_is_followed(tmp_path: Path) -> None:
 
 
 def test_a_job_done_before_the_first_look_is_a_detached_success(tmp_path: Path) -> None:
-    script = tmp_path / "quick.py"
-    script.write_text("print('done')\n")
-    home = {"HOME": str(tmp_path / "home")}
-    out = run_dlrun("launch", "--detach", "--framework", "none", "-n", "2", str(script), cwd=tmp_path,
-                    timeout=120, env=home)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.strip().splitlines()[-1].startswith("dlrun: detached job "), out.stdout
+    detach_locally(tmp_path, "quick.py", "print('done')\n")  # exits 0 with the detached line
 
 
 def test_what_detach_cannot_do_yet_is_refused(tmp_path: Path) -> None:
@@ -58,13 +60,7 @@ def test_what_detach_cannot_do_yet_is_refused(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_in_attach_detaches_and_the_job_goes_on(tmp_path: Path) -> None:
-    script = tmp_path / "sleeper.py"
-    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(600)\n")
-    home = {"HOME": str(tmp_path / "home")}
-    out = run_dlrun("launch", "--detach", "--framework", "none", "-n", "2", str(script), cwd=tmp_path,
-                    timeout=120, env=home)
-    assert out.returncode == 0, out.stdout + out.stderr
-    job = out.stdout.strip().splitlines()[-1].removeprefix("dlrun: detached job ")
+    job, home = detach_locally(tmp_path, "sleeper.py", "import time\nprint('ready', flush=True)\ntime.sleep(600)\n")
     try:
         attach = subprocess.Popen(dlrun_argv("attach", job), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO), **home})
