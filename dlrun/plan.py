@@ -134,7 +134,7 @@ class Plan:
     uses_roles: bool
     restart_count: int = 0  # which attempt this is (0: the first)
     max_restarts: int = 0
-    run_id: str = ""  # the job's id across its attempts (torchrun's run id); "": job_id
+    run_id: str = ""  # the job's id across its attempts (torchrun's run id); make_plan: job_id if not given
 
     @property
     def world_size(self) -> int:

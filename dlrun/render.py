@@ -145,7 +145,7 @@ def torch_env(plan: Plan, spec: RankSpec, *, master_port: int | None = None) -> 
         "ROLE_RANK": str(spec.rank),
         "ROLE_WORLD_SIZE": str(plan.world_size),
         # is_torchelastic_launched() is this being set: Lightning then checks devices × num_nodes
-        "TORCHELASTIC_RUN_ID": plan.run_id or plan.job_id,  # torchrun keeps it across restarts
+        "TORCHELASTIC_RUN_ID": plan.run_id,  # torchrun keeps it across restarts
         "TORCHELASTIC_RESTART_COUNT": str(plan.restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(plan.max_restarts),
         "TORCHELASTIC_ERROR_FILE": error_file(plan, spec),
