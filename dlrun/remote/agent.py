@@ -221,6 +221,7 @@ class Agent:
         self.open_streams: dict[int, int] = {}  # rank -> number of open pipes
         self.exited: dict[int, int] = {}
         self.error_files: dict[int, str] = {}  # rank -> its TORCHELASTIC_ERROR_FILE
+        self.signalled: set[int] = set()  # ranks the agent signalled to stop while they ran
         self.gpus = GpuSampler(0)
         self.kill_at: float | None = None
         self.job_id = ""
@@ -372,6 +373,7 @@ class Agent:
     def signal_all(self, sig: int) -> None:
         for rank, proc in self.procs.items():
             if rank not in self.exited:
+                self.signalled.add(rank)  # its EXIT says so: a rank that exits 0 on SIGTERM (Lightning) was stopped
                 try:
                     os.killpg(proc.pid, sig)
                 except OSError:
@@ -499,6 +501,8 @@ class Agent:
                     self.sel.unregister(stream)
                     stream.close()
             exit_info: dict[str, Any] = {"code": code}
+            if rank in self.signalled:
+                exit_info["stopped"] = True
             if code != 0 and rank in self.error_files:
                 recorded = read_error_file(self.error_files[rank])
                 if recorded is not None:

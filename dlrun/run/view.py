@@ -56,12 +56,13 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
         argv = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in by_rank[root.rank].argv]
         lines.append(f"  command: {shlex.join(argv)}")
     recorded_line = root.error_file[-1] if root.error_file else None
+    if root.error_file:  # what the rank itself recorded comes first
+        lines.append(f"  error file (TORCHELASTIC_ERROR_FILE of rank {root.rank}):")
+        lines.extend(f"    | {text}" for text in root.error_file)
     if root.exception and root.exception[-1] != recorded_line:  # @record's message says it already
         lines.append(f"  exception (last frames of rank {root.rank}'s traceback):")
         lines.extend(f"    | {text}" for text in root.exception)
-    if root.error_file:
-        lines.append(f"  error file (TORCHELASTIC_ERROR_FILE of rank {root.rank}):")
-        lines.extend(f"    | {text}" for text in root.error_file)
+    lines.extend(f"  hint: {text}" for text in root.hint)
     if root.state != RankState.LOST and (killed := signal_text(root.exit_code)):
         lines.append(f"  {killed}")
     lines.extend(f"  warning before the start: {text}" for text in result.warnings)
