@@ -19,12 +19,14 @@ from dlrun.plan import DEFAULT_HOST_TIMEOUT
 from dlrun.run.result import RunResult
 
 if TYPE_CHECKING:
+    from dlrun.inventory import Host
     from dlrun.push.session import HostPushSummary
     from dlrun.run.detach import JobHosts, JobRecord
     from dlrun.run.launch import SSHOptions
     from dlrun.run.supervisor import View
     from dlrun.topo.findings import Finding
     from dlrun.topo.records import HostReport
+    from dlrun.transport.base import Transport
 
 
 @dataclass(frozen=True)
@@ -252,10 +254,34 @@ def _job_hosts(hosts: str | None, ssh: Mapping[str, Any]) -> Iterator[JobHosts]:
     inventory = resolve_inventory(hosts, 1)
     transport = make_transport(inventory, ssh_options(**ssh))
     try:
-        transport.connect(inventory.hosts)
-        yield JobHosts(transport, inventory.hosts)
+        yield JobHosts(transport, inventory.hosts, unreachable=connect_reachable(transport, inventory.hosts))
     finally:
         transport.close()
+
+
+def connect_reachable(transport: Transport, hosts: Sequence[Host]) -> dict[str, str]:
+    """Connect to every host that can be reached (``ps``, ``logs`` and ``stop`` go on without
+    the others); the others by name, with the reason."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dlrun.errors import TransportError
+
+    try:
+        transport.connect(hosts)
+        return {}
+    except TransportError:
+        pass
+
+    def one(host: Host) -> str | None:
+        try:
+            transport.connect([host])
+        except TransportError as exc:
+            return str(exc.message)
+        return None
+
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        reasons = list(pool.map(one, hosts))
+    return {h.name: why for h, why in zip(hosts, reasons, strict=True) if why is not None}
 
 
 def ps(hosts: str | None = None, **ssh: Any) -> list[JobRecord]:
@@ -275,14 +301,18 @@ def logs(job: str, hosts: str | None = None, *, follow: bool = False, delete: bo
     from dlrun.run.detach import LogFollower
 
     with _job_hosts(hosts, ssh) as job_hosts:
-        follower = LogFollower(job_hosts, job, out or sys.stdout, since)
-        record = follower.follow() if follow else follower.poll()
+        stream = out or sys.stdout
+        follower = LogFollower(job_hosts, job, stream, since)
+        if delete and since is not None:
+            raise UsageError("--delete goes without --since: it deletes only what was shown, to the end")
+        record = follower.follow() if follow else follower.poll(whole=True)
         if record is None:
             raise UsageError(f"no job {job} on {', '.join(h.name for h in job_hosts.hosts)}")
         if delete:
             if not record.ended or record.alive:  # a keeper of it may still run, even on a shared home
                 raise UsageError(f"job {job} is {record.state}: dlrun stop {job} first, then delete its logs")
-            job_hosts.delete(job)
+            stream.flush()  # written out (a full disk or a closed pipe raises here, and nothing is deleted)
+            job_hosts.delete(job, follower.offsets)
             return None
         return record
 
@@ -295,6 +325,7 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
     import sys
 
     from dlrun.run.detach import LogFollower
+    from dlrun.run.screen import ScreenFeed
     from dlrun.run.view import PlainView, make_view
 
     stream = out or sys.stdout
@@ -304,6 +335,8 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
         try:
             record = follower.follow()
         except KeyboardInterrupt:
+            if isinstance(shown, ScreenFeed):
+                shown.drain()
             shown.notice(f"detached from job {job}; it goes on (dlrun attach {job} to come back)")
             return 0
         for attempt in record.history:

@@ -27,7 +27,7 @@ from dlrun.run.result import Attempt, RankState, RunResult
 from dlrun.run.rootcause import signal_text
 
 if TYPE_CHECKING:  # rich is imported only for the live view (~40 ms a job otherwise)
-    from dlrun.run.live import LiveView
+    from dlrun.run.screen import ScreenFeed
 
 
 def duration_text(seconds: float | None) -> str:
@@ -174,15 +174,18 @@ class PlainView:
 
 
 
-def make_view(ranks: Collection[int] | None = None, *, force_plain: bool = False) -> PlainView | LiveView:
-    """A LiveView on a terminal, a PlainView otherwise."""
+def make_view(ranks: Collection[int] | None = None, *, force_plain: bool = False) -> ScreenFeed:
+    """A LiveView on a terminal, a PlainView otherwise, each drawn on its own clock
+    (``dlrun.run.screen``): what a rank prints never holds back the supervisor."""
+    from dlrun.run.screen import LIVE_RATE, ScreenFeed
+
     if force_plain or not sys.stdout.isatty():
-        return PlainView(sys.stdout, ranks)
+        return ScreenFeed(PlainView(sys.stdout, ranks))
     from rich.console import Console
 
     from dlrun.run.live import LiveView
 
     console = Console()
     if console.is_terminal:
-        return LiveView(console, ranks)
-    return PlainView(sys.stdout, ranks)
+        return ScreenFeed(LiveView(console, ranks), rate=LIVE_RATE)
+    return ScreenFeed(PlainView(sys.stdout, ranks))
