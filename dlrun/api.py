@@ -329,7 +329,7 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
     from dlrun.run.view import PlainView, make_view
 
     stream = out or sys.stdout
-    shown = PlainView(out) if out is not None else make_view()
+    shown = PlainView(out) if out is not None else make_view(lossless_plain=True)
     with _job_hosts(hosts, ssh) as job_hosts:
         follower = LogFollower(job_hosts, job, stream, since, view=shown)
         try:
@@ -342,6 +342,8 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
         for attempt in record.history:
             shown.notice(f"attempt {int(attempt.get('attempt', 0)) + 1} (job {attempt.get('job_id')}) failed:"
                          f" {attempt.get('root_cause')}")
+        for note in record.notes:
+            shown.notice(note)
         result = follower.result(record)
         if record.root_cause and result.root_cause is None and record.state != "stopped":
             shown.notice(f"root cause: {record.root_cause}")

@@ -247,7 +247,7 @@ def delete(job_id: str, read: dict[str, int] | None = None) -> dict[str, Any]:
                 size = os.path.getsize(path)
             except OSError:
                 continue
-            if int(read.get(key, -1)) < size:
+            if int(read.get(key, 0)) < size:
                 return {"deleted": False, "error": f"{key} was not read to its end ({read.get(key, 0)} of"
                         f" {size} bytes): nothing was deleted"}
     if not os.path.isdir(os.path.join(jobs_root(), job_id)):

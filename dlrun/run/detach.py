@@ -286,8 +286,14 @@ def summary_lines(record: JobRecord) -> list[str]:
         lines.append(f"dlrun: {len(record.history) + 1} attempts:")
         lines.extend(f"  attempt {int(h.get('attempt', 0)) + 1} (job {h.get('job_id')}): {h.get('root_cause')}"
                      for h in record.history)
+    lines.extend(f"dlrun: {note}" for note in record.notes)
     if record.root_cause:
         lines.append(f"dlrun: root cause: {record.root_cause}")
+        exception = [str(t) for t in record.root.get("exception") or ()]
+        if exception:
+            lines.append("  exception (last frames of its traceback):")
+            lines.extend(f"    | {text}" for text in exception)
+        lines.extend(f"  hint: {text}" for text in record.root.get("hint") or ())
         lines.extend(f"    | {text}" for text in record.root_tail[-10:])
     for entry in sorted(record.rank_states, key=lambda e: int(e.get("rank", 0))):
         code = "" if entry.get("code") is None else str(entry.get("code"))

@@ -26,7 +26,7 @@ from dlrun.run.result import RankState, RunResult
 from dlrun.run.supervisor import View
 
 MAX_LINES = 20_000  # lines waiting for the screen before the oldest are dropped
-LIVE_RATE = 2_000  # lines a second the live view draws at most: rich costs ~20-50 µs of CPU a line, and more held back the stop
+LIVE_RATE = 2_000  # lines a second the live view draws at most (rich: ~20-50 µs of CPU a line)
 PLAIN_RATE = 1_000_000  # plain lines are cheap: only a terminal or pipe that blocks holds them back
 MAX_CHARS = 16 << 20  # characters waiting (a few very long lines count as many)
 EVERY = 0.05  # seconds between two looks of the drawing thread when nothing wakes it
@@ -37,8 +37,10 @@ class ScreenFeed:
     """A ``View`` that queues what the supervisor says and draws it on a thread of its own."""
 
     def __init__(self, inner: View, *, max_lines: int = MAX_LINES, max_chars: int = MAX_CHARS,
-                 rate: float = PLAIN_RATE, clock: Callable[[], float] = time.monotonic) -> None:
+                 rate: float = PLAIN_RATE, lossless: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.inner = inner
+        self.lossless = lossless  # wait for the screen instead of dropping (attach and logs into a pipe)
         self.rate = rate  # lines a second drawn at most: the drawing thread's CPU (and GIL) stays bounded
         self.drawn_at = clock()
         self.max_lines = max_lines
@@ -78,9 +80,12 @@ class ScreenFeed:
             self.waiting[rank] = self.waiting.get(rank, 0) + len(texts)
             self.waiting_lines += len(texts)
             self.waiting_chars += chars
-            while self.waiting_lines > self.max_lines or self.waiting_chars > self.max_chars:
-                self._drop_oldest()
             self.cond.notify()
+            while self.waiting_lines > self.max_lines or self.waiting_chars > self.max_chars:
+                if self.lossless and self.thread is not None:
+                    self.cond.wait(EVERY)
+                else:
+                    self._drop_oldest()
 
     def _drop_oldest(self) -> None:
         """The oldest waiting lines of the rank with the most waiting: off the screen."""
@@ -159,8 +164,9 @@ class ScreenFeed:
                 now = self.clock()
                 budget = self.rate * max(now - self.drawn_at, EVERY)
                 self.drawn_at = now
-                batch = self._take(None if self.closing else budget)
+                batch = self._take(None if self.closing or self.lossless else budget)
                 closing = self.closing
+                self.cond.notify_all()  # room again: a lossless feed's writer goes on
             for _seq, method, args in batch:
                 getattr(self.inner, method)(*args)
             self._note_dropped()

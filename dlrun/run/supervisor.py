@@ -423,7 +423,8 @@ class Supervisor:
         if link.channel is None:
             reason = "could not start"
         else:
-            reason = link.channel.lost_reason() or "connection to the host was lost"
+            ended = "the host's agent ended before its ranks did"
+            reason = link.channel.lost_reason() or (ended if code is not None else "connection to the host was lost")
         self._host_failed(host, with_agent_words(reason, stderr, code))
 
     def _silent(self, host: str, seconds: float) -> None:

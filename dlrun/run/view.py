@@ -174,13 +174,16 @@ class PlainView:
 
 
 
-def make_view(ranks: Collection[int] | None = None, *, force_plain: bool = False) -> ScreenFeed:
+def make_view(ranks: Collection[int] | None = None, *, force_plain: bool = False,
+              lossless_plain: bool = False) -> ScreenFeed:
     """A LiveView on a terminal, a PlainView otherwise, each drawn on its own clock
-    (``dlrun.run.screen``): what a rank prints never holds back the supervisor."""
+    (``dlrun.run.screen``): what a rank prints never holds back the supervisor.
+    ``lossless_plain``: plain lines wait for the screen rather than being dropped (``attach``
+    into a pipe: its lines are the record there)."""
     from dlrun.run.screen import LIVE_RATE, ScreenFeed
 
     if force_plain or not sys.stdout.isatty():
-        return ScreenFeed(PlainView(sys.stdout, ranks))
+        return ScreenFeed(PlainView(sys.stdout, ranks), lossless=lossless_plain)
     from rich.console import Console
 
     from dlrun.run.live import LiveView
@@ -188,4 +191,4 @@ def make_view(ranks: Collection[int] | None = None, *, force_plain: bool = False
     console = Console()
     if console.is_terminal:
         return ScreenFeed(LiveView(console, ranks), rate=LIVE_RATE)
-    return ScreenFeed(PlainView(sys.stdout, ranks))
+    return ScreenFeed(PlainView(sys.stdout, ranks), lossless=lossless_plain)
