@@ -539,6 +539,13 @@ class LogFollower:
 
     def show(self, key: str, host: str, data: bytes) -> None:
         """One piece of a file (whole lines, but for an over-long one) to the view or ``out``."""
+        raw = getattr(self.out, "buffer", None)
+        if self.view is None and raw is not None and not key.endswith("/gpu.csv"):  # bytes as they are: no decode
+            head = f"[{rank_of(key)} {host}] ".encode()
+            body = data[:-1] if data.endswith(b"\n") else data
+            self.out.flush()
+            raw.write(head + body.replace(b"\n", b"\n" + head) + b"\n")
+            return
         text = data.decode("utf-8", "replace")
         if text.endswith("\n"):
             text = text[:-1]
