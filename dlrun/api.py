@@ -113,6 +113,9 @@ def launch(
     """
     from dlrun.run.launch import LaunchConfig, run_job
 
+    if str(script).startswith("-"):  # an option dlrun lacks would run as the command on every rank
+        raise UsageError(f"{script}: a script or command never starts with '-'",
+                         hint="dlrun's options are listed by dlrun launch --help; the script comes before its own")
     if json_output and not dry_run:
         raise UsageError("--json goes with --dry-run")
     if backend not in ("ssh", "spark"):

@@ -196,7 +196,7 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
     while i < len(args) and args[i] != "--" and (size := option_at(i)):
         i += size
     if i >= len(args) or args[i] == "--" or args[i].startswith("-"):
-        return args  # no script yet (click reports it), or an unknown option before it
+        return args  # no script yet, or an option of a form click parses itself (-n2, -dn 2; a typo: click's error)
     script, j, moved = i, i + 1, []
     while j < len(args) and (size := option_at(j)):
         moved += args[j:j + size]
@@ -214,7 +214,7 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
     return [*args[:script], *moved, args[script], *rest]
 
 
-@main.command(cls=_LaunchCommand, context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@main.command(cls=_LaunchCommand, context_settings={"allow_interspersed_args": False})
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @option("Job", "--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: localhost).")

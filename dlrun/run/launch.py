@@ -114,8 +114,8 @@ class LaunchConfig:
 
 
 def resolve_framework(config: LaunchConfig) -> LaunchConfig:
-    """``--framework auto``: read the script's imports (never running it) and pick the contract,
-    said on dlrun's first line; an explicit framework stays as given."""
+    """``--framework auto``: read the script's imports (never running it) and pick the contract
+    (``say_framework`` tells it once the usage checks passed); an explicit framework stays as given."""
     if config.framework != AUTO:
         return config
     script = Path(config.script)
@@ -126,8 +126,14 @@ def resolve_framework(config: LaunchConfig) -> LaunchConfig:
             detected = Detected(TF_AND_TORCH, f"{script.name} cannot be read here: both the tf and the torch contracts")
     else:
         detected = detect_framework(config.script, None)
-    print(f"dlrun: framework {detected.framework} ({detected.reason})", file=sys.stderr)
     return replace(config, framework=detected.framework, detected=detected)
+
+
+def say_framework(config: LaunchConfig) -> None:
+    """dlrun's first line, for ``--framework auto``: the contract the script's imports chose.
+    Said after the usage checks, so that a usage error is the only thing printed."""
+    if config.detected is not None:
+        print(f"dlrun: framework {config.detected.framework} ({config.detected.reason})", file=sys.stderr)
 
 
 def new_job_id() -> str:
@@ -833,7 +839,13 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
     probed = isinstance(engine, HostsEngine) and config.preflight and not config.dry_run
     warning = None if probed else keras_warning(config, engine.inventory)
     if config.dry_run:
-        commands = engine.dry_run(config, job_id)
+        hosts_engine = isinstance(engine, HostsEngine)
+        if hosts_engine:  # the dry run's one usage check before it reaches the hosts (it writes nothing)
+            code_dir_to_push(config, strict=not engine.inventory.all_local)
+            say_framework(config)
+        commands = engine.dry_run(config, job_id)  # Spark's refuses
+        if not hosts_engine:
+            say_framework(config)
         warn_replaced_env(config, commands)
         if config.json_output:
             document = plan_to_json(commands)
@@ -849,9 +861,10 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
             print(dry_run_text(commands))
             print(restart_policy_text(config))
         return RunResult(ranks=(), exit_code=0, commands=commands, job_id=job_id, attempts=0)
+    check_local_inputs(config, engine.inventory)
+    say_framework(config)
     if warning:
         print(f"dlrun: warning: {warning}", file=sys.stderr)
-    check_local_inputs(config, engine.inventory)
     shown = view or make_view(config.ranks_shown, force_plain=config.plain)
     logs = Path(config.log_dir or DEFAULT_LOG_DIR) / job_id
     history: list[Attempt] = []
