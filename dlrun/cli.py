@@ -141,7 +141,9 @@ ssh_options = options(
 data_options = options(
     option("Push", "--data", type=click.Path(exists=True),
            help="Dataset directory (or file): each host gets its shard."),
-    option("Push", "--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True),
+    option("Push", "--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True,
+           help="How --data is split among the hosts: files (sorted files dealt round-robin), contiguous (equal"
+           " contiguous ranges), size (balanced by bytes), replicate (every host gets all of it)."),
     option("Push", "--split-lines", is_flag=True, help="Split a single text/CSV dataset file into per-host parts."),
 )
 

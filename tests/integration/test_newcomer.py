@@ -55,3 +55,37 @@ def test_usage_errors_come_alone_without_the_framework_line(tmp_path: Path) -> N
     out = run_dlrun("launch", "--dry-run", "--json", "ok.py", cwd=tmp_path, timeout=120)
     assert out.returncode == 0 and out.stderr.splitlines()[0] == "dlrun: framework torch (import torch in ok.py)"
     assert json.loads(out.stdout)["world_size"] == 2
+
+
+def test_a_hosts_file_name_with_a_typo_is_no_host_name(tmp_path: Path) -> None:
+    write(tmp_path / "train.py", MARKER)
+    write(tmp_path / "hosts.toml", '[[hosts]]\naddress = "localhost"\nslots = 1\n')
+    out = run_dlrun("launch", "--plain", "--hosts", "hosts.tml", "train.py", cwd=tmp_path, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "hosts.tml: no such file, and no host name ends in .tml" in out.stderr
+    assert "did you mean hosts.toml?" in out.stderr and "cannot resolve" not in out.stderr
+    assert "RAN" not in out.stdout
+
+
+def test_shard_has_help_and_inits_inventory_says_what_it_is(tmp_path: Path) -> None:
+    for command in ("launch", "push"):
+        text = " ".join(run_dlrun(command, "--help").stdout.split())
+        assert "--shard [files|contiguous|size|replicate] How --data is split among the hosts" in text, text
+    assert run_dlrun("init", str(tmp_path), cwd=tmp_path).returncode == 0
+    head = (tmp_path / "hosts.toml").read_text().split("\n\n")[0]
+    assert "copy to" not in head and "Edit the hosts below, then: `dlrun launch train.py --hosts hosts.toml`" in head
+
+
+@pytest.mark.slow
+def test_the_quickstart_example_resumes_and_leaves_only_its_logs_and_model(tmp_path: Path) -> None:
+    """README's train command, in a fresh folder, with a restart: the checkpoint lives beside the
+    model in dlrun-model/ (git-ignored), not loose in the folder the job ran in."""
+    pytest.importorskip("tf_keras")
+    from conftest import REPO
+
+    out = run_dlrun("launch", "--plain", "--max-restarts", "1", str(REPO / "examples" / "train_digits.py"),
+                    "--epochs", "4", "--crash-after", "2", cwd=tmp_path, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "[0 localhost] restart 1: resuming after epoch 2" in out.stdout, out.stdout[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dlrun-logs", "dlrun-model"]
+    assert sorted(p.name for p in (tmp_path / "dlrun-model").iterdir()) == ["checkpoint-digits.npz", "digits.keras"]
