@@ -223,7 +223,9 @@ def tf_job(config: LaunchConfig) -> bool:
 
 def keras_warning(config: LaunchConfig, inventory: Inventory,
                   reports: Sequence[HostReport] | None = None) -> str | None:
-    """Keras 3 cannot model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585).
+    """Keras 3 cannot model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585), and a
+    custom training loop written for tf.keras (Keras 2: TensorFlow's own tutorials) fails on
+    Keras 3's changed API; legacy Keras (``TF_USE_LEGACY_KERAS=1`` with tf_keras) runs both.
 
     ``reports``: the preflight's, whose per-host Keras and tf_keras versions decide (the hosts'
     Pythons run the job, not this machine's); without them, this machine's Keras does."""
@@ -262,9 +264,11 @@ def keras_warning(config: LaunchConfig, inventory: Inventory,
             return None
         where, install = "", "Install tf_keras and pass"
     return (
-        f"Keras {', '.join(versions)} is installed{where} and TF_USE_LEGACY_KERAS is unset: Keras 3 cannot"
-        " model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585). "
-        f"{install} --env TF_USE_LEGACY_KERAS=1, or use a custom training loop."
+        f"Keras {', '.join(versions)} is installed{where} and TF_USE_LEGACY_KERAS is unset. Under"
+        " MultiWorkerMirroredStrategy, Keras 3 cannot model.fit (keras-team/keras#20585), and a custom training"
+        " loop written for tf.keras (as in TensorFlow's tutorials) fails on Keras 3's changed API"
+        f" (e.g. metric.reset_states). Legacy Keras runs both. {install} --env TF_USE_LEGACY_KERAS=1"
+        " (or set it in the script before it imports TensorFlow)."
     )
 
 

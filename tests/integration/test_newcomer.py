@@ -4,6 +4,7 @@ real sshd hosts in the tests marked ``ssh``."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,39 @@ def test_the_quickstart_example_resumes_and_leaves_only_its_logs_and_model(tmp_p
     assert "[0 localhost] restart 1: resuming after epoch 2" in out.stdout, out.stdout[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dlrun-logs", "dlrun-model"]
     assert sorted(p.name for p in (tmp_path / "dlrun-model").iterdir()) == ["checkpoint-digits.npz", "digits.keras"]
+
+
+CUSTOM_LOOP = """import tensorflow as tf
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+loss = tf.keras.metrics.Mean()
+for epoch in range(2):
+    loss.reset_states()  # Keras 2's name: Keras 3 has reset_state() only
+"""
+
+
+def test_the_keras_warning_speaks_to_fit_and_to_custom_loops_alike(tmp_path: Path) -> None:
+    pytest.importorskip("keras")
+    from importlib.metadata import version
+
+    if not version("keras").startswith("3."):
+        pytest.skip("the warning is for Keras 3")
+    if "TF_USE_LEGACY_KERAS" in os.environ:
+        pytest.skip("TF_USE_LEGACY_KERAS is set here: no warning")
+    script = write(tmp_path / "loop.py", CUSTOM_LOOP)
+    out = run_dlrun("launch", "--dry-run", "--no-preflight", str(script), cwd=tmp_path, timeout=120)
+    warning = next(line for line in out.stderr.splitlines() if "TF_USE_LEGACY_KERAS is unset" in line)
+    assert "cannot model.fit" in warning and "a custom training loop written for tf.keras" in warning
+    assert "Legacy Keras runs both" in warning and "--env TF_USE_LEGACY_KERAS=1" in warning
+    assert "use a custom training loop" not in warning  # the script already does
+
+
+def test_the_keras_warning_names_the_hosts_that_need_tf_keras() -> None:
+    from dlrun.inventory import Host, Inventory
+    from dlrun.run.launch import LaunchConfig, keras_warning
+    from dlrun.topo.records import HostReport
+
+    inventory = Inventory(hosts=(Host(name="a", address="10.0.0.1"), Host(name="b", address="10.0.0.2")))
+    reports = [HostReport(host="a", keras="3.9.9"), HostReport(host="b", keras="3.9.9", tf_keras="2.19.0")]
+    text = keras_warning(LaunchConfig(script="/nonexistent/loop.py", framework="tf"), inventory, reports) or ""
+    assert "model.fit" in text and "custom training loop" in text
+    assert "Install tf_keras (a lacks it) and pass --env TF_USE_LEGACY_KERAS=1" in text
