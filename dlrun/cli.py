@@ -323,9 +323,10 @@ def topo(hosts: str | None, json_output: bool, **ssh: Any) -> None:
 
     result = probe(hosts, **ssh)
     if json_output:
-        click.echo(json.dumps(topo_document(result.reports, result.findings, result.env), indent=2))
+        click.echo(json.dumps(topo_document(result.reports, result.findings, result.env, result.ifaces, result.note),
+                              indent=2))
     else:
-        Console().print(render_topo(result.reports, result.findings, result.env))
+        Console().print(render_topo(result.reports, result.findings, result.env, result.note))
     sys.exit(result.exit_code)
 
 

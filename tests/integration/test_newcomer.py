@@ -126,3 +126,65 @@ def test_the_keras_warning_names_the_hosts_that_need_tf_keras() -> None:
     text = keras_warning(LaunchConfig(script="/nonexistent/loop.py", framework="tf"), inventory, reports) or ""
     assert "model.fit" in text and "custom training loop" in text
     assert "Install tf_keras (a lacks it) and pass --env TF_USE_LEGACY_KERAS=1" in text
+
+
+SHOWN = ("MASTER_ADDR", "MASTER_PORT", "TF_CONFIG", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "RANK", "WORLD_SIZE",
+         "CUDA_VISIBLE_DEVICES", "DLRUN_HOST")
+ENV_PRINTER = ("import json, os\n"
+               f"print('ENV', json.dumps({{k: os.environ.get(k) for k in {SHOWN!r}}}, sort_keys=True))\n")
+
+
+@pytest.mark.ssh
+def test_a_dry_run_on_ssh_hosts_shows_what_each_rank_then_gets(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from conftest import hosts_toml, shared_script
+
+    script = shared_script(cluster, "newcomer_env.py", ENV_PRINTER)  # no imports: both contracts (TF_CONFIG too)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    hosts.write_text(hosts.read_text().replace('address = "host1"', 'address = "host1"\niface = "lo:1"', 1))
+    ssh = ("--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), "--no-push", "--base-port", "24123")
+    dry = run_dlrun("launch", "--dry-run", "--json", *ssh, str(script), cwd=tmp_path, timeout=120)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    planned = [{k: r["env"].get(k) for k in SHOWN} for r in json.loads(dry.stdout)["ranks"]]
+    assert [p["MASTER_ADDR"] for p in planned] == [cluster.hosts[0].address] * 2  # where host0 is, not "host0"
+    workers = json.loads(planned[1]["TF_CONFIG"])["cluster"]["worker"]
+    assert [w.rpartition(":")[0] for w in workers] == [cluster.hosts[0].address, cluster.hosts[1].address]
+    assert [p["GLOO_SOCKET_IFNAME"] for p in planned] == ["lo", "lo:1"]  # found by the probe / the inventory's
+    assert not (tmp_path / "dlrun-logs").exists()  # a dry run writes nothing
+    out = run_dlrun("launch", "--plain", *ssh, str(script), cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = {int(line.split("]")[0].strip("[").split()[0]): json.loads(line.split(" ENV ", 1)[1])
+           for line in out.stdout.splitlines() if " ENV " in line}
+    assert [got[0], got[1]] == planned
+
+
+@pytest.mark.ssh
+def test_topo_suggests_the_interface_launch_gives_and_says_so(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from conftest import hosts_toml, shared_script
+
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    ssh = ("--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config))
+    doc = json.loads(run_dlrun("topo", "--json", *ssh, cwd=tmp_path, timeout=120).stdout)
+    assert doc["launch_ifaces"] == {"host0": "lo", "host1": "lo"}  # every rank on this machine: lo
+    text = " ".join(run_dlrun("topo", *ssh, cwd=tmp_path, timeout=120).stdout.split())
+    assert "export GLOO_SOCKET_IFNAME=lo" in text
+    assert "dlrun launch sets GLOO_SOCKET_IFNAME=lo itself on every host" in text
+    script = shared_script(cluster, "newcomer_env.py", ENV_PRINTER)
+    out = run_dlrun("launch", "--plain", "--no-push", *ssh, str(script), cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    ifaces = [json.loads(line.split(" ENV ", 1)[1])["GLOO_SOCKET_IFNAME"] for line in out.stdout.splitlines()
+              if " ENV " in line]
+    assert ifaces == [doc["env"]["GLOO_SOCKET_IFNAME"]] * 2
+    # an inventory iface on one host: launch's choice per host, in topo as in the ranks
+    hosts.write_text(hosts.read_text().replace('address = "host1"', 'address = "host1"\niface = "lo:1"', 1))
+    doc = json.loads(run_dlrun("topo", "--json", *ssh, cwd=tmp_path, timeout=120).stdout)
+    assert doc["launch_ifaces"] == {"host0": "lo", "host1": "lo:1"} and "GLOO_SOCKET_IFNAME" not in doc["env"]
+    assert "lo on host0; lo:1 on host1" in doc["launch_note"]
+
+
+def test_a_dry_run_on_hosts_it_cannot_reach_shows_the_plan_with_a_warning(tmp_path: Path) -> None:
+    hosts = write(tmp_path / "hosts.toml", '[[hosts]]\naddress = "127.0.0.9"\nport = 1\nslots = 2\n')
+    out = run_dlrun("launch", "--dry-run", "--framework", "torch", "--hosts", str(hosts), "--connect-timeout", "5",
+                    "train.py", cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "dlrun: warning: cannot reach the hosts" in out.stderr and "showing the plan only" in out.stderr
+    assert "MASTER_ADDR=127.0.0.9" in out.stdout
