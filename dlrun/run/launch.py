@@ -903,6 +903,8 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
             if warning:
                 print(f"dlrun: warning: {warning}", file=sys.stderr)
             print(dry_run_text(commands))
+            if isinstance(engine, HostsEngine) and engine.ports is not None and config.base_port is None:
+                print("ports: free on each host now; a launch asks again and may get others (--base-port P fixes them)")
             print(restart_policy_text(config))
         return RunResult(ranks=(), exit_code=0, commands=commands, job_id=job_id, attempts=0)
     check_local_inputs(config, engine.inventory)

@@ -155,6 +155,11 @@ def test_a_dry_run_on_ssh_hosts_shows_what_each_rank_then_gets(cluster, tmp_path
     got = {int(line.split("]")[0].strip("[").split()[0]): json.loads(line.split(" ENV ", 1)[1])
            for line in out.stdout.splitlines() if " ENV " in line}
     assert [got[0], got[1]] == planned
+    # without --base-port the hosts' free ports are shown, and said to be chosen again at launch
+    text = run_dlrun("launch", "--dry-run", *ssh[:-2], str(script), cwd=tmp_path, timeout=120)
+    assert text.returncode == 0, text.stderr
+    assert f"env:  MASTER_ADDR={cluster.hosts[0].address}" in text.stdout and "GLOO_SOCKET_IFNAME=lo:1" in text.stdout
+    assert "ports: free on each host now; a launch asks again" in text.stdout
 
 
 @pytest.mark.ssh
