@@ -193,3 +193,15 @@ def test_a_dry_run_on_hosts_it_cannot_reach_shows_the_plan_with_a_warning(tmp_pa
     assert out.returncode == 0, out.stderr
     assert "dlrun: warning: cannot reach the hosts" in out.stderr and "showing the plan only" in out.stderr
     assert "MASTER_ADDR=127.0.0.9" in out.stdout
+
+
+@pytest.mark.ssh
+def test_a_misspelled_option_starts_nothing_on_ssh_hosts_either(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from conftest import hosts_toml, shared_script
+
+    script = shared_script(cluster, "newcomer_marker.py", MARKER)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), "--no-push",
+                    "--nproc", "2", str(script), cwd=tmp_path, timeout=120)
+    assert out.returncode == 2 and "No such option '--nproc'. Did you mean '--np'?" in out.stderr, out.stderr
+    assert "RAN" not in out.stdout and not Path(f"{script}.ran").exists() and "command not found" not in out.stdout
