@@ -2,7 +2,8 @@
 
 ``LaunchConfig`` holds what the user asked for. ``run_job`` checks it, asks the engine
 (``dlrun.run.engine``) to place each attempt's ranks, supervises them, shows them, restarts a
-failed job (``max_restarts``) and returns the ``RunResult``; ``--dry-run`` stops after render.
+failed job (``max_restarts``) and returns the ``RunResult``; ``--dry-run`` stops after render
+(on SSH hosts after the same session as a launch, with a push that writes nothing).
 ``run_job`` first resolves ``--framework auto`` from the script's imports (``resolve_framework``).
 ``HostsEngine`` places ranks on the inventory's hosts: inventory → connect → start agents
 (each runs the preflight probe, answers the code push's survey and says which ports are
