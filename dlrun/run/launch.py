@@ -635,8 +635,8 @@ class HostsEngine:
                 with self.session(config, job_id) as placed:
                     return self._dry_commands(placed, job_id)
             except TransportError as exc:
-                print(f"dlrun: warning: cannot reach the hosts ({exc}); showing the plan only: host names as"
-                      " written, no interface, GPUs or free ports from the hosts", file=sys.stderr)
+                print("dlrun: warning: showing the plan as written, without the addresses, interfaces, GPUs and"
+                      f" free ports the hosts would give: {exc}", file=sys.stderr)
                 self.addresses, self.gpus, self.found_ifaces, self.ports = {}, {}, {}, None
                 warning = keras_warning(config, self.inventory)
                 if warning and not config.json_output:
