@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -32,12 +32,16 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class TopoResult:
     """What ``topo`` found: each host's report, the findings across hosts, the env dlrun
-    suggests, and the exit code (1 when a finding is an error)."""
+    suggests, the exit code (1 when a finding is an error), the socket interface ``launch``
+    gives each host (``ifaces``; empty without ``hosts``) and what launch does about them
+    (``note``)."""
 
     reports: tuple[HostReport, ...]
     findings: tuple[Finding, ...]
     env: Mapping[str, str]
     exit_code: int
+    ifaces: Mapping[str, str] = field(default_factory=dict)
+    note: str = ""
 
 
 def ssh_options(
@@ -115,6 +119,9 @@ def launch(
     """
     from dlrun.run.launch import LaunchConfig, run_job
 
+    if str(script).startswith("-"):  # an option dlrun lacks would run as the command on every rank
+        raise UsageError(f"{script}: a script or command never starts with '-'",
+                         hint="dlrun's options are listed by dlrun launch --help; the script comes before its own")
     if json_output and not dry_run:
         raise UsageError("--json goes with --dry-run")
     if backend not in ("ssh", "spark"):
@@ -160,12 +167,14 @@ def topo(
 ) -> TopoResult:
     """Probe every host (this machine without ``hosts``), as ``dlrun topo`` does."""
     from dlrun.inventory import load_inventory
+    from dlrun.run.addresses import host_ifaces, interfaces_at, reachable_addresses
     from dlrun.run.launch import make_transport
-    from dlrun.topo.findings import analyse, exit_code, suggested_env
+    from dlrun.topo.findings import analyse, exit_code, socket_note, suggested_env
     from dlrun.topo.preflight import probe_hosts
     from dlrun.topo.probe import probe_local
 
     reports: tuple[HostReport, ...]
+    ifaces = None
     if hosts is None:
         reports = (probe_local(),)
         slots = None
@@ -176,11 +185,16 @@ def topo(
             connect_timeout=connect_timeout, host_timeout=host_timeout))
         try:
             reports = probe_hosts(transport, inventory.hosts)
+            reached = [h for h, r in zip(inventory.hosts, reports, strict=True) if r.reachable]
+            # where launch reaches each host (connected already: no new connection), and so launch's interfaces
+            addresses = reachable_addresses(reached, transport.connect(reached)) if reached else {}
         finally:
             transport.close()
+        ifaces = host_ifaces(reached, addresses, None, interfaces_at(reports, addresses))
         slots = {h.name: h.slots for h in inventory.hosts if h.slots is not None}
     findings = tuple(analyse(reports, slots))
-    return TopoResult(reports, findings, suggested_env(reports), exit_code(findings))
+    return TopoResult(reports, findings, suggested_env(reports, ifaces), exit_code(findings),
+                      {name: i.name for name, i in (ifaces or {}).items()}, socket_note(reports, ifaces))
 
 
 def push(

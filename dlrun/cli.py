@@ -141,7 +141,9 @@ ssh_options = options(
 data_options = options(
     option("Push", "--data", type=click.Path(exists=True),
            help="Dataset directory (or file): each host gets its shard."),
-    option("Push", "--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True),
+    option("Push", "--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True,
+           help="How --data is split among the hosts: files (sorted files dealt round-robin), contiguous (equal"
+           " contiguous ranges), size (balanced by bytes), replicate (every host gets all of it)."),
     option("Push", "--split-lines", is_flag=True, help="Split a single text/CSV dataset file into per-host parts."),
 )
 
@@ -196,7 +198,7 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
     while i < len(args) and args[i] != "--" and (size := option_at(i)):
         i += size
     if i >= len(args) or args[i] == "--" or args[i].startswith("-"):
-        return args  # no script yet (click reports it), or an unknown option before it
+        return args  # no script yet, or an option of a form click parses itself (-n2, -dn 2; a typo: click's error)
     script, j, moved = i, i + 1, []
     while j < len(args) and (size := option_at(j)):
         moved += args[j:j + size]
@@ -214,7 +216,7 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
     return [*args[:script], *moved, args[script], *rest]
 
 
-@main.command(cls=_LaunchCommand, context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@main.command(cls=_LaunchCommand, context_settings={"allow_interspersed_args": False})
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @option("Job", "--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: localhost).")
@@ -321,9 +323,10 @@ def topo(hosts: str | None, json_output: bool, **ssh: Any) -> None:
 
     result = probe(hosts, **ssh)
     if json_output:
-        click.echo(json.dumps(topo_document(result.reports, result.findings, result.env), indent=2))
+        click.echo(json.dumps(topo_document(result.reports, result.findings, result.env, result.ifaces, result.note),
+                              indent=2))
     else:
-        Console().print(render_topo(result.reports, result.findings, result.env))
+        Console().print(render_topo(result.reports, result.findings, result.env, result.note))
     sys.exit(result.exit_code)
 
 

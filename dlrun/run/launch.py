@@ -2,7 +2,8 @@
 
 ``LaunchConfig`` holds what the user asked for. ``run_job`` checks it, asks the engine
 (``dlrun.run.engine``) to place each attempt's ranks, supervises them, shows them, restarts a
-failed job (``max_restarts``) and returns the ``RunResult``; ``--dry-run`` stops after render.
+failed job (``max_restarts``) and returns the ``RunResult``; ``--dry-run`` stops after render
+(on SSH hosts after the same session as a launch, with a push that writes nothing).
 ``run_job`` first resolves ``--framework auto`` from the script's imports (``resolve_framework``).
 ``HostsEngine`` places ranks on the inventory's hosts: inventory → connect → start agents
 (each runs the preflight probe, answers the code push's survey and says which ports are
@@ -114,8 +115,8 @@ class LaunchConfig:
 
 
 def resolve_framework(config: LaunchConfig) -> LaunchConfig:
-    """``--framework auto``: read the script's imports (never running it) and pick the contract,
-    said on dlrun's first line; an explicit framework stays as given."""
+    """``--framework auto``: read the script's imports (never running it) and pick the contract
+    (``say_framework`` tells it once the usage checks passed); an explicit framework stays as given."""
     if config.framework != AUTO:
         return config
     script = Path(config.script)
@@ -126,8 +127,14 @@ def resolve_framework(config: LaunchConfig) -> LaunchConfig:
             detected = Detected(TF_AND_TORCH, f"{script.name} cannot be read here: both the tf and the torch contracts")
     else:
         detected = detect_framework(config.script, None)
-    print(f"dlrun: framework {detected.framework} ({detected.reason})", file=sys.stderr)
     return replace(config, framework=detected.framework, detected=detected)
+
+
+def say_framework(config: LaunchConfig) -> None:
+    """dlrun's first line, for ``--framework auto``: the contract the script's imports chose.
+    Said after the usage checks, so that a usage error is the only thing printed."""
+    if config.detected is not None:
+        print(f"dlrun: framework {config.detected.framework} ({config.detected.reason})", file=sys.stderr)
 
 
 def new_job_id() -> str:
@@ -217,7 +224,9 @@ def tf_job(config: LaunchConfig) -> bool:
 
 def keras_warning(config: LaunchConfig, inventory: Inventory,
                   reports: Sequence[HostReport] | None = None) -> str | None:
-    """Keras 3 cannot model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585).
+    """Keras 3 cannot model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585), and a
+    custom training loop written for tf.keras (Keras 2: TensorFlow's own tutorials) fails on
+    Keras 3's changed API; legacy Keras (``TF_USE_LEGACY_KERAS=1`` with tf_keras) runs both.
 
     ``reports``: the preflight's, whose per-host Keras and tf_keras versions decide (the hosts'
     Pythons run the job, not this machine's); without them, this machine's Keras does."""
@@ -256,9 +265,11 @@ def keras_warning(config: LaunchConfig, inventory: Inventory,
             return None
         where, install = "", "Install tf_keras and pass"
     return (
-        f"Keras {', '.join(versions)} is installed{where} and TF_USE_LEGACY_KERAS is unset: Keras 3 cannot"
-        " model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585). "
-        f"{install} --env TF_USE_LEGACY_KERAS=1, or use a custom training loop."
+        f"Keras {', '.join(versions)} is installed{where} and TF_USE_LEGACY_KERAS is unset. Under"
+        " MultiWorkerMirroredStrategy, Keras 3 cannot model.fit (keras-team/keras#20585), and a custom training"
+        " loop written for tf.keras (as in TensorFlow's tutorials) fails on Keras 3's changed API"
+        f" (e.g. metric.reset_states). Legacy Keras runs both. {install} --env TF_USE_LEGACY_KERAS=1"
+        " (or set it in the script before it imports TensorFlow)."
     )
 
 
@@ -611,13 +622,40 @@ class HostsEngine:
         return config
 
     def dry_run(self, config: LaunchConfig, job_id: str) -> tuple[WorkerCommand, ...]:
-        planned_hosts = job_plan(config, self.inventory, job_id).hosts
-        pushed = dry_run_push(config, self.inventory, planned_hosts)
+        """Each rank's command as the launch would start it, nothing started or written. With a
+        host to reach over the network, the launch's own ``session`` runs (connect, agents with
+        the probe, the push survey and the free ports, the preflight, a push that writes
+        nothing), so the dry run shows the addresses, interfaces, GPUs and ports the ranks get;
+        where a host cannot be reached, the plan as written, with a warning. Ranks on this
+        machine alone: the plan, which is what they get (their addresses and ``lo``)."""
+        if not self.inventory.all_local:
+            from dlrun.errors import TransportError
+
+            try:
+                with self.session(config, job_id) as placed:
+                    return self._dry_commands(placed, job_id)
+            except TransportError as exc:
+                print("dlrun: warning: showing the plan as written, without the addresses, interfaces, GPUs and"
+                      f" free ports the hosts would give: {exc}", file=sys.stderr)
+                self.addresses, self.gpus, self.found_ifaces, self.ports = {}, {}, {}, None
+                warning = keras_warning(config, self.inventory)
+                if warning and not config.json_output:
+                    print(f"dlrun: warning: {warning}", file=sys.stderr)
+                planned_hosts = job_plan(config, self.inventory, job_id).hosts
+                pushed = planned_push(config, planned_hosts)
+        else:
+            planned_hosts = job_plan(config, self.inventory, job_id).hosts
+            pushed = dry_run_push(config, self.inventory, planned_hosts)
         self.dry_run_pushes = pushed.summaries
-        shown = replace(config, script=pushed.script) if pushed.script is not None else config
-        addresses = reachable_addresses(planned_hosts, {})
-        plan, commands = render_commands(shown, pushed.apply(self.inventory), job_id, cwd_for=pushed.cwd_for,
-                                         addresses=addresses)
+        self.inventory, self.cwd_for = pushed.apply(self.inventory), pushed.cwd_for
+        self.addresses = reachable_addresses(planned_hosts, {})
+        return self._dry_commands(replace(config, script=pushed.script) if pushed.script is not None else config,
+                                  job_id)
+
+    def _dry_commands(self, config: LaunchConfig, job_id: str) -> tuple[WorkerCommand, ...]:
+        """``--dry-run``'s commands, rendered as ``place`` renders them (``render``); Horovod's
+        rendezvous server is not started: its port is named, not chosen."""
+        plan, commands = self.render(config, job_id)
         if config.framework == "horovod":  # dlrun's rendezvous server binds a free port when the job starts
             server = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": facing_address([r.address for r in plan.ranks]),
                       "HOROVOD_GLOO_RENDEZVOUS_PORT": "<a free port, chosen at launch>"}
@@ -626,7 +664,9 @@ class HostsEngine:
 
     @contextmanager
     def session(self, config: LaunchConfig, job_id: str) -> Iterator[LaunchConfig]:
-        """Connect, start the agents (probe and survey first), check the preflight, plan, push."""
+        """Connect, start the agents (probe and survey first), check the preflight, plan, push.
+        With ``config.dry_run`` (``dry_run``): the push surveys and writes nothing, no setup runs,
+        and the agents are closed before they get any rank."""
         inventory, used_hosts = self.inventory, self.used_hosts
         transport = make_transport(inventory, config.ssh)
         agents = HostAgents(transport, used_hosts, pidns=config.pidns, host_timeout=config.ssh.host_timeout)
@@ -639,7 +679,7 @@ class HostsEngine:
             leave_out = Path(config.data) if config.data else None  # sent as shards, not with the code
             # hashes (or reads the cache) while we connect; over the size limit it raises before hashing
             manifest = pusher.submit(scan_code, code_dir, leave_out, log_dir=config.log_dir or DEFAULT_LOG_DIR,
-                                     limit=push_limit(config))
+                                     limit=push_limit(config), save_cache=not config.dry_run)
         try:
             addresses = reachable_addresses(used_hosts, transport.connect(used_hosts))
             targets = survey_code(code_dir, used_hosts, manifest.result()) if code_dir and manifest is not None else {}
@@ -688,9 +728,14 @@ class HostsEngine:
                     plan = job_plan(config, inventory, job_id, addresses, self.ports)
                 else:
                     check_ports_free(plan, free)
-            pushed = push_for_launch(config, transport, plan.hosts, settled_hosts(targets, answers))
-            run_setup_step(config, transport, plan.hosts, pushed, job_id,
-                           manifest.result() if manifest is not None else None)
+            settled = settled_hosts(targets, answers)
+            if config.dry_run:  # what a push would do: survey only, nothing written
+                settled = {name: replace(summary, dry_run=True) for name, summary in settled.items()}
+            pushed = push_for_launch(config, transport, plan.hosts, settled, dry_run=config.dry_run)
+            self.dry_run_pushes = pushed.summaries if config.dry_run else ()
+            if not config.dry_run:
+                run_setup_step(config, transport, plan.hosts, pushed, job_id,
+                               manifest.result() if manifest is not None else None)
             self.inventory, self.transport, self.agents = pushed.apply(inventory), transport, agents
             self.addresses, self.cwd_for = addresses, pushed.cwd_for
             yield config if pushed.script is None else replace(config, script=pushed.script)
@@ -748,6 +793,14 @@ class HostsEngine:
             raise
         return agents
 
+    def render(self, config: LaunchConfig, job_id: str,
+               rendezvous: tuple[str, int] | None = None) -> tuple[Plan, tuple[WorkerCommand, ...]]:
+        """Every rank's command from what the session found: addresses, run folders, GPUs,
+        interfaces and ports (``place`` and ``--dry-run`` alike)."""
+        return render_commands(config, self.inventory, job_id, addresses=self.addresses, cwd_for=self.cwd_for,
+                               rendezvous=rendezvous, gpus_for=self.gpus, found_ifaces=self.found_ifaces,
+                               ports=self.ports)
+
     @contextmanager
     def place(self, config: LaunchConfig, job_id: str, view: View, *, detached: bool = False) -> Iterator[Placement]:
         """``detached``: Horovod's rendezvous is the leader keeper's, on host 0: the ranks get its
@@ -772,10 +825,7 @@ class HostsEngine:
                         hint="give host 0 an IPv4 address in --hosts")
             elif config.framework == "horovod":
                 rendezvous = stack.enter_context(horovod_rendezvous(plan))
-            _, commands = render_commands(
-                config, self.inventory, job_id, addresses=self.addresses, cwd_for=self.cwd_for,
-                rendezvous=rendezvous, gpus_for=self.gpus, found_ifaces=self.found_ifaces, ports=self.ports,
-            )
+            _, commands = self.render(config, job_id, rendezvous)
             yield Placement(self.transport, commands, agents,
                             ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None)
 
@@ -830,10 +880,17 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
         check_detach(config, isinstance(engine, HostsEngine))
     job_id = new_job_id()
     # with a preflight, the hosts' own Keras decides (HostsEngine.session warns then)
-    probed = isinstance(engine, HostsEngine) and config.preflight and not config.dry_run
+    probed = isinstance(engine, HostsEngine) and config.preflight and (
+        not config.dry_run or not engine.inventory.all_local)  # a dry run on hosts runs the session too
     warning = None if probed else keras_warning(config, engine.inventory)
     if config.dry_run:
-        commands = engine.dry_run(config, job_id)
+        hosts_engine = isinstance(engine, HostsEngine)
+        if hosts_engine:  # the dry run's one usage check before it reaches the hosts (it writes nothing)
+            code_dir_to_push(config, strict=not engine.inventory.all_local)
+            say_framework(config)
+        commands = engine.dry_run(config, job_id)  # Spark's refuses
+        if not hosts_engine:
+            say_framework(config)
         warn_replaced_env(config, commands)
         if config.json_output:
             document = plan_to_json(commands)
@@ -847,11 +904,14 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
             if warning:
                 print(f"dlrun: warning: {warning}", file=sys.stderr)
             print(dry_run_text(commands))
+            if isinstance(engine, HostsEngine) and engine.ports is not None and config.base_port is None:
+                print("ports: free on each host now; a launch asks again and may get others (--base-port P fixes them)")
             print(restart_policy_text(config))
         return RunResult(ranks=(), exit_code=0, commands=commands, job_id=job_id, attempts=0)
+    check_local_inputs(config, engine.inventory)
+    say_framework(config)
     if warning:
         print(f"dlrun: warning: {warning}", file=sys.stderr)
-    check_local_inputs(config, engine.inventory)
     shown = view or make_view(config.ranks_shown, force_plain=config.plain)
     logs = Path(config.log_dir or DEFAULT_LOG_DIR) / job_id
     history: list[Attempt] = []
