@@ -175,8 +175,9 @@ def source_file(config: LaunchConfig) -> Path | None:
 def names_project_files(config: LaunchConfig, root: Path) -> bool:
     """Does the module or command name something in ``root``: the module's package (or file),
     or an argument that is a relative path to a file or folder inside it?"""
-    if config.module:
-        top = config.script.split(".")[0]
+    entry = entry_point(config.script, config.args, module=config.module)
+    if entry.kind == "module":
+        top = entry.name.split(".")[0]
         return (root / top).is_dir() or (root / f"{top}.py").is_file()
     for arg in (config.script, *config.args):
         if not arg or arg.startswith("-") or Path(arg).is_absolute() or "\0" in arg:
