@@ -106,6 +106,10 @@ def test_dry_run_lists_modules_r_commands_and_what_is_pushed(cluster, tmp_path: 
     assert argv == [["Rscript", "train.R"]] * 2 and cwd == remote
     argv, cwd, _ = plan("run.sh")
     assert argv == [["bash", "run.sh"]] * 2 and cwd == remote
+    (root / "tool").write_text("#!/bin/sh\necho tool\n")
+    (root / "tool").chmod(0o755)
+    argv, cwd, _ = plan("./tool")  # the system runs it: in the pushed folder it stays ./tool, not a PATH lookup
+    assert argv == [["./tool"]] * 2 and cwd == remote
     argv, cwd, _ = plan("--no-python", "python3", "-m", "pkg.train")
     assert argv == [["python3", "-m", "pkg.train"]] * 2 and cwd == remote
     argv, cwd, document = plan("bash", "-c", "nvidia-smi -L")
