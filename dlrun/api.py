@@ -105,6 +105,8 @@ def launch(
     host_timeout: float | None = None,
     view: View | None = None,
     detach: bool = False,
+    module: bool = False,
+    no_python: bool = False,
 ) -> RunResult:
     """Run ``script`` on every rank, as ``dlrun launch`` does; how the job ended.
 
@@ -115,7 +117,10 @@ def launch(
     lines elsewhere). ``gpu_every``: seconds between GPU samples on every host (0: none); the
     result's ``gpu_summary`` and ``gpu_warnings`` say how the GPUs were used (``gpu_idle_after``:
     when an idle one is named). ``detach``: hand the job to the hosts and return once every rank
-    started (``ps``, ``logs``, ``attach``, ``stop`` follow it).
+    started (``ps``, ``logs``, ``attach``, ``stop`` follow it). ``module``: ``script`` is a
+    Python module (``-m pkg.train``), run with each host's python in the project (the current
+    folder or ``code``); ``no_python``: the command runs exactly as given (``python``, ``.py``,
+    ``.R`` and ``.sh`` get no interpreter from dlrun).
     """
     from dlrun.run.launch import LaunchConfig, run_job
 
@@ -124,6 +129,8 @@ def launch(
                          hint="dlrun's options are listed by dlrun launch --help; the script comes before its own")
     if json_output and not dry_run:
         raise UsageError("--json goes with --dry-run")
+    if module and no_python:
+        raise UsageError("-m and --no-python exclude each other: -m runs the module with each host's python")
     if backend not in ("ssh", "spark"):
         raise UsageError(f"--backend {backend}: expected ssh or spark")
     if gpu_every < 0 or gpu_idle_after < 0:
@@ -135,7 +142,7 @@ def launch(
         pidns=pidns, preflight=preflight, push=push, data=None if data is None else str(data), shard=shard,
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
         min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
-        gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach,
+        gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach, module=module, no_python=no_python,
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
                         connect_timeout=connect_timeout, host_timeout=host_timeout),
     )
@@ -145,6 +152,8 @@ def launch(
 
     if detach:
         raise UsageError("--detach goes with the SSH backend (a Spark stage lives with its driver)")
+    if module:
+        raise UsageError("-m goes with the SSH backend (Spark ships one script file)")
     if master is None:
         raise UsageError("--backend spark needs --master URL")
     if hosts is not None:

@@ -321,7 +321,8 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
     configs = keeper_configs(
         job_id, attempts, agent_argv_of=lambda h: agent_argv(default_python(h), pidns=config.pidns),
         token=secrets.token_hex(32), cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
-        host_timeout=config.ssh.host_timeout, script=" ".join([config.script, *config.args])[:200],
+        host_timeout=config.ssh.host_timeout,
+        script=" ".join(["-m"] * config.module + [config.script, *config.args])[:200],
         pidns_source=source_of("agent"), gpu_every=config.gpu_every,
         rendezvous_source=source_of("rendezvous") if config.framework == "horovod" else None,
         ends_job=placement.ends_job)

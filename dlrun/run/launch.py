@@ -32,6 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from dlrun.command import SOURCE_SUFFIXES, entry_point, interpreter_for, module_paths, runs_directly
 from dlrun.errors import DlrunError, RendezvousError, UsageError
 from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
 from dlrun.plan import (
@@ -112,19 +113,30 @@ class LaunchConfig:
     gpu_idle_after: float = 60.0  # --gpu-idle-after: an idle GPU beside a busy one is named after this long
     detected: Detected | None = None  # what --framework auto found in the script (resolve_framework)
     detach: bool = False  # --detach: the hosts' keepers run the job (dlrun.run.detach)
+    module: bool = False  # -m: script is a Python module, run with each host's python -m in the project
+    no_python: bool = False  # --no-python: the command runs exactly as given (no python, Rscript, bash)
 
 
 def resolve_framework(config: LaunchConfig) -> LaunchConfig:
-    """``--framework auto``: read the script's imports (never running it) and pick the contract
+    """``--framework auto``: read the imports of the job's code (the script, the module's source,
+    or the ``.py``/``.R`` file a command names; never running it) and pick the contract
     (``say_framework`` tells it once the usage checks passed); an explicit framework stays as given."""
     if config.framework != AUTO:
         return config
-    script = Path(config.script)
-    if config.script.endswith(".py"):
+    entry = entry_point(config.script, config.args, module=config.module)
+    source = source_file(config)
+    if source is not None and source.name.endswith(SOURCE_SUFFIXES):
+        shown = source.as_posix() if config.module else source.name
         try:
-            detected = detect_framework(config.script, script.read_text(encoding="utf-8", errors="replace"))
+            detected = detect_framework(shown, source.read_text(encoding="utf-8", errors="replace"))
         except OSError:
-            detected = Detected(TF_AND_TORCH, f"{script.name} cannot be read here: both the tf and the torch contracts")
+            detected = Detected(TF_AND_TORCH, f"{source.name} cannot be read here: both the tf and the torch contracts")
+    elif entry.kind == "file" and entry.name.endswith(SOURCE_SUFFIXES):
+        detected = Detected(TF_AND_TORCH, f"{Path(entry.name).name} cannot be read here:"
+                            " both the tf and the torch contracts")
+    elif entry.kind == "module":
+        detected = Detected(TF_AND_TORCH, f"module {entry.name} is not in {project_root(config)}:"
+                            " both the tf and the torch contracts")
     else:
         detected = detect_framework(config.script, None)
     return replace(config, framework=detected.framework, detected=detected)
@@ -135,6 +147,55 @@ def say_framework(config: LaunchConfig) -> None:
     Said after the usage checks, so that a usage error is the only thing printed."""
     if config.detected is not None:
         print(f"dlrun: framework {config.detected.framework} ({config.detected.reason})", file=sys.stderr)
+
+
+def project_root(config: LaunchConfig) -> Path:
+    """Where a module or a command (not a script given alone) finds its files: ``--code``, else
+    the current folder. The command runs there (on every host: the pushed copy)."""
+    return Path(config.code).resolve() if config.code is not None else Path.cwd()
+
+
+def script_given_alone(config: LaunchConfig) -> bool:
+    """Is the job a script file named as the program (``train.py``, ``./run.sh``), not a module
+    or a command (``python -m pkg.train``, ``Rscript train.R``)?"""
+    return not config.module and Path(config.script).is_file()
+
+
+def source_file(config: LaunchConfig) -> Path | None:
+    """The local file holding the job's code: the script, the module's source under the
+    project (``pkg/train.py``, ``pkg/train/__main__.py``), or the file a command names; None
+    when there is none here."""
+    entry = entry_point(config.script, config.args, module=config.module)
+    if entry.kind == "file" and script_given_alone(config):
+        return Path(config.script)
+    root = project_root(config)
+    if entry.kind == "module":
+        found = (root / path for path in module_paths(entry.name))
+        return next((path.relative_to(root) if root == Path.cwd() else path for path in found if path.is_file()),
+                    None)
+    if entry.kind == "file":
+        path = root / entry.name
+        return (Path(entry.name) if root == Path.cwd() else path) if path.is_file() else None
+    return None
+
+
+def names_project_files(config: LaunchConfig, root: Path) -> bool:
+    """Does the module or command name something in ``root``: the module's package (or file),
+    or an argument that is a relative path to a file or folder inside it?"""
+    entry = entry_point(config.script, config.args, module=config.module)
+    if entry.kind == "module":
+        top = entry.name.split(".")[0]
+        return (root / top).is_dir() or (root / f"{top}.py").is_file()
+    for arg in (config.script, *config.args):
+        if not arg or arg.startswith("-") or Path(arg).is_absolute() or "\0" in arg:
+            continue
+        try:
+            path = (root / arg).resolve()
+        except (OSError, ValueError):
+            continue
+        if path != root and path.is_relative_to(root) and path.exists():
+            return True
+    return False
 
 
 def new_job_id() -> str:
@@ -198,6 +259,8 @@ def render_commands(
         ifaces=socket_ifaces(plan, config.iface, found_ifaces or {}),
         server_argv=["-c", server_source()] if config.framework == "tf-ps" else None,
         gpus_for=gpus_for,
+        module=config.module,
+        no_python=config.no_python,
     )
     return plan, commands
 
@@ -235,7 +298,8 @@ def keras_warning(config: LaunchConfig, inventory: Inventory,
     if "TF_USE_LEGACY_KERAS" in config.env:
         return None
     try:  # a script that opts in itself (as examples/train_digits.py does) needs no warning
-        if "TF_USE_LEGACY_KERAS" in Path(config.script).read_text(encoding="utf-8", errors="replace"):
+        source = source_file(config)
+        if source is not None and "TF_USE_LEGACY_KERAS" in source.read_text(encoding="utf-8", errors="replace"):
             return None
     except OSError:
         pass
@@ -289,16 +353,19 @@ class Pushed:
 
 
 def code_dir_to_push(config: LaunchConfig, *, strict: bool = False) -> Path | None:
-    """The folder ``launch`` pushes (``--push`` and a script file): ``--code DIR``, else the
-    script's directory, unless the script is an installed program (``/usr/bin/…``, a
+    """The folder ``launch`` pushes (with ``--push``). A script given alone: ``--code DIR``,
+    else the script's directory, unless the script is an installed program (``/usr/bin/…``, a
     ``site-packages``: nothing pushed). A script directly in the home folder or ``/`` has
     none: with ``strict`` (remote hosts to push to) that is a ``UsageError``
-    (``dlrun.push.tree.push_root_for``)."""
+    (``dlrun.push.tree.push_root_for``). A module or a command: ``--code DIR``, else the
+    current folder when the module is there or an argument names a file in it (else nothing)."""
     from dlrun.push.tree import push_root_for, system_folders
 
     script = Path(config.script)
-    if not config.push or not script.is_file():
+    if not config.push:
         return None
+    if not script_given_alone(config):
+        return command_project(config, strict=strict)
     if config.code is not None:
         code = Path(config.code).resolve()
         if not script.resolve().is_relative_to(code):
@@ -313,9 +380,36 @@ def code_dir_to_push(config: LaunchConfig, *, strict: bool = False) -> Path | No
         return None
 
 
+def command_project(config: LaunchConfig, *, strict: bool) -> Path | None:
+    """The project a module or a command pushes: ``--code`` (always), else the current folder
+    when the command names something in it (``names_project_files``). The home folder or ``/``
+    is not a project: with ``strict`` that is a ``UsageError``, else nothing is pushed."""
+    if config.code is not None:
+        return Path(config.code).resolve()
+    root = Path.cwd().resolve()
+    if not names_project_files(config, root):
+        return None
+    if root == Path(root.anchor) or root == Path.home().resolve():
+        if not strict:
+            return None
+        where = "the home folder" if root != Path(root.anchor) else "/"
+        raise UsageError(f"the command names files in {where} ({root}): dlrun pushes the current folder, and that"
+                         " would be all of it; nothing was pushed",
+                         hint="run dlrun from a project folder, name the folder to push with --code DIR, "
+                         "or run what is already on the hosts with --no-push")
+    return root
+
+
 def script_in_push(config: LaunchConfig, code_dir: Path) -> str:
-    """The script as the ranks name it, relative to the pushed folder (a link: its target)."""
-    return Path(config.script).resolve().relative_to(code_dir).as_posix()
+    """The script as the ranks name it, relative to the pushed folder (a link: its target); a
+    program the system runs itself keeps a ``./``. A module or a command stays as given: it
+    runs in the pushed folder, where its arguments name the same files."""
+    if not script_given_alone(config):
+        return config.script
+    name = Path(config.script).resolve().relative_to(code_dir).as_posix()
+    if "/" not in name and runs_directly(name, no_python=config.no_python):
+        return f"./{name}"
+    return name
 
 
 def push_limit(config: LaunchConfig) -> PushLimit:
@@ -352,7 +446,7 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
     code_dir = code_dir_to_push(config)
     remote = [h for h in hosts if not h.is_local]
     if code_dir is None or not remote:
-        return Pushed(env_for, summaries=tuple(shown))
+        return Pushed(env_for, local_cwd(config, code_dir, hosts), summaries=tuple(shown))
     done = dict(settled or {})
     pending = [h for h in remote if h.name not in done]
     with PushView([h.name for h in remote], live=live) as view:
@@ -418,9 +512,17 @@ def planned_push(config: LaunchConfig, hosts: Sequence[Host]) -> Pushed:
     env_for = {h.name: shard_env(i, len(hosts), h) for i, h in enumerate(hosts)} if config.data else {}
     code_dir = code_dir_to_push(config)
     if code_dir is None or all(h.is_local for h in hosts):
-        return Pushed(env_for)
+        return Pushed(env_for, local_cwd(config, code_dir, hosts))
     cwd_for = {h.name: str(code_dir) if h.is_local else code_dir_on(h, code_dir) for h in hosts}
     return Pushed(env_for, cwd_for, script_in_push(config, code_dir))
+
+
+def local_cwd(config: LaunchConfig, code_dir: Path | None, hosts: Sequence[Host]) -> dict[str, str | None] | None:
+    """Where ranks run when nothing goes to remote hosts: a module or a command with ``--code``
+    runs in that folder (its arguments name files there); else the default (None)."""
+    if code_dir is None or config.code is None or script_given_alone(config):
+        return None
+    return {h.name: str(code_dir) if h.is_local else None for h in hosts}
 
 
 def survey_code(code_dir: Path, hosts: Sequence[Host], manifest: Manifest) -> dict[str, PushTarget]:
@@ -523,8 +625,12 @@ def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
     if code_dir is not None and config.data and code_dir.is_relative_to(Path(config.data).resolve()):
         raise UsageError(f"--data {config.data} holds the script's directory {code_dir}, which is pushed as code:"
                          " every file would go twice", hint="keep the dataset in a directory of its own")
+    if config.module and (config.script.endswith(".py") or "/" in config.script):
+        raise UsageError(f"-m {config.script}: -m takes a module name (pkg.train), not a file",
+                         hint=f"dlrun launch {config.script} runs a script file")
     here = config.push or any(h.is_local for h in inventory.hosts)
-    if here and config.script.endswith(".py") and not Path(config.script).is_file():
+    if (here and not config.module and (config.script.endswith(".py") or interpreter_for(config.script))
+            and not Path(config.script).is_file()):
         raise UsageError(f"script not found: {config.script}",
                          hint="with --no-push, a path on the hosts is not checked here")
     log_root = Path(config.log_dir or DEFAULT_LOG_DIR)
