@@ -424,7 +424,7 @@ class Supervisor:
             reason = "could not start"
         else:
             ended = "the host's agent ended before its ranks did"
-            reason = link.channel.lost_reason() or (ended if code is not None else "connection to the host was lost")
+            reason = link.channel.lost_reason() or (ended if code else "connection to the host was lost")
         self._host_failed(host, with_agent_words(reason, stderr, code))
 
     def _silent(self, host: str, seconds: float) -> None:
