@@ -17,6 +17,7 @@ import shlex
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -155,7 +156,7 @@ def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
     ``ends``)."""
     channel = transport.open(host, boot_argv(default_python(host), "jobs"))
     try:
-        channel.send(boot_payload("jobs") + json.dumps({**request, "stream": True}).encode() + b"\n")
+        channel.send(boot_payload("jobs") + json.dumps({**request, "stream": True, "zlib": True}).encode() + b"\n")
         channel.close_stdin()
         buf = bytearray()
         header: dict[str, Any] | None = None
@@ -165,7 +166,8 @@ def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
             if header is not None:
                 need = int(header["length"])
                 if len(buf) >= need:
-                    on_piece(str(header["key"]), header, bytes(buf[:need]))
+                    piece = bytes(buf[:need])
+                    on_piece(str(header["key"]), header, zlib.decompress(piece) if header.get("zlib") else piece)
                     del buf[:need]
                     header = None
                     continue
@@ -511,7 +513,7 @@ class LogFollower:
             with lock:
                 if claimed.setdefault(key, host) != host or int(header["offset"]) < self.offsets.get(key, 0):
                     return
-                self.offsets[key] = int(header["offset"]) + len(data)
+                self.offsets[key] = int(header["offset"]) + len(data)  # data: as the file holds it
                 self.show(key, str(header.get("host", "?")), data)
 
         def ask(host: Host) -> None:
