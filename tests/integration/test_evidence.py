@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script, start_ssh_job
 from support.sshd_cluster import count_job_processes, wait_job_processes_gone
 
 TORCH_LABELS = """
@@ -128,13 +128,33 @@ def test_a_killed_agent_without_a_pid_namespace_leaves_no_process(tmp_path: Path
         job_id = match.group(1) if match else job_id
     time.sleep(0.5)
     assert len(count_job_processes(job_id)) >= 4  # 2 ranks, 2 setsid children
-    agents = [pid for pid in agent_pids() if comm(pid) != "dlrun-guard" and comm(parent(pid)) == "dlrun-guard"]
+    agents = agents_of(job_id)
     assert len(agents) == 1, agents
     os.kill(agents[0], signal.SIGKILL)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 255, "".join(lines) + out
     assert "was killed by SIGKILL" in out and "lost" in out, out
     assert wait_job_processes_gone(job_id, timeout=20) == []
+
+
+@pytest.mark.ssh
+def test_a_killed_agent_on_an_sshd_host_without_a_pid_namespace_leaves_no_process(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path) -> None:
+    script = shared_script(cluster, "forker.py", (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"))
+    proc, lines = start_ssh_job(cluster, tmp_path, 2, "--no-pidns", str(script), ready=2)
+    job_id = next(m.group(1) for line in lines if (m := re.search(r"logs in dlrun-logs/([\w-]+)/", line)))
+    agents = agents_of(job_id)
+    assert len(agents) == 2, agents  # one per host, each under its guardian
+    os.kill(agents[0], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 255, "".join(lines) + out
+    assert "was killed by SIGKILL" in out, out
+    assert re.search(r"^\s+\d\s+host\d\s+255\s+lost\s", out, re.M), out
+    assert wait_job_processes_gone(job_id, timeout=30) == []
 
 
 @pytest.mark.slow
@@ -147,19 +167,10 @@ def test_peers_that_left_early_are_named_as_the_likely_cause(tmp_path: Path) -> 
     assert "a resume checkpoint that only some hosts have" in cause
 
 
-def agent_pids() -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                argv = fh.read().split(b"\0")
-        except OSError:
-            continue
-        if b"dlrun-agent" in argv and os.stat(f"/proc/{entry}").st_uid == os.getuid():
-            found.append(int(entry))
-    return found
+def agents_of(job_id: str) -> list[int]:
+    """The job's agents: the parents of its ranks, each the child of a ``dlrun-guard``."""
+    parents = {parent(pid) for pid in count_job_processes(job_id)}
+    return sorted(pid for pid in parents if comm(pid) != "dlrun-guard" and comm(parent(pid)) == "dlrun-guard")
 
 
 def comm(pid: int) -> str:
