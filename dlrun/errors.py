@@ -19,6 +19,7 @@ The tree::
     ├── SyncError                   push failed (space, permission, verification) on a host
     ├── PreflightError              exit 1: error findings stop the launch
     ├── RendezvousError             the Horovod key-value server could not start
+    ├── JobStartError               exit 1: a detached job's keepers or ranks did not start (the job is stopped)
     └── BackendError                a backend (Spark) cannot run the job (missing pyspark, slots)
         └── BackendUnavailable      exit 255: its cluster failed us (Spark did not start, tasks never reported)
 
@@ -140,3 +141,10 @@ class BackendUnavailable(BackendError):
     failed or its tasks never reported): like an unreachable host, not a usage error."""
 
     exit_code = 255
+
+
+class JobStartError(DlrunError):
+    """A detached job could not start: a keeper failed to start, or its ranks did not all start
+    in time. The keepers that did start stop the job; nothing is left running."""
+
+    exit_code = 1

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TextIO
 
-from dlrun.errors import DlrunError, HostUnreachable, TransportError, UsageError
+from dlrun.errors import DlrunError, HostUnreachable, JobStartError, TransportError, UsageError
 from dlrun.inventory import Host
 from dlrun.plan import RankSpec
 from dlrun.remote import boot_argv, boot_payload, keeper, source_of
@@ -137,7 +137,8 @@ def run_program(transport: Transport, host: Host, name: str, request: Mapping[st
                            stdin=boot_payload(name) + json.dumps(request).encode() + b"\n", timeout=timeout)
     if result.exit_code != 0:
         detail = " / ".join(result.stderr.decode("utf-8", "replace").strip().splitlines()[-3:])
-        raise DlrunError(f"dlrun-{name} exited with code {result.exit_code}: {detail}", host=host.name)
+        error = JobStartError if name == "keeper" else DlrunError
+        raise error(f"dlrun-{name} exited with code {result.exit_code}: {detail}", host=host.name)
     try:
         answer: dict[str, Any] = json.loads(result.stdout.decode("utf-8", "replace").strip().splitlines()[-1])
     except (ValueError, IndexError) as exc:
@@ -367,7 +368,7 @@ def wait_started(transport: Transport, leader: Host, job_id: str) -> JobRecord:
             if record.state != "starting":
                 return record
         if time.monotonic() > deadline:
-            raise DlrunError(f"the ranks of detached job {job_id} did not all start within {START_TIMEOUT:g} s;"
+            raise JobStartError(f"the ranks of detached job {job_id} did not all start within {START_TIMEOUT:g} s;"
                              f" the job is stopped (dlrun logs {job_id} shows what they printed)", host=leader.name)
         time.sleep(POLL)
 
