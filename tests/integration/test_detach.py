@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dlrun_argv, example, hosts_toml, roles_toml, run_dlrun, shared_script
+from support.scripts import TORCH_LABELS
 from support.sshd_cluster import TEST_USER_HOME, wait_job_processes_gone
 
 pytestmark = pytest.mark.ssh
@@ -316,14 +317,6 @@ def test_a_detached_tf_ps_job_ends_with_its_chief_and_stops_the_servers(cluster,
 
 
 # --------------------------------------------------------------------------- evidence (issue 28)
-
-TORCH_LABELS = """
-import datetime, torch, torch.distributed as dist
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-if dist.get_rank() == 0:
-    raise ValueError(f"labels out of range: {torch.randint(0, 100, (40, 12))}")
-dist.barrier()
-"""
 
 # rank 1 writes 70,000 numbered lines, then raises
 LONG_LOG = """
