@@ -410,7 +410,8 @@ class SSHChannel(Channel):
 
 
 def _print_note(note: str) -> None:
-    print(f"dlrun: note: {note}", file=sys.stderr)
+    sys.stderr.write(f"dlrun: note: {note}\n")  # one write: threads print no half lines
+    sys.stderr.flush()
 
 
 def parse_jump(spec: str) -> tuple[str | None, str, int | None]:
@@ -841,11 +842,11 @@ class SSHTransport(Transport):
 
     def _note(self, name: str, note: str | None) -> None:
         """Show a host's note once per transport (each channel to the host would repeat it)."""
-        with self._notes_lock:
+        with self._notes_lock:  # held while it prints: two hosts' notes never share a line
             if note is None or name in self._noted:
                 return
             self._noted.add(name)
-        self.notify(note)
+            self.notify(note)
 
     def close(self) -> None:
         # bastions first: a target's socket is a channel on its bastion, and closing it over
