@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.ssh
 SHELLS = ("sh", "bash", "zsh", "fish", "tcsh")
 TRAIN = "import os\nprint('hello from rank', os.environ['DLRUN_RANK'], flush=True)\n"
 SLEEPER = "import time\nprint('ready', flush=True)\ntime.sleep(600)\n"
-SYSTEM_PYTHON = "/usr/bin/python3"
+SYSTEM_PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
 
 
 def shell_path(name: str) -> str:
