@@ -97,8 +97,8 @@ def project(tmp_path: Path, cluster: SshdCluster) -> tuple[Path, tuple[str, ...]
 
 
 def every_command_works(cluster: SshdCluster, tmp_path: Path) -> list[str]:
-    """launch (which pushes), push, topo, and a detached launch with ps and stop; each command's
-    stderr, for the notes."""
+    """launch (which pushes), push, topo, and a detached launch with ps, stop and logs; each
+    command's stderr, for the notes."""
     code, ssh = project(tmp_path, cluster)
     errors = []
 
@@ -137,6 +137,10 @@ def every_command_works(cluster: SshdCluster, tmp_path: Path) -> list[str]:
     assert stop.returncode == 143, stop.stdout + stop.stderr
     assert wait_job_processes_gone(job, timeout=30) == []
     errors.append(stop.stderr)
+    logs = run_dlrun("logs", job, *ssh, cwd=code, timeout=120)
+    assert logs.returncode == 0, logs.stdout + logs.stderr
+    assert "[0 host0] ready\n" in logs.stdout and "[1 host1] ready\n" in logs.stdout, logs.stdout + logs.stderr
+    errors.append(logs.stderr)
     return errors
 
 
