@@ -145,6 +145,9 @@ class Target:
         return self.config.proxy_command
 
 
+#: How long stderr's start marker may lag behind stdout's (seconds).
+STDERR_MARKER_WAIT = 2.0
+
 _Sock = socket.socket | paramiko.Channel | paramiko.ProxyCommand  # what paramiko connects over
 
 
@@ -319,7 +322,9 @@ class SSHChannel(Channel):
                     raise shell.not_started(self.host, bytes(out), self._take_stderr(), exit_code=code, timeout=None)
                 out += data
             before, self._pending = split
-            return before, self._stderr_before(mark, deadline)
+            # stderr's marker was printed first and travels in the same sshd loop: it follows at
+            # once, unless a startup file sent stderr elsewhere (exec 2>file), then it never comes
+            return before, self._stderr_before(mark, min(deadline, time.monotonic() + STDERR_MARKER_WAIT))
         finally:
             self.channel.settimeout(None)
 

@@ -154,6 +154,8 @@ NOISE = {
     "one line on stderr": "echo 'Welcome to the cluster' >&2\n",
     "a screenful on both": "for i in $(seq 1 40); do echo \"Welcome to the cluster, line $i\"; "
                            "echo \"module: line $i\" >&2; done\n",
+    # stderr's marker never comes: dlrun waits for it only briefly
+    "stderr sent elsewhere": "exec 2>/dev/null; echo 'Welcome to the cluster'\n",
 }
 
 
