@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TextIO
 
-from dlrun.errors import DlrunError, UsageError
+from dlrun.errors import DlrunError, TransportError, UsageError
 from dlrun.inventory import Host
 from dlrun.plan import RankSpec
 from dlrun.remote import boot_argv, boot_payload, keeper, source_of
@@ -281,10 +281,20 @@ class JobHosts:
         self.hosts = tuple(hosts)
 
     def ask(self, request: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-        """Every host's answer (in parallel), by host name."""
+        """Every host's answer (in parallel), by host name; an error names every host that failed."""
         with ThreadPoolExecutor(max_workers=min(32, len(self.hosts))) as pool:
-            answers = list(pool.map(lambda h: run_program(self.transport, h, "jobs", request), self.hosts))
-        return {h.name: a for h, a in zip(self.hosts, answers, strict=True)}
+            futures = [pool.submit(run_program, self.transport, h, "jobs", request) for h in self.hosts]
+        failures = [exc for exc in (f.exception() for f in futures) if exc is not None]
+        if len(failures) == 1 or any(not isinstance(exc, DlrunError) for exc in failures):
+            raise failures[0]
+        if failures:
+            errors = [exc for exc in failures if isinstance(exc, DlrunError)]
+            hints = dict.fromkeys(exc.hint for exc in errors if exc.hint)
+            kind = TransportError if all(isinstance(exc, TransportError) for exc in errors) else DlrunError
+            raise kind(f"{len(errors)} of {len(self.hosts)} hosts did not answer:\n"
+                       + "\n".join(f"  {exc.host}: {exc.message}" if exc.host else f"  {exc}" for exc in errors),
+                       hint="; ".join(hints) or None)
+        return {h.name: f.result() for h, f in zip(self.hosts, futures, strict=True)}
 
     def ps(self) -> list[JobRecord]:
         return merge_records([d for a in self.ask({"op": "ps"}).values() for d in a.get("jobs", [])])
