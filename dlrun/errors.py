@@ -15,6 +15,7 @@ The tree::
     │   ├── HostUnreachable         DNS failure, refused, timeout, dropped connection
     │   ├── AuthenticationFailed    no key was accepted
     │   ├── HostKeyError            unknown (not opted in) or changed host key
+    │   ├── LoginShellError         the login shell ended or waited instead of starting dlrun's program
     │   └── RemoteCommandError      a control command on a host failed (probe, push helper)
     ├── SyncError                   push failed (space, permission, verification) on a host
     ├── PreflightError              exit 1: error findings stop the launch
@@ -93,6 +94,11 @@ class AuthenticationFailed(TransportError):
 
 class HostKeyError(TransportError):
     """The host's key is unknown (and the user did not opt in) or differs from known_hosts."""
+
+
+class LoginShellError(TransportError):
+    """The login user's shell never started dlrun's program: a startup file exited, exec'd or
+    waited; the message names what the shell printed instead."""
 
 
 class RemoteCommandError(TransportError):

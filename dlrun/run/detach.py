@@ -386,23 +386,31 @@ class JobHosts:
         self.transport = transport
         self.hosts = tuple(hosts)
         self.unreachable: dict[str, str] = {}
+        self.hints: dict[str, None] = {}  # each host's hint once (a login shell's startup file, a key)
         self.warn = warn if warn is not None else sys.stderr
         for name, why in (unreachable or {}).items():
             self.left_out(name, why)
 
-    def left_out(self, name: str, why: str) -> None:
+    def left_out(self, name: str, why: str, hint: str | None = None) -> None:
+        if hint:
+            self.hints.setdefault(hint)
         if name not in self.unreachable:
             self.unreachable[name] = why
             self.warn.write(f"dlrun: warning: {name} cannot be reached ({why.splitlines()[0][:200]});"
                             " what it holds is not shown\n")
             self.warn.flush()
 
+    def none_reached(self) -> HostUnreachable:
+        """The error when no host answers: each host with its reason, each hint once."""
+        return HostUnreachable(f"none of the {len(self.hosts)} hosts answered:\n" + "\n".join(
+            f"  {name}: {why.splitlines()[0][:200]}" for name, why in self.unreachable.items()),
+            hint="; ".join(self.hints) or None)
+
     def ask(self, request: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """Every reachable host's answer (in parallel), by host name."""
         hosts = [h for h in self.hosts if h.name not in self.unreachable]
         if not hosts:
-            raise HostUnreachable("no host can be reached: " + "; ".join(
-                f"{name}: {why.splitlines()[0][:160]}" for name, why in self.unreachable.items()))
+            raise self.none_reached()
 
         def one(host: Host) -> dict[str, Any] | DlrunError:
             try:
@@ -415,12 +423,11 @@ class JobHosts:
         out: dict[str, dict[str, Any]] = {}
         for host, answer in zip(hosts, answers, strict=True):
             if isinstance(answer, DlrunError):
-                self.left_out(host.name, str(answer.message))
+                self.left_out(host.name, str(answer.message), answer.hint)
             else:
                 out[host.name] = answer
         if not out:
-            raise HostUnreachable("no host can be reached: " + "; ".join(
-                f"{name}: {why.splitlines()[0][:160]}" for name, why in self.unreachable.items()))
+            raise self.none_reached()
         return out
 
     def ps(self) -> list[JobRecord]:
@@ -469,10 +476,9 @@ class JobHosts:
             errors = list(pool.map(one, hosts))
         for host, error in zip(hosts, errors, strict=True):
             if error is not None:
-                self.left_out(host.name, str(error.message))
+                self.left_out(host.name, str(error.message), error.hint)
         if len(self.unreachable) == len(self.hosts):
-            raise HostUnreachable("no host can be reached: " + "; ".join(
-                f"{name}: {why.splitlines()[0][:160]}" for name, why in self.unreachable.items()))
+            raise self.none_reached()
 
 
 class LogFollower:
