@@ -442,13 +442,16 @@ def test_a_full_disk_drops_log_lines_and_the_job_goes_on(cluster, tmp_path: Path
                     "tmpfs", str(jobs_dir)], check=True)
     try:
         script = shared_script(cluster, "chatty.py", (
-            "import sys\n"
+            "import sys, time\n"
+            "time.sleep(3)  # every keeper is up before the disk fills\n"
             "for i in range(100000):\n"
             "    sys.stdout.write(f'line {i} ' + 'y' * 60 + '\\n')\n"
             "print('done', flush=True)\n"))
         job = detach(cluster, tmp_path, script)
         attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=180)
-        assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr
+        keeper_logs = "".join(f"\n{log}:\n{log.read_text(errors='replace')[-2000:]}"
+                              for log in sorted((jobs_dir / job).glob("host-*/*.log")))
+        assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr + keeper_logs
         listed = run_dlrun("ps", *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
         assert re.search(rf"^{job}\s+succeeded\s", listed.stdout, re.M), listed.stdout
         result = json.loads((host_folder(job, "host0") / "result.json").read_text())
