@@ -445,7 +445,7 @@ def test_a_full_disk_drops_log_lines_and_the_job_goes_on(cluster, tmp_path: Path
         script = shared_script(cluster, "chatty.py", (
             "import sys, time\n"
             "time.sleep(3)  # every keeper is up before the disk fills\n"
-            "for i in range(100000):\n"
+            "for i in range(150000):\n"
             "    sys.stdout.write(f'line {i} ' + 'y' * 60 + '\\n')\n"
             "print('done', flush=True)\n"))
         job = detach(cluster, tmp_path, script)
@@ -455,8 +455,14 @@ def test_a_full_disk_drops_log_lines_and_the_job_goes_on(cluster, tmp_path: Path
         assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr + keeper_logs
         listed = run_dlrun("ps", *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
         assert re.search(rf"^{job}\s+succeeded\s", listed.stdout, re.M), listed.stdout
-        result = json.loads((host_folder(job, "host0") / "result.json").read_text())
-        assert any(note.startswith("disk full on host") for note in result["notes"]), result["notes"]
+        for host in ("host0", "host1"):  # the reserve kept room for every host's result
+            result = json.loads((host_folder(job, host) / "result.json").read_text())
+            assert result["state"] == "succeeded"
+            assert any(note.startswith("disk full on host") for note in result["notes"]), result["notes"]
+            assert any("log lines dropped (disk full)" in note for note in result["notes"]), result["notes"]
+        for log in (TEST_USER_HOME / ".dlrun" / "jobs" / job).glob("host-*/attempt-0/rank-*.log"):
+            lines = log.read_bytes().splitlines()  # what was written is whole lines, none garbled
+            assert all(re.fullmatch(rb"line \d+ y{60}|done", line) for line in lines), log
         assert "disk full on host" in attached.stdout, attached.stdout[-2000:]
         nothing_left(job)
     finally:
