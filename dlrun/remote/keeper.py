@@ -548,6 +548,8 @@ class Keeper:
         root cause shows: the tail, the exception it raised and its error file."""
         info = info or {}
         evidence: dict[str, Any] = {"stopped": bool(info.get("stopped"))}
+        if what == "lost":
+            evidence["reason"] = str(info.get("reason", ""))
         output = self.outputs.get(rank)
         if code and output is not None:
             evidence["tail"] = [self.lines.cut(t, RECORD_LINE) for t in output.tail]  # records stay small
@@ -558,6 +560,8 @@ class Keeper:
             return
         entry = self.ranks[rank]  # a follower's own record (state.json) follows its ranks
         entry["state"] = "running" if what == "running" else rank_state(code, self.stopping, evidence["stopped"])
+        if what == "lost":
+            entry["state"] = "lost"
         entry["code"] = code
         if self.leader_peer is not None:
             self.leader_peer.send({"op": "rank", "rank": rank, "what": what, "code": code, **evidence})
@@ -571,6 +575,10 @@ class Keeper:
         if what == "running":
             entry["state"] = "running"
             entry["started"] = time.time()  # when the leader heard it: the summary's durations
+        elif what == "lost":  # its agent is gone (killed): the same state an attached job gives
+            entry.update(state="lost", code=255, ended=time.time())
+            if not self.stopping:
+                self.fail(f"host {host} lost: {evidence.get('reason') or 'its agent ended'}", 255, [])
         else:
             entry["ended"] = time.time()
             entry["code"] = code
@@ -795,9 +803,15 @@ class Keeper:
         elif kind == "agent-closed":
             self.agent_done = True
             self.closed_generation = self.generation
+            if self.agent is not None and any(self.ranks[r]["state"] not in FINAL for r in self.own):
+                try:  # its guardian writes why once it has killed what the agent left
+                    self.agent.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
+            why = self.agent_words() or "the host's agent ended before its ranks did"
             for rank in self.own:  # ranks the agent never reported: it is gone, so are they
                 if self.ranks[rank]["state"] not in FINAL and rank in self.logs and not self.reported_exit(rank):
-                    self.report(rank, "exit", 255)
+                    self.report(rank, "lost", 255, {"reason": why})
         elif kind == "joined":
             peer = event[1]
             old = self.peers.get(peer.name)
@@ -825,6 +839,16 @@ class Keeper:
                         self.lose_host(name, "its keeper's connection closed")
             elif not self.ended:
                 self.leader_lost("its connection closed")
+
+    def agent_words(self) -> str:
+        """The last line the agent (or its guardian) wrote to ``agent.log``: why it ended."""
+        try:
+            with open(os.path.join(self.jobdir, "agent.log"), "rb") as fh:
+                fh.seek(max(0, os.fstat(fh.fileno()).st_size - 4096))
+                lines = fh.read().decode("utf-8", "replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1][:500] if lines else ""
 
     def reported_exit(self, rank: int) -> bool:
         return self.ranks[rank]["state"] in FINAL

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, example, hosts_toml, roles_toml, run_dlrun, shared_script
+from conftest import REPO, dlrun_argv, example, hosts_toml, roles_toml, run_dlrun, shared_script, wait_until
+from support.procs import agents_of
 from support.scripts import TORCH_LABELS
 from support.sshd_cluster import TEST_USER_HOME, wait_job_processes_gone
 
@@ -467,3 +468,19 @@ def test_a_full_disk_drops_log_lines_and_the_job_goes_on(cluster, tmp_path: Path
         nothing_left(job)
     finally:
         subprocess.run(["umount", "-l", str(jobs_dir)], check=False)
+
+
+def test_a_killed_agent_of_a_detached_job_without_a_pid_namespace_is_a_lost_host(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path) -> None:
+    script = shared_script(cluster, "sleeper.py", SLEEPER)
+    out = run_dlrun("launch", "--detach", "--no-pidns", "--framework", "none", "--grace", "2",
+                    *common(cluster, tmp_path), str(script), cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1]
+    assert wait_until(lambda: len(agents_of(job)) == 2, timeout=30), agents_of(job)
+    os.kill(agents_of(job)[0], signal.SIGKILL)
+    attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
+    assert attached.returncode == 255, attached.stdout + attached.stderr
+    assert "was killed by SIGKILL" in attached.stdout, attached.stdout  # the guardian's words, as attached
+    assert re.search(r"^\s+\d\s+host\d\s+255\s+lost\b", attached.stdout, re.M), attached.stdout
+    nothing_left(job)
