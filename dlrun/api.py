@@ -352,7 +352,7 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
     from dlrun.run.view import PlainView, make_view
 
     stream = out or sys.stdout
-    shown = PlainView(out) if out is not None else make_view(lossless_plain=True)
+    shown = PlainView(out) if out is not None else make_view()
     with _job_hosts(hosts, ssh) as job_hosts:
         follower = LogFollower(job_hosts, job, stream, since, view=shown)
         try:
