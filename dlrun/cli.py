@@ -372,6 +372,36 @@ def push_command(hosts: str, json_output: bool, **settings: Any) -> None:
         click.echo(json.dumps(summary_json(summaries), indent=2))
 
 
+@main.command("pull", cls=GroupedCommand)
+@click.argument("remote")
+@click.argument("local", default=".", type=click.Path(file_okay=False))
+@option("Hosts", "--hosts", "-H", required=True, help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4'.")
+@option("Push", "--project", help="The project folder under workdir that REMOTE is relative to"
+        " (default: the current folder's name).")
+@option("Push", "--max-size", metavar="SIZE",
+        help="Stop a pull that would write over SIZE (e.g. 500M, 2G; none: no limit). Default 200M and 20000 files.")
+@option("Output", "--dry-run", is_flag=True, help="Show per host what would be received; write nothing.")
+@option("Output", "--json", "json_output", is_flag=True, help="Print the per-host summary as JSON.")
+@ssh_options
+@_reports_errors
+def pull_command(remote: str, local: str, hosts: str, json_output: bool, **settings: Any) -> None:
+    """Copy REMOTE from every host into LOCAL (default .): files the same on every host once,
+    the rest into LOCAL/<host>/; only what changed moves, each file verified by sha256.
+
+    REMOTE is relative to the project folder on each host, or absolute; `out` arrives as
+    LOCAL/out, `out/` as its contents. Local files are never deleted.
+    """
+    import json
+
+    from dlrun.api import pull
+    from dlrun.push.pull import summary_json
+
+    summaries = pull(remote, local, hosts=hosts, live=False if json_output else None, summary=not json_output,
+                     **settings)
+    if json_output:
+        click.echo(json.dumps(summary_json(summaries), indent=2))
+
+
 #: The hosts of ``ps``, ``logs``, ``attach`` and ``stop``: the ones the job was launched on.
 job_hosts_option = option("Hosts", "--hosts", "-H",
                           help="The hosts the job runs on, as given to launch (default: this machine).")

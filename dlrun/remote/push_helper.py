@@ -6,6 +6,11 @@ permission problem), then receives the plan and one tar stream, and writes each 
 temporary name, verifies its sha256 and renames it into place. The protocol is described in
 ``dlrun.push.session``; ``dlrun.remote.agent`` runs this module's :func:`survey` in-process
 for a launch's first question.
+
+The same helper runs the other way for ``dlrun pull`` and ``--checkpoint-dir``
+(``dlrun.push.pull``): a request with ``"send"`` gets the listing of a tree (every file's
+size, mode, sha256 and mtime, links as links, and the host's clock), then a list of paths, and
+answers with one tar stream of exactly those files, as they were listed.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import os
 import signal
 import stat
 import sys
+import tarfile
+import time
 from types import FrameType
 from typing import Any, Dict, List, Tuple, cast
 
@@ -418,11 +425,153 @@ def widen_stdin() -> None:
             pass
 
 
+# =============================================================================== sending
+
+
+HASHES = ".hashes"  # the sender's own stat cache: <parent>/.dlrun-cache/<name>.hashes.json
+
+
+def listed(path: str, st: os.stat_result, cache: Record, fresh: Record, rel: str) -> Entry | None:
+    """``[kind, size, mode, sha256 or link target, mtime_ns]`` of one path (None: not sent)."""
+    if stat.S_ISLNK(st.st_mode):
+        return ["link", 0, 0, os.readlink(path), st.st_mtime_ns]
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    old = cache.get(rel)
+    digest = str(old[4]) if old and len(old) == 5 and old[:4] == stamp(st) else sha256_of(path)
+    # a file modified in the last second may change again within the same mtime: not cached
+    if max(st.st_mtime_ns, st.st_ctime_ns) < time.time_ns() - 1_000_000_000:
+        fresh[rel] = [*stamp(st), digest]
+    return ["file", st.st_size, stat.S_IMODE(st.st_mode), digest, st.st_mtime_ns]
+
+
+def listing(spec: dict[str, Any]) -> dict[str, Any]:
+    """What is at ``spec["root"]``: a directory's tree (paths relative to it), or one file
+    (its name), without the push's caches and temporary files; ``missing`` when absent."""
+    root = resolve(spec["root"])
+    reply: dict[str, Any] = {"root": root, "entries": {}, "missing": False, "dir": True}
+    try:
+        top = os.lstat(root)
+    except FileNotFoundError:
+        reply["missing"] = True
+        return reply
+    except OSError as exc:
+        reply["error"] = exc.strerror or str(exc)
+        return reply
+    entries: dict[str, Entry] = {}
+    fresh: Record = {}
+    if not stat.S_ISDIR(top.st_mode):
+        reply["dir"] = False
+        reply["root"] = os.path.dirname(root)
+        entry = listed(root, top, {}, fresh, "")
+        if entry is not None:
+            entries[os.path.basename(root)] = entry
+        reply["entries"] = entries
+        return reply
+    cache = load_record(root + HASHES)  # <parent>/.dlrun-cache/<name>.hashes.json
+    for record in (load_record(root),):  # what a push wrote is hashed already
+        for rel, value in record.items():
+            cache.setdefault(rel, value)
+    errors: list[str] = []
+    for folder, dirs, files in os.walk(root, onerror=lambda exc: errors.append(str(exc))):
+        rel_folder = os.path.relpath(folder, root)
+        dirs[:] = sorted(d for d in dirs if d != ".dlrun-cache")
+        names = list(files)
+        for name in list(dirs):  # a link to a directory is sent as a link, never followed
+            if os.path.islink(os.path.join(folder, name)):
+                dirs.remove(name)
+                names.append(name)
+        for name in sorted(names):
+            if name.startswith(PART):
+                continue
+            rel = name if rel_folder == "." else f"{rel_folder}/{name}"
+            path = os.path.join(folder, name)
+            try:
+                entry = listed(path, os.lstat(path), cache, fresh, rel)
+            except OSError:
+                continue  # gone since the walk saw it
+            if entry is not None:
+                entries[rel] = entry
+    if errors:
+        reply["error"] = errors[0]
+    if fresh != {rel: v for rel, v in cache.items() if rel in fresh}:
+        save_record(root + HASHES, fresh)
+    reply["entries"] = entries
+    return reply
+
+
+def send_tree(root: str, entries: dict[str, Entry], paths: list[str]) -> None:
+    """One tar stream of ``paths`` to stdout, each exactly as listed: a file that grew is cut
+    at its listed size and one that shrank or vanished is padded with zeros, so the receiver's
+    sha256 check names it."""
+    out = sys.stdout.buffer
+    out.flush()
+    fd = out.fileno()
+    zero = bytes(1 << 16)
+
+    def write(data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+
+    for rel in paths:
+        kind, size, mode, value, mtime_ns = entries[rel]
+        info = tarfile.TarInfo(rel)
+        info.mtime = mtime_ns // 1_000_000_000
+        if kind == "link":
+            info.type, info.linkname, info.mode = tarfile.SYMTYPE, value, 0o777
+            write(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+            continue
+        info.size, info.mode = size, mode
+        write(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+        left = size
+        try:
+            with open(os.path.join(root, rel), "rb", buffering=0) as fh:
+                while left > 0:
+                    try:
+                        n = os.sendfile(fd, fh.fileno(), None, min(left, 1 << 22))
+                    except OSError:  # no sendfile to this kind of fd: read and write
+                        chunk = fh.read(min(left, 1 << 20))
+                        write(chunk)
+                        n = len(chunk)
+                    if n == 0:
+                        break
+                    left -= n
+                    heard()
+        except OSError:
+            pass
+        while left > 0:
+            write(zero[:min(left, len(zero))])
+            left -= min(left, len(zero))
+        write(zero[:-size % 512])
+        heard()
+    write(zero[:1024])
+
+
+def sender(request: dict[str, Any]) -> int:
+    """``dlrun pull``'s side: the listing, then the files asked for (the protocol in
+    ``dlrun.push.pull``)."""
+    reply = listing(request["send"])
+    reply["now"] = time.time()
+    say({"listing": reply})
+    line = IN.readline()
+    heard()
+    if not line:
+        return 0
+    asked = json.loads(line)
+    if asked.get("abort"):
+        return 0
+    send_tree(reply["root"], reply["entries"], [str(p) for p in asked["files"]])
+    return 0
+
+
 def main() -> int:
     widen_stdin()
     request = json.loads(IN.readline())
     IDLE[0] = int(request.get("idle") or 0)
     heard()
+    if "send" in request:
+        return sender(request)
     roots: list[str] = []
     records: list[Record] = []
     freshes: list[Record] = []
