@@ -378,7 +378,8 @@ def plan_pull(listings: Sequence[Listing], local: Callable[[str], tuple[str, str
         for host, entry in copies:
             if entry is not None:
                 items.append(PullItem(host, entry, f"{host_folder(host)}/{prefix}{path}"))
-    fetch, unchanged = [], []
+    fetch: list[PullItem] = []
+    unchanged: list[PullItem] = []
     for item in items:
         there = local(item.dest)
         want = ("link", item.entry.link) if item.entry.kind == "link" else ("file", item.entry.sha256)
