@@ -100,6 +100,7 @@ def launch(
     host_timeout: float | None = None,
     view: View | None = None,
     detach: bool = False,
+    checkpoint_dir: Sequence[str] = (),
 ) -> RunResult:
     """Run ``script`` on every rank, as ``dlrun launch`` does; how the job ended.
 
@@ -110,7 +111,9 @@ def launch(
     lines elsewhere). ``gpu_every``: seconds between GPU samples on every host (0: none); the
     result's ``gpu_summary`` and ``gpu_warnings`` say how the GPUs were used (``gpu_idle_after``:
     when an idle one is named). ``detach``: hand the job to the hosts and return once every rank
-    started (``ps``, ``logs``, ``attach``, ``stop`` follow it).
+    started (``ps``, ``logs``, ``attach``, ``stop`` follow it). ``checkpoint_dir``: folders
+    (relative to each host's working folder) made the same on every host before every attempt,
+    the newest complete copy of each file winning (``docs/checkpoints.md``).
     """
     from dlrun.run.launch import LaunchConfig, run_job
 
@@ -128,6 +131,7 @@ def launch(
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
         min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
         gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach,
+        checkpoint_dirs=tuple(checkpoint_dir),
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
                         connect_timeout=connect_timeout, host_timeout=host_timeout),
     )
@@ -135,6 +139,8 @@ def launch(
         return run_job(config, view=view)
     from dlrun.spark.driver import SparkConfig, SparkEngine
 
+    if checkpoint_dir:
+        raise UsageError("--checkpoint-dir goes with the SSH backend (a Spark task has no folder of its own)")
     if detach:
         raise UsageError("--detach goes with the SSH backend (a Spark stage lives with its driver)")
     if master is None:

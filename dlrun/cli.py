@@ -234,6 +234,9 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
 @option("Job", "--min-hosts", type=click.IntRange(min=1),
         help="With --max-restarts: a restart after a lost host runs on the hosts left, if at least this many"
         " (default: the same hosts, the lost one reconnected).")
+@option("Job", "--checkpoint-dir", multiple=True, metavar="DIR",
+        help="Make DIR (relative to the job's folder on each host) the same on every host before every"
+        " attempt: per file, the newest copy written before a failure wins (repeatable).")
 @option("Job", "--detach", "-d", is_flag=True,
         help="Hand the job to the hosts and return once every rank started; it runs on without dlrun"
         " (dlrun ps, logs, attach, stop).")
@@ -288,7 +291,8 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
                     "--setup-always": "setup_always", "--base-port": "base_port", "--no-preflight": "preflight",
                     "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
-                    "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach"},
+                    "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach",
+                    "--checkpoint-dir": "checkpoint_dir"},
                    spark, "the SSH backend, not --backend spark (Spark places tasks and ships the code)")
     sys.exit(run(script, args, **settings).exit_code)
 
