@@ -704,6 +704,7 @@ class HostsEngine:
     def regroup(self, config: LaunchConfig, failed: RunResult) -> str | None:
         """After a failed attempt: the hosts it lost are reconnected (and probed) by the next
         ``place``, or with ``--min-hosts`` left out while enough remain. None: go on; else why not."""
+        self.failed_at = failed.stopped_at  # copies modified since then may be half written
         lost = [h for h in self.inventory.hosts if h.name in failed.lost_hosts]
         if not lost:
             return None
