@@ -24,18 +24,29 @@ import json
 import os
 import posixpath
 import shlex
+import stat
 import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from dlrun.errors import DlrunError, HostUnreachable, RemoteCommandError, SyncError, UsageError
 from dlrun.inventory import Host
-from dlrun.push.tree import PushLimit, check_project, human_bytes, largest_items, remote_code_dir
+from dlrun.push.tree import (
+    HashCache,
+    PushLimit,
+    check_project,
+    default_cache_path,
+    human_bytes,
+    largest_items,
+    remote_code_dir,
+    sha256_file,
+)
 from dlrun.remote import boot_argv, boot_payload
 from dlrun.transport.base import Channel, Transport, default_python
 
@@ -419,17 +430,19 @@ def remote_root(host: Host, remote: str, project: str | None) -> str:
     return posixpath.join(remote_code_dir(host, check_project(project)), remote)
 
 
-def local_state(root: Path) -> Callable[[str], tuple[str, str] | None]:
-    """What ``plan_pull`` needs to know of a local destination (hashing a file that is there)."""
-    from dlrun.push.tree import sha256_file
+def local_state(root: Path, cache: HashCache | None = None) -> Callable[[str], tuple[str, str] | None]:
+    """What ``plan_pull`` needs to know of a local destination (a file there is hashed, or its
+    hash taken from ``cache`` while its size, mtime, ctime and inode are unchanged)."""
 
     def state(dest: str) -> tuple[str, str] | None:
         path = root / dest
         try:
-            if path.is_symlink():
+            st = path.lstat()
+            if stat.S_ISLNK(st.st_mode):
                 return ("link", os.readlink(path))
-            if path.is_file():
-                return ("file", sha256_file(str(path)))
+            if stat.S_ISREG(st.st_mode):
+                digest = partial(sha256_file, str(path))
+                return ("file", cache.digest(dest, st, digest) if cache is not None else digest())
         except OSError:
             return None
         return None
@@ -469,7 +482,8 @@ def pull(transport: Transport, hosts: Sequence[Host], remote: str, local: Path, 
             notice(f"{remote} is not on {', '.join(plan_missing)}: pulling from {', '.join(li.host for li in found)}")
         name = posixpath.basename(remote.rstrip("/")) if not contents else ""
         prefix = f"{name}/" if name and all(li.is_dir for li in found) else ""
-        plan = plan_pull(listed, local_state(local), prefix=prefix)
+        cache = HashCache(default_cache_path(local.resolve()))
+        plan = plan_pull(listed, local_state(local, cache), prefix=prefix)
         folders = {host_folder(li.host) for li in found} if plan.per_host else set()
         clash = sorted({i.dest.split("/", 1)[0] for i in plan.fetch + plan.unchanged
                         if i.dest.split("/", 1)[0] in folders and not i.dest.startswith(f"{host_folder(i.host)}/")})
@@ -493,6 +507,7 @@ def pull(transport: Transport, hosts: Sequence[Host], remote: str, local: Path, 
             return sender.fetch(items, progress=progress, file_progress=file_progress, cancel=cancel)
 
         results = list(pool.map(fetch, senders))
+        cache.save()
     except BaseException:
         cancel.set()
         for sender in senders:
