@@ -80,6 +80,36 @@ with open("ckpt/model.bin", "wb") as fh:
 """
 
 
+# the PyTorch DDP tutorial's pattern (multinode.py): rank 0 saves a snapshot every epoch, every
+# rank loads the snapshot it finds on its own host
+DDP_TUTORIAL = """
+import os, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+epochs_run = 0
+if os.path.exists("ckpt/snapshot.pt"):
+    snapshot = torch.load("ckpt/snapshot.pt")
+    model.module.load_state_dict(snapshot["MODEL_STATE"])
+    epochs_run = snapshot["EPOCHS_RUN"]
+print(f"rank {rank} starts at epoch {epochs_run}", flush=True)
+x, y = torch.randn(16, 4), torch.randn(16, 1)
+for epoch in range(epochs_run, int(sys.argv[1])):
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    if rank == 0:
+        os.makedirs("ckpt", exist_ok=True)
+        torch.save({"MODEL_STATE": model.module.state_dict(), "EPOCHS_RUN": epoch + 1}, "ckpt/snapshot.pt")
+print(f"rank {rank} checksum {sum(p.sum().item() for p in model.parameters()):.6f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
 def project(tmp_path: Path, script: str) -> Path:
     """A code folder of its own (its name is the project folder on the hosts)."""
     code = tmp_path / f"ck-{tmp_path.name}"
@@ -156,6 +186,43 @@ def test_a_new_launch_starts_from_the_newest_checkpoint_on_every_host(cluster, t
     assert out.returncode == 0, out.stdout + out.stderr
     assert "checkpoint ckpt: 1 file (8 B) from host0 to host1" in out.stdout + out.stderr
     assert re.search(r"^\[1 host1\] rank 1 resumes from epoch 1$", out.stdout, re.M), out.stdout
+
+
+@pytest.mark.ssh
+def test_the_ddp_tutorials_second_run_resumes_at_the_same_epoch_on_every_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("torch")
+    code = project(tmp_path, DDP_TUTORIAL)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+
+    def run(epochs: str):  # type: ignore[no-untyped-def]
+        return run_dlrun("launch", "--plain", "--framework", "torch", "--hosts", str(hosts), "--ssh-config",
+                         str(cluster.ssh_config), "--checkpoint-dir", "ckpt", str(code / "train.py"), epochs,
+                         cwd=tmp_path, timeout=300)
+
+    first = run("2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "checkpoint ckpt: empty on every host" in first.stdout
+    second = run("4")
+    assert second.returncode == 0, second.stdout + second.stderr
+    # host1 never wrote a snapshot: dlrun copied rank 0's before the second run started
+    assert re.search(r"checkpoint ckpt: 1 file \(.*\) from host0 to host1", second.stdout), second.stdout
+    assert sorted(re.findall(r"^\[\d host\d\] rank (\d) starts at epoch 2$", second.stdout, re.M)) == ["0", "1"]
+    assert len(set(re.findall(r"rank \d checksum (-?[0-9.]+)", second.stdout))) == 1, second.stdout
+
+
+def test_a_checkpoint_dir_must_lie_inside_the_jobs_folder(tmp_path: Path) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("print(1)\n")
+    for bad in ("/abs", "../up", "~/x", "."):
+        out = run_dlrun("launch", "--dry-run", "--checkpoint-dir", bad, str(script), cwd=tmp_path)
+        assert out.returncode == 2 and "expected a folder inside the job's working folder" in out.stderr, out.stderr
+    out = run_dlrun("launch", "--dry-run", "--json", "--checkpoint-dir", "ckpt", "--checkpoint-dir", "out/shards",
+                    str(script), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["restarts"]["checkpoint_dirs"] == ["ckpt", "out/shards"]
+    out = run_dlrun("launch", "--backend", "spark", "--master", "local[2]", "--checkpoint-dir", "ckpt", str(script),
+                    cwd=tmp_path)
+    assert out.returncode == 2 and "--checkpoint-dir go" in out.stderr, out.stderr
 
 
 @pytest.mark.ssh
