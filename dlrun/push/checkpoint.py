@@ -150,7 +150,7 @@ def sync_folder(transport: Transport, hosts: Sequence[Host], roots: Mapping[str,
 
         def fetch(name: str) -> None:
             items = [(c.entry, staging / str(idx) / c.path) for idx, c in enumerate(by_source[name])]
-            _, failures = senders[name].fetch(items)
+            _, failures = senders[name].fetch(items, staging)
             if failures:
                 first = failures[0]
                 raise SyncError(f"checkpoint file {first.path} could not be fetched: {first.message}", host=name)

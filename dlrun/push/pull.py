@@ -175,9 +175,19 @@ class _Stream:
         return b"".join(bytes(c) for c in self.chunks(n))
 
 
+def safe_path(path: str) -> bool:
+    """A relative POSIX path that stays below its root (no ``..``, empty or absolute part)."""
+    parts = path.split("/")
+    return bool(path) and not path.startswith("/") and all(p not in ("", ".", "..") for p in parts) \
+        and "\0" not in path
+
+
 def _parse_listing(host: str, raw: Mapping[str, Any], arrived: float) -> Listing:
     entries = {}
     for path, (kind, size, mode, value, mtime_ns) in raw.get("entries", {}).items():
+        if not safe_path(path) or kind not in ("file", "link"):
+            raise SyncError(f"the host listed {path!r} ({kind}), which is not a file below {raw.get('root')}",
+                            host=host)
         entries[path] = RemoteFile(path=path, kind=kind, size=int(size), mode=int(mode),
                                    sha256=value if kind == "file" else "", mtime_ns=int(mtime_ns),
                                    link=value if kind == "link" else None)
@@ -213,11 +223,12 @@ class HostSender:
         self.listed = _parse_listing(self.host.name, raw, arrived)
         return self.listed
 
-    def fetch(self, items: Sequence[tuple[RemoteFile, Path]], *, progress: ProgressHook | None = None,
+    def fetch(self, items: Sequence[tuple[RemoteFile, Path]], root: Path, *, progress: ProgressHook | None = None,
               file_progress: ProgressHook | None = None, cancel: threading.Event | None = None,
               ) -> tuple[int, list[FetchFailure]]:
-        """Receive ``items`` (a listed entry, its local path) in one stream; bytes written and
-        the files that failed (each named; the others are in place)."""
+        """Receive ``items`` (a listed entry, its local path below ``root``) in one stream;
+        bytes written and the files that failed (each named; the others are in place). Nothing
+        is written through a link below ``root``."""
         assert self.channel is not None and self.stream is not None and self.listed is not None
         if not items:
             self.close()
@@ -237,12 +248,12 @@ class HostSender:
                 name = self._header()
                 if name != entry.path:
                     raise self._failed(f"the push helper sent {name!r} where {entry.path!r} was due", b"")
-                problem = self._receive(entry, dest, progress, done, total)
+                problem = self._receive(entry, dest, root, progress, done, total)
                 done += entry.size
                 if problem is None:
                     written += entry.size
                 else:
-                    failures.append(FetchFailure(self.host.name, entry.path, problem))
+                    failures.append(FetchFailure(self.host.name, dest.relative_to(root).as_posix(), problem))
                 if file_progress is not None:
                     file_progress(self.host.name, count, len(items))
         except EOFError:
@@ -270,7 +281,7 @@ class HostSender:
                 continue
             return path if path is not None else info.name
 
-    def _receive(self, entry: RemoteFile, dest: Path, progress: ProgressHook | None, done: int,
+    def _receive(self, entry: RemoteFile, dest: Path, root: Path, progress: ProgressHook | None, done: int,
                  total: int) -> str | None:
         """Write one entry (its body is next on the stream) to ``dest``; None, or what failed."""
         assert self.stream is not None
@@ -279,7 +290,7 @@ class HostSender:
         problem: str | None = None
         fd: int | None = None
         try:
-            _make_parents(dest)
+            _make_parents(dest, root)
             if entry.kind == "link":
                 assert entry.link is not None
                 with contextlib.suppress(FileNotFoundError):
@@ -348,9 +359,16 @@ class HostSender:
             self.channel = None
 
 
-def _make_parents(dest: Path) -> None:
-    """The folders above ``dest``; a folder where the file goes is an error (never replaced)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
+def _make_parents(dest: Path, root: Path) -> None:
+    """The folders between ``root`` and ``dest``; a link or a file where a folder belongs, or
+    a folder where the file goes, is an error (never followed, never replaced)."""
+    folder = root
+    for part in dest.relative_to(root).parts[:-1]:
+        folder = folder / part
+        if folder.is_symlink():
+            raise NotADirectoryError(20, "a link is in the way (not followed)", str(folder))
+        if not folder.is_dir():
+            folder.mkdir()
     if dest.is_dir() and not dest.is_symlink():
         raise IsADirectoryError(21, "a folder is in the way", str(dest))
 
@@ -360,7 +378,8 @@ def _make_parents(dest: Path) -> None:
 
 def host_folder(name: str) -> str:
     """The local subfolder of a host's own files: its inventory name, made a single path part."""
-    return name.replace("/", "_").replace("\0", "_") or "_"
+    name = name.replace("/", "_").replace("\0", "_")
+    return f"_{name}" if name in ("", ".", "..") else name
 
 
 def plan_pull(listings: Sequence[Listing], local: Callable[[str], tuple[str, str] | None], *,
@@ -504,7 +523,7 @@ def pull(transport: Transport, hosts: Sequence[Host], remote: str, local: Path, 
 
         def fetch(sender: HostSender) -> tuple[int, list[FetchFailure]]:
             items = [(i.entry, local / i.dest) for i in by_host[sender.host.name]]
-            return sender.fetch(items, progress=progress, file_progress=file_progress, cancel=cancel)
+            return sender.fetch(items, local, progress=progress, file_progress=file_progress, cancel=cancel)
 
         results = list(pool.map(fetch, senders))
         cache.save()

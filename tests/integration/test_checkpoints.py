@@ -276,7 +276,7 @@ def test_pull_brings_every_hosts_out_folder_home(cluster, tmp_path: Path) -> Non
 
 
 @pytest.mark.ssh
-def test_pull_refuses_over_the_size_limit_and_names_a_file_that_fails_its_hash(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_pull_refuses_over_the_size_limit_and_never_writes_through_a_link(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     name = f"pull-{tmp_path.name}"
     out_dir = Path(cluster.hosts[0].workdir) / name / "out"
     out_dir.mkdir(parents=True)
@@ -286,6 +286,45 @@ def test_pull_refuses_over_the_size_limit_and_names_a_file_that_fails_its_hash(c
     over = run_dlrun("pull", *args, "--max-size", "100K", "out", str(tmp_path / "home"), cwd=tmp_path)
     assert over.returncode == 2 and "over the 100.0 KiB limit; nothing was written" in over.stderr, over.stderr
     assert not (tmp_path / "home").exists()
+    # a link where a folder belongs is never followed
+    (tmp_path / "home").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "home" / "out").symlink_to(tmp_path / "elsewhere")
+    linked = run_dlrun("pull", *args, "out", str(tmp_path / "home"), cwd=tmp_path)
+    assert linked.returncode != 0, linked.stderr
+    assert "host0: out/big.bin: a link is in the way (not followed)" in linked.stderr, linked.stderr
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+@pytest.mark.ssh
+def test_a_file_that_changes_between_listing_and_sending_is_named_and_not_written(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from dlrun.inventory import Host
+    from dlrun.push.pull import HostSender
+    from dlrun.transport.local import HostRouter
+    from dlrun.transport.ssh import SSHTransport
+
+    folder = Path(cluster.hosts[0].workdir) / f"pull-{tmp_path.name}"
+    folder.mkdir()
+    (folder / "log.txt").write_text("line 1\n")
+    (folder / "done.txt").write_text("done\n")
+    host = Host(address=cluster.hosts[0].name, name="host0", workdir=str(cluster.hosts[0].workdir),
+                python=cluster.python)
+    transport = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
+    try:
+        sender = HostSender(transport, host, str(folder))
+        listed = sender.listing()
+        (folder / "log.txt").write_text("LINE 1\n")  # the job rewrites it
+        local = tmp_path / "home"
+        local.mkdir()
+        (local / "log.txt").write_text("old copy\n")
+        written, failures = sender.fetch([(listed.entries[p], local / p) for p in ("done.txt", "log.txt")], local)
+    finally:
+        transport.close()
+    assert [(f.path, f.message) for f in failures] == [
+        ("log.txt", "content does not match its sha256 (changed on the host while pulling?)")]
+    assert written == 5 and (local / "done.txt").read_text() == "done\n"
+    assert (local / "log.txt").read_text() == "old copy\n"
+    assert sorted(p.name for p in local.iterdir()) == ["done.txt", "log.txt"]  # no temporary file left
 
 
 # --------------------------------------------------------------------------- the rules (pure)
@@ -329,6 +368,21 @@ def test_shards_of_every_rank_reach_every_host_and_equal_copies_stay() -> None:
     listings = [listing("h0", s0, same), listing("h1", s1, same_later)]
     wanted = needs(listings, choose_copies(listings, failed_at=None))
     assert [c.path for c in wanted["h0"]] == ["s1"] and [c.path for c in wanted["h1"]] == ["s0"]
+
+
+def test_only_paths_below_the_root_are_taken_from_a_listing() -> None:
+    from dlrun.errors import SyncError
+    from dlrun.push.pull import _parse_listing, host_folder, safe_path
+
+    assert safe_path("a/b.txt") and safe_path(".hidden")
+    assert not any(safe_path(p) for p in ("", "/etc/passwd", "../x", "a/../../x", "a//b", "./a", "a/."))
+    with pytest.raises(SyncError, match="not a file below"):
+        _parse_listing("h0", {"root": "/r", "entries": {"../x": ["file", 1, 420, "00", 0]}}, 0.0)
+    assert host_folder("..") == "_.." and host_folder("a/b") == "a_b"
+    import dlrun
+    from dlrun import api
+
+    assert dlrun.pull is api.pull
 
 
 def test_plan_pull_writes_shared_files_once_and_the_rest_per_host() -> None:
