@@ -210,6 +210,21 @@ def test_the_ddp_tutorials_second_run_resumes_at_the_same_epoch_on_every_host(cl
     assert len(set(re.findall(r"rank \d checksum (-?[0-9.]+)", second.stdout))) == 1, second.stdout
 
 
+@pytest.mark.ssh
+def test_a_detached_job_gets_the_checkpoint_before_its_first_attempt(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    code = project(tmp_path, RESUME)
+    assert launch(cluster, tmp_path, code).returncode == 3  # rank 0 saved ckpt/state.txt on host0 only
+    out = launch(cluster, tmp_path, code, "--detach", "--checkpoint-dir", "ckpt")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "checkpoint ckpt: 1 file (8 B) from host0 to host1" in out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1]
+    assert remote(cluster, 1, code, "ckpt/state.txt").read_text() == "epoch 1\n"
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    attached = run_dlrun("attach", job, "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), cwd=tmp_path,
+                         timeout=120)
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+
+
 def test_a_checkpoint_dir_must_lie_inside_the_jobs_folder(tmp_path: Path) -> None:
     script = tmp_path / "t.py"
     script.write_text("print(1)\n")
