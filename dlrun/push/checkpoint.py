@@ -144,6 +144,12 @@ def sync_folder(transport: Transport, hosts: Sequence[Host], roots: Mapping[str,
         choices = choose_copies(listings, failed_at, margin)
         wanted = needs(listings, choices)
         moving = {c.path: c for cs in wanted.values() for c in cs}
+        staged_bytes = sum(c.entry.size for c in moving.values())
+        free = shutil.disk_usage(staging).free
+        if staged_bytes > free:
+            raise SyncError(f"checkpoint folder {folder}: {human_bytes(staged_bytes)} must pass through {staging}"
+                            f" on this machine, which has {human_bytes(free)} free",
+                            hint="point TMPDIR at a filesystem with room for the files that differ")
         by_source: dict[str, list[Choice]] = {h.name: [] for h in hosts}
         for choice in moving.values():
             by_source[choice.host].append(choice)
