@@ -231,6 +231,8 @@ class HostSender:
         is written through a link below ``root``."""
         assert self.channel is not None and self.stream is not None and self.listed is not None
         if not items:
+            if progress is not None:
+                progress(self.host.name, 0, 0)
             self.close()
             return 0, []
         self.channel.send(json.dumps({"files": [e.path for e, _ in items]}).encode() + b"\n")
