@@ -264,6 +264,22 @@ class HostSender:
             self.close()
         return written, failures
 
+    def serve(self, paths: Sequence[str], bind: str, token: str, cert_pem: str, key_pem: str) -> int:
+        """Have this host's helper send ``paths`` of its listing straight to other hosts' push
+        helpers (TLS with ``cert_pem``, pinned by them, and ``token``); the port it listens on
+        at ``bind``. It serves until ``close``. Raises ``SyncError`` when it cannot listen."""
+        assert self.channel is not None and self.stream is not None
+        self.channel.send(json.dumps({"serve": {"files": list(paths), "bind": bind, "token": token,
+                                                "cert": cert_pem, "key": key_pem}}).encode() + b"\n")
+        line = self.stream.readline()
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            raise self._failed("the push helper did not start serving", line) from None
+        if "port" not in answer:
+            raise SyncError(str(answer.get("error", "the push helper did not start serving")), host=self.host.name)
+        return int(answer["port"])
+
     def _header(self) -> str:
         assert self.stream is not None
         path: str | None = None

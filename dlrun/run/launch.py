@@ -801,7 +801,8 @@ class HostsEngine:
             return cwd_for.get(host.name) or (os.getcwd() if host.is_local else host.workdir or "")
 
         done = sync_folders(self.transport, hosts, cwd_of, config.checkpoint_dirs,
-                            failed_at=self.failed_at if config.attempt else None)
+                            failed_at=self.failed_at if config.attempt else None,
+                            addresses=self.addresses if len(hosts) > 1 else None)
         return tuple(d.line() for d in done)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -136,8 +137,8 @@ def test_a_restart_finds_rank_0s_checkpoint_on_every_host(cluster, tmp_path: Pat
     assert re.search(r"^\[0 host0\] rank 0 resumes from epoch 1$", out.stdout, re.M), out.stdout
     assert re.search(r"^\[1 host1\] rank 1 resumes from epoch 1$", out.stdout, re.M), out.stdout
     # the restart's line says what moved, where and how long it took
-    assert re.search(r"attempt 2 of 2 .*checkpoint ckpt: 1 file \(8 B\) from host0 to host1 in \d+\.\d s",
-                     out.stdout), out.stdout
+    assert re.search(r"attempt 2 of 2 .*checkpoint ckpt: 1 file \(8 B\) from host0 to host1 in \d+\.\d s"
+                     r" \(host to host\)", out.stdout), out.stdout
     assert remote(cluster, 1, code, "ckpt/state.txt").read_text() == "epoch 1\n"
 
     # without the option, host1's rank has none: today's failure
@@ -340,6 +341,106 @@ def test_a_file_that_changes_between_listing_and_sending_is_named_and_not_writte
     assert written == 5 and (local / "done.txt").read_text() == "done\n"
     assert (local / "log.txt").read_text() == "old copy\n"
     assert sorted(p.name for p in local.iterdir()) == ["done.txt", "log.txt"]  # no temporary file left
+
+
+@pytest.fixture
+def transport(cluster):  # type: ignore[no-untyped-def]
+    from dlrun.transport.local import HostRouter
+    from dlrun.transport.ssh import SSHTransport
+
+    router = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
+    yield router
+    router.close()
+
+
+def two_folders(cluster, tmp_path: Path):  # type: ignore[no-untyped-def]
+    from dlrun.inventory import Host
+
+    hosts = [Host(address=h.name, name=f"host{i}", workdir=str(h.workdir), python=cluster.python)
+             for i, h in enumerate(cluster.hosts[:2])]
+    roots = {}
+    for i, h in enumerate(cluster.hosts[:2]):
+        root = Path(h.workdir) / f"sync-{tmp_path.name}"
+        (root / "ckpt").mkdir(parents=True)
+        os.chown(root, *login_ids(cluster))
+        os.chown(root / "ckpt", *login_ids(cluster))
+        roots[f"host{i}"] = str(root / "ckpt")
+    (Path(roots["host0"]) / "model.bin").write_bytes(b"m" * 50000)
+    (Path(roots["host1"]) / "shard-1.bin").write_bytes(b"s" * 30000)
+    return hosts, roots
+
+
+def login_ids(cluster) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    import pwd
+
+    pw = pwd.getpwnam(cluster.user)
+    return pw.pw_uid, pw.pw_gid
+
+
+@pytest.mark.ssh
+def test_host_to_host_where_the_hosts_listen_else_through_this_machine(cluster, transport, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from dlrun.push.checkpoint import sync_folder
+
+    hosts, roots = two_folders(cluster, tmp_path)
+    addresses = {"host0": cluster.hosts[0].address, "host1": cluster.hosts[1].address}
+    direct = sync_folder(transport, hosts, roots, "ckpt", addresses=addresses)
+    assert (direct.files, direct.relayed) == (2, 0) and direct.line().endswith("(host to host)"), direct.line()
+    for root in roots.values():
+        assert (Path(root) / "model.bin").read_bytes() == b"m" * 50000
+        assert (Path(root) / "shard-1.bin").read_bytes() == b"s" * 30000
+    again = sync_folder(transport, hosts, roots, "ckpt", addresses=addresses)
+    assert again.files == 0 and "the same on every host (2 files)" in again.line()
+    # host0 cannot listen at an address that is not its own: its file goes through this machine
+    (Path(roots["host0"]) / "model.bin").write_bytes(b"n" * 40000)
+    (Path(roots["host1"]) / "shard-1.bin").write_bytes(b"t" * 20000)
+    mixed = sync_folder(transport, hosts, roots, "ckpt", addresses={**addresses, "host0": "192.0.2.1"})
+    assert (mixed.files, mixed.relayed) == (2, 1) and "(1 through this machine)" in mixed.line(), mixed.line()
+    for root in roots.values():
+        assert (Path(root) / "model.bin").read_bytes() == b"n" * 40000
+        assert (Path(root) / "shard-1.bin").read_bytes() == b"t" * 20000
+    leftovers = [p.name for root in roots.values() for p in Path(root).iterdir() if p.name.startswith(".dlrun-part")]
+    assert leftovers == []
+
+
+@pytest.mark.ssh
+def test_a_serving_host_gives_nothing_without_the_token_or_tls(cluster, transport, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import socket
+    import ssl
+
+    from dlrun.push.pull import HostSender
+    from dlrun.tls import make_job_tls
+
+    hosts, roots = two_folders(cluster, tmp_path)
+    tls = make_job_tls("test")
+    sender = HostSender(transport, hosts[0], roots["host0"])
+    sender.listing()
+    port = sender.serve(["model.bin"], cluster.hosts[0].address, "right-token", tls.cert_pem, tls.key_pem)
+    try:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname = False
+        context.load_verify_locations(cadata=tls.cert_pem)
+
+        def ask(token: str) -> bytes:
+            with socket.create_connection((cluster.hosts[0].address, port), timeout=10) as raw, \
+                    context.wrap_socket(raw) as conn:
+                conn.sendall(token.encode() + b"\n" + json.dumps(["model.bin"]).encode() + b"\n")
+                data = b""
+                while chunk := conn.recv(65536):
+                    data += chunk
+                return data
+
+        assert ask("wrong-token") == b""
+        given = ask("right-token")  # a tar stream: the header, the bytes, the end
+        assert given.startswith(b"model.bin\0") and b"m" * 50000 in given and given.endswith(bytes(1024))
+        with socket.create_connection((cluster.hosts[0].address, port), timeout=10) as plain:
+            plain.sendall(b"right-token\n[\"model.bin\"]\n")
+            plain.settimeout(10)
+            try:
+                assert b"m" * 100 not in plain.recv(65536)
+            except (ConnectionResetError, TimeoutError):
+                pass
+    finally:
+        sender.close()
 
 
 # --------------------------------------------------------------------------- the rules (pure)
