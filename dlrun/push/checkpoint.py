@@ -6,9 +6,11 @@ failed (a writer killed mid-write), then the newest (host clocks put on dlrun's 
 the largest. Nothing is ever deleted: a file some host has reaches every host, so one writer,
 per-rank shards and ``latest`` files or links all end up complete everywhere.
 
-The bytes go through this machine: each winning file is fetched once from the host that has
-it (``dlrun.push.pull.HostSender``) and pushed to the hosts that lack it (the push session,
-``dlrun.push.session``), both verified by sha256; files already the same move nowhere.
+Files already the same move nowhere. The others go host to host where the hosts reach each
+other (the source's push helper serves them over TLS, ``HostSender.serve``; the target's push
+session fetches them from there), else through this machine (fetched once with
+``dlrun.push.pull.HostSender``, then pushed with ``dlrun.push.session``); sha256 verified on
+every write. The mechanism is in ``docs/checkpoints.md``.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ started by the bootstrap (``boot_argv``, then ``boot_payload`` on its stdin):
    middle (dlrun killed, Ctrl-C, dropped connection) removes the partial temporary file; the
    next push sends only what is missing or different.
 
+A plan may also name ``sources``: other hosts' helpers serving some of the files
+(``dlrun.push.checkpoint``); the helper then fetches those from there over TLS after the
+stream, with the same checks.
+
 A file counts as pushed (and so may be deleted) only while it is the file the push wrote: the
 same inode, as recorded. Nothing is read, written or deleted through a symlink below the root.
 ``dlrun launch`` asks step 1 of each host's agent instead, with the preflight probe (the agent
