@@ -10,7 +10,9 @@ for a launch's first question.
 The same helper runs the other way for ``dlrun pull`` and ``--checkpoint-dir``
 (``dlrun.push.pull``): a request with ``"send"`` gets the listing of a tree (every file's
 size, mode, sha256 and mtime, links as links, and the host's clock), then a list of paths, and
-answers with one tar stream of exactly those files, as they were listed.
+answers with one tar stream of exactly those files, as they were listed; or, asked to
+``serve``, listens (TLS, a token) and gives those files to other hosts' push helpers, which
+fetch them when their plan names ``sources`` (host-to-host checkpoint copies).
 """
 
 from __future__ import annotations
