@@ -669,7 +669,7 @@ def fetch_from(source: dict[str, Any], receiver: Receiver) -> str | None:
 
     names = [str(n) for n in source["files"]]
     try:
-        conn = socket.create_connection((source["address"], int(source["port"])), timeout=30)
+        conn = socket.create_connection((source["address"], int(source["port"])), timeout=10)
         tls = client_context(source["cert"]).wrap_socket(conn)
         tls.settimeout(IDLE[0] or None)
         tls.sendall(str(source["token"]).encode() + b"\n" + json.dumps([n.split("/", 1)[1] for n in names]).encode()
