@@ -10,6 +10,7 @@ table with the ratios to stdout, and client and host CPU as ``bench/push.py`` do
 tests/support/sshd_cluster.py (root: hosts on 127.0.0.2-5 as user dlrun-test).
 
     python bench/pull.py [--runs 3] [--files 200] [--mb 200]
+    python bench/pull.py --checkpoint [--runs 3] [--files 20] [--mb 200]   # host to host vs relay
 """
 
 from __future__ import annotations
@@ -55,7 +56,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--files", type=int, default=200, help="files in all (a quarter on each host)")
     parser.add_argument("--mb", type=int, default=200, help="MB in all")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="instead: a --checkpoint-dir copy of host0's MB to the 3 other hosts, host to host"
+                        " against through this machine")
     args = parser.parse_args()
+    if args.checkpoint:
+        checkpoint_copy(args)
+        return
     tools = ["dlrun", "dlrun-cli", "rsync"]
     rsync = shutil.which("rsync")
     if rsync is None:
@@ -176,6 +183,60 @@ def main() -> None:
         label = "first pull" if case == "first" else "no-change re-pull"
         for tool in tools:
             print(f"| {label} | {tool} | {cpu_median(f'{tool} {case}', 0)} | {cpu_median(f'{tool} {case}', 1)} |")
+
+
+def checkpoint_copy(args: argparse.Namespace) -> None:
+    """``dlrun.push.checkpoint.sync_folder``: host0's ``ckpt/`` (``--files`` files, ``--mb`` MB)
+    to 3 empty hosts, host to host and through this machine, interleaved; median seconds."""
+    from dlrun.push.checkpoint import sync_folder
+
+    bench = load_push_bench()
+    sshd_cluster = bench.load_cluster_module()
+    load_before = os.getloadavg()[0]
+    base = Path(tempfile.mkdtemp(prefix="dlrun-bench-ckpt-"))
+    cluster = sshd_cluster.start_cluster(4, base / "cluster", python=sys.executable)
+    times: dict[str, list[float]] = {"host to host": [], "through this machine": []}
+    try:
+        login = pwd.getpwnam(cluster.user)
+        size = args.mb * 1_000_000 // args.files
+        hosts = [Host(address=h.name, name=h.name, workdir=str(h.workdir), python=cluster.python)
+                 for h in cluster.hosts]
+        roots = {h.name: str(h.workdir / PROJECT / "ckpt") for h in cluster.hosts}
+        for h in cluster.hosts:
+            (h.workdir / PROJECT / "ckpt").mkdir(parents=True)
+            for path in (h.workdir / PROJECT, h.workdir / PROJECT / "ckpt"):
+                os.chown(path, login.pw_uid, login.pw_gid)
+        source = Path(roots[cluster.hosts[0].name])
+        for j in range(args.files):
+            (source / f"shard-{j:03d}.pt").write_bytes(os.urandom(size))
+        addresses = {h.name: h.address for h in cluster.hosts}
+        for run in range(args.runs):
+            for way in (list(times) if run % 2 == 0 else list(times)[::-1]):
+                for h in cluster.hosts[1:]:
+                    shutil.rmtree(roots[h.name], ignore_errors=True)
+                    shutil.rmtree(h.workdir / PROJECT / ".dlrun-cache", ignore_errors=True)
+                os.sync()
+                transport = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
+                try:
+                    transport.connect(hosts)
+                    start = time.perf_counter()
+                    done = sync_folder(transport, hosts, roots, "ckpt",
+                                       addresses=addresses if way == "host to host" else None)
+                    times[way].append(time.perf_counter() - start)
+                finally:
+                    transport.close()
+                assert done.files == 3 * args.files and done.relayed == (0 if way == "host to host" else done.files)
+        load_after = os.getloadavg()[0]
+    finally:
+        cluster.stop(remove=True)
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"## --checkpoint-dir copy: host0's {args.files} files, {args.mb} MB, to 3 other loopback sshd hosts\n")
+    print(f"{os.cpu_count()} CPUs, load average before: {load_before:.2f}, after: {load_after:.2f}; median of"
+          f" {args.runs} runs, interleaved; connections made before the clock starts\n")
+    print("| way | seconds | runs |")
+    print("|---|---:|---|")
+    for way, runs in times.items():
+        print(f"| {way} | {statistics.median(runs):.2f} | {', '.join(f'{x:.2f}' for x in runs)} |")
 
 
 if __name__ == "__main__":
