@@ -927,9 +927,9 @@ class HostsEngine:
             synced: tuple[str, ...] = ()
             if config.checkpoint_dirs and not (detached and config.attempt):  # keepers restart on their own
                 synced = self.sync_checkpoints(config, plan.hosts)
-                if not config.attempt:
+                if not config.attempt:  # before anything starts, as the launch's other first lines
                     for line in synced:
-                        view.notice(line)
+                        print(f"dlrun: {line}", file=sys.stderr, flush=True)
             rendezvous = None
             if config.framework == "horovod" and detached:
                 rendezvous = (plan.ranks[0].address, 0)

@@ -202,11 +202,11 @@ def test_the_ddp_tutorials_second_run_resumes_at_the_same_epoch_on_every_host(cl
 
     first = run("2")
     assert first.returncode == 0, first.stdout + first.stderr
-    assert "checkpoint ckpt: empty on every host" in first.stdout
+    assert "checkpoint ckpt: empty on every host" in first.stderr
     second = run("4")
     assert second.returncode == 0, second.stdout + second.stderr
     # host1 never wrote a snapshot: dlrun copied rank 0's before the second run started
-    assert re.search(r"checkpoint ckpt: 1 file \(.*\) from host0 to host1", second.stdout), second.stdout
+    assert re.search(r"checkpoint ckpt: 1 file \(.*\) from host0 to host1", second.stderr), second.stderr
     assert sorted(re.findall(r"^\[\d host\d\] rank (\d) starts at epoch 2$", second.stdout, re.M)) == ["0", "1"]
     assert len(set(re.findall(r"rank \d checksum (-?[0-9.]+)", second.stdout))) == 1, second.stdout
 
