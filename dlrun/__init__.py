@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from dlrun.api import TopoResult as TopoResult
     from dlrun.api import launch as launch
     from dlrun.api import pull as pull
+    from dlrun.api import push as push
+    from dlrun.api import topo as topo
     from dlrun.run.result import RunResult as RunResult
 
 

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TextIO
 
-from dlrun.errors import DlrunError, HostUnreachable, TransportError, UsageError
+from dlrun.errors import DlrunError, HostUnreachable, JobStartError, TransportError, UsageError
 from dlrun.inventory import Host
 from dlrun.plan import RankSpec
 from dlrun.remote import boot_argv, boot_payload, keeper, source_of
@@ -137,7 +137,8 @@ def run_program(transport: Transport, host: Host, name: str, request: Mapping[st
                            stdin=boot_payload(name) + json.dumps(request).encode() + b"\n", timeout=timeout)
     if result.exit_code != 0:
         detail = " / ".join(result.stderr.decode("utf-8", "replace").strip().splitlines()[-3:])
-        raise DlrunError(f"dlrun-{name} exited with code {result.exit_code}: {detail}", host=host.name)
+        error = JobStartError if name == "keeper" else DlrunError
+        raise error(f"dlrun-{name} exited with code {result.exit_code}: {detail}", host=host.name)
     try:
         answer: dict[str, Any] = json.loads(result.stdout.decode("utf-8", "replace").strip().splitlines()[-1])
     except (ValueError, IndexError) as exc:
@@ -367,7 +368,7 @@ def wait_started(transport: Transport, leader: Host, job_id: str) -> JobRecord:
             if record.state != "starting":
                 return record
         if time.monotonic() > deadline:
-            raise DlrunError(f"the ranks of detached job {job_id} did not all start within {START_TIMEOUT:g} s;"
+            raise JobStartError(f"the ranks of detached job {job_id} did not all start within {START_TIMEOUT:g} s;"
                              f" the job is stopped (dlrun logs {job_id} shows what they printed)", host=leader.name)
         time.sleep(POLL)
 
@@ -385,23 +386,31 @@ class JobHosts:
         self.transport = transport
         self.hosts = tuple(hosts)
         self.unreachable: dict[str, str] = {}
+        self.hints: dict[str, None] = {}  # each host's hint once (a login shell's startup file, a key)
         self.warn = warn if warn is not None else sys.stderr
         for name, why in (unreachable or {}).items():
             self.left_out(name, why)
 
-    def left_out(self, name: str, why: str) -> None:
+    def left_out(self, name: str, why: str, hint: str | None = None) -> None:
+        if hint:
+            self.hints.setdefault(hint)
         if name not in self.unreachable:
             self.unreachable[name] = why
             self.warn.write(f"dlrun: warning: {name} cannot be reached ({why.splitlines()[0][:200]});"
                             " what it holds is not shown\n")
             self.warn.flush()
 
+    def none_reached(self) -> HostUnreachable:
+        """The error when no host answers: each host with its reason, each hint once."""
+        return HostUnreachable(f"none of the {len(self.hosts)} hosts answered:\n" + "\n".join(
+            f"  {name}: {why.splitlines()[0][:200]}" for name, why in self.unreachable.items()),
+            hint="; ".join(self.hints) or None)
+
     def ask(self, request: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """Every reachable host's answer (in parallel), by host name."""
         hosts = [h for h in self.hosts if h.name not in self.unreachable]
         if not hosts:
-            raise HostUnreachable("no host can be reached: " + "; ".join(
-                f"{name}: {why.splitlines()[0][:160]}" for name, why in self.unreachable.items()))
+            raise self.none_reached()
 
         def one(host: Host) -> dict[str, Any] | DlrunError:
             try:
@@ -414,12 +423,11 @@ class JobHosts:
         out: dict[str, dict[str, Any]] = {}
         for host, answer in zip(hosts, answers, strict=True):
             if isinstance(answer, DlrunError):
-                self.left_out(host.name, str(answer.message))
+                self.left_out(host.name, str(answer.message), answer.hint)
             else:
                 out[host.name] = answer
         if not out:
-            raise HostUnreachable("no host can be reached: " + "; ".join(
-                f"{name}: {why.splitlines()[0][:160]}" for name, why in self.unreachable.items()))
+            raise self.none_reached()
         return out
 
     def ps(self) -> list[JobRecord]:
@@ -468,10 +476,9 @@ class JobHosts:
             errors = list(pool.map(one, hosts))
         for host, error in zip(hosts, errors, strict=True):
             if error is not None:
-                self.left_out(host.name, str(error.message))
+                self.left_out(host.name, str(error.message), error.hint)
         if len(self.unreachable) == len(self.hosts):
-            raise HostUnreachable("no host can be reached: " + "; ".join(
-                f"{name}: {why.splitlines()[0][:160]}" for name, why in self.unreachable.items()))
+            raise self.none_reached()
 
 
 class LogFollower:

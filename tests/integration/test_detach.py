@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dlrun_argv, example, hosts_toml, roles_toml, run_dlrun, shared_script
+from support.scripts import TORCH_LABELS
 from support.sshd_cluster import TEST_USER_HOME, wait_job_processes_gone
 
 pytestmark = pytest.mark.ssh
@@ -317,14 +318,6 @@ def test_a_detached_tf_ps_job_ends_with_its_chief_and_stops_the_servers(cluster,
 
 # --------------------------------------------------------------------------- evidence (issue 28)
 
-TORCH_LABELS = """
-import datetime, torch, torch.distributed as dist
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-if dist.get_rank() == 0:
-    raise ValueError(f"labels out of range: {torch.randint(0, 100, (40, 12))}")
-dist.barrier()
-"""
-
 # rank 1 writes 70,000 numbered lines, then raises
 LONG_LOG = """
 import os, sys, time
@@ -449,13 +442,16 @@ def test_a_full_disk_drops_log_lines_and_the_job_goes_on(cluster, tmp_path: Path
                     "tmpfs", str(jobs_dir)], check=True)
     try:
         script = shared_script(cluster, "chatty.py", (
-            "import sys\n"
+            "import sys, time\n"
+            "time.sleep(3)  # every keeper is up before the disk fills\n"
             "for i in range(100000):\n"
             "    sys.stdout.write(f'line {i} ' + 'y' * 60 + '\\n')\n"
             "print('done', flush=True)\n"))
         job = detach(cluster, tmp_path, script)
         attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=180)
-        assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr
+        keeper_logs = "".join(f"\n{log}:\n{log.read_text(errors='replace')[-2000:]}"
+                              for log in sorted((jobs_dir / job).glob("host-*/*.log")))
+        assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr + keeper_logs
         listed = run_dlrun("ps", *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
         assert re.search(rf"^{job}\s+succeeded\s", listed.stdout, re.M), listed.stdout
         result = json.loads((host_folder(job, "host0") / "result.json").read_text())

@@ -16,15 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script, start_ssh_job
+from support.scripts import TORCH_LABELS
 from support.sshd_cluster import count_job_processes, wait_job_processes_gone
-
-TORCH_LABELS = """
-import datetime, torch, torch.distributed as dist
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-if dist.get_rank() == 0:
-    raise ValueError(f"labels out of range: {torch.randint(0, 100, (40, 12))}")
-dist.barrier()
-"""
 
 # rank 1 fails 5 s in; rank 0 writes up to 50 MB/s of numbered lines for 120 s
 FLOOD = """

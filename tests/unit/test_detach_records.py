@@ -422,3 +422,15 @@ def test_a_tf_ps_server_that_fails_first_is_the_root_cause(tmp_path: Path) -> No
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["exit_code"] == 3 and result["root_cause"] == "rank 2 on c exited with code 3"
     assert [r["state"] for r in result["ranks"]] == ["stopped", "stopped", "failed"]
+
+
+def test_a_keeper_that_cannot_start_is_a_job_start_error_exit_1() -> None:
+    from dlrun.errors import JobStartError
+    from dlrun.inventory import Host
+    from dlrun.run.detach import run_program
+    from dlrun.transport.local import LocalTransport
+
+    with pytest.raises(JobStartError) as caught:  # the real keeper program, refusing a bad job id
+        run_program(LocalTransport(), Host(address="localhost", name="localhost"), "keeper",
+                    {"job_id": "../x", "host": "localhost", "leader": True})
+    assert caught.value.exit_code == 1 and "bad job id" in str(caught.value)
