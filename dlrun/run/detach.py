@@ -236,29 +236,27 @@ def merge_records(documents: Sequence[Mapping[str, Any]]) -> list[JobRecord]:
                 finals.setdefault(job_id, {})[int(entry["rank"])] = entry
     records = []
     for job_id, document in sorted(jobs.items()):
-        if document.get("state") not in FINAL and job_id in orphaned:
-            document = leader_lost(document, orphaned[job_id], finals.get(job_id, {}))
-        elif document.get("state") == "lost" and document.get("exit_code") is None:
-            document = {**document, "exit_code": 255}
+        if document.get("state") not in FINAL and job_id in orphaned:  # a frozen leader: its followers tell
+            document = {**document, "state": "lost", "exit_code": 255,
+                        "root_cause": orphaned[job_id].get("root_cause"), "root_tail": []}
+        if document.get("state") in FINAL:
+            document = ended_ranks(document, finals.get(job_id, {}))
         records.append(replace(record_of(document), alive=alive[job_id]))
     return records
 
 
-def leader_lost(leader: Mapping[str, Any], follower: Mapping[str, Any],
-                finals: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
-    """The job's record when its leader keeper froze or died: what the leader last wrote, ended
-    as ``lost`` by a follower's word; each rank's own host's final entry where it has one."""
+def ended_ranks(document: Mapping[str, Any], finals: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """A job that has ended has no rank still running: a rank its record left running (a leader
+    frozen or killed before it heard the end) takes its own host's final entry, else it is lost
+    (255); a lost job without an exit code exits 255."""
     ranks = []
-    for entry in leader.get("ranks") or ():
-        own = finals.get(int(entry["rank"]))
-        if own is not None:
-            ranks.append(own)
-        elif entry.get("state") in FINAL:
+    for entry in document.get("ranks") or ():
+        if entry.get("state") in FINAL:
             ranks.append(entry)
         else:
-            ranks.append({**entry, "state": "lost", "code": 255})
-    return {**leader, "state": "lost", "exit_code": 255, "root_cause": follower.get("root_cause"),
-            "root_tail": [], "ranks": ranks}
+            ranks.append(finals.get(int(entry["rank"])) or {**entry, "state": "lost", "code": 255})
+    code = document.get("exit_code")
+    return {**document, "ranks": ranks, "exit_code": 255 if code is None and document.get("state") == "lost" else code}
 
 
 def age_text(seconds: float) -> str:
@@ -504,27 +502,28 @@ class LogFollower:
         request: dict[str, Any] = {"op": "logs", "job": self.job_id, "offsets": dict(self.offsets), "whole": whole}
         if self.since is not None:
             request["since_ago"], self.since = self.since, None  # files that appear later start at 0
+        if self.view is not None and not self.started:  # attach: the view needs every rank first, from every host
+            self.start_view([d for a in self.hosts.ask({"op": "state", "job": self.job_id}).values()
+                             for d in a.get("jobs") or []])
         lock = threading.Lock()
         claimed: dict[str, str] = {}  # file -> the host it is shown from, in this look
         documents: list[Mapping[str, Any]] = []
-        answered: set[str] = set()
 
-        def records(host: str, found: list[dict[str, Any]]) -> None:
+        def records(found: list[dict[str, Any]]) -> None:
             with lock:
                 documents.extend(found)
-                answered.add(host)
-                if len(answered) == 1:
-                    self.start_view(found)
 
         def piece(host: str, key: str, header: Mapping[str, Any], data: bytes) -> None:
             with lock:
+                if self.view is not None and not self.started:
+                    return  # not shown, so not read: the next look sends it again
                 if claimed.setdefault(key, host) != host or int(header["offset"]) < self.offsets.get(key, 0):
                     return
                 self.offsets[key] = int(header["offset"]) + len(data)  # data: as the file holds it
                 self.show(key, str(header.get("host", "?")), data)
 
         def ask(host: Host) -> None:
-            stream_logs(self.hosts.transport, host, request, lambda found: records(host.name, found),
+            stream_logs(self.hosts.transport, host, request, records,
                         lambda key, header, data: piece(host.name, key, header, data))
 
         self.hosts.each(ask)
@@ -541,7 +540,7 @@ class LogFollower:
         return record
 
     def start_view(self, documents: Sequence[Mapping[str, Any]]) -> None:
-        """attach: the view starts once the ranks are known (from the first host's records)."""
+        """attach: the view starts once the ranks are known (the merged records of every host)."""
         if self.view is None or self.started or not documents:
             return
         self.view.start(view_commands(merge_records(documents)[0]), None)

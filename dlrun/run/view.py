@@ -180,7 +180,7 @@ def make_view(ranks: Collection[int] | None = None, *, force_plain: bool = False
     (``dlrun.run.screen``): what a rank prints never holds back the supervisor.
     ``lossless_plain``: plain lines wait for the screen rather than being dropped (``attach``
     into a pipe: its lines are the record there)."""
-    from dlrun.run.screen import LIVE_RATE, ScreenFeed
+    from dlrun.run.screen import LIVE_RATE, LIVE_WAITING, ScreenFeed
 
     if force_plain or not sys.stdout.isatty():
         return ScreenFeed(PlainView(sys.stdout, ranks), lossless=lossless_plain)
@@ -190,5 +190,5 @@ def make_view(ranks: Collection[int] | None = None, *, force_plain: bool = False
 
     console = Console()
     if console.is_terminal:
-        return ScreenFeed(LiveView(console, ranks), rate=LIVE_RATE)
+        return ScreenFeed(LiveView(console, ranks), rate=LIVE_RATE, max_lines=LIVE_WAITING)
     return ScreenFeed(PlainView(sys.stdout, ranks), lossless=lossless_plain)

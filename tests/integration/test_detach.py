@@ -412,7 +412,8 @@ def test_a_killed_leader_makes_attach_exit_255(cluster, tmp_path: Path) -> None:
     os.kill(leader, signal.SIGKILL)
     attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
     assert attached.returncode == 255, attached.stdout + attached.stderr
-    assert not re.search(r"^\s+\d+\s+host\d\s+\S*\s+running$", attached.stdout, re.M), attached.stdout
+    assert not re.search(r"^\s+\d+\s+host\d\s+\S*\s+running\b", attached.stdout, re.M), attached.stdout
+    assert re.search(r"^\s+0\s+host0\s+255\s+lost\b", attached.stdout, re.M), attached.stdout
     nothing_left(job)
 
 

@@ -94,10 +94,10 @@ def test_heavy_output_on_a_terminal_does_not_hold_back_the_stop(tmp_path: Path) 
     assert proc.returncode == 3, screen[-3000:]
     stop_took = ended - float((tmp_path / "failed_at").read_text())
     print(f"failure to exit: {stop_took:.2f} s; peak RSS of a child: {peak_kib / 1024:.0f} MiB")
-    assert stop_took < 60, "the flood (120 s) ended the job, not the failure"
-    assert "the screen fell behind:" in screen and "lines not shown" in screen, screen[-3000:]
-    log = next(tmp_path.glob("dlrun-logs/*/rank-0.log")).read_bytes().splitlines()
-    numbers = [int(line.split()[1]) for line in log if line.startswith(b"line ")]
+    assert stop_took < 20, "the failure did not stop the job at once (the flood runs for 120 s)"
+    assert re.search(r"the screen fell behind: \d+ lines of rank 0 not shown", screen), screen[-3000:]
+    log = next(tmp_path.glob("dlrun-logs/*/rank-0.log")).read_bytes()
+    numbers = [int(n) for n in re.findall(rb"^line (\d{9}) x{80}$", log, re.M)]  # the last may be cut by the stop
     assert numbers and numbers == list(range(len(numbers)))  # not one line lost, in order
     assert peak_kib < 150 * 1024
 
