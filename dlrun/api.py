@@ -381,6 +381,7 @@ def logs(job: str, hosts: str | None = None, *, follow: bool = False, delete: bo
     from that many seconds ago); with ``delete``, remove its folder on every host afterwards.
     Its record (None once deleted)."""
     import sys
+    import time
 
     from dlrun.run.detach import LogFollower
 
@@ -392,7 +393,17 @@ def logs(job: str, hosts: str | None = None, *, follow: bool = False, delete: bo
         record = follower.follow() if follow else follower.poll(whole=True)
         if record is None:
             raise UsageError(f"no job {job} on {', '.join(h.name for h in job_hosts.hosts)}")
+        if job_hosts.unreachable:  # what those hosts hold was not shown: not a complete answer
+            from dlrun.errors import HostUnreachable
+
+            stream.flush()
+            raise HostUnreachable(f"the logs on {', '.join(job_hosts.unreachable)} were not read (see above)")
         if delete:
+            if follow and record.ended:  # the keepers finish writing their records right after the end
+                deadline = time.monotonic() + 30
+                while record.alive and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    record = job_hosts.record(job)
             if not record.ended or record.alive:  # a keeper of it may still run, even on a shared home
                 raise UsageError(f"job {job} is {record.state}: dlrun stop {job} first, then delete its logs")
             stream.flush()  # written out (a full disk or a closed pipe raises here, and nothing is deleted)
