@@ -17,7 +17,6 @@ import shlex
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -158,7 +157,7 @@ def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
     a paused pager, does not count; the transport's own silence clock covers a dead host)."""
     channel = transport.open(host, boot_argv(default_python(host), "jobs"))
     try:
-        channel.send(boot_payload("jobs") + json.dumps({**request, "stream": True, "zlib": True}).encode() + b"\n")
+        channel.send(boot_payload("jobs") + json.dumps({**request, "stream": True}).encode() + b"\n")
         channel.close_stdin()
         buf = bytearray()
         header: dict[str, Any] | None = None
@@ -167,8 +166,7 @@ def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
             if header is not None:
                 need = int(header["length"])
                 if len(buf) >= need:
-                    piece = bytes(buf[:need])
-                    on_piece(str(header["key"]), header, zlib.decompress(piece) if header.get("zlib") else piece)
+                    on_piece(str(header["key"]), header, bytes(buf[:need]))
                     del buf[:need]
                     header = None
                     continue
