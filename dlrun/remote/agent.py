@@ -751,7 +751,7 @@ def kill_descendants() -> int:
 
 def _run_agent(argv: list[str]) -> int:
     in_namespace = "--in-pidns" in argv  # set by PIDNS_WRAPPER
-    if not in_namespace and not os.environ.get("DLRUN_NO_GUARD"):
+    if not in_namespace:
         guard()  # returns in the child, which is the agent
     stdin_fd = sys.stdin.fileno()
     os.set_blocking(stdin_fd, False)
