@@ -420,8 +420,8 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
     import sys
 
     from dlrun.run.detach import LogFollower
-    from dlrun.run.screen import ScreenFeed
-    from dlrun.run.view import PlainView, make_view
+    from dlrun.run.screen import ScreenFeed, make_view
+    from dlrun.run.view import PlainView
 
     stream = out or sys.stdout
     shown = PlainView(out) if out is not None else make_view()

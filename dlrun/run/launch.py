@@ -55,8 +55,8 @@ from dlrun.run.addresses import facing_address, interfaces_at, local_base_port, 
 from dlrun.run.agents import AgentAnswer, HostAgents
 from dlrun.run.engine import Engine, HeldView, Placement
 from dlrun.run.result import Attempt, RunResult
+from dlrun.run.screen import make_view
 from dlrun.run.supervisor import Supervisor, View
-from dlrun.run.view import make_view
 from dlrun.transport.base import Transport, default_python
 from dlrun.transport.local import HostRouter
 
