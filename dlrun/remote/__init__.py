@@ -19,7 +19,7 @@ from importlib import resources
 #: The host programs, by the name the controller ships them under.
 PROGRAMS = ("agent", "probe", "push_helper", "tf_server", "keeper", "jobs")
 #: Modules a host program loads from source it was given (keepers: the rank lines; the leader: the rendezvous).
-MODULES = ("rendezvous", "ranklines")
+MODULES = ("rendezvous", "rankpolicy")
 
 
 def source_of(name: str) -> str:
