@@ -8,7 +8,7 @@ modules are imported inside the functions, so ``import dlrun`` stays cheap.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from dlrun.run.detach import JobHosts, JobRecord
     from dlrun.run.launch import SSHOptions
     from dlrun.run.supervisor import View
+    from dlrun.topo.bench import BenchResult
     from dlrun.topo.findings import Finding
     from dlrun.topo.records import HostReport
 
@@ -30,12 +31,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class TopoResult:
     """What ``topo`` found: each host's report, the findings across hosts, the env dlrun
-    suggests, and the exit code (1 when a finding is an error)."""
+    suggests, the bench's measurements where asked, and the exit code (1 when a finding, the
+    bench's too, is an error)."""
 
     reports: tuple[HostReport, ...]
     findings: tuple[Finding, ...]
     env: Mapping[str, str]
     exit_code: int
+    bench: BenchResult | None = None
 
 
 def ssh_options(
@@ -155,30 +158,44 @@ def topo(
     accept_new_host_keys: bool = False,
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
+    bench: bool = False,
+    bench_seconds: float = 60.0,
+    iface: str | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> TopoResult:
-    """Probe every host (this machine without ``hosts``), as ``dlrun topo`` does."""
+    """Probe every host (this machine without ``hosts``), as ``dlrun topo`` does; with
+    ``bench``, then measure them for about ``bench_seconds`` (``dlrun topo --bench``;
+    ``progress`` hears what it is doing)."""
     from dlrun.inventory import load_inventory
     from dlrun.run.launch import make_transport
     from dlrun.topo.findings import analyse, exit_code, suggested_env
     from dlrun.topo.preflight import probe_hosts
     from dlrun.topo.probe import probe_local
 
+    if bench_seconds <= 0:
+        raise UsageError("--bench-seconds takes a positive number of seconds")
     reports: tuple[HostReport, ...]
-    if hosts is None:
+    measured = None
+    if hosts is None and not bench:
         reports = (probe_local(),)
         slots = None
     else:
-        inventory = load_inventory(hosts)
+        inventory = load_inventory(hosts or "localhost")
         transport = make_transport(inventory, ssh_options(
             ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
             connect_timeout=connect_timeout, host_timeout=host_timeout))
         try:
             reports = probe_hosts(transport, inventory.hosts)
+            if bench:
+                from dlrun.topo.benchrun import bench_hosts
+
+                measured = bench_hosts(transport, inventory.hosts, reports, bench_seconds, iface, progress)
         finally:
             transport.close()
         slots = {h.name: h.slots for h in inventory.hosts if h.slots is not None}
     findings = tuple(analyse(reports, slots))
-    return TopoResult(reports, findings, suggested_env(reports), exit_code(findings))
+    code = max(exit_code(findings), measured.exit_code if measured else 0)
+    return TopoResult(reports, findings, suggested_env(reports), code, measured)
 
 
 def push(

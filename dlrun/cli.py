@@ -80,7 +80,7 @@ class GroupedOption(click.Option):
 
 
 #: The sections of ``--help``, in order; an option of no group goes last, under "Other".
-SECTIONS = ("Job", "Hosts", "Output", "SSH", "Push", "Spark")
+SECTIONS = ("Job", "Hosts", "Bench", "Output", "SSH", "Push", "Spark")
 
 
 class GroupedCommand(click.Command):
@@ -306,10 +306,18 @@ def _refuse_unused(options: dict[str, str], unused: bool, needs: str) -> None:
 
 @main.command(cls=GroupedCommand)
 @option("Hosts", "--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: this machine).")
+@option("Bench", "--bench", is_flag=True,
+        help="Then measure the hosts: TCP between them, CPU or GPU compute, all-reduce (gloo/NCCL) where"
+        " torch is installed; each number beside what the topology promises; exit 1 on a host or link far below.")
+@option("Bench", "--bench-seconds", type=click.FloatRange(min=1), default=60.0, show_default=True, metavar="SECONDS",
+        help="About how long the bench takes in all.")
+@option("Bench", "--iface", help="Network interface the bench's TCP and all-reduce use on every host"
+        " (default: launch's rule, see README).")
 @option("Output", "--json", "json_output", is_flag=True, help="Print the report as JSON.")
 @ssh_options
 @_reports_errors
-def topo(hosts: str | None, json_output: bool, **ssh: Any) -> None:
+def topo(hosts: str | None, json_output: bool, bench: bool, bench_seconds: float, iface: str | None,
+         **ssh: Any) -> None:
     """Probe GPUs, NVLink/PCIe links and InfiniBand/RoCE NICs on every host; exit 1 on errors."""
     import json
 
@@ -319,11 +327,36 @@ def topo(hosts: str | None, json_output: bool, **ssh: Any) -> None:
     from dlrun.topo.findings import topo_document
     from dlrun.topo.report import render_topo
 
-    result = probe(hosts, **ssh)
+    if iface and not bench:
+        raise click.UsageError("--iface goes with --bench")
+    console = Console(stderr=True)
+    status = console.status("bench") if bench and console.is_terminal and not json_output else None
+
+    def progress(text: str) -> None:
+        if status is not None:
+            status.update(f"bench: {text}")
+
+    if status is not None:
+        status.start()
+    try:
+        result = probe(hosts, bench=bench, bench_seconds=bench_seconds, iface=iface, progress=progress, **ssh)
+    finally:
+        if status is not None:
+            status.stop()
     if json_output:
-        click.echo(json.dumps(topo_document(result.reports, result.findings, result.env), indent=2))
+        doc = topo_document(result.reports, result.findings, result.env)
+        if result.bench is not None:
+            from dlrun.topo.bench import bench_document
+
+            doc["bench"] = bench_document(result.bench)
+        click.echo(json.dumps(doc, indent=2))
     else:
-        Console().print(render_topo(result.reports, result.findings, result.env))
+        out = Console()
+        out.print(render_topo(result.reports, result.findings, result.env))
+        if result.bench is not None:
+            from dlrun.topo.bench import render_bench
+
+            out.print(render_bench(result.bench))
     sys.exit(result.exit_code)
 
 

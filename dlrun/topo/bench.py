@@ -1,0 +1,328 @@
+"""The bench's model: what was measured, beside what was expected, and who is at fault.
+
+Pure: the controller (:mod:`dlrun.topo.benchrun`) feeds it the host program's answers; this
+module turns them into :class:`Measure` records with an expected value
+(:mod:`dlrun.topo.expect`) and the median of the peers, finds the host or link at fault from
+pair measurements (:func:`link_verdict`), plans the rounds (:func:`ring_round`,
+:func:`retest_pairs`, :func:`rounds_of`, :func:`budget`), and renders the table (80 columns)
+and the ``--json`` document. The method and its numbers are in ``docs/bench.md``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from dlrun.topo.expect import FAR_BELOW, Expected, judge, peer_median
+from dlrun.topo.findings import Finding, Severity, finding_to_json
+
+#: What to check when a measurement of this kind is low.
+HINTS: Mapping[str, str] = {
+    "tcp": "check its cable and switch port (ethtool: speed, errors) and that"
+           " NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME name this interface",
+    "compute": "check its CPU limit (cgroup cpu.max / cfs quota, a container's --cpus),"
+               " frequency scaling and other load",
+    "gemm": "a throttled GPU? check clocks, power cap and temperature"
+            " (nvidia-smi -q -d PERFORMANCE,CLOCK,POWER) and other processes on it",
+    "memory": "a throttled GPU? check clocks, ECC errors and other processes on it (nvidia-smi -q)",
+    "h2d": "check the PCIe link (lspci -vv: LnkSta against LnkCap, PCIe width x16?), the slot"
+           " and the NUMA binding",
+    "d2h": "check the PCIe link (lspci -vv: LnkSta against LnkCap, PCIe width x16?), the slot"
+           " and the NUMA binding",
+    "host_allreduce": "check NVLink (nvidia-smi nvlink -s), the fabric manager on NVSwitch"
+                      " systems, NCCL_P2P_DISABLE / NCCL_P2P_LEVEL",
+    "allreduce": "check the NICs' cables and state (ibstat: rate, Active), that NCCL_IB_HCA"
+                 " names the active ports (a wrong NCCL_IB_HCA), and NCCL_SOCKET_IFNAME",
+}
+#: Short names of the kinds in the table.
+LABELS: Mapping[str, str] = {
+    "tcp": "TCP", "compute": "CPU", "gemm": "GEMM", "memory": "HBM", "h2d": "H2D", "d2h": "D2H",
+    "host_allreduce": "GPU AR", "allreduce": "net AR",
+}
+LEVELS: Mapping[str, str] = {
+    "tcp": "TCP only (no torch on some host)",
+    "torch-cpu": "torch on the CPU (gloo)",
+    "torch-cuda": "torch with CUDA (NCCL)",
+}
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One measured number: ``subject`` names the host, GPU, link (``a→b``) or group it was
+    measured on; ``hosts`` are the hosts it involved. ``peers`` is the median of the other
+    subjects' values of the same kind; ``compared`` says how it stood (``38% of expected``)."""
+
+    kind: str
+    subject: str
+    hosts: tuple[str, ...]
+    value: float | None
+    unit: str
+    what: str
+    expected: Expected | None = None
+    peers: float | None = None
+    severity: Severity | None = None
+    compared: str = ""
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """Everything the bench measured and judged."""
+
+    level: str
+    measures: tuple[Measure, ...]
+    findings: tuple[Finding, ...]
+    notes: tuple[str, ...] = ()
+    seconds: float = 0.0
+    steps: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if any(f.severity == "error" for f in self.findings) else 0
+
+
+# --------------------------------------------------------------------------------------------
+# Rounds
+# --------------------------------------------------------------------------------------------
+
+
+def budget(seconds: float, hosts: int, cuda: bool) -> dict[str, float]:
+    """Seconds of measuring per step, out of ``seconds`` for the whole bench: start-up and
+    process-group set-up take the rest (about a minute on 16 hosts by default)."""
+    unit = max(1.0, seconds / 12)
+    return {
+        "compute": unit,
+        "gpu": max(2.0, seconds / 3) if cuda else 0.0,
+        "tcp": unit if hosts > 1 else 0.0,
+        "retest_rounds": 3 if hosts > 1 else 0,
+        "allreduce": unit if hosts > 1 else 0.0,
+    }
+
+
+def ring_round(hosts: Sequence[str], shift: int = 1) -> list[tuple[str, str]]:
+    """Every host sends to the host ``shift`` places on: (sender, receiver) pairs, all at once."""
+    n = len(hosts)
+    if n < 2:
+        return []
+    return [(hosts[i], hosts[(i + shift) % n]) for i in range(n) if hosts[i] != hosts[(i + shift) % n]]
+
+
+def rounds_of(pairs: Iterable[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    """Pairs split into rounds in which no host appears twice (first fit, order kept)."""
+    rounds: list[list[tuple[str, str]]] = []
+    busy: list[set[str]] = []
+    for a, b in pairs:
+        for i, used in enumerate(busy):
+            if a not in used and b not in used:
+                rounds[i].append((a, b))
+                used |= {a, b}
+                break
+        else:
+            rounds.append([(a, b)])
+            busy.append({a, b})
+    return rounds
+
+
+def _key(a: str, b: str) -> tuple[str, str]:
+    return (a, b) if a <= b else (b, a)
+
+
+def pair_values(links: Iterable[tuple[str, str, float]]) -> dict[tuple[str, str], float]:
+    """Each unordered pair's median of its measurements (both directions, every round)."""
+    values: dict[tuple[str, str], list[float]] = {}
+    for a, b, v in links:
+        values.setdefault(_key(a, b), []).append(v)
+    return {k: statistics.median(v) for k, v in values.items()}
+
+
+@dataclass(frozen=True)
+class LinkVerdict:
+    """Who is at fault from pair measurements: ``reference`` is what a good link carries (the
+    expected value, else the median over hosts of each host's best pair); ``low`` the pairs
+    below ``FAR_BELOW`` of it; ``hosts`` those low with most of their partners; ``links`` the
+    low pairs neither of whose hosts is at fault."""
+
+    reference: float | None
+    low: tuple[tuple[str, str], ...]
+    hosts: tuple[str, ...]
+    links: tuple[tuple[str, str], ...]
+
+
+def link_verdict(hosts: Sequence[str], links: Iterable[tuple[str, str, float]],
+                 expected: float | None = None) -> LinkVerdict:
+    """Judge pair measurements ``(a, b, value)``: see :class:`LinkVerdict`."""
+    pairs = pair_values(links)
+    best: dict[str, float] = {}
+    for (a, b), v in pairs.items():
+        for h in (a, b):
+            best[h] = max(best.get(h, 0.0), v)
+    reference = expected
+    if len(best) >= 3:
+        peers = statistics.median(best.values())
+        reference = peers if reference is None else min(reference, peers)
+    elif reference is None:
+        return LinkVerdict(None, (), (), ())
+    low = tuple(sorted(k for k, v in pairs.items() if v < FAR_BELOW * reference))
+    at_fault = []
+    for h in hosts:
+        partners = {b if a == h else a for a, b in pairs if h in (a, b)}
+        bad = {b if a == h else a for a, b in low if h in (a, b)}
+        if bad and len(bad) * 2 > len(partners) and len(partners) >= 2:
+            at_fault.append(h)
+    if len(hosts) == 2 and low:
+        at_fault = []  # two hosts: the link is at fault, no peer says which end
+    lone = tuple(k for k in low if k[0] not in at_fault and k[1] not in at_fault)
+    return LinkVerdict(reference, low, tuple(at_fault), lone)
+
+
+def retest_pairs(hosts: Sequence[str], links: Iterable[tuple[str, str, float]],
+                 verdict: LinkVerdict, partners: int = 2) -> list[tuple[str, str]]:
+    """Pairs to measure next where something was low: every low pair again, and each host of a
+    low pair with up to ``partners`` hosts it was not measured with (hosts of no low pair
+    first)."""
+    if not verdict.low:
+        return []
+    tested = set(pair_values(links))
+    suspects = [h for h in hosts if any(h in k for k in verdict.low)]
+    clean = [h for h in hosts if h not in suspects]
+    out = list(verdict.low)
+    for h in suspects:
+        fresh = [o for o in clean + suspects if o != h and _key(h, o) not in tested and _key(h, o) not in out]
+        for other in fresh[:partners]:
+            out.append(_key(h, other))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Judging
+# --------------------------------------------------------------------------------------------
+
+
+def judged(measures: Sequence[Measure]) -> list[Measure]:
+    """Each measure with its peers' median (the other subjects of its kind) and its verdict
+    against that and its expected value."""
+    out = []
+    for m in measures:
+        if m.value is None:
+            out.append(m)
+            continue
+        others = [o.value for o in measures
+                  if o.kind == m.kind and o.subject != m.subject and o.value is not None and o.unit == m.unit]
+        severity, compared = judge(m.value, m.expected.value if m.expected else None, others)
+        out.append(Measure(m.kind, m.subject, m.hosts, m.value, m.unit, m.what, m.expected, peer_median(others),
+                           severity, compared, m.error))  # type: ignore[arg-type]
+    return out
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    digits = 0 if value >= 100 else 1 if value >= 10 else 2
+    return f"{value:.{digits}f} {unit}"
+
+
+def findings_of(measures: Sequence[Measure], verdicts: Mapping[str, LinkVerdict] | None = None) -> list[Finding]:
+    """Error and warning findings: a host named by a link verdict; a link at fault; a
+    measure far below what is expected or its peers; a measure that failed."""
+    found: list[Finding] = []
+    named: set[tuple[str, str]] = set()
+    for kind, verdict in (verdicts or {}).items():
+        label = LABELS.get(kind, kind)
+        ref = f"{verdict.reference:.3g}" if verdict.reference else "?"
+        for name in verdict.hosts:
+            found.append(Finding("error", f"{label} to and from {name} is far below its peers (under"
+                                          f" {FAR_BELOW:.0%} of {ref} with most partners): {HINTS.get(kind, '')}",
+                                 name))
+            named.add((kind, name))
+        for a, b in verdict.links:
+            found.append(Finding("error", f"{label} between {a} and {b} is far below the other links (reference"
+                                          f" {ref}): check the cable, switch ports and routes between them", None))
+            named |= {(kind, a), (kind, b)}
+    for m in measures:
+        if m.error:
+            found.append(Finding("error", f"{LABELS.get(m.kind, m.kind)} on {m.subject} failed: {m.error}",
+                                 m.hosts[0] if len(m.hosts) == 1 else None))
+            continue
+        if m.severity is None or m.kind in (verdicts or {}):
+            continue
+        host = m.hosts[0] if len(m.hosts) == 1 else None
+        expected = f", expected {_fmt(m.expected.value, m.unit)} ({m.expected.basis})" if m.expected else ""
+        peers = f", peers {_fmt(m.peers, m.unit)}" if m.peers is not None else ""
+        found.append(Finding(m.severity, f"{LABELS.get(m.kind, m.kind)} on {m.subject}: {_fmt(m.value, m.unit)} is"
+                                         f" {m.compared}{expected}{peers}: {HINTS.get(m.kind, '')}", host))
+    return found
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def measure_to_json(m: Measure) -> dict[str, Any]:
+    return {
+        "kind": m.kind, "subject": m.subject, "hosts": list(m.hosts), "value": m.value, "unit": m.unit,
+        "what": m.what,
+        "expected": None if m.expected is None else {"value": m.expected.value, "unit": m.expected.unit,
+                                                     "basis": m.expected.basis},
+        "peers_median": m.peers, "severity": m.severity, "compared": m.compared, "error": m.error,
+    }
+
+
+def bench_document(result: BenchResult) -> dict[str, Any]:
+    """``dlrun topo --bench --json``'s ``bench`` entry."""
+    return {
+        "level": result.level,
+        "level_text": LEVELS.get(result.level, result.level),
+        "seconds": round(result.seconds, 1),
+        "measures": [measure_to_json(m) for m in result.measures],
+        "findings": [finding_to_json(f) for f in result.findings],
+        "notes": list(result.notes),
+        "steps": dict(result.steps),
+    }
+
+
+def _verdict_cell(m: Measure) -> Text:
+    if m.error:
+        return Text("failed", style="bold red")
+    share = m.compared.split(" ", 1)[0] if m.compared else ""
+    if m.severity == "error":
+        return Text(f"✗ {share}".strip(), style="bold red")
+    if m.severity == "warning":
+        return Text(f"! {share}".strip(), style="yellow")
+    return Text(f"ok {share}".strip(), style="green")
+
+
+def render_bench(result: BenchResult) -> RenderableType:
+    """The bench table (reads well at 80 columns), what each check measured, and the findings."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, expand=False)
+    table.add_column("check", no_wrap=True)
+    table.add_column("on", overflow="fold", max_width=22)
+    table.add_column("measured", justify="right", no_wrap=True)
+    table.add_column("expected", justify="right", no_wrap=True)
+    table.add_column("peers", justify="right", no_wrap=True)
+    table.add_column("verdict", no_wrap=True)
+    for m in result.measures:
+        table.add_row(LABELS.get(m.kind, m.kind), m.subject, _fmt(m.value, m.unit),
+                      _fmt(m.expected.value, "") if m.expected else "—",
+                      _fmt(m.peers, "") if m.peers is not None else "—", _verdict_cell(m))
+    parts: list[RenderableType] = [Text(f"bench: {LEVELS.get(result.level, result.level)},"
+                                        f" {result.seconds:.0f} s", style="bold"), table]
+    whats = dict.fromkeys(f"{LABELS.get(m.kind, m.kind)}: {m.what}" for m in result.measures)
+    bases = dict.fromkeys(f"{LABELS.get(m.kind, m.kind)} expected: {m.expected.basis}"
+                          for m in result.measures if m.expected)
+    parts += [Text(line, style="dim") for line in list(whats) + list(bases)]
+    parts += [Text(f"note: {n}", style="dim") for n in result.notes]
+    styles = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+    for f in result.findings:
+        who = f"{f.host}: " if f.host else ""
+        parts.append(Text(f"{f.severity}: {who}{f.message}", style=styles.get(f.severity, "")))
+    if not any(f.severity == "error" for f in result.findings):
+        parts.append(Text("bench: no host or link far below what is expected", style="green"))
+    return Group(*parts)
