@@ -113,11 +113,13 @@ class Sink:
             conn.close()
 
 
-def send_stream(address: str, port: int, seconds: float, out: list[Any]) -> None:
-    """One test stream: send until ``seconds`` pass, then read the receiver's count."""
+def send_stream(address: str, port: int, seconds: float, out: list[Any], source: str | None = None) -> None:
+    """One test stream from ``source`` (this host's own address, so the packets leave by the
+    interface under test): send until ``seconds`` pass, then read the receiver's count."""
     data = memoryview(bytes(CHUNK))
     try:
-        sock = socket.create_connection((address, port), timeout=30)
+        sock = socket.create_connection((address, port), timeout=30,
+                                        source_address=(source, 0) if source else None)
         sock.settimeout(seconds + 60)
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
@@ -135,7 +137,7 @@ def send_stream(address: str, port: int, seconds: float, out: list[Any]) -> None
         out.append(str(exc) or type(exc).__name__)
 
 
-def tcp(request: dict[str, Any]) -> dict[str, Any]:
+def tcp(request: dict[str, Any], source: str | None = None) -> dict[str, Any]:
     seconds = float(request.get("seconds") or 3)
     streams = max(1, int(request.get("streams") or 1))
     targets = [(str(a), int(p)) for a, p in request.get("targets") or []]
@@ -143,7 +145,7 @@ def tcp(request: dict[str, Any]) -> dict[str, Any]:
     threads = []
     for (address, port), out in zip(targets, results):
         for _ in range(streams):
-            thread = threading.Thread(target=send_stream, args=(address, port, seconds, out), daemon=True)
+            thread = threading.Thread(target=send_stream, args=(address, port, seconds, out, source), daemon=True)
             thread.start()
             threads.append(thread)
     for thread in threads:
@@ -438,7 +440,7 @@ def main() -> None:
         op = request.get("op")
         try:
             if op == "tcp":
-                answer(tcp(request))
+                answer(tcp(request, None if address in ("0.0.0.0", "::") else address))
             elif op == "compute":
                 answer(compute(request))
             elif op == "gpu":

@@ -184,15 +184,18 @@ def link_verdict(hosts: Sequence[str], links: Iterable[tuple[str, str, float]],
 
 def retest_pairs(hosts: Sequence[str], links: Iterable[tuple[str, str, float]],
                  verdict: LinkVerdict, partners: int = 2) -> list[tuple[str, str]]:
-    """Pairs to measure next where something was low: every low pair again, and each host of a
-    low pair with up to ``partners`` hosts it was not measured with (hosts of no low pair
-    first)."""
+    """Pairs to measure next where something was low: each low pair again (once: up to two
+    rounds of measurements in all), and each host of a low pair with up to ``partners`` hosts it
+    was not measured with (hosts of no low pair first). Empty when nothing new is left."""
     if not verdict.low:
         return []
-    tested = set(pair_values(links))
+    links = list(links)
+    tested = {_key(a, b) for a, b, _ in links}
+    directed = {(a, b) for a, b, _ in links}
     suspects = [h for h in hosts if any(h in k for k in verdict.low)]
     clean = [h for h in hosts if h not in suspects]
-    out = list(verdict.low)
+    # a pair measured one way only (a ring) is measured again both ways; one measured both ways is done
+    out = [k for k in verdict.low if not ((k[0], k[1]) in directed and (k[1], k[0]) in directed)]
     for h in suspects:
         fresh = [o for o in clean + suspects if o != h and _key(h, o) not in tested and _key(h, o) not in out]
         for other in fresh[:partners]:

@@ -172,27 +172,29 @@ def expected_host_allreduce(report: HostReport) -> Expected | None:
                     f"{PCIE_EFFICIENCY:.0%} of PCIe Gen{model.pcie_gen} x16")
 
 
-def active_port_rate(report: HostReport) -> tuple[int, float] | None:
-    """(active RDMA ports, their summed Gb/s), None without an active port of known rate."""
-    rates = [n.rate_gbps for n in report.nics if n.active and n.rate_gbps]
-    if not rates:
-        return None
-    return len(rates), float(sum(r for r in rates if r))
+def compute_ports(report: HostReport) -> list[float]:
+    """Rates (Gb/s) of the active RDMA ports NCCL would use across hosts: InfiniBand ports where
+    any is active, else all; of those, the fastest rate only (a slower front-end or storage
+    port is left out)."""
+    active = [n for n in report.nics if n.active and n.rate_gbps]
+    ib = [n for n in active if (n.link_layer or "").lower() == "infiniband"]
+    chosen = ib or active
+    top = max((n.rate_gbps or 0.0 for n in chosen), default=0.0)
+    return [float(n.rate_gbps or 0.0) for n in chosen if n.rate_gbps == top]
 
 
 def expected_network_allreduce(report: HostReport, ranks_per_host: int | None = None) -> Expected | None:
     """All-reduce bus bandwidth across hosts that this host's NICs should carry: IB/RoCE rate ×
-    active ports (sysfs). ``ranks_per_host`` below the port count (one rank per host uses one
-    NIC) counts that many of the fastest ports."""
-    rates = sorted((n.rate_gbps for n in report.nics if n.active and n.rate_gbps), reverse=True)
+    active ports (sysfs, :func:`compute_ports`). With ``ranks_per_host`` below the port count
+    (one rank per host uses one NIC) that many ports count."""
+    rates = compute_ports(report)
     if not rates:
         return None
-    used = rates[: ranks_per_host] if ranks_per_host else rates
-    total = float(sum(r for r in used if r))
-    speeds = sorted({r for r in used if r})
-    each = "/".join(f"{s:g}" for s in speeds)
+    used = rates[:ranks_per_host] if ranks_per_host else rates
+    total = sum(used)
+    plural = "s" if len(used) > 1 else ""
     return Expected(round(total / 8 * NIC_EFFICIENCY, 1), "GB/s",
-                    f"{NIC_EFFICIENCY:.0%} of {len(used)}× {each} Gb/s active port{'s' if len(used) > 1 else ''}")
+                    f"{NIC_EFFICIENCY:.0%} of {len(used)}× {used[0]:g} Gb/s active port{plural}")
 
 
 def expected_tcp(speed_mbits: float | None) -> Expected | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support.*
 
-from support.sshd_cluster import start_cluster  # noqa: E402
+from support.sshd_cluster import start_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
