@@ -77,6 +77,8 @@ def launch(
     plain: bool = False,
     pidns: bool = True,
     preflight: bool = True,
+    bench: bool = False,
+    bench_seconds: float = 60.0,
     push: bool = True,
     data: str | None = None,
     shard: str = "files",
@@ -112,7 +114,8 @@ def launch(
     lines elsewhere). ``gpu_every``: seconds between GPU samples on every host (0: none); the
     result's ``gpu_summary`` and ``gpu_warnings`` say how the GPUs were used (``gpu_idle_after``:
     when an idle one is named). ``detach``: hand the job to the hosts and return once every rank
-    started (``ps``, ``logs``, ``attach``, ``stop`` follow it).
+    started (``ps``, ``logs``, ``attach``, ``stop`` follow it). ``bench``: after the preflight,
+    run ``dlrun topo --bench`` for about ``bench_seconds`` and stop on its error findings.
     """
     from dlrun.run.launch import LaunchConfig, run_job
 
@@ -120,13 +123,18 @@ def launch(
         raise UsageError("--json goes with --dry-run")
     if backend not in ("ssh", "spark"):
         raise UsageError(f"--backend {backend}: expected ssh or spark")
+    if bench and (not preflight or dry_run or backend != "ssh"):
+        raise UsageError("--bench runs after the preflight: not with --no-preflight, --dry-run or --backend spark")
+    if bench_seconds <= 0:
+        raise UsageError("--bench-seconds takes a positive number of seconds")
     if gpu_every < 0 or gpu_idle_after < 0:
         raise UsageError("--gpu-every and --gpu-idle-after take seconds, 0 or more")
     config = LaunchConfig(
         script=str(script), args=tuple(str(a) for a in args), hosts=hosts, np=np, base_port=base_port,
         framework=framework, dry_run=dry_run, json_output=json_output, log_dir=log_dir, grace=grace,
         ranks_shown=None if ranks is None else tuple(ranks), env=dict(env or {}), iface=iface, plain=plain,
-        pidns=pidns, preflight=preflight, push=push, data=None if data is None else str(data), shard=shard,
+        pidns=pidns, preflight=preflight, bench=bench_seconds if bench else 0.0, push=push,
+        data=None if data is None else str(data), shard=shard,
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
         min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
         gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach,

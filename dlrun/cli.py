@@ -241,6 +241,10 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
         help="Do not run each host's ranks in a PID namespace.")
 @option("Job", "--no-preflight", "preflight", is_flag=True, flag_value=False, default=True,
         help="Skip the topology probe (slots, GPUs, error findings).")
+@option("Job", "--bench", is_flag=True,
+        help="After the preflight, measure the hosts as `dlrun topo --bench` does; stop on a host or link far below.")
+@option("Job", "--bench-seconds", type=click.FloatRange(min=1), default=60.0, show_default=True, metavar="SECONDS",
+        help="With --bench: about how long it takes.")
 @option("Job", "--backend", type=click.Choice(["ssh", "spark"]), default="ssh", show_default=True,
         help="ssh: the inventory's hosts (or localhost); spark: a barrier stage of --np tasks.")
 @option("Output", "--dry-run", is_flag=True,
@@ -286,6 +290,7 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
     _refuse_unused({"--data": "data", "--shard": "shard", "--split-lines": "split_lines", "--push/--no-push": "push",
                     "--code": "code", "--max-push-size": "max_push_size", "--setup": "setup",
                     "--setup-always": "setup_always", "--base-port": "base_port", "--no-preflight": "preflight",
+                    "--bench": "bench", "--bench-seconds": "bench_seconds",
                     "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
                     "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach"},

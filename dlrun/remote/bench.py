@@ -331,10 +331,11 @@ def one_gpu(torch: Any, index: int, seconds: float) -> dict[str, Any]:
     torch.cuda.set_device(index)
     props = torch.cuda.get_device_properties(index)
     out: dict[str, Any] = {"index": index, "name": str(props.name)}
-    domain, bus_no, device = int(getattr(props, "pci_domain_id", 0)), int(props.pci_bus_id), int(props.pci_device_id)
-    bus = f"{domain:04x}:{bus_no:02x}:{device:02x}.0"
-    out["pci_bus_id"] = bus
-    out["pcie"] = pcie_link(bus)
+    if hasattr(props, "pci_bus_id") and hasattr(props, "pci_device_id"):
+        domain, bus_no = int(getattr(props, "pci_domain_id", 0)), int(props.pci_bus_id)
+        bus = f"{domain:04x}:{bus_no:02x}:{int(props.pci_device_id):02x}.0"
+        out["pci_bus_id"] = bus
+        out["pcie"] = pcie_link(bus)
     out["gemm"] = gemm_tflops(torch, seconds)
     torch.cuda.empty_cache()
     out.update(copy_gbps(torch, seconds))
@@ -392,9 +393,8 @@ def allreduce(request: dict[str, Any], iface: str | None) -> dict[str, Any]:
             if backend == "nccl":
                 torch.cuda.synchronize()
 
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor)  # the warm-up also lines the ranks up
         sync()
-        dist.barrier()
         # every rank must run the same number of steps: rank 0 decides, by time, in rounds of 5
         count = 0
         start = time.perf_counter()

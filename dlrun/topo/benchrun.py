@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from dlrun.errors import DlrunError
+from dlrun.errors import DlrunError, PreflightError
 from dlrun.inventory import Host
 from dlrun.remote import boot_argv, boot_payload
 from dlrun.topo.bench import (
@@ -381,3 +381,34 @@ def bench_hosts(transport: Transport, hosts: Sequence[Host], reports: Sequence[H
         if name:
             ifaces[host.name] = name
     return run_bench(transport, usable, reports, addresses, ifaces, seconds, progress)
+
+
+def check_bench(transport: Transport, hosts: Sequence[Host], reports: Sequence[HostReport], seconds: float,
+                iface: str | None = None) -> BenchResult:
+    """``dlrun launch --bench``: the bench after the preflight; its table goes to stderr, and an
+    error finding raises PreflightError before any rank starts."""
+    import sys
+
+    from rich.console import Console
+
+    from dlrun.topo.bench import render_bench
+
+    console = Console(stderr=True)
+    status = console.status("bench") if console.is_terminal else None
+    if status is not None:
+        status.start()
+    try:
+        result = bench_hosts(transport, hosts, reports, seconds, iface,
+                             (lambda text: status.update(f"bench: {text}")) if status is not None else None)
+    finally:
+        if status is not None:
+            status.stop()
+    console.print(render_bench(result))
+    errors = [f for f in result.findings if f.severity == "error"]
+    if errors:
+        lines = "\n".join(f"  {f.host + ': ' if f.host else ''}{f.message}" for f in errors)
+        raise PreflightError(
+            f"the bench found {len(errors)} error{'s' if len(errors) != 1 else ''}; nothing was started:\n{lines}",
+            hint="run `dlrun topo --bench` with the same --hosts for the whole report, or launch without --bench")
+    sys.stderr.flush()
+    return result

@@ -1,6 +1,6 @@
 """``dlrun topo --bench`` over three real sshd hosts in a private network namespace: a host held
 to 30 Mbit/s (tc htb) is named, and only it; the same hosts without the limit pass; a host held
-to 5% of a CPU (a cgroup around its sshd) is named by the compute check."""
+to 1% of a CPU (a cgroup around its sshd) is named by the compute check."""
 
 from __future__ import annotations
 
@@ -21,12 +21,13 @@ pytestmark = pytest.mark.skipif(
     reason="needs root, unshare, tc, ip and sshd (.ci/run installs them)")
 
 
-def bench(tmp_path: Path, *args: str) -> dict[str, Any]:
-    proc = subprocess.run(["unshare", "--net", sys.executable, str(HELPER), str(tmp_path), "--seconds", "10", *args],
+def bench(tmp_path: Path, *args: str, launch: bool = False) -> dict[str, Any]:
+    argv = [sys.executable, str(HELPER), str(tmp_path), "--seconds", "10", *args, *(["--launch"] if launch else [])]
+    proc = subprocess.run(["unshare", "--net", *argv],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["doc"] is not None, out
+    assert launch or out["doc"] is not None, out
     return out
 
 
@@ -64,3 +65,16 @@ def test_a_host_held_to_a_sliver_of_cpu_is_named_by_the_compute_check(tmp_path: 
     cpu = [f for f in errors(out) if f["message"].startswith("CPU on")]
     assert [f["host"] for f in cpu] == ["host2"], errors(out)
     assert "CPU limit" in cpu[0]["message"]
+
+
+def test_launch_bench_stops_before_any_rank_starts_on_a_slow_host(tmp_path: Path) -> None:
+    out = bench(tmp_path, "--slow-link", "0", launch=True)
+    assert out["rc"] == 1, out["stderr"]
+    assert "the bench found" in out["stderr"] and "host0" in out["stderr"], out["stderr"]
+    assert "nothing was started" in out["stderr"] and not out["started"]
+
+
+def test_launch_bench_on_healthy_hosts_runs_the_job(tmp_path: Path) -> None:
+    out = bench(tmp_path, launch=True)
+    assert out["rc"] == 0 and out["started"], out["stderr"]
+    assert "bench: no host or link far below" in out["stderr"]

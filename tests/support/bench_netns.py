@@ -40,15 +40,15 @@ def throttle(address: str) -> None:
 
 
 def limit_cpu(pid: int, name: str) -> Path:
-    """Put ``pid`` (an sshd listener: its sessions inherit it) in a cgroup of 5% of one CPU."""
+    """Put ``pid`` (an sshd listener: its sessions inherit it) in a cgroup of 1% of one CPU (the smallest quota)."""
     v2 = Path("/sys/fs/cgroup/cgroup.controllers")
     group = (Path("/sys/fs/cgroup") if v2.exists() else CGROUP_V1) / name
     group.mkdir(exist_ok=True)
     if v2.exists():
-        (group / "cpu.max").write_text("5000 100000")
+        (group / "cpu.max").write_text("1000 100000")
     else:
         (group / "cpu.cfs_period_us").write_text("100000")
-        (group / "cpu.cfs_quota_us").write_text("5000")
+        (group / "cpu.cfs_quota_us").write_text("1000")
     (group / "cgroup.procs").write_text(str(pid))
     return group
 
@@ -57,8 +57,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("base")
     parser.add_argument("--slow-link", type=int, default=None, help="index of the host to throttle")
-    parser.add_argument("--slow-cpu", type=int, default=None, help="index of the host to hold to 5%% of a CPU")
+    parser.add_argument("--slow-cpu", type=int, default=None, help="index of the host to hold to 1%% of a CPU")
     parser.add_argument("--seconds", default="12")
+    parser.add_argument("--launch", action="store_true",
+                        help="run `dlrun launch --bench` of a script that leaves a marker file, not `dlrun topo`")
     args = parser.parse_args()
     sh("ip", "link", "set", "lo", "up")
     base = Path(args.base)
@@ -74,9 +76,20 @@ def main() -> int:
             hosts = base / "hosts.toml"
             hosts.write_text(f'[defaults]\npython = "{cluster.python}"\n' + "".join(
                 f'[[hosts]]\naddress = "{h.name}"\nslots = 1\n' for h in cluster.hosts))
+            command = ["topo", "--bench", "--bench-seconds", args.seconds, "--json"]
+            shared = cluster.root / "bench-launch"  # the login user reaches it (pytest's tmp_path is 0700)
+            shared.mkdir(exist_ok=True)
+            shared.chmod(0o777)
+            marker = shared / "started"
+            script = shared / "mark.py"
+            if args.launch:
+                script.write_text(f"open({str(marker)!r}, 'a').write('x')\n")
+                script.chmod(0o644)
+                command = ["launch", "--plain", "--framework", "none", "--no-push", "--bench", "--bench-seconds",
+                           args.seconds]
+            given = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
             proc = subprocess.run(
-                [sys.executable, "-m", "dlrun", "topo", "--bench", "--bench-seconds", args.seconds, "--json",
-                 "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)],
+                [sys.executable, "-m", "dlrun", *command, *given, *([str(script)] if args.launch else [])],
                 capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
         finally:
             if group is not None:  # move everything left back to the root group, then drop ours
@@ -85,6 +98,7 @@ def main() -> int:
                         (group.parent / "cgroup.procs").write_text(pid_text)
                     except OSError:
                         pass
+        started = marker.exists()
     if group is not None:
         try:
             group.rmdir()
@@ -95,6 +109,7 @@ def main() -> int:
     except ValueError:
         doc = None
     print(json.dumps({"rc": proc.returncode, "doc": doc, "stdout": proc.stdout[-4000:] if doc is None else "",
+                      "started": started,
                       "stderr": proc.stderr[-4000:],
                       "addresses": {h.name: h.address for h in cluster.hosts}}))
     return 0

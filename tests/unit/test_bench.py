@@ -158,7 +158,7 @@ def test_one_slow_host_of_three_is_named_and_no_other() -> None:
     assert verdict.hosts == ("h1",) and verdict.links == () and verdict.reference == 8.0
     again = retest_pairs(hosts, ring, verdict)
     assert sorted(again) == [("h0", "h1"), ("h1", "h2")]
-    done = ring + [("h1", "h0", 0.02), ("h0", "h1", 0.02), ("h1", "h2", 0.02), ("h2", "h1", 0.02)]
+    done = [*ring, ("h1", "h0", 0.02), ("h0", "h1", 0.02), ("h1", "h2", 0.02), ("h2", "h1", 0.02)]
     assert link_verdict(hosts, done).hosts == ("h1",)
     assert retest_pairs(hosts, done, link_verdict(hosts, done)) == []  # nothing new to measure
 
