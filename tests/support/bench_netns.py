@@ -99,6 +99,7 @@ def main() -> int:
                     except OSError:
                         pass
         started = marker.exists()
+    cluster.stop(remove=True)  # a fresh /tmp/dlrun-sshd-* where base_dir is 0700: leave none behind
     if group is not None:
         try:
             group.rmdir()
