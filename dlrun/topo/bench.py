@@ -20,8 +20,18 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from dlrun.topo.expect import FAR_BELOW, Expected, judge, peer_median
+from dlrun.topo.expect import (
+    FAR_BELOW,
+    Expected,
+    expected_copy,
+    expected_gemm,
+    expected_host_allreduce,
+    expected_memory,
+    judge,
+    peer_median,
+)
 from dlrun.topo.findings import Finding, Severity, finding_to_json
+from dlrun.topo.records import HostReport
 
 #: What to check when a measurement of this kind is low.
 HINTS: Mapping[str, str] = {
@@ -222,6 +232,45 @@ def judged(measures: Sequence[Measure]) -> list[Measure]:
         out.append(Measure(m.kind, m.subject, m.hosts, m.value, m.unit, m.what, m.expected, peer_median(others),
                            severity, compared, m.error))  # type: ignore[arg-type]
     return out
+
+
+def gpu_measures(host: str, doc: Mapping[str, Any], report: HostReport | None) -> tuple[list[Measure], list[Finding]]:
+    """The host program's ``gpu`` answer as measures with their expected values (the GPU model's
+    peaks; the PCIe link's maximum generation and width from sysfs; NVLink or PCIe for the
+    all-reduce across the host's GPUs), and a finding for a PCIe link narrower than it can be."""
+    if "error" in doc:
+        return [Measure("gemm", host, (host,), None, "TFLOP/s", "GPU checks", error=str(doc["error"]))], []
+    out: list[Measure] = []
+    findings: list[Finding] = []
+    what = doc.get("what") or {}
+    for g in doc.get("gpus") or []:
+        subject = f"{host} GPU{g.get('index')}"
+        name = str(g.get("name") or "")
+        if g.get("error"):
+            out.append(Measure("gemm", subject, (host,), None, "TFLOP/s", str(what.get("gemm", "")),
+                               error=str(g["error"])))
+            continue
+        pcie = g.get("pcie") or {}
+        copy = expected_copy(name, pcie.get("max_gen"), pcie.get("max_width"))
+        out += [
+            Measure("gemm", subject, (host,), g.get("gemm"), "TFLOP/s", str(what.get("gemm", "")),
+                    expected_gemm(name)),
+            Measure("memory", subject, (host,), g.get("memory"), "GB/s", str(what.get("memory", "")),
+                    expected_memory(name)),
+            Measure("h2d", subject, (host,), g.get("h2d"), "GB/s", str(what.get("h2d", "")), copy),
+            Measure("d2h", subject, (host,), g.get("d2h"), "GB/s", str(what.get("d2h", "")), copy),
+        ]
+        width, max_width = pcie.get("width"), pcie.get("max_width")
+        if width and max_width and width < max_width:
+            findings.append(Finding("error", f"GPU{g.get('index')}'s PCIe link runs at x{width} of x{max_width}:"
+                                             " reseat the card or check the slot and riser (PCIe width)", host))
+    ar = doc.get("allreduce")
+    if isinstance(ar, dict):
+        expected = expected_host_allreduce(report) if report is not None else None
+        out.append(Measure("host_allreduce", host, (host,), ar.get("busbw"), "GB/s",
+                           str(ar.get("what") or "NCCL all-reduce across the host's GPUs"), expected,
+                           error=ar.get("error")))
+    return out, findings
 
 
 def _fmt(value: float | None, unit: str) -> str:

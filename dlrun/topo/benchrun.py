@@ -27,20 +27,14 @@ from dlrun.topo.bench import (
     Measure,
     budget,
     findings_of,
+    gpu_measures,
     judged,
     link_verdict,
     retest_pairs,
     ring_round,
     rounds_of,
 )
-from dlrun.topo.expect import (
-    expected_copy,
-    expected_gemm,
-    expected_host_allreduce,
-    expected_memory,
-    expected_network_allreduce,
-    expected_tcp,
-)
+from dlrun.topo.expect import expected_network_allreduce, expected_tcp
 from dlrun.topo.findings import Finding
 from dlrun.topo.records import HostReport
 from dlrun.transport.base import Channel, Transport, default_python
@@ -210,38 +204,9 @@ def _gpus(programs: Mapping[str, HostProgram], alive: Sequence[str], reports: Ma
     out: list[Measure] = []
     findings: list[Finding] = []
     for host, doc in answers.items():
-        if "error" in doc:
-            out.append(Measure("gemm", host, (host,), None, "TFLOP/s", "GPU checks", error=str(doc["error"])))
-            continue
-        what = doc.get("what") or {}
-        for g in doc.get("gpus") or []:
-            subject = f"{host} GPU{g.get('index')}"
-            name = str(g.get("name") or "")
-            if g.get("error"):
-                out.append(Measure("gemm", subject, (host,), None, "TFLOP/s", str(what.get("gemm", "")),
-                                   error=str(g["error"])))
-                continue
-            pcie = g.get("pcie") or {}
-            copy = expected_copy(name, pcie.get("max_gen"), pcie.get("max_width"))
-            out += [
-                Measure("gemm", subject, (host,), g.get("gemm"), "TFLOP/s", str(what.get("gemm", "")),
-                        expected_gemm(name)),
-                Measure("memory", subject, (host,), g.get("memory"), "GB/s", str(what.get("memory", "")),
-                        expected_memory(name)),
-                Measure("h2d", subject, (host,), g.get("h2d"), "GB/s", str(what.get("h2d", "")), copy),
-                Measure("d2h", subject, (host,), g.get("d2h"), "GB/s", str(what.get("d2h", "")), copy),
-            ]
-            width, max_width = pcie.get("width"), pcie.get("max_width")
-            if width and max_width and width < max_width:
-                findings.append(Finding("error", f"GPU{g.get('index')}'s PCIe link runs at x{width} of x{max_width}:"
-                                                 " reseat the card or check the slot and riser (PCIe width)", host))
-        ar = doc.get("allreduce")
-        if isinstance(ar, dict):
-            report = reports.get(host)
-            expected = expected_host_allreduce(report) if report is not None else None
-            out.append(Measure("host_allreduce", host, (host,), ar.get("busbw"), "GB/s",
-                               str(ar.get("what") or "NCCL all-reduce across the host's GPUs"), expected,
-                               error=ar.get("error")))
+        measures, found = gpu_measures(host, doc, reports.get(host))
+        out += measures
+        findings += found
     return out, findings
 
 
