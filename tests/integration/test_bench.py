@@ -16,7 +16,7 @@ import pytest
 
 HELPER = Path(__file__).resolve().parents[1] / "support" / "bench_netns.py"
 
-pytestmark = pytest.mark.skipif(
+needs_netns = pytest.mark.skipif(
     os.geteuid() != 0 or not all(shutil.which(t) for t in ("unshare", "tc", "ip", "sshd")),
     reason="needs root, unshare, tc, ip and sshd (.ci/run installs them)")
 
@@ -35,6 +35,7 @@ def errors(out: dict[str, Any]) -> list[dict[str, Any]]:
     return [f for f in out["doc"]["bench"]["findings"] if f["severity"] == "error"]
 
 
+@needs_netns
 def test_a_host_held_to_30_mbit_is_named_and_no_other(tmp_path: Path) -> None:
     out = bench(tmp_path, "--slow-link", "1")
     assert out["rc"] == 1, out["stderr"]
@@ -50,6 +51,7 @@ def test_a_host_held_to_30_mbit_is_named_and_no_other(tmp_path: Path) -> None:
     assert all(m["what"] for m in doc["measures"])
 
 
+@needs_netns
 def test_the_same_hosts_without_the_limit_pass(tmp_path: Path) -> None:
     out = bench(tmp_path)
     assert errors(out) == [] and out["rc"] == 0, out["stderr"]
@@ -57,6 +59,7 @@ def test_the_same_hosts_without_the_limit_pass(tmp_path: Path) -> None:
     assert {"tcp", "compute", "allreduce"} <= kinds  # TCP, the CPU check and gloo across hosts
 
 
+@needs_netns
 @pytest.mark.skipif(not Path("/sys/fs/cgroup/cpu").is_dir() and not Path("/sys/fs/cgroup/cgroup.controllers").exists(),
                     reason="no cgroup cpu controller")
 def test_a_host_held_to_a_sliver_of_cpu_is_named_by_the_compute_check(tmp_path: Path) -> None:
@@ -67,6 +70,7 @@ def test_a_host_held_to_a_sliver_of_cpu_is_named_by_the_compute_check(tmp_path: 
     assert "CPU limit" in cpu[0]["message"]
 
 
+@needs_netns
 def test_launch_bench_stops_before_any_rank_starts_on_a_slow_host(tmp_path: Path) -> None:
     out = bench(tmp_path, "--slow-link", "0", launch=True)
     assert out["rc"] == 1, out["stderr"]
@@ -74,7 +78,26 @@ def test_launch_bench_stops_before_any_rank_starts_on_a_slow_host(tmp_path: Path
     assert "nothing was started" in out["stderr"] and not out["started"]
 
 
+@needs_netns
 def test_launch_bench_on_healthy_hosts_runs_the_job(tmp_path: Path) -> None:
     out = bench(tmp_path, launch=True)
     assert out["rc"] == 0 and out["started"], out["stderr"]
     assert "bench: no host or link far below" in out["stderr"]
+
+
+def test_without_torch_the_bench_measures_tcp_and_a_python_loop(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The first level: hosts whose python has no torch (the system python here)."""
+    from conftest import hosts_toml, run_dlrun
+
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2, python="/usr/bin/python3")
+    out = run_dlrun("topo", "--bench", "--bench-seconds", "6", "--json", "--hosts", str(hosts),
+                    "--ssh-config", str(cluster.ssh_config), timeout=600)
+    doc = json.loads(out.stdout)["bench"]
+    assert doc["level"] == "tcp" and "TCP only" in doc["level_text"], out.stderr
+    kinds = {m["kind"] for m in doc["measures"]}
+    assert kinds == {"tcp", "compute"}, doc["measures"]
+    compute = [m for m in doc["measures"] if m["kind"] == "compute"]
+    assert all(m["unit"] == "Mop/s" and "pure Python" in m["what"] and m["value"] > 0 for m in compute)
+    tcp = [m for m in doc["measures"] if m["kind"] == "tcp"]
+    assert len(tcp) == 2 and all(m["value"] > 0 for m in tcp)  # both ways of the two-host ring
+    assert any("no torch" in n for n in doc["notes"])
