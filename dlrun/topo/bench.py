@@ -154,10 +154,12 @@ def pair_values(links: Iterable[tuple[str, str, float]]) -> dict[tuple[str, str]
 
 @dataclass(frozen=True)
 class LinkVerdict:
-    """Who is at fault from pair measurements: ``reference`` is what a good link carries (the
-    expected value, else the median over hosts of each host's best pair); ``low`` the pairs
-    below ``FAR_BELOW`` of it; ``hosts`` those low with most of their partners; ``links`` the
-    low pairs neither of whose hosts is at fault."""
+    """Who is at fault from pair measurements: ``reference`` is what a good link carries (with
+    three hosts or more the median over hosts of each host's best pair: the peers decide who is
+    at fault; with fewer, the expected value); ``low`` the pairs below ``FAR_BELOW`` of it;
+    ``hosts`` those low with most of their partners; ``links`` the low pairs neither of whose
+    hosts is at fault. Whether the whole fabric falls short of the expected value is
+    :func:`fabric_finding`'s question."""
 
     reference: float | None
     low: tuple[tuple[str, str], ...]
@@ -173,11 +175,8 @@ def link_verdict(hosts: Sequence[str], links: Iterable[tuple[str, str, float]],
     for (a, b), v in pairs.items():
         for h in (a, b):
             best[h] = max(best.get(h, 0.0), v)
-    reference = expected
-    if len(best) >= 3:
-        peers = statistics.median(best.values())
-        reference = peers if reference is None else min(reference, peers)
-    elif reference is None:
+    reference = statistics.median(best.values()) if len(best) >= 3 else expected
+    if reference is None:
         return LinkVerdict(None, (), (), ())
     low = tuple(sorted(k for k, v in pairs.items() if v < FAR_BELOW * reference))
     at_fault = []
@@ -190,6 +189,21 @@ def link_verdict(hosts: Sequence[str], links: Iterable[tuple[str, str, float]],
         at_fault = []  # two hosts: the link is at fault, no peer says which end
     lone = tuple(k for k in low if k[0] not in at_fault and k[1] not in at_fault)
     return LinkVerdict(reference, low, tuple(at_fault), lone)
+
+
+def fabric_finding(kind: str, verdict: LinkVerdict, expected: Expected | None, hosts: int) -> Finding | None:
+    """A warning when the links that are not at fault still fall short of what is expected: no
+    host to name (the peers agree), but the fabric, a setting or the hosts' CPUs hold every
+    link back."""
+    if expected is None or verdict.reference is None or hosts < 3:
+        return None
+    share = verdict.reference / expected.value
+    if share >= FAR_BELOW:
+        return None
+    label = LABELS.get(kind, kind)
+    return Finding("warning", f"{label} between hosts is about {_fmt(verdict.reference, expected.unit)}, {share:.0%}"
+                              f" of the expected {_fmt(expected.value, expected.unit)} ({expected.basis}) on every"
+                              " link: check the MTU, NIC offloads, the switch, and whether the hosts' CPUs keep up")
 
 
 def retest_pairs(hosts: Sequence[str], links: Iterable[tuple[str, str, float]],
@@ -285,6 +299,7 @@ def findings_of(measures: Sequence[Measure], verdicts: Mapping[str, LinkVerdict]
     measure far below what is expected or its peers; a measure that failed."""
     found: list[Finding] = []
     named: set[tuple[str, str]] = set()
+    decided = {kind for kind, v in (verdicts or {}).items() if v.hosts or v.links}
     for kind, verdict in (verdicts or {}).items():
         label = LABELS.get(kind, kind)
         ref = f"{verdict.reference:.3g}" if verdict.reference else "?"
@@ -302,7 +317,7 @@ def findings_of(measures: Sequence[Measure], verdicts: Mapping[str, LinkVerdict]
             found.append(Finding("error", f"{LABELS.get(m.kind, m.kind)} on {m.subject} failed: {m.error}",
                                  m.hosts[0] if len(m.hosts) == 1 else None))
             continue
-        if m.severity is None or m.kind in (verdicts or {}):
+        if m.severity is None or m.kind in decided:
             continue
         host = m.hosts[0] if len(m.hosts) == 1 else None
         expected = f", expected {_fmt(m.expected.value, m.unit)} ({m.expected.basis})" if m.expected else ""

@@ -26,6 +26,7 @@ from dlrun.topo.bench import (
     LinkVerdict,
     Measure,
     budget,
+    fabric_finding,
     findings_of,
     gpu_measures,
     judged,
@@ -156,8 +157,9 @@ def run_bench(transport: Transport, hosts: Sequence[Host], reports: Sequence[Hos
             measures += gpu_measures
             findings += gpu_findings
         if len(alive) > 1:
-            tcp_measures, verdicts["tcp"] = _tcp(programs, alive, hello, plan, say, began + seconds * 0.7)
+            tcp_measures, verdicts["tcp"], fabric = _tcp(programs, alive, hello, plan, say, began + seconds * 0.7)
             measures += tcp_measures
+            findings += [fabric] if fabric is not None else []
         else:
             notes.append("one host: no TCP or all-reduce across hosts")
         if len(alive) > 1 and torch_all:
@@ -231,7 +233,8 @@ def _tcp_round(programs: Mapping[str, HostProgram], hello: Mapping[str, Mapping[
 
 
 def _tcp(programs: Mapping[str, HostProgram], alive: Sequence[str], hello: Mapping[str, Mapping[str, Any]],
-         plan: Mapping[str, float], say: Progress, deadline: float) -> tuple[list[Measure], LinkVerdict]:
+         plan: Mapping[str, float], say: Progress,
+         deadline: float) -> tuple[list[Measure], LinkVerdict, Finding | None]:
     addresses = {h: str(hello[h].get("address") or "") for h in alive}
     seconds = plan["tcp"]
     say(f"TCP ring over {len(alive)} hosts ({seconds:.0f} s)")
@@ -253,6 +256,7 @@ def _tcp(programs: Mapping[str, HostProgram], alive: Sequence[str], hello: Mappi
             sends = [(a, b) for a, b in group] + [(b, a) for a, b in group]
             samples += _tcp_round(programs, hello, addresses, sends, seconds)
         verdict = link_verdict(alive, values(), expected.value if expected else None)
+    fabric = fabric_finding("tcp", verdict, expected, len(alive))
     low = set(verdict.low)
     by_link: dict[tuple[str, str], list[tuple[float | None, str | None]]] = {}
     for a, b, v, err in samples:
@@ -270,7 +274,7 @@ def _tcp(programs: Mapping[str, HostProgram], alive: Sequence[str], hello: Mappi
             compared = f"{value / verdict.reference:.0%} of the reference"
         out.append(Measure("tcp", f"{a}→{b}", (a, b), value, "Gbit/s", what, expected, verdict.reference,
                            severity, compared, error))  # type: ignore[arg-type]
-    return out, verdict
+    return out, verdict, fabric
 
 
 def _allreduce_round(programs: Mapping[str, HostProgram], groups: Sequence[Sequence[str]],

@@ -12,6 +12,7 @@ from dlrun.topo.bench import (
     BenchResult,
     Measure,
     bench_document,
+    fabric_finding,
     findings_of,
     judged,
     link_verdict,
@@ -250,3 +251,23 @@ def test_table_reads_at_80_columns_and_json_has_everything() -> None:
     gemm = next(m for m in doc["measures"] if m["kind"] == "gemm")
     assert gemm["expected"]["basis"].startswith("75% of H100 SXM peak") and gemm["severity"] == "error"
     assert doc["findings"] and doc["notes"] == ["a note"]
+
+
+def test_a_slow_fabric_names_no_host_but_warns() -> None:
+    hosts = ["a", "b", "c", "d"]
+    links = [(x, y, 4.0) for x, y in ring_round(hosts)]  # every link at 4 of an expected 9 Gbit/s
+    verdict = link_verdict(hosts, links, expected=9.0)
+    assert verdict.hosts == () and verdict.links == () and verdict.reference == 4.0  # the peers decide
+    warning = fabric_finding("tcp", verdict, Expected(9.0, "Gbit/s", "90% of 10 Gb/s link"), len(hosts))
+    assert warning is not None and warning.severity == "warning" and warning.host is None
+    assert "44%" in warning.message and "MTU" in warning.message
+    assert fabric_finding("tcp", verdict, Expected(6.0, "Gbit/s", "x"), len(hosts)) is None
+
+
+def test_a_low_all_reduce_that_no_pair_explains_is_still_an_error() -> None:
+    measure = judged([Measure("allreduce", "all hosts", ("a", "b", "c"), 10.0, "GB/s", "NCCL all-reduce",
+                              Expected(46.0, "GB/s", "92% of 1× 400 Gb/s active port"))])[0]
+    pairs = link_verdict(["a", "b", "c"], [("a", "b", 11.0), ("b", "c", 10.0), ("a", "c", 10.5)])
+    found = findings_of([measure], {"allreduce": pairs})
+    assert [f.severity for f in found] == ["error"] and found[0].host is None
+    assert "NCCL_IB_HCA" in found[0].message and "22% of expected" in found[0].message
