@@ -41,7 +41,7 @@ from dlrun.topo.records import HostReport
 from dlrun.transport.base import Channel, Transport, default_python
 
 Progress = Callable[[str], None]
-START_TIMEOUT = 120.0  # the host program's start and torch's import, on a loaded host
+START_TIMEOUT = 120.0  # the host program's start (or torch's import, on a loaded host)
 
 
 class HostProgram:
@@ -141,7 +141,9 @@ def run_bench(transport: Transport, hosts: Sequence[Host], reports: Sequence[Hos
             hello[name] = doc
     alive = [h.name for h in hosts if h.name in hello]
     torch_all = bool(alive) and all(hello[h].get("torch") for h in alive)
-    cuda_all = torch_all and all(int(hello[h].get("cuda_devices") or 0) > 0 for h in alive)
+    # CUDA: the probe saw GPUs and a CUDA build of torch (the gpu request itself says if CUDA works)
+    cuda_all = torch_all and all((r := by_name.get(h)) is not None and bool(r.gpus) and bool(r.torch_cuda)
+                                 for h in alive)
     level = "torch-cuda" if cuda_all else "torch-cpu" if torch_all else "tcp"
     if not torch_all and alive:
         missing = [h for h in alive if not hello[h].get("torch")]
@@ -191,7 +193,7 @@ def _compute(programs: Mapping[str, HostProgram], alive: Sequence[str], plan: Ma
              say: Progress) -> list[Measure]:
     say(f"compute check on {len(alive)} hosts ({plan['compute']:.0f} s)")
     answers = _ask_all(programs, {h: {"op": "compute", "seconds": plan["compute"]} for h in alive},
-                       plan["compute"] * 20 + 60)
+                       START_TIMEOUT + plan["compute"] * 20)  # torch's import may still be running
     out = []
     for host, doc in answers.items():
         out.append(Measure("compute", host, (host,), doc.get("value"), str(doc.get("unit") or ""),

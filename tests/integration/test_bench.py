@@ -1,6 +1,6 @@
 """``dlrun topo --bench`` over three real sshd hosts in a private network namespace: a host held
 to 30 Mbit/s (tc htb) is named, and only it; the same hosts without the limit pass; a host held
-to 1% of a CPU (a cgroup around its sshd) is named by the compute check."""
+to 5% of a CPU (a cgroup around its sshd) is named by the compute check."""
 
 from __future__ import annotations
 

@@ -40,15 +40,15 @@ def throttle(address: str) -> None:
 
 
 def limit_cpu(pid: int, name: str) -> Path:
-    """Put ``pid`` (an sshd listener: its sessions inherit it) in a cgroup of 1% of one CPU (the smallest quota)."""
+    """Put ``pid`` (an sshd listener: its sessions inherit it) in a cgroup of 5% of one CPU."""
     v2 = Path("/sys/fs/cgroup/cgroup.controllers")
     group = (Path("/sys/fs/cgroup") if v2.exists() else CGROUP_V1) / name
     group.mkdir(exist_ok=True)
     if v2.exists():
-        (group / "cpu.max").write_text("1000 100000")
+        (group / "cpu.max").write_text("5000 100000")
     else:
         (group / "cpu.cfs_period_us").write_text("100000")
-        (group / "cpu.cfs_quota_us").write_text("1000")
+        (group / "cpu.cfs_quota_us").write_text("5000")
     (group / "cgroup.procs").write_text(str(pid))
     return group
 
@@ -57,7 +57,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("base")
     parser.add_argument("--slow-link", type=int, default=None, help="index of the host to throttle")
-    parser.add_argument("--slow-cpu", type=int, default=None, help="index of the host to hold to 1%% of a CPU")
+    parser.add_argument("--slow-cpu", type=int, default=None, help="index of the host to hold to 5%% of a CPU")
     parser.add_argument("--seconds", default="12")
     parser.add_argument("--launch", action="store_true",
                         help="run `dlrun launch --bench` of a script that leaves a marker file, not `dlrun topo`")
