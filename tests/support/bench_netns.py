@@ -59,13 +59,15 @@ def main() -> int:
     parser.add_argument("--slow-link", type=int, default=None, help="index of the host to throttle")
     parser.add_argument("--slow-cpu", type=int, default=None, help="index of the host to hold to 5%% of a CPU")
     parser.add_argument("--seconds", default="12")
+    parser.add_argument("--hosts", type=int, default=3, help="how many sshd hosts")
+    parser.add_argument("--python", default=sys.executable, help="the hosts' python (/usr/bin/python3: no torch)")
     parser.add_argument("--launch", action="store_true",
                         help="run `dlrun launch --bench` of a script that leaves a marker file, not `dlrun topo`")
     args = parser.parse_args()
     sh("ip", "link", "set", "lo", "up")
     base = Path(args.base)
     group: Path | None = None
-    with start_cluster(3, base, python=sys.executable) as cluster:
+    with start_cluster(args.hosts, base, python=args.python) as cluster:
         try:
             if args.slow_link is not None:
                 throttle(cluster.hosts[args.slow_link].address)
