@@ -20,6 +20,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from dlrun.inventory import Host
+from dlrun.plan import is_loopback
 from dlrun.topo.expect import (
     FAR_BELOW,
     Expected,
@@ -30,7 +32,7 @@ from dlrun.topo.expect import (
     judge,
     peer_median,
 )
-from dlrun.topo.findings import Finding, Severity, finding_to_json
+from dlrun.topo.findings import Finding, Severity, finding_to_json, interface_with_address
 from dlrun.topo.records import HostReport
 
 #: What to check when a measurement of this kind is low.
@@ -101,6 +103,35 @@ class BenchResult:
 # --------------------------------------------------------------------------------------------
 # Rounds
 # --------------------------------------------------------------------------------------------
+
+
+def listen_addresses(hosts: Sequence[Host], reports: Sequence[HostReport], reached: Mapping[str, str],
+                     iface: str | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """Where each host's bench listens and sends from, and on which interface: launch's rule for
+    NCCL and gloo. The inventory's ``iface``, else ``iface`` (``--iface``), with that
+    interface's own address; else the address dlrun reached the host at (``reached``: IPv4) and
+    the interface holding it; ``lo`` when every host is this machine; a host reached at an address
+    none of its interfaces holds (a public IP in front of a private one) uses its default route's
+    interface and address."""
+    by_report = {r.host: r for r in reports}
+    all_here = all(is_loopback(a) for a in reached.values())
+    addresses: dict[str, str] = {}
+    ifaces: dict[str, str] = {}
+    for host in hosts:
+        report = by_report[host.name]
+        address = reached[host.name]
+        found = interface_with_address(report, address)
+        name = host.iface or iface or found or ("lo" if all_here else None)
+        default = report.default_interface
+        if host.iface or iface:
+            own = next((i.ipv4[0] for i in report.interfaces if i.name == name and i.ipv4), None)
+            address = own or address
+        elif found is None and not all_here and default is not None:
+            name, address = default.name, default.ipv4[0]
+        addresses[host.name] = address
+        if name:
+            ifaces[host.name] = name
+    return addresses, ifaces
 
 
 def budget(seconds: float, hosts: int, cuda: bool) -> dict[str, float]:

@@ -31,6 +31,7 @@ from dlrun.topo.bench import (
     gpu_measures,
     judged,
     link_verdict,
+    listen_addresses,
     retest_pairs,
     ring_round,
     rounds_of,
@@ -331,26 +332,13 @@ def bench_hosts(transport: Transport, hosts: Sequence[Host], reports: Sequence[H
     the address the others reach it at, on the interface launch would give NCCL and gloo (the
     inventory's ``iface``, else ``iface``, else the one holding that address; ``lo`` when all
     are on this machine). Hosts whose probe failed are left out (they are already findings)."""
-    from dlrun.plan import is_loopback
-    from dlrun.run.addresses import interfaces_at, ipv4_of, reachable_addresses
+    from dlrun.run.addresses import ipv4_of, reachable_addresses
 
     ok = {r.host for r in reports if r.ok}
     usable = [h for h in hosts if h.name in ok]
     reached = reachable_addresses(usable, transport.connect(usable)) if usable else {}
-    found = interfaces_at(reports, reached)
-    all_here = all(is_loopback(ipv4_of(a) or a) for a in reached.values())
-    by_report = {r.host: r for r in reports}
-    addresses: dict[str, str] = {}
-    ifaces: dict[str, str] = {}
-    for host in usable:
-        name = host.iface or iface or ("lo" if all_here and host.name not in found else found.get(host.name))
-        address = ipv4_of(reached[host.name]) or reached[host.name]
-        if host.iface or iface:  # a named interface: its own address
-            own = next((i.ipv4[0] for i in by_report[host.name].interfaces if i.name == name and i.ipv4), None)
-            address = own or address
-        addresses[host.name] = address
-        if name:
-            ifaces[host.name] = name
+    reached = {name: ipv4_of(a) or a for name, a in reached.items()}
+    addresses, ifaces = listen_addresses(usable, reports, reached, iface)
     return run_bench(transport, usable, reports, addresses, ifaces, seconds, progress)
 
 

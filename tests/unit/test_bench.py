@@ -271,3 +271,28 @@ def test_a_low_all_reduce_that_no_pair_explains_is_still_an_error() -> None:
     found = findings_of([measure], {"allreduce": pairs})
     assert [f.severity for f in found] == ["error"] and found[0].host is None
     assert "NCCL_IB_HCA" in found[0].message and "22% of expected" in found[0].message
+
+
+def test_the_bench_listens_where_nccl_and_gloo_would_talk() -> None:
+    from dlrun.inventory import Host
+    from dlrun.topo.bench import listen_addresses
+    from dlrun.topo.records import NetInterface
+
+    def report(name: str, *ifaces: NetInterface) -> HostReport:
+        return HostReport(name, interfaces=(NetInterface("lo", ("127.0.0.1",)), *ifaces))
+
+    reports = [report("a", NetInterface("eth0", ("10.0.0.1",), True), NetInterface("ib0", ("192.168.0.1",))),
+               report("b", NetInterface("ens5", ("172.31.0.7",), True)),  # reached at its public IP
+               report("c", NetInterface("eth0", ("10.0.0.3",), True), NetInterface("ib0", ("192.168.0.3",)))]
+    hosts = [Host("10.0.0.1", "a"), Host("54.1.2.3", "b"), Host("10.0.0.3", "c", iface="ib0")]
+    reached = {"a": "10.0.0.1", "b": "54.1.2.3", "c": "10.0.0.3"}
+    addresses, ifaces = listen_addresses(hosts, reports, reached)
+    assert addresses == {"a": "10.0.0.1", "b": "172.31.0.7", "c": "192.168.0.3"}
+    assert ifaces == {"a": "eth0", "b": "ens5", "c": "ib0"}
+    addresses, ifaces = listen_addresses(hosts, reports, reached, iface="ib0")  # --iface for every host
+    assert addresses["a"] == "192.168.0.1" and ifaces["a"] == "ib0"
+    # every host on this machine (loopback aliases, as the test clusters): lo, each its own address
+    local = [report(n) for n in "xyz"]
+    addresses, ifaces = listen_addresses([Host(f"127.0.0.{i}", n) for i, n in enumerate("xyz", 2)], local,
+                                         {n: f"127.0.0.{i}" for i, n in enumerate("xyz", 2)})
+    assert addresses == {"x": "127.0.0.2", "y": "127.0.0.3", "z": "127.0.0.4"} and set(ifaces.values()) == {"lo"}
