@@ -296,3 +296,21 @@ def test_the_bench_listens_where_nccl_and_gloo_would_talk() -> None:
     addresses, ifaces = listen_addresses([Host(f"127.0.0.{i}", n) for i, n in enumerate("xyz", 2)], local,
                                          {n: f"127.0.0.{i}" for i, n in enumerate("xyz", 2)})
     assert addresses == {"x": "127.0.0.2", "y": "127.0.0.3", "z": "127.0.0.4"} and set(ifaces.values()) == {"lo"}
+
+
+def test_the_listen_rule_names_launchs_interfaces() -> None:
+    """The bench measures the interface launch gives gloo/NCCL (dlrun.run.addresses.host_ifaces)."""
+    from dlrun.inventory import Host
+    from dlrun.run.addresses import host_ifaces, interfaces_at
+    from dlrun.topo.bench import listen_addresses
+    from dlrun.topo.records import NetInterface
+
+    reports = [HostReport(n, interfaces=(NetInterface("lo", ("127.0.0.1",)), NetInterface("eth0", (a,), True),
+                                         NetInterface("ib0", (f"192.168.0.{i}",))))
+               for i, (n, a) in enumerate([("a", "10.0.0.1"), ("b", "10.0.0.2"), ("c", "10.0.0.3")], 1)]
+    hosts = [Host("10.0.0.1", "a"), Host("10.0.0.2", "b", iface="ib0"), Host("10.0.0.3", "c")]
+    reached = {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"}
+    for iface in (None, "ib0"):
+        launch = host_ifaces(hosts, reached, iface, interfaces_at(reports, reached))
+        _, mine = listen_addresses(hosts, reports, reached, iface)
+        assert mine == {name: i.name for name, i in launch.items()}
