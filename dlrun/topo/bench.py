@@ -147,6 +147,16 @@ def budget(seconds: float, hosts: int, cuda: bool) -> dict[str, float]:
     }
 
 
+def allreduce_mib(slowest_gbits: float | None, seconds: float, largest: int = 64) -> int:
+    """The all-reduce's size in MiB: ``largest`` (64 MiB: nccl-tests' plateau), smaller where the
+    slowest TCP link measured would take longer than ``seconds`` for the warm-up and five steps
+    (each moves about twice the size over that link), so a slow network keeps the time bound."""
+    if not slowest_gbits:
+        return largest
+    fits = slowest_gbits * 1e9 / 8 * seconds / 12 / (1 << 20)
+    return max(1, min(largest, int(fits)))
+
+
 def ring_round(hosts: Sequence[str], shift: int = 1) -> list[tuple[str, str]]:
     """Every host sends to the host ``shift`` places on: (sender, receiver) pairs, all at once."""
     n = len(hosts)

@@ -25,6 +25,7 @@ from dlrun.topo.bench import (
     BenchResult,
     LinkVerdict,
     Measure,
+    allreduce_mib,
     budget,
     fabric_finding,
     findings_of,
@@ -166,8 +167,10 @@ def run_bench(transport: Transport, hosts: Sequence[Host], reports: Sequence[Hos
         else:
             notes.append("one host: no TCP or all-reduce across hosts")
         if len(alive) > 1 and torch_all:
+            slowest = min((m.value for m in measures if m.kind == "tcp" and m.value), default=None)
+            mib = allreduce_mib(slowest, plan["allreduce"])
             ar_measures, ar_verdict = _allreduce(programs, alive, by_name, addresses, plan, say,
-                                                 "nccl" if cuda_all else "gloo", began + seconds)
+                                                 "nccl" if cuda_all else "gloo", began + seconds, mib)
             measures += ar_measures
             if ar_verdict is not None:
                 verdicts["allreduce"] = ar_verdict
@@ -281,24 +284,24 @@ def _tcp(programs: Mapping[str, HostProgram], alive: Sequence[str], hello: Mappi
 
 
 def _allreduce_round(programs: Mapping[str, HostProgram], groups: Sequence[Sequence[str]],
-                     addresses: Mapping[str, str], backend: str, seconds: float) -> list[dict[str, Any]]:
+                     addresses: Mapping[str, str], backend: str, seconds: float, mib: int) -> list[dict[str, Any]]:
     ports = _ask_all(programs, {g[0]: {"op": "freeport"} for g in groups}, 60)
     requests: dict[str, dict[str, Any]] = {}
     for g in groups:
         port = ports[g[0]].get("port")
         for rank, host in enumerate(g):
             requests[host] = {"op": "allreduce", "backend": backend, "master": [addresses[g[0]], port],
-                              "rank": rank, "world": len(g), "seconds": seconds, "mib": 64}
+                              "rank": rank, "world": len(g), "seconds": seconds, "mib": mib}
     answers = _ask_all(programs, requests, seconds * 10 + 180)
     return [answers[g[0]] | {"group": list(g)} for g in groups]
 
 
 def _allreduce(programs: Mapping[str, HostProgram], alive: Sequence[str], reports: Mapping[str, HostReport],
                addresses: Mapping[str, str], plan: Mapping[str, float], say: Progress,
-               backend: str, deadline: float) -> tuple[list[Measure], LinkVerdict | None]:
+               backend: str, deadline: float, mib: int) -> tuple[list[Measure], LinkVerdict | None]:
     seconds = plan["allreduce"]
     say(f"{'NCCL' if backend == 'nccl' else 'gloo'} all-reduce over {len(alive)} hosts ({seconds:.0f} s)")
-    (whole,) = _allreduce_round(programs, [list(alive)], addresses, backend, seconds)
+    (whole,) = _allreduce_round(programs, [list(alive)], addresses, backend, seconds, mib)
     expected = None
     if backend == "nccl":
         per_host = [expected_network_allreduce(r, 1) for h in alive if (r := reports.get(h)) is not None]
@@ -317,7 +320,7 @@ def _allreduce(programs: Mapping[str, HostProgram], alive: Sequence[str], report
     samples: list[tuple[str, str, float]] = []
     for group in rounds_of(dict.fromkeys(pairs)):
         say(f"all-reduce pairs: {', '.join(f'{a}+{b}' for a, b in group)}")
-        for doc in _allreduce_round(programs, [list(p) for p in group], addresses, backend, seconds):
+        for doc in _allreduce_round(programs, [list(p) for p in group], addresses, backend, seconds, mib):
             a, b = doc["group"]
             value = doc.get("busbw")
             samples.append((a, b, float(value) if value is not None else 0.0))

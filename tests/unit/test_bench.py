@@ -145,6 +145,14 @@ def test_judge_against_expected_and_peers() -> None:
 # rounds and verdicts
 
 
+def test_the_all_reduce_shrinks_on_a_slow_network() -> None:
+    from dlrun.topo.bench import allreduce_mib
+
+    assert allreduce_mib(None, 5) == 64 and allreduce_mib(100.0, 5) == 64
+    assert allreduce_mib(0.03, 5) == 1  # 30 Mbit/s: the smallest, about 4 s for six steps
+    assert 1 < allreduce_mib(1.0, 5) < 64
+
+
 def test_ring_and_rounds() -> None:
     assert ring_round(["a", "b", "c"]) == [("a", "b"), ("b", "c"), ("c", "a")]
     assert ring_round(["a"]) == []
