@@ -1,4 +1,4 @@
-"""dlrun from Python: ``launch``, ``topo`` and ``push`` take the commands' settings as keyword
+"""dlrun from Python: ``launch``, ``topo``, ``push`` and ``pull`` take the commands' settings as keyword
 arguments (named as the options, ``--no-X`` flags as ``X=False``) and return result records.
 
 The ``dlrun`` command line is a thin layer over these functions; the option records
@@ -20,6 +20,7 @@ from dlrun.run.result import RunResult
 
 if TYPE_CHECKING:
     from dlrun.inventory import Host
+    from dlrun.push.pull import HostPullSummary
     from dlrun.push.session import HostPushSummary
     from dlrun.run.detach import JobHosts, JobRecord
     from dlrun.run.launch import SSHOptions
@@ -111,6 +112,7 @@ def launch(
     detach: bool = False,
     module: bool = False,
     no_python: bool = False,
+    checkpoint_dir: Sequence[str] = (),
 ) -> RunResult:
     """Run ``script`` on every rank, as ``dlrun launch`` does; how the job ended.
 
@@ -124,8 +126,10 @@ def launch(
     started (``ps``, ``logs``, ``attach``, ``stop`` follow it). ``module``: ``script`` is a
     Python module (``-m pkg.train``), run with each host's python in the project (the current
     folder or ``code``); ``no_python``: the command runs exactly as given (``python``, ``.py``,
-    ``.R`` and ``.sh`` get no interpreter from dlrun). ``bench``: after the preflight, run
-    ``dlrun topo --bench`` for about ``bench_seconds`` and stop on its error findings.
+    ``.R`` and ``.sh`` get no interpreter from dlrun). ``checkpoint_dir``: folders
+    (relative to each host's working folder) made the same on every host before every attempt,
+    the newest complete copy of each file winning (``docs/checkpoints.md``). ``bench``: after the
+    preflight, run ``dlrun topo --bench`` for about ``bench_seconds`` and stop on its error findings.
     """
     from dlrun.run.launch import LaunchConfig, run_job
 
@@ -153,6 +157,7 @@ def launch(
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
         min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
         gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach, module=module, no_python=no_python,
+        checkpoint_dirs=tuple(checkpoint_dir),
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
                         connect_timeout=connect_timeout, host_timeout=host_timeout),
     )
@@ -160,6 +165,8 @@ def launch(
         return run_job(config, view=view)
     from dlrun.spark.driver import SparkConfig, SparkEngine
 
+    if checkpoint_dir:
+        raise UsageError("--checkpoint-dir goes with the SSH backend (a Spark task has no folder of its own)")
     if detach:
         raise UsageError("--detach goes with the SSH backend (a Spark stage lives with its driver)")
     if module:
@@ -291,6 +298,60 @@ def push(
     return summaries
 
 
+def pull(
+    remote: str,
+    local: str | Path = ".",
+    *,
+    hosts: str,
+    project: str | None = None,
+    max_size: str | None = None,
+    dry_run: bool = False,
+    live: bool | None = None,
+    summary: bool = True,
+    ssh_config: str | None = None,
+    known_hosts: str | None = None,
+    accept_new_host_keys: bool = False,
+    connect_timeout: float | None = None,
+    host_timeout: float | None = None,
+) -> tuple[HostPullSummary, ...]:
+    """Copy ``remote`` from every host into ``local``, as ``dlrun pull`` does; one summary per
+    host. ``remote``: relative to the project folder on each host (``<workdir>/<project>``,
+    ``project`` defaulting to the current folder's name), or absolute; a trailing ``/`` pulls
+    its contents rather than the folder. Files the same on every host are written once, the
+    rest under ``local/<host>/``; only what differs from the local copy moves, and every file
+    is verified by sha256. ``max_size``: what the pull may write (``500M``, ``none``; default
+    200M and 20000 files); ``dry_run``: list the hosts and say what would be written."""
+    import sys
+
+    from dlrun.inventory import load_inventory
+    from dlrun.push.pull import pull as pull_from
+    from dlrun.push.pull import summary_line
+    from dlrun.push.tree import PushLimit, parse_size
+    from dlrun.push.view import PushView
+    from dlrun.run.launch import make_transport
+
+    limit = parse_size(max_size) if max_size is not None else PushLimit()
+    inventory = load_inventory(hosts)
+    transport = make_transport(inventory, ssh_options(
+        ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
+        connect_timeout=connect_timeout, host_timeout=host_timeout))
+
+    def notice(text: str) -> None:
+        print(f"dlrun: {text}", file=sys.stderr, flush=True)
+
+    try:
+        with PushView([h.name for h in inventory.hosts], live=False if dry_run else live) as view:
+            summaries = pull_from(transport, inventory.hosts, remote, Path(local), project=project, limit=limit,
+                                  dry_run=dry_run, progress=view.progress, file_progress=view.files, notice=notice)
+            view.stop()
+        if summary:
+            for line in map(summary_line, summaries):
+                print(line, file=sys.stderr, flush=True)
+    finally:
+        transport.close()
+    return summaries
+
+
 # --------------------------------------------------------------------------- detached jobs
 
 
@@ -345,6 +406,7 @@ def logs(job: str, hosts: str | None = None, *, follow: bool = False, delete: bo
     from that many seconds ago); with ``delete``, remove its folder on every host afterwards.
     Its record (None once deleted)."""
     import sys
+    import time
 
     from dlrun.run.detach import LogFollower
 
@@ -356,7 +418,17 @@ def logs(job: str, hosts: str | None = None, *, follow: bool = False, delete: bo
         record = follower.follow() if follow else follower.poll(whole=True)
         if record is None:
             raise UsageError(f"no job {job} on {', '.join(h.name for h in job_hosts.hosts)}")
+        if job_hosts.unreachable:  # what those hosts hold was not shown: not a complete answer
+            from dlrun.errors import HostUnreachable
+
+            stream.flush()
+            raise HostUnreachable(f"the logs on {', '.join(job_hosts.unreachable)} were not read (see above)")
         if delete:
+            if follow and record.ended:  # the keepers finish writing their records right after the end
+                deadline = time.monotonic() + 30
+                while record.alive and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    record = job_hosts.record(job)
             if not record.ended or record.alive:  # a keeper of it may still run, even on a shared home
                 raise UsageError(f"job {job} is {record.state}: dlrun stop {job} first, then delete its logs")
             stream.flush()  # written out (a full disk or a closed pipe raises here, and nothing is deleted)
@@ -377,7 +449,7 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
     from dlrun.run.view import PlainView, make_view
 
     stream = out or sys.stdout
-    shown = PlainView(out) if out is not None else make_view(lossless_plain=True)
+    shown = PlainView(out) if out is not None else make_view()
     with _job_hosts(hosts, ssh) as job_hosts:
         follower = LogFollower(job_hosts, job, stream, since, view=shown)
         try:

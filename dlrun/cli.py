@@ -251,6 +251,9 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool],
 @option("Job", "--min-hosts", type=click.IntRange(min=1),
         help="With --max-restarts: a restart after a lost host runs on the hosts left, if at least this many"
         " (default: the same hosts, the lost one reconnected).")
+@option("Job", "--checkpoint-dir", multiple=True, metavar="DIR",
+        help="Make DIR (relative to the job's folder on each host) the same on every host before every"
+        " attempt: per file, the newest copy written before a failure wins (repeatable).")
 @option("Job", "--detach", "-d", is_flag=True,
         help="Hand the job to the hosts and return once every rank started; it runs on without dlrun"
         " (dlrun ps, logs, attach, stop).")
@@ -313,7 +316,8 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
                     "--bench": "bench", "--bench-seconds": "bench_seconds", "--module": "module",
                     "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
-                    "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach"},
+                    "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach",
+                    "--checkpoint-dir": "checkpoint_dir"},
                    spark, "the SSH backend, not --backend spark (Spark places tasks and ships the code)")
     sys.exit(run(script, args, **settings).exit_code)
 
@@ -426,6 +430,36 @@ def push_command(hosts: str, json_output: bool, **settings: Any) -> None:
     _refuse_unused({"--project": "project", "--no-delete": "delete", "--max-push-size": "max_push_size"},
                    settings["code"] is None, "--code DIR")
     summaries = push(hosts, live=False if json_output else None, summary=not json_output, **settings)
+    if json_output:
+        click.echo(json.dumps(summary_json(summaries), indent=2))
+
+
+@main.command("pull", cls=GroupedCommand)
+@click.argument("remote")
+@click.argument("local", default=".", type=click.Path(file_okay=False))
+@option("Hosts", "--hosts", "-H", required=True, help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4'.")
+@option("Push", "--project", help="The project folder under workdir that REMOTE is relative to"
+        " (default: the current folder's name).")
+@option("Push", "--max-size", metavar="SIZE",
+        help="Stop a pull that would write over SIZE (e.g. 500M, 2G; none: no limit). Default 200M and 20000 files.")
+@option("Output", "--dry-run", is_flag=True, help="Show per host what would be received; write nothing.")
+@option("Output", "--json", "json_output", is_flag=True, help="Print the per-host summary as JSON.")
+@ssh_options
+@_reports_errors
+def pull_command(remote: str, local: str, hosts: str, json_output: bool, **settings: Any) -> None:
+    """Copy REMOTE from every host into LOCAL (default .): files the same on every host once,
+    the rest into LOCAL/<host>/; only what changed moves, each file verified by sha256.
+
+    REMOTE is relative to the project folder on each host, or absolute; `out` arrives as
+    LOCAL/out, `out/` as its contents. Local files are never deleted.
+    """
+    import json
+
+    from dlrun.api import pull
+    from dlrun.push.pull import summary_json
+
+    summaries = pull(remote, local, hosts=hosts, live=False if json_output else None, summary=not json_output,
+                     **settings)
     if json_output:
         click.echo(json.dumps(summary_json(summaries), indent=2))
 

@@ -199,7 +199,7 @@ class RankLines:
     def seen(self, texts: Sequence[str]) -> None:
         """Lines of the rank (from a splitter, or dlrun's own about it) for the tail and the traceback."""
         self.tail.extend(texts[-TAIL_LINES:])
-        if self.traceback.reading or any(TRACEBACK_START in text for text in texts):  # a line at a time only there
+        if self.traceback.reading or TRACEBACK_START in "\n".join(texts):  # a line at a time only there
             for text in texts:
                 self.traceback.feed(text)
 

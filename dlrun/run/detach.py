@@ -150,11 +150,12 @@ def run_program(transport: Transport, host: Host, name: str, request: Mapping[st
 
 def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
                 on_records: Callable[[list[dict[str, Any]]], None],
-                on_piece: Callable[[str, Mapping[str, Any], bytes], None], timeout: float = 600.0) -> dict[str, Any]:
+                on_piece: Callable[[str, Mapping[str, Any], bytes], None], timeout: float = 120.0) -> dict[str, Any]:
     """``dlrun-jobs``'s streamed ``logs`` answer (``dlrun.remote.jobs.stream_logs``): the host's
     records to ``on_records`` first, then each piece to ``on_piece(key, header, data)`` as it
     arrives, so memory stays bounded whatever the logs hold; the closing document (``jobs``,
-    ``ends``)."""
+    ``ends``). ``timeout``: seconds without a byte from the host (time spent showing what came,
+    a paused pager, does not count; the transport's own silence clock covers a dead host)."""
     channel = transport.open(host, boot_argv(default_python(host), "jobs"))
     try:
         channel.send(boot_payload("jobs") + json.dumps({**request, "stream": True, "zlib": True}).encode() + b"\n")
@@ -162,7 +163,6 @@ def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
         buf = bytearray()
         header: dict[str, Any] | None = None
         records: dict[str, Any] = {}
-        deadline = time.monotonic() + timeout
         while True:
             if header is not None:
                 need = int(header["length"])
@@ -188,17 +188,26 @@ def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
                         answer: dict[str, Any] = json.loads(line[2:])
                         return {**answer, **records}
                     raise DlrunError(f"dlrun-jobs answered {line[:200]!r}", host=host.name)
-            data = channel.recv(1 << 20)
+            data = recv_within(channel, timeout)
+            if data is None:
+                raise HostUnreachable(f"dlrun-jobs sent nothing for {timeout:g} s", host=host.name)
             if not data:
                 code = channel.wait(5)
                 detail = " / ".join(channel.stderr_text().strip().splitlines()[-3:])
-                raise DlrunError(f"dlrun-jobs ended (exit {code}) before its answer was whole: {detail}",
-                                 host=host.name)
+                raise HostUnreachable(f"dlrun-jobs ended (exit {code}) before its answer was whole: {detail}",
+                                      host=host.name)
             buf += data
-            if time.monotonic() > deadline:
-                raise HostUnreachable(f"dlrun-jobs did not finish within {timeout:g} s", host=host.name)
     finally:
         channel.close()
+
+
+def recv_within(channel: Any, timeout: float) -> bytes | None:
+    """``channel.recv`` that gives up (None) after ``timeout`` seconds without data."""
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(channel.recv(1 << 20)), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return got[0] if got else None
 
 
 def record_of(document: Mapping[str, Any]) -> JobRecord:
@@ -236,29 +245,27 @@ def merge_records(documents: Sequence[Mapping[str, Any]]) -> list[JobRecord]:
                 finals.setdefault(job_id, {})[int(entry["rank"])] = entry
     records = []
     for job_id, document in sorted(jobs.items()):
-        if document.get("state") not in FINAL and job_id in orphaned:
-            document = leader_lost(document, orphaned[job_id], finals.get(job_id, {}))
-        elif document.get("state") == "lost" and document.get("exit_code") is None:
-            document = {**document, "exit_code": 255}
+        if document.get("state") not in FINAL and job_id in orphaned:  # a frozen leader: its followers tell
+            document = {**document, "state": "lost", "exit_code": 255,
+                        "root_cause": orphaned[job_id].get("root_cause"), "root_tail": []}
+        if document.get("state") in FINAL:
+            document = ended_ranks(document, finals.get(job_id, {}))
         records.append(replace(record_of(document), alive=alive[job_id]))
     return records
 
 
-def leader_lost(leader: Mapping[str, Any], follower: Mapping[str, Any],
-                finals: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
-    """The job's record when its leader keeper froze or died: what the leader last wrote, ended
-    as ``lost`` by a follower's word; each rank's own host's final entry where it has one."""
+def ended_ranks(document: Mapping[str, Any], finals: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """A job that has ended has no rank still running: a rank its record left running (a leader
+    frozen or killed before it heard the end) takes its own host's final entry, else it is lost
+    (255); a lost job without an exit code exits 255."""
     ranks = []
-    for entry in leader.get("ranks") or ():
-        own = finals.get(int(entry["rank"]))
-        if own is not None:
-            ranks.append(own)
-        elif entry.get("state") in FINAL:
+    for entry in document.get("ranks") or ():
+        if entry.get("state") in FINAL:
             ranks.append(entry)
         else:
-            ranks.append({**entry, "state": "lost", "code": 255})
-    return {**leader, "state": "lost", "exit_code": 255, "root_cause": follower.get("root_cause"),
-            "root_tail": [], "ranks": ranks}
+            ranks.append(finals.get(int(entry["rank"])) or {**entry, "state": "lost", "code": 255})
+    code = document.get("exit_code")
+    return {**document, "ranks": ranks, "exit_code": 255 if code is None and document.get("state") == "lost" else code}
 
 
 def age_text(seconds: float) -> str:
@@ -504,27 +511,28 @@ class LogFollower:
         request: dict[str, Any] = {"op": "logs", "job": self.job_id, "offsets": dict(self.offsets), "whole": whole}
         if self.since is not None:
             request["since_ago"], self.since = self.since, None  # files that appear later start at 0
+        if self.view is not None and not self.started:  # attach: the view needs every rank first, from every host
+            self.start_view([d for a in self.hosts.ask({"op": "state", "job": self.job_id}).values()
+                             for d in a.get("jobs") or []])
         lock = threading.Lock()
         claimed: dict[str, str] = {}  # file -> the host it is shown from, in this look
         documents: list[Mapping[str, Any]] = []
-        answered: set[str] = set()
 
-        def records(host: str, found: list[dict[str, Any]]) -> None:
+        def records(found: list[dict[str, Any]]) -> None:
             with lock:
                 documents.extend(found)
-                answered.add(host)
-                if len(answered) == 1:
-                    self.start_view(found)
 
         def piece(host: str, key: str, header: Mapping[str, Any], data: bytes) -> None:
             with lock:
+                if self.view is not None and not self.started:
+                    return  # not shown, so not read: the next look sends it again
                 if claimed.setdefault(key, host) != host or int(header["offset"]) < self.offsets.get(key, 0):
                     return
                 self.offsets[key] = int(header["offset"]) + len(data)  # data: as the file holds it
                 self.show(key, str(header.get("host", "?")), data)
 
         def ask(host: Host) -> None:
-            stream_logs(self.hosts.transport, host, request, lambda found: records(host.name, found),
+            stream_logs(self.hosts.transport, host, request, records,
                         lambda key, header, data: piece(host.name, key, header, data))
 
         self.hosts.each(ask)
@@ -541,7 +549,7 @@ class LogFollower:
         return record
 
     def start_view(self, documents: Sequence[Mapping[str, Any]]) -> None:
-        """attach: the view starts once the ranks are known (from the first host's records)."""
+        """attach: the view starts once the ranks are known (the merged records of every host)."""
         if self.view is None or self.started or not documents:
             return
         self.view.start(view_commands(merge_records(documents)[0]), None)

@@ -84,6 +84,7 @@ class RunResult:
     gpu_warnings: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()  # what dlrun warned before the start (repeated in a failure's root cause)
     history: tuple[Attempt, ...] = ()
+    stopped_at: float | None = None  # wall clock (time.time) when dlrun began stopping the ranks: a failure's time
 
     @property
     def ok(self) -> bool:

@@ -146,6 +146,7 @@ class Supervisor:
         self.stopping = False
         self.stop_deadline: float | None = None
         self.root_cause: int | None = None
+        self.stopped_at: float | None = None  # wall clock when dlrun began stopping the ranks
         self.finished_before: tuple[tuple[int, str], ...] = ()  # ranks that exited 0 before the root cause
         self.lost_host: str | None = None
         self.interrupted_by: int | None = None
@@ -461,6 +462,8 @@ class Supervisor:
 
     def _stop_all(self, grace: float, *, kill: bool = False) -> None:
         self.stopping = True
+        if self.stopped_at is None:
+            self.stopped_at = time.time()
         message = encode_message({"op": "kill"} if kill else {"op": "stop", "grace": grace})
         for link in self.links.values():
             if link.channel is not None and not link.closed:
@@ -518,6 +521,7 @@ class Supervisor:
             exit_code=exit_code,
             root_cause=root,
             interrupted_by=self.interrupted_by,
+            stopped_at=self.stopped_at,
             log_dir=self.log_dir,
             commands=tuple(r.command for r in self.ranks.values()),
             job_id=self._job_id(),

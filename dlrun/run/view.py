@@ -174,21 +174,23 @@ class PlainView:
 
 
 
-def make_view(ranks: Collection[int] | None = None, *, force_plain: bool = False,
-              lossless_plain: bool = False) -> ScreenFeed:
+def make_view(ranks: Collection[int] | None = None, *, force_plain: bool = False) -> ScreenFeed:
     """A LiveView on a terminal, a PlainView otherwise, each drawn on its own clock
-    (``dlrun.run.screen``): what a rank prints never holds back the supervisor.
-    ``lossless_plain``: plain lines wait for the screen rather than being dropped (``attach``
-    into a pipe: its lines are the record there)."""
-    from dlrun.run.screen import LIVE_RATE, ScreenFeed
+    (``dlrun.run.screen``). On a terminal (live or ``--plain``) lines a screen cannot keep up with
+    are dropped (counted; the log files keep them), so output never holds back the job's control.
+    Into a pipe or a file (CI logs, ``| less``, ``attach > out``) every line is the record: the
+    feed waits for its reader instead."""
+    from dlrun.run.screen import LIVE_RATE, LIVE_WAITING, ScreenFeed
 
-    if force_plain or not sys.stdout.isatty():
-        return ScreenFeed(PlainView(sys.stdout, ranks), lossless=lossless_plain)
+    if not sys.stdout.isatty():
+        return ScreenFeed(PlainView(sys.stdout, ranks), lossless=True)
+    if force_plain:
+        return ScreenFeed(PlainView(sys.stdout, ranks))
     from rich.console import Console
 
     from dlrun.run.live import LiveView
 
     console = Console()
     if console.is_terminal:
-        return ScreenFeed(LiveView(console, ranks), rate=LIVE_RATE)
-    return ScreenFeed(PlainView(sys.stdout, ranks), lossless=lossless_plain)
+        return ScreenFeed(LiveView(console, ranks), rate=LIVE_RATE, max_lines=LIVE_WAITING)
+    return ScreenFeed(PlainView(sys.stdout, ranks), lossless=True)

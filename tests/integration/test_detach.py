@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, example, hosts_toml, roles_toml, run_dlrun, shared_script
+from conftest import REPO, dlrun_argv, example, hosts_toml, roles_toml, run_dlrun, shared_script, wait_until
+from support.procs import agents_of
 from support.scripts import TORCH_LABELS
 from support.sshd_cluster import TEST_USER_HOME, wait_job_processes_gone
 
@@ -375,7 +376,8 @@ def test_a_rank_that_exits_0_on_sigterm_is_stopped_not_succeeded(cluster, tmp_pa
         "print('ready', flush=True)\n"
         "time.sleep(600)\n"))
     job = detach(cluster, tmp_path, script)
-    time.sleep(2)
+    assert wait_until(lambda: run_dlrun("logs", job, *common(cluster, tmp_path), cwd=tmp_path,
+                                        timeout=60).stdout.count("] ready") == 2, timeout=60)  # handlers are set
     stopped = run_dlrun("stop", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
     assert stopped.returncode == 143, stopped.stdout + stopped.stderr
     assert re.search(r"^\s+0\s+host0\s+0\s+stopped$", stopped.stdout, re.M), stopped.stdout
@@ -412,7 +414,8 @@ def test_a_killed_leader_makes_attach_exit_255(cluster, tmp_path: Path) -> None:
     os.kill(leader, signal.SIGKILL)
     attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
     assert attached.returncode == 255, attached.stdout + attached.stderr
-    assert not re.search(r"^\s+\d+\s+host\d\s+\S*\s+running$", attached.stdout, re.M), attached.stdout
+    assert not re.search(r"^\s+\d+\s+host\d\s+\S*\s+running\b", attached.stdout, re.M), attached.stdout
+    assert re.search(r"^\s+0\s+host0\s+255\s+lost\b", attached.stdout, re.M), attached.stdout
     nothing_left(job)
 
 
@@ -442,18 +445,43 @@ def test_a_full_disk_drops_log_lines_and_the_job_goes_on(cluster, tmp_path: Path
                     "tmpfs", str(jobs_dir)], check=True)
     try:
         script = shared_script(cluster, "chatty.py", (
-            "import sys\n"
-            "for i in range(100000):\n"
+            "import sys, time\n"
+            "time.sleep(3)  # every keeper is up before the disk fills\n"
+            "for i in range(150000):\n"
             "    sys.stdout.write(f'line {i} ' + 'y' * 60 + '\\n')\n"
             "print('done', flush=True)\n"))
         job = detach(cluster, tmp_path, script)
         attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=180)
-        assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr
+        keeper_logs = "".join(f"\n{log}:\n{log.read_text(errors='replace')[-2000:]}"
+                              for log in sorted((jobs_dir / job).glob("host-*/*.log")))
+        assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr + keeper_logs
         listed = run_dlrun("ps", *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
         assert re.search(rf"^{job}\s+succeeded\s", listed.stdout, re.M), listed.stdout
-        result = json.loads((host_folder(job, "host0") / "result.json").read_text())
-        assert any(note.startswith("disk full on host") for note in result["notes"]), result["notes"]
+        for host in ("host0", "host1"):  # the reserve kept room for every host's result
+            result = json.loads((host_folder(job, host) / "result.json").read_text())
+            assert result["state"] == "succeeded"
+            assert any(note.startswith("disk full on host") for note in result["notes"]), result["notes"]
+            assert any("log lines dropped (disk full)" in note for note in result["notes"]), result["notes"]
+        for log in (TEST_USER_HOME / ".dlrun" / "jobs" / job).glob("host-*/attempt-0/rank-*.log"):
+            lines = log.read_bytes().splitlines()  # what was written is whole lines, none garbled
+            assert all(re.fullmatch(rb"line \d+ y{60}|done", line) for line in lines), log
         assert "disk full on host" in attached.stdout, attached.stdout[-2000:]
         nothing_left(job)
     finally:
         subprocess.run(["umount", "-l", str(jobs_dir)], check=False)
+
+
+def test_a_killed_agent_of_a_detached_job_without_a_pid_namespace_is_a_lost_host(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path) -> None:
+    script = shared_script(cluster, "sleeper.py", SLEEPER)
+    out = run_dlrun("launch", "--detach", "--no-pidns", "--framework", "none", "--grace", "2",
+                    *common(cluster, tmp_path), str(script), cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1]
+    assert wait_until(lambda: len(agents_of(job)) == 2, timeout=30), agents_of(job)
+    os.kill(agents_of(job)[0], signal.SIGKILL)
+    attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
+    assert attached.returncode == 255, attached.stdout + attached.stderr
+    assert "was killed by SIGKILL" in attached.stdout, attached.stdout  # the guardian's words, as attached
+    assert re.search(r"^\s+\d\s+host\d\s+255\s+lost\b", attached.stdout, re.M), attached.stdout
+    nothing_left(job)

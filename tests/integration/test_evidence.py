@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script, start_ssh_job
+from support.procs import agents_of
 from support.scripts import TORCH_LABELS
 from support.sshd_cluster import count_job_processes, wait_job_processes_gone
 
@@ -94,10 +95,10 @@ def test_heavy_output_on_a_terminal_does_not_hold_back_the_stop(tmp_path: Path) 
     assert proc.returncode == 3, screen[-3000:]
     stop_took = ended - float((tmp_path / "failed_at").read_text())
     print(f"failure to exit: {stop_took:.2f} s; peak RSS of a child: {peak_kib / 1024:.0f} MiB")
-    assert stop_took < 60, "the flood (120 s) ended the job, not the failure"
-    assert "the screen fell behind:" in screen and "lines not shown" in screen, screen[-3000:]
-    log = next(tmp_path.glob("dlrun-logs/*/rank-0.log")).read_bytes().splitlines()
-    numbers = [int(line.split()[1]) for line in log if line.startswith(b"line ")]
+    assert stop_took < 20, "the failure did not stop the job at once (the flood runs for 120 s)"
+    assert re.search(r"the screen fell behind: \d+ lines of rank 0 not shown", screen), screen[-3000:]
+    log = next(tmp_path.glob("dlrun-logs/*/rank-0.log")).read_bytes()
+    numbers = [int(n) for n in re.findall(rb"^line (\d{9}) x{80}$", log, re.M)]  # the last may be cut by the stop
     assert numbers and numbers == list(range(len(numbers)))  # not one line lost, in order
     assert peak_kib < 150 * 1024
 
@@ -158,23 +159,3 @@ def test_peers_that_left_early_are_named_as_the_likely_cause(tmp_path: Path) -> 
     cause = root_cause(out.stdout)
     assert "hint: rank 0 (localhost) exited 0 while the others still ran, and rank 1 then lost" in cause, cause
     assert "a resume checkpoint that only some hosts have" in cause
-
-
-def agents_of(job_id: str) -> list[int]:
-    """The job's agents: the parents of its ranks, each the child of a ``dlrun-guard``."""
-    parents = {parent(pid) for pid in count_job_processes(job_id)}
-    return sorted(pid for pid in parents if comm(pid) != "dlrun-guard" and comm(parent(pid)) == "dlrun-guard")
-
-
-def comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
-def parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0

@@ -124,9 +124,11 @@ def test_a_tf_ps_leader_knows_the_chief(tmp_path: Path) -> None:
 
 
 def test_the_leaders_record_wins_and_any_live_keeper_keeps_the_job_alive() -> None:
-    follower = {"job_id": "j", "leader": False, "state": "running", "alive": True, "ranks": [{}]}
+    follower = {"job_id": "j", "leader": False, "state": "running", "alive": True,
+                "ranks": [{"rank": 1, "state": "running"}]}
     leader = {"job_id": "j", "leader": True, "state": "failed", "exit_code": 3, "alive": False,
-              "ranks": [{}, {}], "started_at": 100.0, "script": "t.py"}
+              "ranks": [{"rank": 0, "state": "stopped"}, {"rank": 1, "state": "failed"}], "started_at": 100.0,
+              "script": "t.py"}
     (merged,) = merge_records([follower, leader])
     assert merged.state == "failed" and merged.exit_code == 3 and merged.ranks == 2 and merged.alive
     assert merged.ended
@@ -434,3 +436,30 @@ def test_a_keeper_that_cannot_start_is_a_job_start_error_exit_1() -> None:
         run_program(LocalTransport(), Host(address="localhost", name="localhost"), "keeper",
                     {"job_id": "../x", "host": "localhost", "leader": True})
     assert caught.value.exit_code == 1 and "bad job id" in str(caught.value)
+
+
+def test_a_frozen_leader_is_lost_by_its_followers_word() -> None:
+    from dlrun.run.detach import merge_records
+
+    leader = {"job_id": "j", "host": "a", "leader": True, "state": "running", "alive": True, "ranks": [
+        {"rank": 0, "host": "a", "state": "running", "code": None},
+        {"rank": 1, "host": "b", "state": "running", "code": None}]}
+    follower = {"job_id": "j", "host": "b", "leader": False, "state": "lost", "exit_code": 255, "alive": False,
+                "root_cause": "lost the leader keeper (a): silent for 5 s",
+                "ranks": [{"rank": 1, "host": "b", "state": "stopped", "code": 143}]}
+    record = merge_records([leader, follower])[0]
+    assert (record.state, record.exit_code) == ("lost", 255)
+    assert record.root_cause == "lost the leader keeper (a): silent for 5 s"
+    assert [(e["rank"], e["state"], e["code"]) for e in record.rank_states] == [(0, "lost", 255), (1, "stopped", 143)]
+    assert merge_records([leader])[0].state == "running"  # no follower's word: as the leader says
+
+
+def test_a_killed_leaders_job_has_no_rank_running() -> None:
+    from dlrun.run.detach import merge_records
+
+    dead = {"job_id": "j", "host": "a", "leader": True, "state": "lost", "alive": False,
+            "root_cause": "the job's keeper on this host is gone", "ranks": [
+                {"rank": 0, "host": "a", "state": "running", "code": None},
+                {"rank": 1, "host": "b", "state": "running", "code": None}]}
+    record = merge_records([dead])[0]
+    assert record.exit_code == 255 and {e["state"] for e in record.rank_states} == {"lost"}
