@@ -80,3 +80,11 @@ def test_transport_imports_nothing_from_the_stages_above_it() -> None:
         if rel(path).startswith("transport/"):
             bad = {n for n in imports_of(path) if under(n, "dlrun.topo", "dlrun.push", "dlrun.run", "dlrun.spark")}
             assert not bad, f"{rel(path)} imports {bad}"
+
+
+def test_test_modules_have_unique_names() -> None:
+    """pytest imports test modules by basename (rootdir-relative, no packages): two
+    ``test_x.py`` in different folders stop the whole run at collection."""
+    tests = Path(__file__).resolve().parents[1]
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
