@@ -99,6 +99,7 @@ def launch(
     host_timeout: float | None = None,
     view: View | None = None,
     detach: bool = False,
+    hang_timeout: float = 0.0,
 ) -> RunResult:
     """Run ``script`` on every rank, as ``dlrun launch`` does; how the job ended.
 
@@ -109,7 +110,9 @@ def launch(
     lines elsewhere). ``gpu_every``: seconds between GPU samples on every host (0: none); the
     result's ``gpu_summary`` and ``gpu_warnings`` say how the GPUs were used (``gpu_idle_after``:
     when an idle one is named). ``detach``: hand the job to the hosts and return once every rank
-    started (``ps``, ``logs``, ``attach``, ``stop`` follow it).
+    started (``ps``, ``logs``, ``attach``, ``stop`` follow it). ``hang_timeout``: when no rank
+    wrote anything and no GPU was busy for that many seconds, take every rank's stack, name the
+    odd one as the root cause and stop the job (exit code 124; 0: never).
     """
     from dlrun.run.launch import LaunchConfig, run_job
 
@@ -117,6 +120,8 @@ def launch(
         raise UsageError("--json goes with --dry-run")
     if backend not in ("ssh", "spark"):
         raise UsageError(f"--backend {backend}: expected ssh or spark")
+    if hang_timeout < 0:
+        raise UsageError("--hang-timeout takes seconds, 0 (off) or more")
     if gpu_every < 0 or gpu_idle_after < 0:
         raise UsageError("--gpu-every and --gpu-idle-after take seconds, 0 or more")
     config = LaunchConfig(
@@ -126,7 +131,7 @@ def launch(
         pidns=pidns, preflight=preflight, push=push, data=None if data is None else str(data), shard=shard,
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
         min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
-        gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach,
+        gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach, hang_timeout=hang_timeout,
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
                         connect_timeout=connect_timeout, host_timeout=host_timeout),
     )
@@ -316,6 +321,19 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
         code = 1 if record.exit_code is None else record.exit_code
         stream.write(f"dlrun: job {job} {record.state}; exit code {code}\n")
         return code
+
+
+def stack(job: str, hosts: str | None = None, **ssh: Any) -> dict[str, Any]:
+    """Where every rank of running job ``job`` is (``dlrun stack``): an attached job on this
+    machine answers through its control socket, else the detached job on ``hosts`` is asked.
+    ``{"summary": lines, "cause", "folder" | "folders", "notes", "methods"}``; the job goes on."""
+    from dlrun.run.stackcmd import attached_stacks, detached_stacks
+
+    answer = attached_stacks(job)
+    if answer is not None:
+        return answer
+    with _job_hosts(hosts, ssh) as job_hosts:
+        return detached_stacks(job_hosts, job)
 
 
 def stop(job: str, hosts: str | None = None, *, timeout: float = 60.0, **ssh: Any) -> JobRecord:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from importlib import resources
 
 #: The host programs, by the name the controller ships them under.
-PROGRAMS = ("agent", "probe", "push_helper", "tf_server", "keeper", "jobs")
+PROGRAMS = ("agent", "probe", "push_helper", "tf_server", "keeper", "jobs", "stacks")
 #: Modules a host program loads from source it was given (the leader keeper: the rendezvous).
 MODULES = ("rendezvous",)
 

@@ -6,7 +6,10 @@ answer on stdout. Standard library only, Python >= 3.8. A job's folder has one f
 that wrote it. Requests: ``{"op": "ps"}``, ``{"op": "state", "job"}``, ``{"op": "logs", "job",
 "offsets": {file: byte offset}}`` (whole lines from each offset, so ``--follow`` polls
 cheaply), ``{"op": "stop", "job"}`` (SIGTERM to the job's keepers here, found by their pid
-files and checked in ``/proc/<pid>/cmdline``) and ``{"op": "delete", "job"}``. Every run
+files and checked in ``/proc/<pid>/cmdline``), ``{"op": "delete", "job"}`` and ``{"op":
+"stacks", "job", "message"}`` (``dlrun stack``: the message goes to each keeper here through
+``stack-request.json`` and SIGUSR1; its agent takes the stacks, the keeper writes them to
+``stacks-<id>/``; the answers come back). Every run
 first removes job folders older than ``KEEP_DAYS`` that no keeper here runs.
 """
 
@@ -21,6 +24,7 @@ import time
 from typing import Any
 
 KEEP_DAYS = 7
+STACKS_TIMEOUT = 45.0  # seconds the keepers here have to answer a stack request
 READ_LIMIT = 1 << 20  # bytes of one log file per answer
 
 
@@ -204,6 +208,41 @@ def stop(job_id: str) -> dict[str, Any]:
     return {"signalled": signalled, "jobs": job_records(job_id)}
 
 
+def stacks(job_id: str, message: dict[str, Any]) -> dict[str, Any]:
+    """Ask every live keeper of the job here for its ranks' stacks; each host folder's answer."""
+    request_id = str(message.get("id", ""))
+    if not request_id or "/" in request_id or request_id.startswith("."):
+        return {"error": f"bad request id {request_id!r}"}
+    asked: dict[str, str] = {}
+    answers: list[dict[str, Any]] = []
+    for hostdir in host_dirs(job_id):
+        pid = keeper_pid(hostdir, job_id)
+        if pid is None:
+            continue
+        host = (read_json(os.path.join(hostdir, "state.json")) or {}).get("host", "?")
+        path = os.path.join(hostdir, "stack-request.json")
+        with open(path + ".tmp", "w") as fh:
+            json.dump(message, fh)
+        os.replace(path + ".tmp", path)
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError as exc:
+            answers.append({"host": host, "error": f"cannot reach the keeper: {exc}"})
+            continue
+        asked[hostdir] = host
+    deadline = time.monotonic() + STACKS_TIMEOUT
+    while asked and time.monotonic() < deadline:
+        for hostdir, host in list(asked.items()):
+            folder = os.path.join(hostdir, "stacks-" + request_id)
+            answer = read_json(os.path.join(folder, "answer.json"))
+            if answer is not None:
+                answers.append({"host": host, "answer": answer, "folder": folder})
+                del asked[hostdir]
+        time.sleep(0.2)
+    answers += [{"host": host, "error": f"no answer within {STACKS_TIMEOUT:g} s"} for host in asked.values()]
+    return {"hosts": answers, "jobs": job_records(job_id)}
+
+
 def delete(job_id: str) -> dict[str, Any]:
     if any(keeper_pid(d, job_id) is not None for d in host_dirs(job_id)):
         return {"deleted": False, "error": "the job is running: dlrun stop it first"}
@@ -233,6 +272,8 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
         return stop(job_id)
     if op == "delete":
         return delete(job_id)
+    if op == "stacks":
+        return stacks(job_id, dict(request.get("message") or {}))
     return {"error": f"unknown op {op!r}"}
 
 

@@ -32,7 +32,7 @@ from typing import Any, Tuple
 
 #: The agent's frames (``dlrun.remote.agent``: each host program is shipped alone, imports none).
 HEADER = struct.Struct(">BiI")
-STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, GPU = 2, 3, 4, 5, 6, 7, 11
+STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, GPU, STACKS = 2, 3, 4, 5, 6, 7, 11, 13
 #: ``gpu.csv``'s columns, as the attached supervisor writes them (``dlrun.run.gpus.CSV_COLUMNS``)
 GPU_COLUMNS = "time,host,gpu,util,mem_used_mib,mem_total_mib,power_w,temp_c"
 TAIL_LINES = 20
@@ -280,6 +280,7 @@ class Keeper:
         self.closed_generation = 0  # the last agent whose end was handled
         self.agent_lock = threading.Lock()
         self.held: list[Event] = []  # events wait_agent took that are not the agent's
+        self.stacks_asked = False  # SIGUSR1 from ``dlrun-jobs``: stack-request.json waits (dlrun stack)
 
     # ---------------------------------------------------------------- records
     def record(self, final: bool = False) -> dict[str, Any]:
@@ -421,6 +422,24 @@ class Keeper:
             self.agent_done = True
         elif kind == GPU:
             self.gpu_sample(payload)
+        elif kind == STACKS:  # dlrun-jobs waits for this file
+            answer = json.loads(payload)
+            folder = os.path.join(self.jobdir, "stacks-" + str(answer.get("id", "")))
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            write_json(os.path.join(folder, "answer.json"), answer)
+
+    def ask_stacks(self) -> None:
+        """``dlrun stack``: hand the request ``dlrun-jobs`` left to the agent, which takes the stacks."""
+        try:
+            with open(os.path.join(self.jobdir, "stack-request.json")) as fh:
+                message = json.load(fh)
+            request_id = str(message["id"])
+        except (OSError, ValueError, KeyError):
+            return
+        if "/" in request_id or request_id.startswith("."):
+            return
+        message.setdefault("request", {})["outdir"] = os.path.join(self.jobdir, "stacks-" + request_id)
+        self.tell_agent(message)
 
     def gpu_sample(self, payload: bytes) -> None:
         """One nvidia-smi sample to ``attempt-K/gpu.csv`` (a failed one to ``keeper.log``)."""
@@ -608,6 +627,7 @@ class Keeper:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: self.signals.append(signum))
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, lambda _signum, _frame: setattr(self, "stacks_asked", True))
         self.record()
         if self.leader:
             threading.Thread(target=self.accept, daemon=True).start()
@@ -637,6 +657,9 @@ class Keeper:
                         self.leader_peer.send({"op": "interrupt", "signal": signum})
                     self.stop_own()
                 self.record()
+            if self.stacks_asked:
+                self.stacks_asked = False
+                self.ask_stacks()
             try:
                 event = self.events.get(timeout=0.25)
             except queue.Empty:

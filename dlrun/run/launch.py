@@ -111,6 +111,7 @@ class LaunchConfig:
     gpu_idle_after: float = 60.0  # --gpu-idle-after: an idle GPU beside a busy one is named after this long
     detected: Detected | None = None  # what --framework auto found in the script (resolve_framework)
     detach: bool = False  # --detach: the hosts' keepers run the job (dlrun.run.detach)
+    hang_timeout: float = 0.0  # --hang-timeout: no output and no busy GPU this long: stacks, then stop (0: off)
 
 
 def resolve_framework(config: LaunchConfig) -> LaunchConfig:
@@ -934,6 +935,8 @@ def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, log_
             agents=placement.agents,
             gpu_every=config.gpu_every,
             gpu_idle_after=config.gpu_idle_after,
+            hang_timeout=config.hang_timeout,
+            control_id=config.run_id or job_id,
         )
         with forward_signals(supervisor), placement.watch():
             result = supervisor.run()

@@ -74,6 +74,7 @@ class RunResult:
     gpu_warnings: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()  # what dlrun warned before the start (repeated in a failure's root cause)
     history: tuple[Attempt, ...] = ()
+    hang: tuple[str, ...] = ()  # --hang-timeout stopped the job: the cause, then the ranks' groups (dlrun.run.hang)
 
     @property
     def ok(self) -> bool:

@@ -45,7 +45,7 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
     dlrun gave before the start, and its last lines."""
     root = result.root_cause
     if root is None:
-        return []
+        return [f"dlrun: root cause: job {result.hang[0]}", *result.hang[1:]] if result.hang else []
     by_rank = {c.rank: c for c in commands}
     lines = [f"dlrun: root cause: rank {root.rank} on host {root.host} exited with code {root.exit_code}"]
     if root.state == RankState.LOST:
@@ -110,6 +110,8 @@ def summary_lines(result: RunResult) -> list[str]:
         verdict = f"dlrun: job succeeded ({ok} ranks finished, {stopped} servers stopped by dlrun)"
     elif result.ok:
         verdict = f"dlrun: all {len(result.ranks)} ranks succeeded"
+    elif result.hang and result.root_cause is None:
+        verdict = "dlrun: job hung; every rank stopped (--hang-timeout)"
     elif result.interrupted_by is not None and result.root_cause is None:
         verdict = f"dlrun: interrupted by signal {result.interrupted_by}; every rank stopped"
     else:
