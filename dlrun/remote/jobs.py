@@ -7,9 +7,9 @@ that wrote it. Requests: ``{"op": "ps"}``, ``{"op": "state", "job"}``, ``{"op": 
 "offsets": {file: byte offset}}`` (whole lines from each offset, so ``--follow`` polls
 cheaply), ``{"op": "stop", "job"}`` (SIGTERM to the job's keepers here, found by their pid
 files and checked in ``/proc/<pid>/cmdline``), ``{"op": "delete", "job"}`` and ``{"op":
-"stacks", "job", "message"}`` (``dlrun stack``: the message goes to each keeper here through
-``stack-request.json`` and SIGUSR1; its agent takes the stacks, the keeper writes them to
-``stacks-<id>/``; the answers come back). Every run
+"stacks", "job", "message", "host"}`` (``dlrun stack``: the message goes to the keeper of
+``host`` (hosts may share a home) through ``stack-request.json`` and SIGUSR1; its agent takes
+the stacks, the keeper writes them to ``stacks-<id>/``; the answer comes back). Every run
 first removes job folders older than ``KEEP_DAYS`` that no keeper here runs.
 """
 
@@ -208,8 +208,8 @@ def stop(job_id: str) -> dict[str, Any]:
     return {"signalled": signalled, "jobs": job_records(job_id)}
 
 
-def stacks(job_id: str, message: dict[str, Any]) -> dict[str, Any]:
-    """Ask every live keeper of the job here for its ranks' stacks; each host folder's answer."""
+def stacks(job_id: str, message: dict[str, Any], host_name: str) -> dict[str, Any]:
+    """Ask host ``host_name``'s live keeper of the job for its ranks' stacks; its answer."""
     request_id = str(message.get("id", ""))
     if not request_id or "/" in request_id or request_id.startswith("."):
         return {"error": f"bad request id {request_id!r}"}
@@ -220,6 +220,8 @@ def stacks(job_id: str, message: dict[str, Any]) -> dict[str, Any]:
         if pid is None:
             continue
         host = (read_json(os.path.join(hostdir, "state.json")) or {}).get("host", "?")
+        if host != host_name:
+            continue
         path = os.path.join(hostdir, "stack-request.json")
         with open(path + ".tmp", "w") as fh:
             json.dump(message, fh)
@@ -273,7 +275,7 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
     if op == "delete":
         return delete(job_id)
     if op == "stacks":
-        return stacks(job_id, dict(request.get("message") or {}))
+        return stacks(job_id, dict(request.get("message") or {}), str(request.get("host", "")))
     return {"error": f"unknown op {op!r}"}
 
 

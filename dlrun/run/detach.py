@@ -74,6 +74,8 @@ def check_detach(config: LaunchConfig, hosts_engine: bool) -> None:
         raise UsageError("--detach: --min-hosts is not supported yet (a restart runs on the same hosts)")
     if config.dry_run:
         raise UsageError("--detach starts a job: drop --dry-run")
+    if config.hang_timeout:
+        raise UsageError("--detach: --hang-timeout is not supported yet (dlrun stack JOB shows where its ranks are)")
     if config.ssh.host_timeout <= 0:  # with no client watching, silence is the only sign of a frozen keeper
         raise UsageError("--detach needs a --host-timeout above 0: the keepers find a silent host by it")
 

@@ -9,9 +9,11 @@ keeper, whose agent takes the stacks (``docs/stacks.md``). The job keeps running
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dlrun.errors import DlrunError, UsageError
+from dlrun.inventory import Host
 from dlrun.run import control
 from dlrun.run.detach import JobHosts, run_program
 from dlrun.run.hang import answer_json, stacks_message
@@ -34,14 +36,21 @@ def detached_stacks(job_hosts: JobHosts, job_id: str) -> dict[str, Any]:
         raise UsageError(f"job {job_id} is {record.state}: no rank runs (dlrun logs {job_id} shows its end)")
     sha256, notes = ship_pyspy(job_hosts.transport, job_hosts.hosts)
     message = stacks_message(time.strftime("%Y%m%d-%H%M%S"), sha256)
-    request = {"op": "stacks", "job": job_id, "message": message}
     stacks: list[RankStacks] = []
     folders: list[str] = []
-    for host in job_hosts.hosts:
+
+    def ask(host: Host) -> dict[str, Any] | DlrunError:
         try:
-            answer = run_program(job_hosts.transport, host, "jobs", request, timeout=120)
+            return run_program(job_hosts.transport, host, "jobs",
+                               {"op": "stacks", "job": job_id, "message": message, "host": host.name}, timeout=120)
         except DlrunError as exc:
-            notes[host.name] = str(exc)
+            return exc
+
+    with ThreadPoolExecutor(max_workers=min(32, len(job_hosts.hosts))) as pool:
+        answers = list(pool.map(ask, job_hosts.hosts))
+    for host, answer in zip(job_hosts.hosts, answers, strict=True):
+        if isinstance(answer, DlrunError):
+            notes[host.name] = str(answer)
             continue
         for item in answer.get("hosts") or []:
             if item.get("error") or (item.get("answer") or {}).get("error"):

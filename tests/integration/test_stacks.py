@@ -1,0 +1,201 @@
+"""``dlrun stack`` and ``--hang-timeout`` on a real gloo deadlock: rank 0 waits in
+``all_reduce`` while rank 1 sleeps in ``stuck_in_data_loading``; over two sshd hosts (attached
+and detached) and on localhost. The stacks are py-spy's, taken by each host's agent."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+from support.sshd_cluster import wait_job_processes_gone
+
+DEADLOCK = """
+import datetime, os, sys, time
+import torch
+import torch.distributed as dist
+
+
+def stuck_in_data_loading():
+    while True:
+        time.sleep(1)
+
+
+def train_step(t):
+    dist.all_reduce(t)
+
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+print("ready", flush=True)
+t = torch.ones(4)
+if dist.get_rank() == 1:
+    stuck_in_data_loading()
+train_step(t)
+"""
+
+# prints every second for 25 s: quiet for less than --hang-timeout at every moment
+CHATTY = """
+import os, time
+for i in range(25):
+    print("rank", os.environ["DLRUN_RANK"], "step", i, flush=True)
+    time.sleep(1)
+"""
+
+STACK_LINES = (r"^rank 1 \(\S+\): .*stuck_in_data_loading \(deadlock\.py:\d+\)\s+\[same in both samples\]$",
+               r"^rank 0 \(\S+\): all_reduce ← train_step \(deadlock\.py:\d+\)\s+\[same in both samples\]$")
+
+
+def start(argv: list[str], cwd: Path) -> tuple[subprocess.Popen[str], str, list[str]]:
+    """A ``dlrun launch`` left running once both ranks printed ``ready``: the process, its
+    job id (from its log folder) and its lines so far."""
+    proc = subprocess.Popen(argv, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    while sum("] ready" in line for line in lines) < 2 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+    assert sum("] ready" in line for line in lines) == 2, "".join(lines)
+    match = re.search(r"logs in dlrun-logs/([\w-]+)/", "".join(lines))
+    assert match, "".join(lines)
+    return proc, match.group(1), lines
+
+
+def assert_stacks(text: str) -> None:
+    for pattern in STACK_LINES:
+        assert re.search(pattern, text, re.M), text
+    assert "taken by py-spy" in text, text
+
+
+def stack_from_another_process(job: str, cwd: Path, *args: str) -> str:
+    out = run_dlrun("stack", job, *args, cwd=cwd, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert_stacks(out.stdout)
+    return out.stdout
+
+
+def stop(proc: subprocess.Popen[str], job: str) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert wait_job_processes_gone(job, timeout=30) == []
+
+
+def files_of(folder: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in folder.iterdir()}
+
+
+# --------------------------------------------------------------------------- localhost
+
+
+def test_stack_of_a_local_attached_job_from_another_process(tmp_path: Path) -> None:
+    (tmp_path / "deadlock.py").write_text(DEADLOCK)
+    proc, job, _ = start(dlrun_argv("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch",
+                                    "deadlock.py"), tmp_path)
+    try:
+        out = stack_from_another_process(job, tmp_path)
+        folder = tmp_path / re.search(r"full stacks in (\S+)/$", out, re.M).group(1)  # type: ignore[union-attr]
+        files = files_of(folder)
+        assert "stuck_in_data_loading (deadlock.py:" in files["rank-1.txt"], files
+        assert "all_reduce (torch/distributed/" in files["rank-0.txt"], files
+        assert proc.poll() is None, "dlrun stack must leave the job running"
+        time.sleep(1)
+        assert proc.poll() is None
+    finally:
+        stop(proc, job)
+
+
+def test_hang_timeout_stops_a_local_deadlock_and_names_the_odd_rank(tmp_path: Path) -> None:
+    (tmp_path / "deadlock.py").write_text(DEADLOCK)
+    out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch", "--hang-timeout", "15",
+                    "deadlock.py", cwd=tmp_path, timeout=240)
+    assert out.returncode == 124, out.stdout + out.stderr
+    assert re.search(r"^dlrun: root cause: job hung: rank 1 on localhost is in stuck_in_data_loading "
+                     r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce$", out.stdout, re.M), out.stdout
+    assert re.search(r"^dlrun: no output for \d+ s; --hang-timeout 15 s", out.stdout, re.M), out.stdout
+    assert "dlrun: job hung; every rank stopped (--hang-timeout); exit code 124" in out.stdout, out.stdout
+    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    assert wait_job_processes_gone(job, timeout=30) == []
+
+
+def test_a_rank_that_prints_regularly_is_never_taken_for_hung(tmp_path: Path) -> None:
+    (tmp_path / "chatty.py").write_text(CHATTY)
+    out = run_dlrun("launch", "--plain", "--np", "2", "--framework", "none", "--hang-timeout", "6", "chatty.py",
+                    cwd=tmp_path, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "rank 0 step 24" in out.stdout and "rank 1 step 24" in out.stdout, out.stdout
+    assert "hung" not in out.stdout and "no output for" not in out.stdout, out.stdout
+
+
+def test_stack_of_a_job_that_is_not_there_says_so(tmp_path: Path) -> None:
+    out = run_dlrun("stack", "no-such-job", cwd=tmp_path, timeout=120)
+    assert out.returncode != 0
+    assert "no job no-such-job" in out.stderr, out.stdout + out.stderr
+
+
+# --------------------------------------------------------------------------- two sshd hosts
+
+
+@pytest.mark.ssh
+def test_stack_of_a_two_host_deadlock_from_another_process(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "deadlock.py", DEADLOCK)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    proc, job, _ = start(dlrun_argv("launch", "--plain", "--grace", "2", "--hosts", str(hosts), "--ssh-config",
+                                    str(cluster.ssh_config), "--framework", "torch", str(script)), tmp_path)
+    try:
+        began = time.monotonic()
+        out = stack_from_another_process(job, tmp_path)
+        assert time.monotonic() - began < 60, out  # generous: the issue asks for 30 s on a quiet machine
+        assert re.search(r"^rank 1 \(host1\): ", out, re.M) and re.search(r"^rank 0 \(host0\): ", out, re.M), out
+        assert proc.poll() is None, "dlrun stack must leave the job running"
+    finally:
+        stop(proc, job)
+
+
+@pytest.mark.ssh
+def test_hang_timeout_ends_a_two_host_deadlock_by_itself(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "deadlock.py", DEADLOCK)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    out = run_dlrun("launch", "--plain", "--grace", "2", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
+                    "--framework", "torch", "--hang-timeout", "15", str(script), cwd=tmp_path, timeout=240)
+    assert out.returncode == 124, out.stdout + out.stderr
+    assert re.search(r"^dlrun: root cause: job hung: rank 1 on host1 is in stuck_in_data_loading "
+                     r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce$", out.stdout, re.M), out.stdout
+    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    assert wait_job_processes_gone(job, timeout=30) == []
+    folders = list((tmp_path / "dlrun-logs" / job).glob("stacks-*"))
+    assert len(folders) == 1 and {"rank-0.txt", "rank-1.txt", "summary.txt"} <= set(files_of(folders[0]))
+
+
+@pytest.mark.ssh
+def test_stack_of_a_detached_two_host_deadlock(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "deadlock.py", DEADLOCK)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
+    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", *common, str(script),
+                    cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # both ranks past init_process_group
+            logs = run_dlrun("logs", job, *common, cwd=tmp_path, timeout=60).stdout
+            if logs.count("] ready") == 2:
+                break
+            time.sleep(1)
+        stacks = stack_from_another_process(job, tmp_path, *common)
+        assert re.search(r"^rank 1 \(host1\): ", stacks, re.M), stacks
+        assert re.search(r"^dlrun: full stacks in host1:\S+/stacks-\S+/$", stacks, re.M), stacks
+        ps = run_dlrun("ps", *common, cwd=tmp_path, timeout=60)
+        assert re.search(rf"^{job}\s+running\s", ps.stdout, re.M), ps.stdout
+    finally:
+        run_dlrun("stop", job, *common, cwd=tmp_path, timeout=120)
+    assert wait_job_processes_gone(job, timeout=30) == []
