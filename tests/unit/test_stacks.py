@@ -46,7 +46,8 @@ def test_of_two_single_ranks_the_one_not_in_a_collective_is_odd() -> None:
     # native frames name the C function the user's frame is in
     assert groups[0].where == "time_sleep ← stuck_in_data_loading (train.py:6)"
     assert groups[1].where == "all_reduce ← train_step (train.py:9)"
-    assert hang_cause(groups) == "rank 1 on h1 is in stuck_in_data_loading (train.py:6) while rank 0 waits in all_reduce"
+    assert hang_cause(groups) == ("rank 1 on h1 is in stuck_in_data_loading (train.py:6) while rank 0 waits in"
+                                  " all_reduce")
 
 
 def test_a_rank_that_moved_between_samples_is_marked_changed() -> None:
@@ -62,7 +63,8 @@ def test_a_rank_without_a_stack_is_named_with_the_reason_last() -> None:
         {"time": 0, "error": "Permission denied (os error 13) (kernel.yama.ptrace_scope=1)"}]}}})
     groups = group_ranks(stacks)
     assert [g.ranks for g in groups] == [(0,), (1,)]
-    assert summary_lines(groups)[1] == "rank 1 (h2): no stack: Permission denied (os error 13) (kernel.yama.ptrace_scope=1)"
+    assert summary_lines(groups)[1] == ("rank 1 (h2): no stack: Permission denied (os error 13)"
+                                        " (kernel.yama.ptrace_scope=1)")
     assert hang_cause(groups) == "the rank is in all_reduce ← train_step (train.py:9)"
 
 
