@@ -322,6 +322,7 @@ class Agent:
         self.open_streams: dict[int, int] = {}  # rank -> number of open pipes
         self.exited: dict[int, int] = {}
         self.error_files: dict[int, str] = {}  # rank -> its TORCHELASTIC_ERROR_FILE
+        self.recorder_dirs: set[str] = set()  # torch flight recorder folders (dumps stay, pipes go)
         self.gpus = GpuSampler(0)
         self.stacks = StackTaker()
         self.kill_at: float | None = None
@@ -451,6 +452,13 @@ class Agent:
             env["DLRUN_AGENT_TAG"] = self.tag
             argv = [str(a) for a in item["argv"]]
             cwd = os.path.expanduser(item["cwd"]) if item.get("cwd") else None
+            recorder = env.get("TORCH_FR_DUMP_TEMP_FILE")  # torch's flight recorder dumps there: a folder
+            if recorder:
+                self.recorder_dirs.add(os.path.dirname(recorder))
+                try:
+                    os.makedirs(os.path.dirname(recorder), mode=0o700, exist_ok=True)
+                except OSError:
+                    pass
             error_file = env.get("TORCHELASTIC_ERROR_FILE")
             if error_file:
                 self.error_files[rank] = error_file
@@ -679,7 +687,16 @@ class Agent:
         return 0
 
     def remove_error_files(self) -> None:
-        """Take the ranks' error files and their folders away (read already, at each exit)."""
+        """Take the ranks' error files and their folders away (read already, at each exit), and
+        the flight recorder's pipes; its folder goes too where it holds no dump."""
+        for folder in self.recorder_dirs:
+            try:
+                for name in os.listdir(folder):
+                    if name.endswith(".pipe"):
+                        os.unlink(os.path.join(folder, name))
+                os.removedirs(folder)
+            except OSError:
+                pass
         for path in self.error_files.values():
             try:
                 os.unlink(path)
