@@ -199,3 +199,41 @@ def test_stack_of_a_detached_two_host_deadlock(cluster, tmp_path: Path) -> None:
     finally:
         run_dlrun("stop", job, *common, cwd=tmp_path, timeout=120)
     assert wait_job_processes_gone(job, timeout=30) == []
+
+
+# --------------------------------------------------------------------------- py-spy to the hosts
+
+
+def test_py_spy_is_shipped_once_into_the_hosts_cache_by_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dlrun.inventory import Host
+    from dlrun.run import tools
+    from dlrun.transport.local import LocalTransport
+
+    tool = tools.pyspy()
+    assert tool is not None, "py-spy is a dependency of dlrun"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the host program's user cache
+    monkeypatch.setattr(tools, "_ready", set())
+    host = Host(address="localhost", name="localhost")
+    sha256, notes = tools.ship_pyspy(LocalTransport(), [host])
+    assert (sha256, notes) == (tool.sha256, {})
+    shipped = tmp_path / "cache" / "dlrun" / "tools" / f"py-spy-{tool.sha256}"
+    assert shipped.read_bytes() == tool.path.read_bytes()
+    assert shipped.stat().st_mode & 0o777 == 0o700
+    shipped.unlink()
+    assert tools.ship_pyspy(LocalTransport(), [host]) == (tool.sha256, {})  # known to be there: not asked again
+    assert not shipped.exists()
+
+
+def test_a_host_without_py_spy_says_so_for_each_rank(tmp_path: Path) -> None:
+    import json
+    import sys
+
+    from dlrun.remote import boot_argv, boot_payload
+
+    request = {"op": "take", "pids": {"0": os.getpid()}, "sha256": "0" * 64, "samples": 1}
+    env = {"PATH": str(tmp_path), "HOME": str(tmp_path)}  # no py-spy on PATH, none cached
+    out = subprocess.run(boot_argv([sys.executable], "stacks"), input=boot_payload("stacks") + json.dumps(request)
+                         .encode() + b"\n", capture_output=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    assert answer["ranks"]["0"]["error"] == "no py-spy on this host (none shipped for its machine, none on PATH)"
