@@ -17,8 +17,9 @@ from importlib import resources
 
 #: The host programs, by the name the controller ships them under.
 PROGRAMS = ("agent", "probe", "push_helper", "tf_server", "keeper", "jobs", "stacks")
-#: Modules a host program loads from source it was given (the leader keeper: the rendezvous).
-MODULES = ("rendezvous",)
+#: Modules a host program loads from source it was given (the leader keeper: the rendezvous, and
+#: the stack grouping for a detached --hang-timeout).
+MODULES = ("rendezvous", "stack_groups")
 
 
 def source_of(name: str) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 
 from dlrun.inventory import Host
 from dlrun.remote import LOADER, source_of
-from dlrun.run.stacks import RankStacks, full_text, group_ranks, hang_cause, rank_stacks, summary_lines
+from dlrun.remote.stack_groups import RankStacks, full_text, group_ranks, hang_cause, rank_stacks, summary_lines
 from dlrun.run.tools import ship_pyspy
 from dlrun.transport.base import Transport
 

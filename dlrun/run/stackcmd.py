@@ -14,10 +14,10 @@ from typing import Any
 
 from dlrun.errors import DlrunError, UsageError
 from dlrun.inventory import Host
+from dlrun.remote.stack_groups import RankStacks, rank_stacks
 from dlrun.run import control
 from dlrun.run.detach import JobHosts, run_program
 from dlrun.run.hang import answer_json, stacks_message
-from dlrun.run.stacks import RankStacks, rank_stacks
 from dlrun.run.tools import ship_pyspy
 
 

@@ -1,5 +1,6 @@
 """Ranks' stacks as records, grouped by where each rank is: what ``dlrun stack`` and
-``--hang-timeout`` print (pure functions).
+``--hang-timeout`` print (pure functions). Standard library only, Python >= 3.8: the client
+imports it, and a detached job's leader keeper loads it from source (``--hang-timeout``).
 
 The hosts answer with py-spy's JSON (``dlrun.remote.stacks``): two samples a few seconds
 apart, each a list of threads, innermost frame first. A rank's *place* is its main thread's
