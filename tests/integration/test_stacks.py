@@ -237,3 +237,20 @@ def test_a_host_without_py_spy_says_so_for_each_rank(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
     assert answer["ranks"]["0"]["error"] == "no py-spy on this host (none shipped for its machine, none on PATH)"
+
+
+@pytest.mark.ssh
+def test_hang_timeout_ends_a_detached_two_host_deadlock_by_itself(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "deadlock.py", DEADLOCK)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
+    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", "--hang-timeout", "15", *common,
+                    str(script), cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    # no client: the keepers find the hang, take the stacks and stop the job
+    attached = run_dlrun("attach", job, *common, cwd=tmp_path, timeout=240)
+    assert attached.returncode == 124, attached.stdout + attached.stderr
+    assert re.search(r"root cause: hung \(no output for 15 s\): rank 1 on host1 is in stuck_in_data_loading "
+                     r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce", attached.stdout), attached.stdout
+    assert wait_job_processes_gone(job, timeout=30) == []
