@@ -134,11 +134,11 @@ def flight_recorder_env(plan: Plan) -> dict[str, str]:
     agent makes. Each is set only where the job did not set it."""
     folder = f"/tmp/dlrun-{plan.job_id}/flight-recorder"
     return {
+        # torch >= 2.9's names: the older ones (TORCH_NCCL_TRACE_BUFFER_SIZE, …) make torch print
+        # a deprecation warning in every rank
         "TORCH_FR_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # its name before torch 2.9
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": f"{folder}/trace_rank_",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{folder}/trace_rank_",  # its name before torch 2.9
         "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": f"{folder}/pipe_rank_",
     }
 

@@ -58,10 +58,8 @@ def test_dlrun_sets_what_torchrun_sets(tmp_path: Path) -> None:
         # added on purpose (docs/stacks.md): the flight recorder, dumped into the job's folder
         recorder = {k: v for k, v in dlrun[rank]["env"].items() if k not in reference[rank]["env"]
                     and k.startswith("TORCH")}
-        assert recorder == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        assert recorder == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                             "TORCH_FR_DUMP_TEMP_FILE": recorder["TORCH_FR_DUMP_TEMP_FILE"],
-                            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": recorder["TORCH_FR_DUMP_TEMP_FILE"],
                             "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": recorder["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]}
         assert recorder["TORCH_FR_DUMP_TEMP_FILE"].endswith("/flight-recorder/trace_rank_")
         error_file = dlrun[rank]["env"]["TORCHELASTIC_ERROR_FILE"]
