@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Smoke-test dlrun on a GPU machine: `dlrun topo`, an NCCL DDP job over every local GPU (also
 # detached) and a Lightning GPU job, each also under torchrun with the same script, with
-# throughput side by side.
+# throughput side by side; then a rank stuck in a CUDA op that `dlrun stack` must find (as this
+# user and, when run as root, as a plain login user, where Yama's ptrace_scope applies) and an
+# idle-GPU hang that `--hang-timeout` must stop (exit 124).
 #   scripts/gpu_smoke.sh [python]      (default python3; needs torch, and lightning for its part)
 # Prints what each one did; exits non-zero when a dlrun job fails. docs/gpu.md records its runs.
 set -uo pipefail
@@ -54,6 +56,47 @@ if "$py" -c 'import lightning' 2>/dev/null || "$py" -c 'import pytorch_lightning
 else
   echo "lightning is not installed: skipped"
 fi
+
+section "stuck ranks: dlrun stack and --hang-timeout (docs/stacks.md)"
+echo "kernel.yama.ptrace_scope = $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo 'absent (no Yama)')"
+stuck_stack() {  # stuck_stack [RUNNER...]: a rank stuck in a CUDA op, `dlrun stack` from a second process
+  local log job pid code
+  log=$(mktemp /tmp/gpu_smoke.stuck-job.XXXXXX)
+  chmod 666 "$log"
+  "$@" "$py" -m dlrun launch --plain --framework torch --np 1 scripts/gpu_stuck.py cuda >"$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 120); do grep -q '] ready' "$log" && break; sleep 1; done
+  job=$(sed -n 's#.*logs in dlrun-logs/\([^/]*\)/.*#\1#p' "$log" | head -n 1)
+  "$@" "$py" -m dlrun stack "$job" | tee /tmp/gpu_smoke.stack.out
+  grep -q 'stuck_in_cuda_op' /tmp/gpu_smoke.stack.out && grep -q 'taken by py-spy' /tmp/gpu_smoke.stack.out
+  code=$?
+  kill -TERM "$pid"; wait "$pid"
+  return "$code"
+}
+timed stack-as-$(id -un) stuck_stack || status=1
+cat /tmp/gpu_smoke.stack.out
+if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null && command -v useradd >/dev/null; then
+  # Yama's scope 1 binds only a tracer without CAP_SYS_PTRACE: prove it as a plain login user
+  id dlrun-smoke >/dev/null 2>&1 || useradd -m -s /bin/sh dlrun-smoke
+  work=/tmp/dlrun-smoke-repo
+  rm -rf "$work" && mkdir -p "$work" && cp -r dlrun scripts "$work"/ && chown -R dlrun-smoke: "$work"
+  if setpriv --reuid dlrun-smoke --regid dlrun-smoke --init-groups "$py" -c 'import torch' 2>/dev/null; then
+    as_user() { setpriv --reuid dlrun-smoke --regid dlrun-smoke --init-groups env HOME=/home/dlrun-smoke \
+      PYTHONPATH="$work" "$@"; }
+    (cd "$work" && timed stack-as-login-user stuck_stack as_user) || status=1
+    cat /tmp/gpu_smoke.stack.out
+  else
+    echo "stack as a login user: skipped ($py cannot import torch as dlrun-smoke)"
+  fi
+fi
+hang_timeout() {  # an idle GPU and a rank in stuck_in_data_loading: --hang-timeout 15 must stop it, exit 124
+  "$py" -m dlrun launch --plain --framework torch --np 1 --hang-timeout 15 scripts/gpu_stuck.py cpu \
+    >/tmp/gpu_smoke.hang.out 2>&1
+  local code=$?
+  grep -E 'root cause|no output for|stuck_in' /tmp/gpu_smoke.hang.out
+  [ "$code" = 124 ] && grep -q 'root cause: job hung: .*stuck_in_data_loading' /tmp/gpu_smoke.hang.out
+}
+timed hang-timeout hang_timeout || status=1
 
 section result
 [ "$status" -eq 0 ] && echo "gpu smoke: every dlrun job passed" || echo "gpu smoke: a dlrun job FAILED (logs in /tmp/gpu_smoke.*.log)"
