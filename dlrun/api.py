@@ -127,7 +127,7 @@ def launch(
     config = LaunchConfig(
         script=str(script), args=tuple(str(a) for a in args), hosts=hosts, np=np, base_port=base_port,
         framework=framework, dry_run=dry_run, json_output=json_output, log_dir=log_dir, grace=grace,
-        ranks_shown=None if ranks is None else tuple(ranks), env=dict(env or {}), iface=iface, plain=plain,
+        ranks_shown=None if ranks is None else tuple(ranks), env=hang_env(env, hang_timeout), iface=iface, plain=plain,
         pidns=pidns, preflight=preflight, push=push, data=None if data is None else str(data), shard=shard,
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
         min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
@@ -150,6 +150,16 @@ def launch(
     spark = SparkConfig(master=master, num_workers=2 if np is None else np, cores_per_worker=cores_per_worker,
                         gpus_per_worker=gpus_per_worker, conf=dict(conf or {}), start_timeout=start_timeout)
     return run_job(config, SparkEngine(spark), view=view)
+
+
+def hang_env(env: Mapping[str, str] | None, hang_timeout: float) -> dict[str, str]:
+    """``--hang-timeout`` turns Python's faulthandler on in every rank (unless the job set it):
+    a rank whose stack py-spy cannot take dumps its threads on SIGABRT when the hang stops it
+    (``docs/stacks.md``)."""
+    found = dict(env or {})
+    if hang_timeout:
+        found.setdefault("PYTHONFAULTHANDLER", "1")
+    return found
 
 
 def topo(

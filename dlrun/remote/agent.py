@@ -425,6 +425,17 @@ class Agent:
         if self.gpus.due(now):
             self.gpus.start(self.sel, now)
 
+    def dump(self, message: dict[str, Any]) -> None:
+        """SIGABRT to the named ranks' processes: with faulthandler on, each prints every thread's
+        stack to its stderr (its log) and ends."""
+        for rank in message.get("ranks") or []:
+            proc = self.procs.get(int(rank))
+            if proc is not None and int(rank) not in self.exited:
+                try:
+                    os.kill(proc.pid, signal.SIGABRT)
+                except OSError:
+                    pass
+
     def take_stacks(self, message: dict[str, Any]) -> None:
         """Start a stack request for the ranks still running (``StackTaker``)."""
         pids = {rank: proc.pid for rank, proc in self.procs.items() if rank not in self.exited}
@@ -837,6 +848,8 @@ def _run_agent(argv: list[str]) -> int:
                 agent.watch(message)
             elif op == "stacks":
                 agent.take_stacks(message)
+            elif op == "dump":  # faulthandler's dump (PYTHONFAULTHANDLER) of ranks py-spy could not read
+                agent.dump(message)
             elif op == "start" and not started:
                 started = True
                 eof_grace = float(message.get("eof_grace", eof_grace))

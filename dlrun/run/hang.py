@@ -31,6 +31,7 @@ INTERVAL = 3.0  # seconds between a request's two samples: "hung" (same place) o
 ANSWER_TIMEOUT = 90.0  # seconds for every host's answer, shipping py-spy included
 BUSY_UTIL = 5.0  # a GPU at this utilization or above is working: the job is not hung
 HANG_EXIT = 124  # the exit code of a job --hang-timeout stopped (as timeout(1))
+DUMP_WAIT = 2.0  # seconds faulthandler's SIGABRT dumps get before the stop's SIGTERM
 
 
 @dataclass(frozen=True)

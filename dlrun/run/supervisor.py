@@ -52,7 +52,7 @@ from dlrun.render import WorkerCommand
 from dlrun.run.agents import HostAgents, HostLink, close_aside, encode_message, with_agent_words
 from dlrun.run.control import ControlServer
 from dlrun.run.gpus import CSV_COLUMNS, GpuSample, GpuStats, IdleWatch, csv_rows, parse_sample, visible_gpus
-from dlrun.run.hang import HANG_EXIT, HangWatch, StackAnswer, StackRequests, answer_json, hang_lines
+from dlrun.run.hang import DUMP_WAIT, HANG_EXIT, HangWatch, StackAnswer, StackRequests, answer_json, hang_lines
 from dlrun.run.result import RankResult, RankState, RunResult
 from dlrun.run.rootcause import TRACEBACK_START, TracebackCatcher, error_file_lines
 from dlrun.transport.base import Transport
@@ -228,6 +228,7 @@ class Supervisor:
         self.stack_requests = StackRequests(transport, self.events, log_dir, clock)
         self.hang = HangWatch(hang_timeout, clock)
         self.hang_lines: tuple[str, ...] = ()  # the hang's root cause and groups, once it stopped the job
+        self.hang_stop_at: float | None = None  # faulthandler dumps asked for: the stop waits for them
         self.control = ControlServer(control_id or self._job_id(), self._control)  # dlrun stack JOB
 
     # --------------------------------------------------------------------- public
@@ -566,6 +567,9 @@ class Supervisor:
     def _watch(self) -> None:
         """Each turn of the loop: overdue stack requests, and the hang watch."""
         self.stack_requests.tick()
+        if self.hang_stop_at is not None and self.clock() >= self.hang_stop_at:
+            self.hang_stop_at = None
+            self._stop_all(self.grace)
         if self.stopping:
             return
         text = self.hang.notice()
@@ -582,8 +586,24 @@ class Supervisor:
         self.hang_lines = tuple(hang_lines(answer))
         for text in self.hang_lines:
             self.view.notice(text)
+        unread = {r.rank for r in answer.stacks if not r.taken}
+        dumped = False
+        for name, link in self.links.items():  # faulthandler's dump instead (docs/stacks.md)
+            mine = [r for r in link.ranks if r in unread and self.ranks[r].command.env.get("PYTHONFAULTHANDLER")]
+            if mine and link.channel is not None and not link.closed:
+                self.view.notice(f"{name}: SIGABRT to rank{'s' if len(mine) > 1 else ''} {mine}: faulthandler"
+                                 " prints their stacks to their logs")
+                try:
+                    link.channel.send(encode_message({"op": "dump", "ranks": mine}))
+                    dumped = True
+                except DlrunError:
+                    pass
         self.view.notice("stopping every rank (--hang-timeout)")
-        self._stop_all(self.grace)
+        if dumped:  # a SIGTERM would cut the dumps short: stop once they are written
+            self.stopping = True  # what ends now is stopped, not failed
+            self.hang_stop_at = self.clock() + DUMP_WAIT
+        else:
+            self._stop_all(self.grace)
 
     def _stop_all(self, grace: float, *, kill: bool = False) -> None:
         self.stopping = True

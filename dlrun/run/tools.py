@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import platform
 import shutil
 import sys
@@ -36,9 +37,11 @@ class Tool:
 
 @functools.cache
 def pyspy() -> Tool | None:
-    """This machine's py-spy (the one installed beside this Python first), or None."""
+    """This machine's py-spy: ``DLRUN_PY_SPY`` (a path; empty: none), else the one installed
+    beside this Python, else PATH's; or None."""
     beside = Path(sys.executable).parent / "py-spy"
     found = str(beside) if beside.is_file() else shutil.which("py-spy")
+    found = os.environ.get("DLRUN_PY_SPY", found) or None
     if found is None:
         return None
     data = Path(found).read_bytes()

@@ -254,3 +254,18 @@ def test_hang_timeout_ends_a_detached_two_host_deadlock_by_itself(cluster, tmp_p
     assert re.search(r"root cause: hung \(no output for 15 s\): rank 1 on host1 is in stuck_in_data_loading "
                      r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce", attached.stdout), attached.stdout
     assert wait_job_processes_gone(job, timeout=30) == []
+
+
+def test_without_py_spy_the_hang_stop_takes_faulthandler_dumps_into_the_logs(tmp_path: Path) -> None:
+    (tmp_path / "deadlock.py").write_text(DEADLOCK)
+    env = {"DLRUN_PY_SPY": "", "PATH": "/usr/bin:/bin"}  # none shipped, none on the host's PATH
+    out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch", "--hang-timeout", "10",
+                    "deadlock.py", cwd=tmp_path, timeout=240, env=env)
+    assert out.returncode == 124, out.stdout + out.stderr
+    assert "ranks 0-1 (localhost): no stack: no py-spy on this host" in out.stdout, out.stdout
+    assert "dlrun: localhost: SIGABRT to ranks [0, 1]: faulthandler prints their stacks to their logs" in out.stdout
+    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    logs = tmp_path / "dlrun-logs" / job
+    assert re.search(r'File ".*deadlock\.py", line \d+ in stuck_in_data_loading', (logs / "rank-1.log").read_text())
+    assert re.search(r'File ".*deadlock\.py", line \d+ in train_step', (logs / "rank-0.log").read_text())
+    assert wait_job_processes_gone(job, timeout=30) == []
