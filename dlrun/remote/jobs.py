@@ -208,6 +208,19 @@ def stop(job_id: str) -> dict[str, Any]:
     return {"signalled": signalled, "jobs": job_records(job_id)}
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Does process ``pid`` handle ``signum`` (``SigCgt`` in its status)? A keeper of an older
+    dlrun does not handle SIGUSR1, which would kill it."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def stacks(job_id: str, message: dict[str, Any], host_name: str) -> dict[str, Any]:
     """Ask host ``host_name``'s live keeper of the job for its ranks' stacks; its answer."""
     request_id = str(message.get("id", ""))
@@ -221,6 +234,9 @@ def stacks(job_id: str, message: dict[str, Any], host_name: str) -> dict[str, An
             continue
         host = (read_json(os.path.join(hostdir, "state.json")) or {}).get("host", "?")
         if host != host_name:
+            continue
+        if not catches(pid, signal.SIGUSR1):
+            answers.append({"host": host, "error": "the job's keeper is from an older dlrun: it takes no stacks"})
             continue
         path = os.path.join(hostdir, "stack-request.json")
         with open(path + ".tmp", "w") as fh:

@@ -1,11 +1,11 @@
 """An attached job's door for a second dlrun on the same machine (``dlrun stack JOB``).
 
-The attached client listens on a Unix socket ``~/.dlrun/attached/<JOB-ID>.sock`` (folder 0700,
-socket 0600: this user only) for the job's life. A request is one JSON line, the answer one
+The attached client listens on a Unix socket ``~/.dlrun/attached/<JOB-ID>.sock`` (folder and
+socket 0700: this user only) for the job's life. A request is one JSON line, the answer one
 JSON line; ``{"op": "stacks", "hosts": [...] | null}`` answers ``{"summary": [...], "folder",
 "notes", "cause"}``. The socket's name is the job id ``dlrun launch`` printed; a stale socket
-(its client killed -9) refuses connections and is replaced by the next job of that id, which
-never comes, so ``ask`` takes a refusal as "no attached job here".
+(its client killed -9) refuses connections: ``ask`` takes a refusal as "no attached job here",
+and the next client to start removes it.
 """
 
 from __future__ import annotations
@@ -30,14 +30,20 @@ class ControlServer:
     """Serves ``handler(request) -> answer`` on the job's socket, a thread per connection."""
 
     def __init__(self, job_id: str, handler: Callable[[Mapping[str, Any]], Mapping[str, Any]]) -> None:
+        self.job_id = job_id
         self.path = socket_path(job_id)
         self.handler = handler
         self.sock: socket.socket | None = None
 
     def start(self) -> bool:
-        """Listen; False where a socket cannot be made here (the job runs without the door)."""
+        """Listen; False where a socket cannot be made here, or the job has no id (the job runs
+        without the door)."""
+        if not self.job_id or "/" in self.job_id:
+            return False
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.path.parent.chmod(0o700)
+            prune(self.path.parent)
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -88,6 +94,22 @@ class ControlServer:
             sock.close()
             with contextlib.suppress(OSError):
                 self.path.unlink()
+
+
+def prune(folder: Path) -> None:
+    """Remove the sockets nobody listens on (their client was killed with SIGKILL)."""
+    for path in folder.glob("*.sock"):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1)
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            with contextlib.suppress(OSError):
+                path.unlink()
+        except OSError:
+            pass
+        finally:
+            probe.close()
 
 
 def ask(job_id: str, request: Mapping[str, Any], timeout: float = ANSWER_TIMEOUT) -> dict[str, Any] | None:

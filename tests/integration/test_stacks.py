@@ -269,3 +269,30 @@ def test_without_py_spy_the_hang_stop_takes_faulthandler_dumps_into_the_logs(tmp
     assert re.search(r'File ".*deadlock\.py", line \d+ in stuck_in_data_loading', (logs / "rank-1.log").read_text())
     assert re.search(r'File ".*deadlock\.py", line \d+ in train_step', (logs / "rank-0.log").read_text())
     assert wait_job_processes_gone(job, timeout=30) == []
+
+
+def test_the_control_socket_is_the_users_alone_and_stale_ones_go(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import stat
+
+    from dlrun.run.control import ControlServer, ask, socket_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    socket_path("old").parent.mkdir(parents=True)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(socket_path("old")))  # a client killed with SIGKILL leaves its socket behind
+    stale.close()
+    assert ask("old", {"op": "stacks"}) is None
+    server = ControlServer("job-1", lambda request: {"echo": request["op"]})
+    assert server.start()
+    try:
+        assert not socket_path("old").exists()
+        assert ask("job-1", {"op": "stacks"}) == {"echo": "stacks"}
+        assert ask("job-2", {"op": "stacks"}) is None
+        assert stat.S_IMODE(socket_path("job-1").stat().st_mode) == 0o700  # the owner alone may connect
+        assert stat.S_IMODE(socket_path("job-1").parent.stat().st_mode) == 0o700
+    finally:
+        server.close()
+    assert ask("job-1", {"op": "stacks"}) is None
+    assert not ControlServer("", lambda request: {}).start()  # no job id: no door
