@@ -23,7 +23,8 @@ import time
 from typing import IO, Any
 
 HEADER = struct.Struct(">BiI")
-HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE, SURVEY, PONG, GPU, PORTS, STACKS = range(1, 14)
+HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE, SURVEY, PONG, GPU, PORTS, STACKS, FILE = range(1, 15)
+FILE_LIMIT = 16 << 20  # bytes of flight recorder dumps one host sends back
 CHUNK = 65536
 COALESCE_S = 0.005  # output frames wait at most this long for more output
 SMALL_READ = 4096  # a read this small means a trickle: let it pile up for a moment
@@ -692,10 +693,33 @@ class Agent:
     def done(self) -> int:
         """Every rank has exited: sweep what they left, tidy up, say DONE; the exit status."""
         self.sweep()
+        self.send_recordings()
         self.remove_error_files()
         self.emit(DONE, AGENT_RANK, b"")
         self.flush()
         return 0
+
+    def send_recordings(self) -> None:
+        """The flight recorder dumps the ranks left (torch wrote them on a timeout or on demand):
+        each as a FILE frame (name, NUL, bytes), then removed; what exceeds ``FILE_LIMIT`` stays."""
+        budget = FILE_LIMIT
+        for folder in sorted(self.recorder_dirs):
+            try:
+                names = sorted(os.listdir(folder))
+            except OSError:
+                continue
+            for name in names:
+                path = os.path.join(folder, name)
+                try:
+                    if name.endswith(".pipe") or not os.path.isfile(path) or os.path.getsize(path) > budget:
+                        continue
+                    with open(path, "rb") as fh:
+                        data = fh.read(budget)
+                    os.unlink(path)
+                except OSError:
+                    continue
+                budget -= len(data)
+                self.emit(FILE, AGENT_RANK, name.encode("utf-8", "replace") + b"\0" + data)
 
     def remove_error_files(self) -> None:
         """Take the ranks' error files and their folders away (read already, at each exit), and

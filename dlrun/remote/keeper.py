@@ -32,7 +32,7 @@ from typing import Any, Tuple
 
 #: The agent's frames (``dlrun.remote.agent``: each host program is shipped alone, imports none).
 HEADER = struct.Struct(">BiI")
-STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, GPU, STACKS = 2, 3, 4, 5, 6, 7, 11, 13
+STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, GPU, STACKS, FILE = 2, 3, 4, 5, 6, 7, 11, 13, 14
 #: ``gpu.csv``'s columns, as the attached supervisor writes them (``dlrun.run.gpus.CSV_COLUMNS``)
 GPU_COLUMNS = "time,host,gpu,util,mem_used_mib,mem_total_mib,power_w,temp_c"
 TAIL_LINES = 20
@@ -443,8 +443,17 @@ class Keeper:
             self.agent_done = True
         elif kind == GPU:
             self.gpu_sample(payload)
+        elif kind == FILE:  # a flight recorder dump: kept with the attempt's logs
+            raw, _, data = payload.partition(b"\0")
+            folder = os.path.join(self.attempt_dir, "flight-recorder")
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            with open(os.path.join(folder, os.path.basename(raw.decode("utf-8", "replace")) or "dump"), "wb") as fh:
+                fh.write(data)
         elif kind == STACKS:  # dlrun-jobs waits for this file
-            answer = json.loads(payload)
+            try:
+                answer = dict(json.loads(payload))
+            except (ValueError, TypeError):
+                return
             folder = os.path.join(self.jobdir, "stacks-" + str(answer.get("id", "")))
             os.makedirs(folder, mode=0o700, exist_ok=True)
             write_json(os.path.join(folder, "answer.json"), answer)

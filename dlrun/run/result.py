@@ -75,6 +75,7 @@ class RunResult:
     warnings: tuple[str, ...] = ()  # what dlrun warned before the start (repeated in a failure's root cause)
     history: tuple[Attempt, ...] = ()
     hang: tuple[str, ...] = ()  # --hang-timeout stopped the job: the cause, then the ranks' groups (dlrun.run.hang)
+    flight_recorder: tuple[str, ...] = ()  # who the ranks' flight recorder dumps say is behind (dlrun.run.flight)
 
     @property
     def ok(self) -> bool:

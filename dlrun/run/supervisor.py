@@ -34,7 +34,9 @@ Rank lifecycle: ``dlrun.run.result.RankState``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import queue
 import re
 import threading
@@ -51,6 +53,7 @@ from dlrun.remote import agent
 from dlrun.render import WorkerCommand
 from dlrun.run.agents import HostAgents, HostLink, close_aside, encode_message, with_agent_words
 from dlrun.run.control import ControlServer
+from dlrun.run.flight import lagging_lines, rank_of, read_dump
 from dlrun.run.gpus import CSV_COLUMNS, GpuSample, GpuStats, IdleWatch, csv_rows, parse_sample, visible_gpus
 from dlrun.run.hang import DUMP_WAIT, HANG_EXIT, HangWatch, StackAnswer, StackRequests, answer_json, hang_lines
 from dlrun.run.result import RankResult, RankState, RunResult
@@ -229,6 +232,7 @@ class Supervisor:
         self.hang = HangWatch(hang_timeout, clock)
         self.hang_lines: tuple[str, ...] = ()  # the hang's root cause and groups, once it stopped the job
         self.hang_stop_at: float | None = None  # faulthandler dumps asked for: the stop waits for them
+        self.recordings: dict[int, dict[str, Any]] = {}  # rank -> its flight recorder dump (dlrun.run.flight)
         self.control = ControlServer(control_id or self._job_id(), self._control)  # dlrun stack JOB
 
     # --------------------------------------------------------------------- public
@@ -393,8 +397,12 @@ class Supervisor:
         if kind == agent.GPU:
             self._gpu(host, payload)
             return
+        if kind == agent.FILE:
+            self._recording(payload)
+            return
         if kind == agent.STACKS:
-            self.stack_requests.answer(host, json.loads(payload))
+            with contextlib.suppress(ValueError, AttributeError):
+                self.stack_requests.answer(host, json.loads(payload))
             return
         rank = self.ranks.get(rank_no)
         if rank is None:
@@ -543,6 +551,18 @@ class Supervisor:
         if not self.stopping:
             self._stop_all(self.grace)
 
+    def _recording(self, payload: bytes) -> None:
+        """A flight recorder dump a host sent back: to ``<log_dir>/flight-recorder/``, and read."""
+        raw, _, data = payload.partition(b"\0")
+        name = os.path.basename(raw.decode("utf-8", "replace")) or "dump"
+        if self.log_dir is not None:
+            folder = self.log_dir / "flight-recorder"
+            folder.mkdir(exist_ok=True)
+            (folder / name).write_bytes(data)
+        rank, dump = rank_of(name), read_dump(data)
+        if rank is not None and dump is not None:
+            self.recordings[rank] = dump
+
     # --------------------------------------------------------------------- stacks and hangs
     def _control(self, request: Any) -> dict[str, Any]:
         """The control socket's thread: a request, answered once the loop gathered the stacks."""
@@ -668,4 +688,5 @@ class Supervisor:
             gpu_summary=tuple(self.gpu_stats.summary()),
             gpu_warnings=tuple(self.gpu_idle.warned.values()),
             hang=self.hang_lines,
+            flight_recorder=tuple(lagging_lines(self.recordings)) if exit_code else (),
         )

@@ -45,13 +45,17 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
     dlrun gave before the start, and its last lines."""
     root = result.root_cause
     if root is None:
-        return [f"dlrun: root cause: job {result.hang[0]}", *result.hang[1:]] if result.hang else []
+        if not result.hang:
+            return []
+        return [f"dlrun: root cause: job {result.hang[0]}", *result.hang[1:],
+                *(f"  {text}" for text in result.flight_recorder)]
     by_rank = {c.rank: c for c in commands}
     lines = [f"dlrun: root cause: rank {root.rank} on host {root.host} exited with code {root.exit_code}"]
     if root.state == RankState.LOST:
         lines[0] = f"dlrun: root cause: host {root.host} (rank {root.rank}): {root.error}"
     elif root.error:
         lines.append(f"  error: {root.error}")
+    lines.extend(f"  {text}" for text in result.flight_recorder)  # which rank the dumps say is behind
     if root.rank in by_rank:
         argv = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in by_rank[root.rank].argv]
         lines.append(f"  command: {shlex.join(argv)}")

@@ -296,3 +296,39 @@ def test_the_control_socket_is_the_users_alone_and_stale_ones_go(tmp_path: Path,
         server.close()
     assert ask("job-1", {"op": "stacks"}) is None
     assert not ControlServer("", lambda request: {}).start()  # no job id: no door
+
+
+# every rank writes its flight recorder dump where torch's NCCL watchdog writes it on a timeout
+# (TORCH_FR_DUMP_TEMP_FILE<rank>); rank 1 never entered the third collective and then fails
+RECORDED = """
+import datetime, os, sys, time
+import torch
+import torch._C._distributed_c10d as c10d
+import torch.distributed as dist
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+t = torch.ones(4)
+dist.all_reduce(t)
+dist.all_reduce(t)
+if rank != 1:
+    dist.broadcast(t, 0, async_op=True)
+with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "wb") as fh:
+    fh.write(c10d._dump_fr_trace())
+print("dumped", flush=True)
+time.sleep(3 if rank == 1 else 60)
+sys.exit(3)
+"""
+
+
+def test_flight_recorder_dumps_come_back_and_name_the_rank_behind(tmp_path: Path) -> None:
+    (tmp_path / "recorded.py").write_text(RECORDED)
+    out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "3", "--framework", "torch", "recorded.py",
+                    cwd=tmp_path, timeout=240)
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert ("  flight recorder: rank 1 is behind in process group 0: last collective #2 gloo:all_reduce, while ranks"
+            " 0,2 entered #3 gloo:broadcast\n") in out.stdout, out.stdout
+    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    folder = tmp_path / "dlrun-logs" / job / "flight-recorder"
+    assert sorted(p.name for p in folder.iterdir()) == ["trace_rank_0", "trace_rank_1", "trace_rank_2"]
+    assert not Path(f"/tmp/dlrun-{job}").exists()  # the host's copies went with the job
