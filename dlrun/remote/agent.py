@@ -323,7 +323,8 @@ class Agent:
         self.open_streams: dict[int, int] = {}  # rank -> number of open pipes
         self.exited: dict[int, int] = {}
         self.error_files: dict[int, str] = {}  # rank -> its TORCHELASTIC_ERROR_FILE
-        self.recorder_dirs: set[str] = set()  # torch flight recorder folders (dumps stay, pipes go)
+        self.recorder_dirs: set[str] = set()  # torch flight recorder folders (dumps come back, pipes go)
+        self.pipes: dict[int, str] = {}  # rank -> its TORCH_NCCL_DEBUG_INFO_PIPE_FILE stem
         self.gpus = GpuSampler(0)
         self.stacks = StackTaker()
         self.kill_at: float | None = None
@@ -437,6 +438,25 @@ class Agent:
                 except OSError:
                     pass
 
+    def record(self) -> None:
+        """Ask every rank's flight recorder for a dump: one byte to ``<pipe stem><rank>.pipe``
+        (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``; NCCL process groups make the pipe). A pipe nobody
+        reads, or none, is skipped."""
+        for rank, proc in self.procs.items():
+            stem = self.pipes.get(rank)
+            if not stem or rank in self.exited or proc.returncode is not None:
+                continue
+            try:
+                fd = os.open(f"{stem}{rank}.pipe", os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                continue
+            try:
+                os.write(fd, b"1")
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
     def take_stacks(self, message: dict[str, Any]) -> None:
         """Start a stack request for the ranks still running (``StackTaker``)."""
         pids = {rank: proc.pid for rank, proc in self.procs.items() if rank not in self.exited}
@@ -465,6 +485,8 @@ class Agent:
             argv = [str(a) for a in item["argv"]]
             cwd = os.path.expanduser(item["cwd"]) if item.get("cwd") else None
             recorder = env.get("TORCH_FR_DUMP_TEMP_FILE")  # torch's flight recorder dumps there: a folder
+            if env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE"):
+                self.pipes[rank] = env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]
             if recorder:
                 self.recorder_dirs.add(os.path.dirname(recorder))
                 try:
@@ -874,6 +896,8 @@ def _run_agent(argv: list[str]) -> int:
                 agent.take_stacks(message)
             elif op == "dump":  # faulthandler's dump (PYTHONFAULTHANDLER) of ranks py-spy could not read
                 agent.dump(message)
+            elif op == "record":  # torch's flight recorder: dump now, through its pipe
+                agent.record()
             elif op == "start" and not started:
                 started = True
                 eof_grace = float(message.get("eof_grace", eof_grace))

@@ -607,23 +607,21 @@ class Supervisor:
         for text in self.hang_lines:
             self.view.notice(text)
         unread = {r.rank for r in answer.stacks if not r.taken}
-        dumped = False
+        for link in self.links.values():  # torch's flight recorder (NCCL) dumps through its pipe too
+            if link.channel is not None and not link.closed:
+                with contextlib.suppress(DlrunError):
+                    link.channel.send(encode_message({"op": "record"}))
         for name, link in self.links.items():  # faulthandler's dump instead (docs/stacks.md)
             mine = [r for r in link.ranks if r in unread and self.ranks[r].command.env.get("PYTHONFAULTHANDLER")]
             if mine and link.channel is not None and not link.closed:
                 self.view.notice(f"{name}: SIGABRT to rank{'s' if len(mine) > 1 else ''} {mine}: faulthandler"
                                  " prints their stacks to their logs")
-                try:
+                with contextlib.suppress(DlrunError):
                     link.channel.send(encode_message({"op": "dump", "ranks": mine}))
-                    dumped = True
-                except DlrunError:
-                    pass
         self.view.notice("stopping every rank (--hang-timeout)")
-        if dumped:  # a SIGTERM would cut the dumps short: stop once they are written
-            self.stopping = True  # what ends now is stopped, not failed
-            self.hang_stop_at = self.clock() + DUMP_WAIT
-        else:
-            self._stop_all(self.grace)
+        # a SIGTERM would cut the dumps short: stop once they are written
+        self.stopping = True  # what ends now is stopped, not failed
+        self.hang_stop_at = self.clock() + DUMP_WAIT
 
     def _stop_all(self, grace: float, *, kill: bool = False) -> None:
         self.stopping = True
