@@ -323,7 +323,7 @@ class Agent:
         self.open_streams: dict[int, int] = {}  # rank -> number of open pipes
         self.exited: dict[int, int] = {}
         self.error_files: dict[int, str] = {}  # rank -> its TORCHELASTIC_ERROR_FILE
-        self.recorder_dirs: set[str] = set()  # torch flight recorder folders (dumps come back, pipes go)
+        self.recorders: dict[int, str] = {}  # rank -> its flight recorder dump prefix (TORCH_FR_DUMP_TEMP_FILE)
         self.pipes: dict[int, str] = {}  # rank -> its TORCH_NCCL_DEBUG_INFO_PIPE_FILE stem
         self.gpus = GpuSampler(0)
         self.stacks = StackTaker()
@@ -488,7 +488,7 @@ class Agent:
             if env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE"):
                 self.pipes[rank] = env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]
             if recorder:
-                self.recorder_dirs.add(os.path.dirname(recorder))
+                self.recorders[rank] = recorder
                 try:
                     os.makedirs(os.path.dirname(recorder), mode=0o700, exist_ok=True)
                 except OSError:
@@ -722,36 +722,34 @@ class Agent:
         return 0
 
     def send_recordings(self) -> None:
-        """The flight recorder dumps the ranks left (torch wrote them on a timeout or on demand):
-        each as a FILE frame (name, NUL, bytes), then removed; what exceeds ``FILE_LIMIT`` stays."""
+        """The flight recorder dumps this host's ranks left (``<prefix><rank>``, written by torch on
+        a timeout or on demand): each as a FILE frame (name, NUL, bytes), then removed; what
+        exceeds ``FILE_LIMIT`` stays. Only its own ranks': hosts of one machine share the folder."""
         budget = FILE_LIMIT
-        for folder in sorted(self.recorder_dirs):
+        for rank, prefix in sorted(self.recorders.items()):
+            path = prefix + str(rank)
             try:
-                names = sorted(os.listdir(folder))
+                if not os.path.isfile(path) or os.path.getsize(path) > budget:
+                    continue
+                with open(path, "rb") as fh:
+                    data = fh.read(budget)
+                os.unlink(path)
             except OSError:
                 continue
-            for name in names:
-                path = os.path.join(folder, name)
-                try:
-                    if name.endswith(".pipe") or not os.path.isfile(path) or os.path.getsize(path) > budget:
-                        continue
-                    with open(path, "rb") as fh:
-                        data = fh.read(budget)
-                    os.unlink(path)
-                except OSError:
-                    continue
-                budget -= len(data)
-                self.emit(FILE, AGENT_RANK, name.encode("utf-8", "replace") + b"\0" + data)
+            budget -= len(data)
+            self.emit(FILE, AGENT_RANK, os.path.basename(path).encode("utf-8", "replace") + b"\0" + data)
 
     def remove_error_files(self) -> None:
         """Take the ranks' error files and their folders away (read already, at each exit), and
         the flight recorder's pipes; its folder goes too where it holds no dump."""
-        for folder in self.recorder_dirs:
+        for rank, stem in self.pipes.items():
             try:
-                for name in os.listdir(folder):
-                    if name.endswith(".pipe"):
-                        os.unlink(os.path.join(folder, name))
-                os.removedirs(folder)
+                os.unlink(f"{stem}{rank}.pipe")
+            except OSError:
+                pass
+        for prefix in set(self.recorders.values()):
+            try:
+                os.removedirs(os.path.dirname(prefix))  # once no host of this machine has a file there
             except OSError:
                 pass
         for path in self.error_files.values():

@@ -332,3 +332,22 @@ def test_flight_recorder_dumps_come_back_and_name_the_rank_behind(tmp_path: Path
     folder = tmp_path / "dlrun-logs" / job / "flight-recorder"
     assert sorted(p.name for p in folder.iterdir()) == ["trace_rank_0", "trace_rank_1", "trace_rank_2"]
     assert not Path(f"/tmp/dlrun-{job}").exists()  # the host's copies went with the job
+
+
+@pytest.mark.ssh
+def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from support.sshd_cluster import TEST_USER_HOME
+
+    script = shared_script(cluster, "recorded.py", RECORDED)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
+    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", *common, str(script),
+                    cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    attached = run_dlrun("attach", job, *common, cwd=tmp_path, timeout=240)
+    assert attached.returncode == 3, attached.stdout + attached.stderr
+    for rank, host in ((0, "host0"), (1, "host1")):
+        dump = TEST_USER_HOME / ".dlrun" / "jobs" / job / f"host-{host}" / "attempt-0" / "flight-recorder"
+        assert (dump / f"trace_rank_{rank}").stat().st_size > 0
+    assert wait_job_processes_gone(job, timeout=30) == []
