@@ -447,7 +447,8 @@ class Keeper:
             raw, _, data = payload.partition(b"\0")
             folder = os.path.join(self.attempt_dir, "flight-recorder")
             os.makedirs(folder, mode=0o700, exist_ok=True)
-            with open(os.path.join(folder, os.path.basename(raw.decode("utf-8", "replace")) or "dump"), "wb") as fh:
+            name = os.path.basename(raw.decode("utf-8", "replace")).strip(".") or "dump"
+            with open(os.path.join(folder, name), "wb") as fh:
                 fh.write(data)
         elif kind == STACKS:  # dlrun-jobs waits for this file
             try:

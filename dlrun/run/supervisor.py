@@ -372,11 +372,12 @@ class Supervisor:
             self._ask_stacks(event[1], event[2])  # type: ignore[arg-type]
         elif kind == "stacks-ready":  # py-spy is on the hosts
             for name, message in self.stack_requests.ready(str(event[1]), str(event[2]), event[3]):  # type: ignore[arg-type]
-                link = self.links[name]
+                channel = self.links[name].channel
                 try:
-                    assert link.channel is not None
-                    link.channel.send(encode_message(message))
-                except (DlrunError, AssertionError) as exc:
+                    if channel is None:
+                        raise DlrunError("it never started", host=name)
+                    channel.send(encode_message(message))
+                except DlrunError as exc:
                     self.stack_requests.unreachable(str(event[1]), name, f"cannot ask the agent: {exc}")
         elif kind == "interrupt":
             signum = int(event[1])  # type: ignore[call-overload]
@@ -554,7 +555,7 @@ class Supervisor:
     def _recording(self, payload: bytes) -> None:
         """A flight recorder dump a host sent back: to ``<log_dir>/flight-recorder/``, and read."""
         raw, _, data = payload.partition(b"\0")
-        name = os.path.basename(raw.decode("utf-8", "replace")) or "dump"
+        name = os.path.basename(raw.decode("utf-8", "replace")).strip(".") or "dump"
         if self.log_dir is not None:
             folder = self.log_dir / "flight-recorder"
             folder.mkdir(exist_ok=True)
