@@ -59,12 +59,17 @@ fi
 
 section "stuck ranks: dlrun stack and --hang-timeout (docs/stacks.md)"
 echo "kernel.yama.ptrace_scope = $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo 'absent (no Yama)')"
+# dlrun ships the client's py-spy to the hosts; an offline machine needs one brought along:
+# DLRUN_PY_SPY=<path>, or a py-spy beside $py or on PATH (a copy at ./py-spy in the tree is used)
+if [ -z "${DLRUN_PY_SPY:-}" ] && [ -x ./py-spy ]; then export DLRUN_PY_SPY=$PWD/py-spy; fi
+"$py" -c 'import os, shutil, sys; p = os.environ.get("DLRUN_PY_SPY") or shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy"); print("py-spy:", p); sys.exit(p is None)' \
+  || echo "py-spy: none (the stack steps fail: copy a py-spy binary to ./py-spy)"
 stuck_stack() {  # stuck_stack [RUNNER...]: a rank stuck in a CUDA op, `dlrun stack` from a second process
   local log job pid code
   log=$(mktemp /tmp/gpu_smoke.stuck-job.XXXXXX)
   chmod 666 "$log"
   "$@" "$py" -m dlrun launch --plain --framework torch --np 1 scripts/gpu_stuck.py cuda >"$log" 2>&1 &
-  pid=$!
+  pid=$!  # the runner words exec one another: this is dlrun's pid
   for _ in $(seq 120); do grep -q '] ready' "$log" && break; sleep 1; done
   job=$(sed -n 's#.*logs in dlrun-logs/\([^/]*\)/.*#\1#p' "$log" | head -n 1)
   "$@" "$py" -m dlrun stack "$job" | tee /tmp/gpu_smoke.stack.out
@@ -80,10 +85,11 @@ if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null && command -v useradd >/d
   id dlrun-smoke >/dev/null 2>&1 || useradd -m -s /bin/sh dlrun-smoke
   work=/tmp/dlrun-smoke-repo
   rm -rf "$work" && mkdir -p "$work" && cp -r dlrun scripts "$work"/ && chown -R dlrun-smoke: "$work"
-  if setpriv --reuid dlrun-smoke --regid dlrun-smoke --init-groups "$py" -c 'import torch' 2>/dev/null; then
-    as_user() { setpriv --reuid dlrun-smoke --regid dlrun-smoke --init-groups env HOME=/home/dlrun-smoke \
-      PYTHONPATH="$work" "$@"; }
-    (cd "$work" && timed stack-as-login-user stuck_stack as_user) || status=1
+  if [ -n "${DLRUN_PY_SPY:-}" ]; then cp "$DLRUN_PY_SPY" "$work/py-spy" && chmod 755 "$work/py-spy"; fi
+  as_user=(setpriv --reuid dlrun-smoke --regid dlrun-smoke --init-groups env HOME=/home/dlrun-smoke PYTHONPATH="$work")
+  [ -n "${DLRUN_PY_SPY:-}" ] && as_user+=(DLRUN_PY_SPY="$work/py-spy")
+  if "${as_user[@]}" "$py" -c 'import torch' 2>/dev/null; then
+    (cd "$work" && timed stack-as-login-user stuck_stack "${as_user[@]}") || status=1
     cat /tmp/gpu_smoke.stack.out
   else
     echo "stack as a login user: skipped ($py cannot import torch as dlrun-smoke)"
