@@ -46,6 +46,7 @@ FINAL = ("succeeded", "failed", "stopped", "lost")
 RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
 HANG_EXIT = 124  # --hang-timeout stopped the job (dlrun.run.hang.HANG_EXIT)
 HANG_ANSWER = 60.0  # seconds every host has to send its stacks once the job hangs
+DUMP_WAIT = 2.0  # seconds faulthandler's and the flight recorder's dumps get before the stop
 BUSY_UTIL = 5.0  # a GPU at this utilization or above is working (dlrun.run.hang.BUSY_UTIL)
 
 Event = Tuple[Any, ...]
@@ -300,6 +301,7 @@ class Keeper:
         self.hang_id: str | None = None
         self.hang_deadline = 0.0
         self.hang_answers: dict[str, Any] = {}
+        self.hang_stop_at: float | None = None  # the dumps asked for: the stop follows then
 
     # ---------------------------------------------------------------- records
     def record(self, final: bool = False) -> dict[str, Any]:
@@ -609,6 +611,10 @@ class Keeper:
 
     def watch_hang(self, now: float) -> None:
         """The leader: no output on any host and no busy GPU for the limit: take every host's stacks."""
+        if self.hang_stop_at is not None and now >= self.hang_stop_at:
+            self.hang_stop_at = None
+            self.stopping = False  # held only while the dumps were written: now the stop goes out
+            self.stop_all()
         limit = float(self.hang.get("timeout") or 0)
         if not limit or self.stopping or self.ended:
             return
@@ -649,7 +655,21 @@ class Keeper:
         if missing:
             lines.append(f"no stacks from {', '.join(missing)} within {HANG_ANSWER:g} s")
         lines.append(f"full stacks: ~/.dlrun/jobs/{self.job_id}/host-<host>/stacks-{self.hang_id}/ on each host")
-        self.fail(f"hung (no output for {float(self.hang['timeout']):g} s): {cause}", HANG_EXIT, lines)
+        unread = [s.rank for s in stacks if not s.taken]
+        if unread:  # faulthandler (PYTHONFAULTHANDLER) prints those ranks' stacks to their logs
+            lines.append(f"no stack by py-spy for ranks {unread}: SIGABRT, faulthandler's dump is in their logs")
+        if self.root_cause is None:
+            self.root_cause = f"hung (no output for {float(self.hang['timeout']):g} s): {cause}"
+            self.root_tail, self.failed_code = lines[-TAIL_LINES:], HANG_EXIT
+        # the dumps first (a SIGTERM would cut them short); what ends meanwhile is stopped, not failed
+        self.stopping = True
+        for target in [None, *self.peers.values()]:
+            for message in ({"op": "record"}, {"op": "dump", "ranks": unread}):
+                if target is None:
+                    self.tell_agent(message)
+                else:
+                    target.send({"op": "agent", "message": message})
+        self.hang_stop_at = time.monotonic() + DUMP_WAIT
         self.record()
 
     # ---------------------------------------------------------------- the network
@@ -848,6 +868,8 @@ class Keeper:
             self.record()
         elif op == "stacks":  # the leader's hang watch fired
             self.take_stacks(str(message.get("id", "")))
+        elif op == "agent" and message.get("message", {}).get("op") in ("record", "dump"):
+            self.tell_agent(dict(message["message"]))  # the hang's dumps, before the leader's stop
         elif op == "restart":
             self.restart(int(message["attempt"]))
         elif op == "end":

@@ -351,3 +351,20 @@ def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster, tmp_p
         dump = TEST_USER_HOME / ".dlrun" / "jobs" / job / f"host-{host}" / "attempt-0" / "flight-recorder"
         assert (dump / f"trace_rank_{rank}").stat().st_size > 0
     assert wait_job_processes_gone(job, timeout=30) == []
+
+
+@pytest.mark.ssh
+def test_a_detached_hang_without_py_spy_leaves_faulthandler_dumps(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "deadlock.py", DEADLOCK)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
+    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", "--hang-timeout", "10", *common,
+                    str(script), cwd=tmp_path, timeout=180, env={"DLRUN_PY_SPY": ""})  # none shipped
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    attached = run_dlrun("attach", job, *common, cwd=tmp_path, timeout=240)
+    assert attached.returncode == 124, attached.stdout + attached.stderr
+    assert "root cause: hung (no output for 10 s): no rank's stack could be taken" in attached.stdout, attached.stdout
+    assert re.search(r"\[1 host1\]   File \".*deadlock\.py\", line \d+ in stuck_in_data_loading", attached.stdout)
+    assert re.search(r"\[0 host0\]   File \".*deadlock\.py\", line \d+ in train_step", attached.stdout)
+    assert wait_job_processes_gone(job, timeout=30) == []
