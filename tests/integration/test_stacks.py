@@ -17,7 +17,18 @@ from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
 from support.sshd_cluster import wait_job_processes_gone
 
 DEADLOCK = """
-import datetime, os, sys, time
+import datetime, os, sys, threading, time
+
+starting = True
+
+
+def say_starting():  # quiet only once in place: a loaded machine's slow import is not the hang
+    while starting:
+        print("starting", flush=True)
+        time.sleep(1)
+
+
+threading.Thread(target=say_starting, daemon=True).start()
 import torch
 import torch.distributed as dist
 
@@ -32,6 +43,8 @@ def train_step(t):
 
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+starting = False
+time.sleep(1.5)  # the thread has ended
 print("ready", flush=True)
 t = torch.ones(4)
 if dist.get_rank() == 1:
