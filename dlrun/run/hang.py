@@ -228,5 +228,6 @@ def answer_json(answer: StackAnswer) -> dict[str, Any]:
     """What the control socket sends back to ``dlrun stack``."""
     groups = group_ranks(answer.stacks)
     return {"summary": summary_lines(groups), "cause": hang_cause(groups) if answer.stacks else None,
-            "folder": str(answer.folder) if answer.folder is not None else None, "notes": dict(answer.notes),
+            # absolute: dlrun stack runs in another terminal, maybe in another folder
+            "folder": str(answer.folder.resolve()) if answer.folder is not None else None, "notes": dict(answer.notes),
             "methods": sorted({r.method for r in answer.stacks if r.taken})}
