@@ -113,6 +113,7 @@ def launch(
     module: bool = False,
     no_python: bool = False,
     checkpoint_dir: Sequence[str] = (),
+    hang_timeout: float = 0.0,
 ) -> RunResult:
     """Run ``script`` on every rank, as ``dlrun launch`` does; how the job ended.
 
@@ -130,6 +131,8 @@ def launch(
     (relative to each host's working folder) made the same on every host before every attempt,
     the newest complete copy of each file winning (``docs/checkpoints.md``). ``bench``: after the
     preflight, run ``dlrun topo --bench`` for about ``bench_seconds`` and stop on its error findings.
+    ``hang_timeout``: when no rank wrote anything and no GPU was busy for that many seconds, take
+    every rank's stack, name the odd one as the root cause and stop the job (exit code 124; 0: never).
     """
     from dlrun.run.launch import LaunchConfig, run_job
 
@@ -146,18 +149,20 @@ def launch(
         raise UsageError("--bench runs after the preflight: not with --no-preflight, --dry-run or --backend spark")
     if bench_seconds <= 0:
         raise UsageError("--bench-seconds takes a positive number of seconds")
+    if hang_timeout < 0:
+        raise UsageError("--hang-timeout takes seconds, 0 (off) or more")
     if gpu_every < 0 or gpu_idle_after < 0:
         raise UsageError("--gpu-every and --gpu-idle-after take seconds, 0 or more")
     config = LaunchConfig(
         script=str(script), args=tuple(str(a) for a in args), hosts=hosts, np=np, base_port=base_port,
         framework=framework, dry_run=dry_run, json_output=json_output, log_dir=log_dir, grace=grace,
-        ranks_shown=None if ranks is None else tuple(ranks), env=dict(env or {}), iface=iface, plain=plain,
-        pidns=pidns, preflight=preflight, bench=bench_seconds if bench else 0.0, push=push,
+        ranks_shown=None if ranks is None else tuple(ranks), env=hang_env(env, hang_timeout), iface=iface,
+        plain=plain, pidns=pidns, preflight=preflight, bench=bench_seconds if bench else 0.0, push=push,
         data=None if data is None else str(data), shard=shard,
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
         min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
         gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach, module=module, no_python=no_python,
-        checkpoint_dirs=tuple(checkpoint_dir),
+        checkpoint_dirs=tuple(checkpoint_dir), hang_timeout=hang_timeout,
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
                         connect_timeout=connect_timeout, host_timeout=host_timeout),
     )
@@ -180,6 +185,16 @@ def launch(
     spark = SparkConfig(master=master, num_workers=2 if np is None else np, cores_per_worker=cores_per_worker,
                         gpus_per_worker=gpus_per_worker, conf=dict(conf or {}), start_timeout=start_timeout)
     return run_job(config, SparkEngine(spark), view=view)
+
+
+def hang_env(env: Mapping[str, str] | None, hang_timeout: float) -> dict[str, str]:
+    """``--hang-timeout`` turns Python's faulthandler on in every rank (unless the job set it):
+    a rank whose stack py-spy cannot take dumps its threads on SIGABRT when the hang stops it
+    (``docs/stacks.md``)."""
+    found = dict(env or {})
+    if hang_timeout:
+        found.setdefault("PYTHONFAULTHANDLER", "1")
+    return found
 
 
 def topo(
@@ -471,6 +486,19 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
         code = 1 if record.exit_code is None else record.exit_code
         stream.write(f"dlrun: job {job} {record.state}; exit code {code}\n")
         return code
+
+
+def stack(job: str, hosts: str | None = None, **ssh: Any) -> dict[str, Any]:
+    """Where every rank of running job ``job`` is (``dlrun stack``): an attached job on this
+    machine answers through its control socket, else the detached job on ``hosts`` is asked.
+    ``{"summary": lines, "cause", "folder" | "folders", "notes", "methods"}``; the job goes on."""
+    from dlrun.run.stackcmd import attached_stacks, detached_stacks
+
+    answer = attached_stacks(job)
+    if answer is not None:
+        return answer
+    with _job_hosts(hosts, ssh) as job_hosts:
+        return detached_stacks(job_hosts, job)
 
 
 def stop(job: str, hosts: str | None = None, *, timeout: float = 60.0, **ssh: Any) -> JobRecord:

@@ -279,6 +279,9 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool],
         help="Sample every host's GPUs (nvidia-smi) this often while the job runs; 0: never.")
 @option("Output", "--gpu-idle-after", type=click.FloatRange(min=0), default=60.0, show_default=True,
         metavar="SECONDS", help="Warn when a GPU the ranks can see is idle this long while another is busy.")
+@option("Job", "--hang-timeout", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
+        help="When no rank writes anything and no GPU is busy this long: print where every rank is"
+        " stuck (its stack), stop the job, exit 124. Default 0: off.")
 @ssh_options
 @option("Push", "--push/--no-push", default=True, show_default=True,
         help="Push the script's directory to <workdir>/<dir name> on remote hosts and run there.")
@@ -534,3 +537,29 @@ def stop(job: str, hosts: str | None, **ssh: Any) -> None:
     for line in summary_lines(record):
         click.echo(line)
     sys.exit(1 if record.exit_code is None else record.exit_code)
+
+
+@main.command(cls=GroupedCommand)
+@click.argument("job")
+@job_hosts_option
+@ssh_options
+@_reports_errors
+def stack(job: str, hosts: str | None, **ssh: Any) -> None:
+    """Print where every rank of running JOB is: ranks grouped by their Python stacks (two
+    samples a few seconds apart), the odd group first. Full stacks go to the job's log folder;
+    the job goes on. JOB: an attached job on this machine, or a detached one on --hosts."""
+    from dlrun.api import stack as take
+
+    answer = take(job, hosts, **ssh)
+    for line in answer.get("summary") or []:
+        click.echo(line)
+    for host, note in (answer.get("notes") or {}).items():
+        click.echo(f"dlrun: {host}: {note}", err=True)
+    if answer.get("methods"):
+        click.echo(f"dlrun: taken by {', '.join(answer['methods'])}")
+    if answer.get("folder"):
+        click.echo(f"dlrun: full stacks in {answer['folder']}/")
+    for folder in answer.get("folders") or []:
+        click.echo(f"dlrun: full stacks in {folder}/")
+    if not answer.get("summary"):
+        sys.exit(1)

@@ -128,6 +128,22 @@ def error_file(plan: Plan, spec: RankSpec) -> str:
     return f"/tmp/dlrun-{plan.job_id}/attempt_{plan.restart_count}/{spec.rank}/error.json"
 
 
+def flight_recorder_env(plan: Plan) -> dict[str, str]:
+    """PyTorch's flight recorder, on for every torch job (``docs/stacks.md``): the last 2000
+    collectives per rank in a ring buffer, dumped on a watchdog timeout (``dump_on_timeout``) or
+    when ``<pipe stem><rank>.pipe`` is written to, into the job's folder on the host, which the
+    agent makes. Each is set only where the job did not set it."""
+    folder = f"/tmp/dlrun-{plan.job_id}/flight-recorder"
+    return {
+        # torch >= 2.9's names: the older ones (TORCH_NCCL_TRACE_BUFFER_SIZE, …) make torch print
+        # a deprecation warning in every rank
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": f"{folder}/trace_rank_",
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": f"{folder}/pipe_rank_",
+    }
+
+
 def torch_env(plan: Plan, spec: RankSpec, *, master_port: int | None = None) -> dict[str, str]:
     """What torchrun sets for each rank (torch's env:// rendezvous, the elastic contract that
     Lightning and accelerate read), less what only torchrun's own agent uses
@@ -240,6 +256,8 @@ def worker_commands(
             if spec.local_size > 1:
                 env.setdefault("OMP_NUM_THREADS", "1")
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # an NCCL error fails, not hangs
+            for name, value in flight_recorder_env(plan).items():
+                env.setdefault(name, value)
         python = python_for[spec.host.name]
         if len(python) == 1 and python[0].startswith("/") and runs_r(script, args, no_python=no_python):
             env.setdefault("RETICULATE_PYTHON", python[0])  # reticulate loads the inventory's python

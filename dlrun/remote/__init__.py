@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from importlib import resources
 
 #: The host programs, by the name the controller ships them under.
-PROGRAMS = ("agent", "probe", "push_helper", "tf_server", "keeper", "jobs", "bench")
-#: Modules a host program loads from source it was given (keepers: the rank lines; the leader: the rendezvous).
-MODULES = ("rendezvous", "rankpolicy")
+PROGRAMS = ("agent", "probe", "push_helper", "tf_server", "keeper", "jobs", "bench", "stacks")
+#: Modules a host program loads from source it was given (keepers: the rank policy; the leader: the
+#: rendezvous, and the stack grouping for a detached --hang-timeout).
+MODULES = ("rendezvous", "rankpolicy", "stack_groups")
 
 
 def source_of(name: str) -> str:

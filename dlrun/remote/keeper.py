@@ -32,7 +32,7 @@ from typing import Any, Tuple
 
 #: The agent's frames (``dlrun.remote.agent``: each host program is shipped alone, imports none).
 HEADER = struct.Struct(">BiI")
-STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, GPU = 2, 3, 4, 5, 6, 7, 11
+STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, GPU, STACKS, FILE = 2, 3, 4, 5, 6, 7, 11, 13, 14
 #: ``gpu.csv``'s columns, as the attached supervisor writes them (``dlrun.run.gpus.CSV_COLUMNS``)
 GPU_COLUMNS = "time,host,gpu,util,mem_used_mib,mem_total_mib,power_w,temp_c"
 RECORD_LINE = 4000  # characters of one tail line kept in the job's records
@@ -44,6 +44,10 @@ STOP_MARGIN = 15.0  # past the grace, an agent that has not reported is killed
 INDEX_EVERY = 1.0  # seconds between two lines of a rank log's time index
 FINAL = ("succeeded", "failed", "stopped", "lost")
 RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
+HANG_EXIT = 124  # --hang-timeout stopped the job (dlrun.run.hang.HANG_EXIT)
+HANG_ANSWER = 60.0  # seconds every host has to send its stacks once the job hangs
+DUMP_WAIT = 2.0  # seconds faulthandler's and the flight recorder's dumps get before the stop
+BUSY_UTIL = 5.0  # a GPU at this utilization or above is working (dlrun.run.hang.BUSY_UTIL)
 
 Event = Tuple[Any, ...]
 
@@ -312,6 +316,16 @@ class Keeper:
         self.closed_generation = 0  # the last agent whose end was handled
         self.agent_lock = threading.Lock()
         self.held: list[Event] = []  # events wait_agent took that are not the agent's
+        self.stacks_asked = False  # SIGUSR1 from ``dlrun-jobs``: stack-request.json waits (dlrun stack)
+        # --hang-timeout (docs/stacks.md): own silence and GPU use; the leader also the followers'
+        self.hang = dict(config.get("hang") or {})
+        self.last_output = time.monotonic()
+        self.last_busy = float("-inf")
+        self.quiet_of: dict[str, tuple[float, float, float]] = {}  # follower -> (quiet, idle, when told)
+        self.hang_id: str | None = None
+        self.hang_deadline = 0.0
+        self.hang_answers: dict[str, Any] = {}
+        self.hang_stop_at: float | None = None  # the dumps asked for: the stop follows then
 
     # ---------------------------------------------------------------- records
     def record(self, final: bool = False) -> dict[str, Any]:
@@ -488,6 +502,8 @@ class Keeper:
             self.leader_peer.send({"op": "note", "text": text})
 
     def on_frame(self, kind: int, rank: int, payload: bytes) -> None:
+        if kind in (STDOUT, STDERR):
+            self.last_output = time.monotonic()
         if kind in (STDOUT, STDERR) and rank in self.logs:
             lines = self.outputs[rank].feed(kind, payload)
             if lines:
@@ -516,6 +532,38 @@ class Keeper:
             self.agent_done = True
         elif kind == GPU:
             self.gpu_sample(payload)
+        elif kind == FILE:  # a flight recorder dump: kept with the attempt's logs
+            raw, _, data = payload.partition(b"\0")
+            folder = os.path.join(self.attempt_dir, "flight-recorder")
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            name = os.path.basename(raw.decode("utf-8", "replace")).strip(".") or "dump"
+            with open(os.path.join(folder, name), "wb") as fh:
+                fh.write(data)
+        elif kind == STACKS:  # dlrun-jobs waits for this file
+            try:
+                answer = dict(json.loads(payload))
+            except (ValueError, TypeError):
+                return
+            folder = os.path.join(self.jobdir, "stacks-" + str(answer.get("id", "")))
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            write_json(os.path.join(folder, "answer.json"), answer)
+            if self.hang_id is not None and answer.get("id") == self.hang_id:
+                self.hang_answer(self.host, answer)
+            elif not self.leader and str(answer.get("id", "")).startswith("hang-") and self.leader_peer is not None:
+                self.leader_peer.send({"op": "stacks-answer", "answer": answer})
+
+    def ask_stacks(self) -> None:
+        """``dlrun stack``: hand the request ``dlrun-jobs`` left to the agent, which takes the stacks."""
+        try:
+            with open(os.path.join(self.jobdir, "stack-request.json")) as fh:
+                message = json.load(fh)
+            request_id = str(message["id"])
+        except (OSError, ValueError, KeyError):
+            return
+        if "/" in request_id or request_id.startswith("."):
+            return
+        message.setdefault("request", {})["outdir"] = os.path.join(self.jobdir, "stacks-" + request_id)
+        self.tell_agent(message)
 
     def gpu_sample(self, payload: bytes) -> None:
         """One nvidia-smi sample to ``attempt-K/gpu.csv`` (a failed one to ``keeper.log``)."""
@@ -527,6 +575,13 @@ class Keeper:
             if "csv" not in sample:
                 print(f"dlrun-keeper: GPU sample: {sample.get('error')}", flush=True)
                 return
+            for row in str(sample["csv"]).splitlines():  # index, uuid, utilization, …
+                fields = [f.strip() for f in row.split(",")]
+                try:
+                    if len(fields) > 2 and float(fields[2]) >= BUSY_UTIL:
+                        self.last_busy = time.monotonic()
+                except ValueError:
+                    pass
             rows = gpu_rows(float(sample.get("time") or 0), self.host, str(sample["csv"]))
             path = os.path.join(self.attempt_dir, "gpu.csv")
             new = not os.path.exists(path)
@@ -664,6 +719,79 @@ class Keeper:
         self.start_agent()
         self.record()
 
+    # ---------------------------------------------------------------- --hang-timeout
+    def take_stacks(self, request_id: str) -> None:
+        """Have the agent take its ranks' stacks into ``stacks-<id>/`` (the config's message)."""
+        if not self.hang.get("stacks") or "/" in request_id or request_id.startswith("."):
+            return
+        message = json.loads(json.dumps(self.hang["stacks"]))
+        message["id"] = request_id
+        message.setdefault("request", {})["outdir"] = os.path.join(self.jobdir, "stacks-" + request_id)
+        self.tell_agent(message)
+
+    def watch_hang(self, now: float) -> None:
+        """The leader: no output on any host and no busy GPU for the limit: take every host's stacks."""
+        if self.hang_stop_at is not None and now >= self.hang_stop_at:
+            self.hang_stop_at = None
+            self.stopping = False  # held only while the dumps were written: now the stop goes out
+            self.stop_all()
+        limit = float(self.hang.get("timeout") or 0)
+        if not limit or self.stopping or self.ended:
+            return
+        if self.hang_id is not None:
+            if now > self.hang_deadline:
+                self.hung()
+            return
+        quiet, idle = now - self.last_output, now - self.last_busy
+        for name in self.followers:
+            told = self.quiet_of.get(name)
+            if told is None:
+                return  # not heard from yet: its silence is unknown
+            quiet = min(quiet, told[0] + now - told[2])
+            idle = min(idle, told[1] + now - told[2])
+        if quiet >= limit and idle >= limit:
+            self.hang_id = time.strftime("hang-%Y%m%d-%H%M%S")
+            self.hang_deadline = now + HANG_ANSWER
+            print(f"dlrun-keeper: no output for {quiet:.0f} s and no busy GPU: taking every rank's stack", flush=True)
+            self.take_stacks(self.hang_id)
+            for peer in self.peers.values():
+                peer.send({"op": "stacks", "id": self.hang_id})
+
+    def hang_answer(self, host: str, answer: dict[str, Any]) -> None:
+        self.hang_answers[host] = answer
+        if set(self.hang_answers) >= {self.host, *self.followers}:
+            self.hung()
+
+    def hung(self) -> None:
+        """The stacks are in (or overdue): the odd group is the root cause; stop the job."""
+        if self.stopping or self.ended:
+            return
+        groups_of = load_module(str(self.hang["groups_source"]), "stack_groups")
+        stacks = [s for host, answer in sorted(self.hang_answers.items()) for s in groups_of.rank_stacks(host, answer)]
+        groups = groups_of.group_ranks(sorted(stacks, key=lambda s: s.rank))
+        cause = groups_of.hang_cause(groups) if stacks else "no host sent its ranks' stacks"
+        lines = list(groups_of.summary_lines(groups))
+        missing = sorted({self.host, *self.followers} - set(self.hang_answers))
+        if missing:
+            lines.append(f"no stacks from {', '.join(missing)} within {HANG_ANSWER:g} s")
+        lines.append(f"full stacks: ~/.dlrun/jobs/{self.job_id}/host-<host>/stacks-{self.hang_id}/ on each host")
+        unread = [s.rank for s in stacks if not s.taken]
+        if unread:  # faulthandler (PYTHONFAULTHANDLER) prints those ranks' stacks to their logs
+            lines.append(f"no stack by py-spy for ranks {unread}: SIGABRT, faulthandler's dump is in their logs")
+        if self.root_cause is None:
+            self.root_cause = f"hung (no output for {float(self.hang['timeout']):g} s): {cause}"
+            self.root_tail, self.failed_code = lines[-self.lines.TAIL_LINES:], HANG_EXIT
+        # the dumps first (a SIGTERM would cut them short); what ends meanwhile is stopped, not failed
+        self.stopping = True
+        for target in [None, *self.peers.values()]:
+            for message in ({"op": "record"}, {"op": "dump", "ranks": unread}):
+                if target is None:
+                    self.tell_agent(message)
+                else:
+                    target.send({"op": "agent", "message": message})
+        self.hang_stop_at = time.monotonic() + DUMP_WAIT
+        self.record()
+
     # ---------------------------------------------------------------- the network
     def accept(self) -> None:
         listener = self.listener
@@ -728,8 +856,12 @@ class Keeper:
         while not self.ended:
             time.sleep(interval)
             targets = list(self.peers.values()) if self.leader else [p for p in (self.leader_peer,) if p]
+            beat: dict[str, Any] = {"op": "beat"}
+            if self.hang and not self.leader:  # the leader's hang watch needs every host's silence
+                now = time.monotonic()
+                beat.update(quiet=now - self.last_output, idle=min(now - self.last_busy, 1e9))
             for peer in targets:
-                peer.send({"op": "beat"})
+                peer.send(beat)
             # the agent's silence clock (the spec's host_timeout): a frozen keeper's ranks stop too
             self.tell_agent({"op": "ping"})
 
@@ -738,6 +870,7 @@ class Keeper:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: self.signals.append(signum))
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, lambda _signum, _frame: setattr(self, "stacks_asked", True))
         self.record()
         if self.leader:
             threading.Thread(target=self.accept, daemon=True).start()
@@ -767,6 +900,9 @@ class Keeper:
                         self.leader_peer.send({"op": "interrupt", "signal": signum})
                     self.stop_own()
                 self.record()
+            if self.stacks_asked:
+                self.stacks_asked = False
+                self.ask_stacks()
             try:
                 event = self.events.get(timeout=0.25)
             except queue.Empty:
@@ -778,6 +914,7 @@ class Keeper:
                 self.kill_at = None
             if self.leader:
                 self.watch_followers(now, joined_by)
+                self.watch_hang(now)
                 if not self.ended:
                     self.decide()
             elif self.leader_peer is not None and not self.ended and self.host_timeout is not None \
@@ -854,6 +991,12 @@ class Keeper:
                 self.on_rank(name, int(message["rank"]), str(message["what"]), message.get("code"), message)
             elif op == "note":
                 self.note(str(message.get("text", ""))[:500])
+            elif op == "beat" and "quiet" in message:
+                self.quiet_of[name] = (float(message["quiet"]), float(message["idle"]), time.monotonic())
+            elif op == "stacks-answer" and self.hang_id is not None:
+                answer = message.get("answer") or {}
+                if answer.get("id") == self.hang_id:
+                    self.hang_answer(name, answer)
             elif op == "interrupt":
                 if self.interrupted_by is None:
                     self.interrupted_by = int(message.get("signal") or signal.SIGTERM)
@@ -862,6 +1005,10 @@ class Keeper:
         elif op == "stop":
             self.stop_own()
             self.record()
+        elif op == "stacks":  # the leader's hang watch fired
+            self.take_stacks(str(message.get("id", "")))
+        elif op == "agent" and message.get("message", {}).get("op") in ("record", "dump"):
+            self.tell_agent(dict(message["message"]))  # the hang's dumps, before the leader's stop
         elif op == "restart":
             self.restart(int(message["attempt"]))
         elif op == "end":

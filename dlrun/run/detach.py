@@ -85,12 +85,15 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
                    agent_argv_of: Callable[[Host], list[str]], token: str, cert_pem: str, key_pem: str,
                    grace: float, host_timeout: float, script: str, pidns_source: str,
                    gpu_every: float = 0.0, rendezvous_source: str | None = None,
-                   ends_job: Callable[[WorkerCommand], bool] | None = None) -> dict[str, dict[str, Any]]:
+                   ends_job: Callable[[WorkerCommand], bool] | None = None,
+                   hang: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Each host's keeper config, host 0 (the leader) first; followers lack the leader's port
     (and, for Horovod, its rendezvous port). ``attempts``: each attempt's job id and ranks
     (``--max-restarts``: rendered ahead, each with its restart count), on the same hosts.
     ``rendezvous_source``: Horovod, the leader runs ``dlrun.remote.rendezvous``. ``ends_job``:
-    the ranks whose end ends the job (tf-ps: the chief), the leader's ``enders``."""
+    the ranks whose end ends the job (tf-ps: the chief), the leader's ``enders``. ``hang``:
+    ``--hang-timeout``'s ``{"timeout", "stacks", "groups_source"}`` (the leader alone gets the
+    grouping's source)."""
     commands = attempts[0][1]
     by_host: dict[str, list[WorkerCommand]] = {}
     for command in commands:
@@ -116,6 +119,8 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
             "rankpolicy_source": source_of("rankpolicy"),
             "specs": specs[name],
         }
+        if hang is not None:
+            config["hang"] = {k: v for k, v in hang.items() if k != "groups_source" or name == leader}
         if name == leader:
             config["key_pem"] = key_pem
             config["world"] = {str(c.rank): c.host_name for c in commands}
@@ -333,7 +338,8 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
         script=" ".join(["-m"] * config.module + [config.script, *config.args])[:200],
         pidns_source=source_of("agent"), gpu_every=config.gpu_every,
         rendezvous_source=source_of("rendezvous") if config.framework == "horovod" else None,
-        ends_job=placement.ends_job)
+        ends_job=placement.ends_job, hang=hang_config(config, transport, list(
+            {c.host_name: c.spec.host for c in placement.commands}.values())))
     names = list(configs)
     leader = hosts[names[0]]
     address = engine.addresses.get(leader.name, leader.address)
@@ -360,6 +366,19 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
           f" dlrun attach|logs|stop {job_id}{hosts_option}")
     print(f"dlrun: detached job {job_id}", flush=True)
     return RunResult(ranks=(), exit_code=0, job_id=job_id)
+
+
+def hang_config(config: LaunchConfig, transport: Transport, hosts: Sequence[Host]) -> dict[str, Any] | None:
+    """``--hang-timeout`` for the keepers: py-spy shipped to the hosts now, the agents' stack
+    message, and the grouping the leader loads (``docs/stacks.md``)."""
+    if not config.hang_timeout:
+        return None
+    from dlrun.run.hang import stacks_message
+    from dlrun.run.tools import ship_pyspy
+
+    sha256, _notes = ship_pyspy(transport, hosts)  # a host without it: its ranks say so in the stacks
+    return {"timeout": config.hang_timeout, "stacks": stacks_message("", sha256),
+            "groups_source": source_of("stack_groups")}
 
 
 def wait_started(transport: Transport, leader: Host, job_id: str) -> JobRecord:

@@ -117,6 +117,7 @@ class LaunchConfig:
     module: bool = False  # -m: script is a Python module, run with each host's python -m in the project
     no_python: bool = False  # --no-python: the command runs exactly as given (no python, Rscript, bash)
     checkpoint_dirs: tuple[str, ...] = ()  # --checkpoint-dir: the same on every host before each attempt
+    hang_timeout: float = 0.0  # --hang-timeout: no output and no busy GPU this long: stacks, then stop (0: off)
 
 
 def resolve_framework(config: LaunchConfig) -> LaunchConfig:
@@ -1143,6 +1144,8 @@ def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, log_
             agents=placement.agents,
             gpu_every=config.gpu_every,
             gpu_idle_after=config.gpu_idle_after,
+            hang_timeout=config.hang_timeout,
+            control_id=config.run_id or job_id,
         )
         with forward_signals(supervisor), placement.watch():
             result = supervisor.run()

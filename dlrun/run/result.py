@@ -83,6 +83,8 @@ class RunResult:
     warnings: tuple[str, ...] = ()  # what dlrun warned before the start (repeated in a failure's root cause)
     history: tuple[Attempt, ...] = ()
     stopped_at: float | None = None  # wall clock (time.time) when dlrun began stopping the ranks: a failure's time
+    hang: tuple[str, ...] = ()  # --hang-timeout stopped the job: the cause, then the ranks' groups (dlrun.run.hang)
+    flight_recorder: tuple[str, ...] = ()  # who the ranks' flight recorder dumps say is behind (dlrun.run.flight)
 
     @property
     def ok(self) -> bool:

@@ -42,13 +42,17 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
     dlrun gave before the start, and its last lines."""
     root = result.root_cause
     if root is None:
-        return []
+        if not result.hang:
+            return []
+        return [f"dlrun: root cause: job {result.hang[0]}", *result.hang[1:],
+                *(f"  {text}" for text in result.flight_recorder)]
     by_rank = {c.rank: c for c in commands}
     lines = [f"dlrun: root cause: rank {root.rank} on host {root.host} exited with code {root.exit_code}"]
     if root.state == RankState.LOST:
         lines[0] = f"dlrun: root cause: host {root.host} (rank {root.rank}): {root.error}"
     elif root.error:
         lines.append(f"  error: {root.error}")
+    lines.extend(f"  {text}" for text in result.flight_recorder)  # which rank the dumps say is behind
     if root.rank in by_rank:
         argv = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in by_rank[root.rank].argv]
         lines.append(f"  command: {shlex.join(argv)}")
@@ -108,6 +112,8 @@ def summary_lines(result: RunResult) -> list[str]:
         verdict = f"dlrun: job succeeded ({ok} ranks finished, {stopped} servers stopped by dlrun)"
     elif result.ok:
         verdict = f"dlrun: all {len(result.ranks)} ranks succeeded"
+    elif result.hang and result.root_cause is None:
+        verdict = "dlrun: job hung; every rank stopped (--hang-timeout)"
     elif result.interrupted_by is not None and result.root_cause is None:
         verdict = f"dlrun: interrupted by signal {result.interrupted_by}; every rank stopped"
     else:

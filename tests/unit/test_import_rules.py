@@ -14,7 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "dlrun"
 PURE = ("inventory.py", "plan.py", "render.py", "command.py",
         "topo/records.py", "topo/parse.py", "topo/findings.py", "topo/report.py",
         "topo/expect.py", "topo/bench.py",
-        "push/tree.py", "push/shard.py", "run/gpus.py", "run/rootcause.py", "run/result.py")
+        "push/tree.py", "push/shard.py", "run/gpus.py", "run/rootcause.py", "run/result.py",
+        "remote/stack_groups.py", "run/flight.py")
 PURE_MAY_NOT = ("dlrun.transport", "subprocess", "socket", "paramiko", "rich.live", "multiprocessing", "asyncio")
 
 
