@@ -535,10 +535,13 @@ class Keeper:
         elif kind == FILE:  # a flight recorder dump: kept with the attempt's logs
             raw, _, data = payload.partition(b"\0")
             folder = os.path.join(self.attempt_dir, "flight-recorder")
-            os.makedirs(folder, mode=0o700, exist_ok=True)
             name = os.path.basename(raw.decode("utf-8", "replace")).strip(".") or "dump"
-            with open(os.path.join(folder, name), "wb") as fh:
-                fh.write(data)
+            try:
+                os.makedirs(folder, mode=0o700, exist_ok=True)
+                with open(os.path.join(folder, name), "wb") as fh:
+                    fh.write(data)
+            except OSError as exc:  # a full disk loses the dump, not the job
+                self.note(f"flight recorder dump {name} on {self.host} not written ({exc})")
         elif kind == STACKS:  # dlrun-jobs waits for this file
             try:
                 answer = dict(json.loads(payload))
