@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 
 from dlrun.errors import InventoryError, UsageError
@@ -33,6 +33,7 @@ class Allocation:
     nodelist: str
     inventory: Inventory
     slots_from: str  # "SLURM_TASKS_PER_NODE", "SLURM_GPUS_PER_NODE" or "" (the preflight's GPUs, else 1)
+    het_groups: Mapping[str, int] = field(default_factory=dict)  # a heterogeneous job's node -> component
 
     def describe(self) -> str:
         """The one line dlrun prints when it uses the allocation."""
@@ -164,7 +165,9 @@ def allocation_inventory(environ: Mapping[str, str]) -> Allocation:
     hosts: list[Host] = []
     lists: list[str] = []
     sources: set[str] = set()
-    for suffix in _components(environ):
+    groups: dict[str, int] = {}
+    components = _components(environ)
+    for group, suffix in enumerate(components):
         nodelist = environ.get("SLURM_JOB_NODELIST" + suffix) or environ.get("SLURM_NODELIST" + suffix)
         if not nodelist:
             raise InventoryError(f"SLURM_JOB_ID is {job_id} but SLURM_JOB_NODELIST{suffix} is not set",
@@ -186,6 +189,8 @@ def allocation_inventory(environ: Mapping[str, str]) -> Allocation:
             sources.add("SLURM_GPUS_PER_NODE")
         for name, count in zip(names, slots, strict=True):
             _check_address(name, SOURCE, None, key="SLURM_JOB_NODELIST" + suffix)
+            if suffix:
+                groups.setdefault(name, group)
             index = next((i for i, h in enumerate(hosts) if h.name == name), None)
             if index is not None:  # one node in two components: its slots add up
                 before = hosts[index].slots
@@ -196,4 +201,4 @@ def allocation_inventory(environ: Mapping[str, str]) -> Allocation:
     inventory = Inventory(hosts=tuple(hosts), source=SOURCE)
     _check_inventory(inventory, lambda i, k: None)
     return Allocation(job_id=job_id, nodelist=" + ".join(lists), inventory=inventory,
-                      slots_from=" and ".join(sorted(sources)))
+                      slots_from=" and ".join(sorted(sources)), het_groups=groups)

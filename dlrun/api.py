@@ -45,15 +45,20 @@ def ssh_options(
     accept_new_host_keys: bool = False,
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
+    transport: str = "auto",
 ) -> SSHOptions:
     """The SSH settings every command shares; a timeout left None follows each host's ssh config
-    (``ConnectTimeout``, ``ServerAliveInterval`` × ``ServerAliveCountMax``), else 10 s and 30 s."""
-    from dlrun.run.launch import SSHOptions
+    (``ConnectTimeout``, ``ServerAliveInterval`` × ``ServerAliveCountMax``), else 10 s and 30 s.
+    ``transport``: ``ssh``, ``srun`` (Slurm steps, inside an allocation) or ``auto`` (srun for
+    the allocation's own nodes, else ssh)."""
+    from dlrun.run.launch import TRANSPORTS, SSHOptions
 
+    if transport not in TRANSPORTS:
+        raise UsageError(f"--transport {transport}: expected one of {', '.join(TRANSPORTS)}")
     return SSHOptions(config_file=ssh_config, accept_new_host_keys=accept_new_host_keys,
                       connect_timeout=connect_timeout, known_hosts=known_hosts,
                       host_timeout=DEFAULT_HOST_TIMEOUT if host_timeout is None else host_timeout,
-                      host_timeout_given=host_timeout is not None)
+                      host_timeout_given=host_timeout is not None, transport=transport)
 
 
 def launch(
@@ -97,6 +102,7 @@ def launch(
     accept_new_host_keys: bool = False,
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
+    transport: str = "auto",
     view: View | None = None,
     detach: bool = False,
 ) -> RunResult:
@@ -128,7 +134,7 @@ def launch(
         min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
         gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach,
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
-                        connect_timeout=connect_timeout, host_timeout=host_timeout),
+                        connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport),
     )
     if backend != "spark":
         return run_job(config, view=view)
@@ -155,27 +161,29 @@ def topo(
     accept_new_host_keys: bool = False,
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
+    transport: str = "auto",
 ) -> TopoResult:
-    """Probe every host (this machine without ``hosts``), as ``dlrun topo`` does."""
-    from dlrun.inventory import load_inventory
-    from dlrun.run.launch import make_transport
+    """Probe every host (this machine without ``hosts``, or the allocation's nodes inside a Slurm
+    allocation), as ``dlrun topo`` does."""
+    from dlrun.run.launch import default_hosts, make_transport, resolve_inventory
     from dlrun.topo.findings import analyse, exit_code, suggested_env
     from dlrun.topo.preflight import probe_hosts
     from dlrun.topo.probe import probe_local
 
     reports: tuple[HostReport, ...]
+    hosts = default_hosts(hosts)
     if hosts is None:
         reports = (probe_local(),)
         slots = None
     else:
-        inventory = load_inventory(hosts)
-        transport = make_transport(inventory, ssh_options(
+        inventory = resolve_inventory(hosts, None)
+        reach = make_transport(inventory, ssh_options(
             ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
-            connect_timeout=connect_timeout, host_timeout=host_timeout))
+            connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport))
         try:
-            reports = probe_hosts(transport, inventory.hosts)
+            reports = probe_hosts(reach, inventory.hosts)
         finally:
-            transport.close()
+            reach.close()
         slots = {h.name: h.slots for h in inventory.hosts if h.slots is not None}
     findings = tuple(analyse(reports, slots))
     return TopoResult(reports, findings, suggested_env(reports), exit_code(findings))
@@ -199,29 +207,29 @@ def push(
     accept_new_host_keys: bool = False,
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
+    transport: str = "auto",
 ) -> tuple[HostPushSummary, ...]:
     """Push ``code`` and each host's shard of ``data``, as ``dlrun push`` does; one summary per
     host. ``live``: progress bars (default: on a terminal); ``summary``: print the closing table.
     ``max_push_size``: the code push's limit (``500M``, ``none``); ``dry_run``: survey the hosts and
     say what would be sent and deleted, writing nothing."""
-    from dlrun.inventory import load_inventory
     from dlrun.push.session import push as push_to
     from dlrun.push.tree import PushLimit, parse_size
     from dlrun.push.view import PushView
-    from dlrun.run.launch import make_transport
+    from dlrun.run.launch import make_transport, resolve_inventory
 
     limit = parse_size(max_push_size) if max_push_size is not None else PushLimit()
     if code is None and data is None:
         raise UsageError("nothing to push: give --code DIR and/or --data DIR")
-    inventory = load_inventory(hosts)
-    transport = make_transport(inventory, ssh_options(
+    inventory = resolve_inventory(hosts, None)
+    reach = make_transport(inventory, ssh_options(
         ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
-        connect_timeout=connect_timeout, host_timeout=host_timeout))
+        connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport))
     try:
-        transport.connect(inventory.hosts)
+        reach.connect(inventory.hosts)
         with PushView([h.name for h in inventory.hosts], live=False if dry_run else live) as view:
             summaries = push_to(
-                transport,
+                reach,
                 inventory.hosts,
                 code_dir=Path(code) if code else None,
                 data_dir=Path(data) if data else None,
@@ -237,7 +245,7 @@ def push(
             if summary:
                 view.finish(summaries)
     finally:
-        transport.close()
+        reach.close()
     return summaries
 
 
@@ -247,9 +255,9 @@ def push(
 @contextmanager
 def _job_hosts(hosts: str | None, ssh: Mapping[str, Any]) -> Iterator[JobHosts]:
     from dlrun.run.detach import JobHosts
-    from dlrun.run.launch import make_transport, resolve_inventory
+    from dlrun.run.launch import default_hosts, make_transport, resolve_inventory
 
-    inventory = resolve_inventory(hosts, 1)
+    inventory = resolve_inventory(default_hosts(hosts), 1)
     transport = make_transport(inventory, ssh_options(**ssh))
     try:
         transport.connect(inventory.hosts)

@@ -135,6 +135,9 @@ ssh_options = options(
            " asked for a reply every few seconds. A job's agents stop their ranks after the same"
            f" silence. 0: never. Default: the ssh config's ServerAliveInterval x ServerAliveCountMax,"
            f" else {DEFAULT_HOST_TIMEOUT:g}."),
+    option("SSH", "--transport", type=click.Choice(["auto", "ssh", "srun"]), default="auto", show_default=True,
+           help="How hosts are reached: ssh; srun (each host's commands as steps of the Slurm job dlrun"
+           " runs in); auto: srun for the allocation's own nodes, else ssh."),
 )
 
 #: The dataset each host gets its shard of (``dlrun launch`` and ``dlrun push``).
@@ -217,7 +220,8 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
 @main.command(cls=_LaunchCommand, context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-@option("Job", "--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: localhost).")
+@option("Job", "--hosts", "-H", help="hosts.toml, an MPI hostfile, 'h1:2,h2:4', or slurm: the allocation's nodes"
+        " (default: those inside a Slurm allocation, else localhost).")
 @option("Job", "--np", "-n", "np", type=int, help="Number of ranks (default: every slot; 2 on localhost).")
 @option("Job", "--framework", type=click.Choice((AUTO, *FRAMEWORKS)), default=AUTO, show_default=True,
         help="The rank contract; auto: from the script's imports (never run), both tf and torch when"
@@ -288,7 +292,8 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
                     "--setup-always": "setup_always", "--base-port": "base_port", "--no-preflight": "preflight",
                     "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
-                    "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach"},
+                    "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach",
+                    "--transport": "transport"},
                    spark, "the SSH backend, not --backend spark (Spark places tasks and ships the code)")
     sys.exit(run(script, args, **settings).exit_code)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import sys
 import threading
@@ -31,6 +32,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from dlrun.allocation import SLURM_HOSTS, allocation_inventory, in_allocation
+from dlrun.allocation import SOURCE as ALLOCATION_SOURCE
 from dlrun.errors import DlrunError, RendezvousError, UsageError
 from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
 from dlrun.plan import (
@@ -74,6 +77,7 @@ class SSHOptions:
     known_hosts: str | None = None
     host_timeout: float = DEFAULT_HOST_TIMEOUT  # seconds of silence before a host is lost (0: never)
     host_timeout_given: bool = False  # on dlrun's command line: else SSH liveness follows the ssh config
+    transport: str = "auto"  # ssh, srun (Slurm steps) or auto: srun for the allocation's own nodes (make_transport)
 
 
 @dataclass(frozen=True)
@@ -134,14 +138,45 @@ def new_job_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
+def default_hosts(hosts: str | None) -> str | None:
+    """``--hosts`` as given; when not given, ``slurm`` inside a Slurm allocation (its nodes are
+    the inventory), else None (this machine)."""
+    if hosts is None and in_allocation(os.environ):
+        return SLURM_HOSTS
+    return hosts
+
+
 def resolve_inventory(hosts: str | None, np: int | None) -> Inventory:
     if hosts is None:
         return localhost_inventory(2 if np is None else np)
+    if hosts == SLURM_HOSTS:
+        allocation = allocation_inventory(os.environ)
+        print(f"dlrun: {allocation.describe()}", file=sys.stderr)
+        return allocation.inventory
     return load_inventory(hosts)
 
 
+TRANSPORTS = ("auto", "ssh", "srun")
+
+
+def transport_kind(inventory: Inventory, ssh: SSHOptions) -> str:
+    """``ssh`` or ``srun``: ``auto`` is srun for the allocation's own nodes where ``srun`` is on
+    PATH (docs/slurm.md says why), else ssh."""
+    if ssh.transport != "auto":
+        return ssh.transport
+    return "srun" if inventory.source == ALLOCATION_SOURCE and shutil.which("srun") else "ssh"
+
+
 def make_transport(inventory: Inventory, ssh: SSHOptions) -> Transport:
-    """Local hosts need no SSH (and dlrun does not import paramiko for them)."""
+    """Local hosts need no SSH (and dlrun does not import paramiko for them); ``srun`` runs
+    every other host's commands as steps of the Slurm job dlrun runs in."""
+    if transport_kind(inventory, ssh) == "srun":
+        from dlrun.transport.srun import SrunTransport
+
+        environ = os.environ
+        groups = allocation_inventory(environ).het_groups if in_allocation(environ) else {}
+        job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID", "")
+        return HostRouter(remote=SrunTransport(job_id, environ, het_groups=groups))
     if inventory.all_local:
         return HostRouter(remote=None)
     from dlrun.transport.ssh import SSHTransport
@@ -595,6 +630,7 @@ class HostsEngine:
         self.dropped: tuple[str, ...] = ()  # hosts lost and left out (--min-hosts)
 
     def prepare(self, config: LaunchConfig) -> LaunchConfig:
+        config = replace(config, hosts=default_hosts(config.hosts))
         if config.hosts is None and config.np is not None and config.np < 1:
             raise UsageError("--np must be at least 1")
         self.inventory = resolve_inventory(config.hosts, config.np)

@@ -7,10 +7,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support.slurm_cluster import require_slurm
 
 from dlrun.allocation import allocation_inventory, expand_nodelist, in_allocation, parse_tasks_per_node
 from dlrun.errors import InventoryError, UsageError
+
+from support.slurm_cluster import require_slurm
 
 NODELISTS = [
     "host0",
@@ -63,7 +64,7 @@ def test_odd_nodelists_expand_as_documented() -> None:
 
 @pytest.mark.parametrize("bad", ["h[3-1]", "h[1-2", "h[1-2]x", "h[a-b]", "h[1-2],,x", "h[]"])
 def test_malformed_nodelists_are_inventory_errors(bad: str) -> None:
-    with pytest.raises(InventoryError, match="nodelist|range"):
+    with pytest.raises(InventoryError, match=r"nodelist|range"):
         expand_nodelist(bad)
 
 

@@ -1,0 +1,119 @@
+"""Slurm steps as the transport: inside an allocation, each command on a node (the agent, a
+control command) runs as a one-task step, ``srun --overlap --nodes=1 --ntasks=1 -w NODE …``,
+and the step's stdin and stdout are the channel. No sshd, keys or known_hosts are involved,
+and whatever runs stays inside the job: Slurm accounts it and ends it with the allocation.
+
+The agent is started exactly as on any host (``dlrun.remote.boot_argv``, its source first on
+stdin); this module only puts ``srun`` in front. Why the step options are what they are is in
+``docs/slurm.md``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+
+from dlrun.errors import HostUnreachable, UsageError
+from dlrun.inventory import Host
+from dlrun.transport.base import Channel, Transport
+from dlrun.transport.local import LocalChannel
+
+#: What slurmstepd sets for the agent's one-task step. They describe that step (task 0 of 1),
+#: not the job's ranks: a rank seeing SLURM_NTASKS=1 or SLURM_PROCID=0 would take them for its
+#: own (PyTorch Lightning's SLURMEnvironment does), so the agent runs without them.
+STEP_VARIABLES = (
+    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_GTIDS", "SLURM_TASK_PID", "SLURM_PRIO_PROCESS",
+    "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_NODELIST", "SLURM_TASKS_PER_NODE",
+    "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_LAUNCHER_PORT", "SLURM_SRUN_COMM_HOST", "SLURM_SRUN_COMM_PORT",
+    "SLURM_LAUNCH_NODE_IPADDR", "SLURM_DISTRIBUTION", "SLURM_CPU_BIND", "SLURM_CPU_BIND_LIST",
+    "SLURM_CPU_BIND_TYPE", "SLURM_CPU_BIND_VERBOSE", "SLURM_UMASK", "SLURM_UNBUFFEREDIO",
+    "SLURM_TOPOLOGY_ADDR", "SLURM_TOPOLOGY_ADDR_PATTERN", "SLURM_CPUS_ON_NODE",
+)
+#: srun reads these as options: a job's per-task requests (``-c 8``, ``--gpus-per-task 1``)
+#: would size the agent's step, and so confine every rank it starts to one task's share.
+REQUEST_VARIABLES = (
+    "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS_PER_SOCKET", "SLURM_NTASKS_PER_CORE",
+    "SLURM_NTASKS_PER_GPU", "SLURM_CPUS_PER_TASK", "SLURM_GPUS_PER_TASK", "SLURM_TRES_PER_TASK",
+    "SLURM_CPUS_PER_GPU", "SLURM_MEM_PER_CPU", "SLURM_DISTRIBUTION", "SLURM_CPU_BIND", "SLURM_EXACT",
+    "SLURM_EXCLUSIVE", "SLURM_GPU_BIND",
+)
+_NODE_FIELD = re.compile(r"(?:^|\s)(NodeName|NodeAddr)=(\S+)")
+
+
+def step_argv(node: str, argv: Sequence[str], *, job_id: str, het_group: int | None = None,
+              srun: str = "srun") -> list[str]:
+    """The ``srun`` command line that runs ``argv`` as a one-task step on ``node``.
+
+    ``--overlap``: the step shares the job's resources with its other steps (the ranks' own
+    ``srun``, other hosts' agents). ``--unbuffered``: slurmstepd forwards output as it comes,
+    not line by line (the agent's frames are binary); ``--cpu-bind=none``: the agent and its
+    ranks keep every CPU the job holds on the node.
+    """
+    group = [f"--het-group={het_group}"] if het_group is not None else []
+    unset = [word for name in STEP_VARIABLES for word in ("-u", name)]
+    return [srun, "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", f"--jobid={job_id}", *group,
+            "--unbuffered", "--cpu-bind=none", "--quiet", "--job-name=dlrun", "--",
+            "env", *unset, *argv]
+
+
+def srun_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment ``srun`` runs with: dlrun's (srun hands it to the step, as Slurm users
+    expect), less the job's per-task requests (``REQUEST_VARIABLES``)."""
+    return {k: v for k, v in environ.items() if k not in REQUEST_VARIABLES}
+
+
+def parse_node_addresses(text: str) -> dict[str, str]:
+    """``scontrol -o show node`` output → node name → its ``NodeAddr``."""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        fields = dict(_NODE_FIELD.findall(line))
+        if "NodeName" in fields:
+            found[fields["NodeName"]] = fields.get("NodeAddr") or fields["NodeName"]
+    return found
+
+
+class SrunTransport(Transport):
+    """The nodes of Slurm job ``job_id``, reached through ``srun`` steps (run inside the job).
+
+    ``het_groups``: a heterogeneous job's node → component (``--het-group``).
+    """
+
+    def __init__(self, job_id: str, environ: Mapping[str, str], *, het_groups: Mapping[str, int] | None = None,
+                 srun: str | None = None, scontrol: str | None = None) -> None:
+        found = srun or shutil.which("srun")
+        if not job_id:
+            raise UsageError("--transport srun runs inside a Slurm allocation (SLURM_JOB_ID is not set)",
+                             hint="run dlrun inside salloc or an sbatch script, or use --transport ssh")
+        if found is None:
+            raise UsageError("--transport srun: no srun on PATH", hint="load Slurm's module, or use --transport ssh")
+        self.job_id = job_id
+        self.srun = found
+        self.scontrol = scontrol or shutil.which("scontrol")
+        self.env = srun_env(environ)
+        self.het_groups = dict(het_groups or {})
+
+    def connect(self, hosts: Sequence[Host]) -> Mapping[str, str]:
+        """Each node's address, as Slurm knows it (``NodeAddr``); nothing to connect. A node
+        Slurm does not know is named here, before any step."""
+        names = [h.address for h in hosts]
+        addresses: dict[str, str] = {}
+        if self.scontrol is not None and names:
+            argv = [self.scontrol, "-o", "show", "node", ",".join(names)]
+            try:
+                found = subprocess.run(argv, capture_output=True, text=True, env=self.env, timeout=60, check=False)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                raise HostUnreachable(f"cannot ask Slurm for the nodes' addresses: {exc}", host=hosts[0].name) from exc
+            addresses = parse_node_addresses(found.stdout)
+            for host in hosts:
+                if host.address not in addresses and found.returncode != 0:
+                    raise HostUnreachable(f"Slurm does not know node {host.address}: "
+                                          f"{found.stderr.strip() or found.stdout.strip()}", host=host.name)
+        return {h.name: addresses.get(h.address, h.address) for h in hosts}
+
+    def open(self, host: Host, argv: Sequence[str]) -> Channel:
+        command = step_argv(host.address, argv, job_id=self.job_id, het_group=self.het_groups.get(host.address),
+                            srun=self.srun)
+        return LocalChannel(host.name, command, env=self.env, what=f"the Slurm step on {host.address}")
