@@ -115,6 +115,25 @@ class SlurmCluster:
         return subprocess.run(list(argv), env=self.env(), capture_output=True, text=True, timeout=timeout,
                               check=False, **kwargs)  # type: ignore[call-overload, no-any-return]
 
+    def jobs(self) -> list[str]:
+        """The ids of this cluster's jobs that have not ended."""
+        found = self.run(["squeue", "-h", "-o", "%i"], timeout=30)
+        return found.stdout.split()
+
+    @staticmethod
+    def step_daemon_of(pid: int) -> int | None:
+        """The ``slurmstepd`` that ``pid`` runs under (its nearest such ancestor), or None."""
+        while pid > 1:
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                return None
+            if comm == "slurmstepd":
+                return pid
+            pid = int(stat.rpartition(")")[2].split()[1])
+        return None
+
     def log_tail(self, lines: int = 20) -> str:
         out = []
         for log in sorted(self.root.glob("*.log")):
