@@ -35,13 +35,14 @@ subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_n
 time.sleep(600)
 """
 
-#: Holds the allocation after dlrun ends (as a batch script's next line would), says dlrun's pid.
+#: Holds the allocation after dlrun ends (as a batch script's next line would) until its stdin
+#: closes; says dlrun's pid.
 HOLDER = """
-import subprocess, sys, time
-proc = subprocess.Popen(sys.argv[1:])
+import subprocess, sys
+proc = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL)
 print("dlrun-pid", proc.pid, flush=True)
 print("dlrun-exit", proc.wait(), flush=True)
-time.sleep(120)
+sys.stdin.read()
 """
 
 
@@ -49,9 +50,25 @@ def salloc_argv(*salloc: str) -> list[str]:
     return ["salloc", "--quiet", *salloc]
 
 
+def job_env(slurm: SlurmCluster, tmp_path: Path) -> dict[str, str]:
+    """dlrun's environment: this cluster's config, and ``tmp_path/home`` as HOME (the steps
+    inherit it, so pushes go to ``home/<dir>``, never to root's home)."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return slurm.env({**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home)})
+
+
+def project(tmp_path: Path, name: str, text: str) -> Path:
+    """``tmp_path/proj/name`` (a folder of its own: the push sends it to ``~/proj``)."""
+    folder = tmp_path / "proj"
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text(text)
+    return folder
+
+
 def run_in_allocation(slurm: SlurmCluster, salloc: list[str], *args: str, cwd: Path,
                       timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = slurm.env({**os.environ, "PYTHONPATH": str(REPO)})
+    env = job_env(slurm, cwd.parent)
     return subprocess.run([*salloc_argv(*salloc), *dlrun_argv(*args)], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -66,9 +83,8 @@ def reports(stdout: str) -> dict[int, tuple[str, dict[str, str | None]]]:
 
 def test_the_allocation_is_the_inventory_and_srun_steps_the_default_transport(slurm: SlurmCluster,
                                                                                 tmp_path: Path) -> None:
-    (tmp_path / "report.py").write_text(REPORT)
     out = run_in_allocation(slurm, ["-N2", "--ntasks-per-node=2"], "launch", "--plain", "--framework", "torch",
-                            "report.py", cwd=tmp_path)
+                            "report.py", cwd=project(tmp_path, "report.py", REPORT))
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"dlrun: hosts from Slurm job \d+: host\[0-1\] \(2 nodes, slots 2,2 from"
                      r" SLURM_TASKS_PER_NODE\)", out.stderr), out.stderr
@@ -87,7 +103,8 @@ def test_the_allocation_is_the_inventory_and_srun_steps_the_default_transport(sl
 def test_over_ssh_inside_the_allocation(slurm: SlurmCluster, cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     script = shared_script(cluster, "slurm_report.py", REPORT)
     out = run_in_allocation(slurm, ["-N2", "--ntasks-per-node=2"], "launch", "--plain", "--framework", "torch",
-                            "--transport", "ssh", "--ssh-config", str(cluster.ssh_config), str(script), cwd=tmp_path)
+                            "--transport", "ssh", "--ssh-config", str(cluster.ssh_config), str(script),
+                            cwd=project(tmp_path, "unused", ""))
     assert out.returncode == 0, out.stdout + out.stderr
     rows = reports(out.stdout)
     assert [host for host, _ in rows.values()] == ["host0", "host0", "host1", "host1"], out.stdout
@@ -108,9 +125,9 @@ def test_hosts_slurm_outside_an_allocation_is_a_usage_error(tmp_path: Path) -> N
 
 
 def test_uneven_and_heterogeneous_allocations(slurm: SlurmCluster, tmp_path: Path) -> None:
-    (tmp_path / "report.py").write_text(REPORT)
     out = run_in_allocation(slurm, ["-N1", "--ntasks-per-node=2", ":", "-N2", "--ntasks-per-node=1"],
-                            "launch", "--plain", "--framework", "none", "report.py", cwd=tmp_path)
+                            "launch", "--plain", "--framework", "none", "report.py",
+                            cwd=project(tmp_path, "report.py", REPORT))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "host0 + host[1-2]" in out.stderr, out.stderr
     rows = reports(out.stdout)
@@ -119,10 +136,10 @@ def test_uneven_and_heterogeneous_allocations(slurm: SlurmCluster, tmp_path: Pat
 
 
 def test_a_failing_rank_stops_every_step(slurm: SlurmCluster, tmp_path: Path) -> None:
-    (tmp_path / "fail.py").write_text("import os, sys, time\nprint('ready', flush=True)\ntime.sleep(1)\n"
-                                      "sys.exit(7) if os.environ['DLRUN_RANK'] == '2' else time.sleep(600)\n")
+    fail = ("import os, sys, time\nprint('ready', flush=True)\ntime.sleep(1)\n"
+            "sys.exit(7) if os.environ['DLRUN_RANK'] == '2' else time.sleep(600)\n")
     out = run_in_allocation(slurm, ["-N2", "--ntasks-per-node=2"], "launch", "--plain", "--grace", "2",
-                            "--framework", "none", "fail.py", cwd=tmp_path)
+                            "--framework", "none", "fail.py", cwd=project(tmp_path, "fail.py", fail))
     assert out.returncode == 7, out.stdout + out.stderr
     assert "root cause: rank 2 on host host1 exited with code 7" in out.stdout, out.stdout
 
@@ -134,12 +151,11 @@ def start_held(slurm: SlurmCluster, tmp_path: Path, *args: str, ready: int,
                ) -> tuple[subprocess.Popen[str], int, str, list[str]]:
     """dlrun inside ``salloc -N2``, under a holder that keeps the allocation after dlrun ends;
     returns once ``ready`` ranks said so: salloc, dlrun's pid, the job id, the lines so far."""
-    (tmp_path / "sleep.py").write_text(SLEEPER)
-    (tmp_path / "holder.py").write_text(HOLDER)
-    env = slurm.env({**os.environ, "PYTHONPATH": str(REPO)})
-    argv = [*salloc_argv("-N2", "--ntasks-per-node=1"), sys.executable, "holder.py",
+    folder = project(tmp_path, "sleep.py", SLEEPER)
+    env = job_env(slurm, tmp_path)
+    argv = [*salloc_argv("-N2", "--ntasks-per-node=1"), sys.executable, "-c", HOLDER,
             *dlrun_argv("launch", "--plain", "--grace", "2", "--framework", "none", *args, "sleep.py")]
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(argv, cwd=folder, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     assert proc.stdout is not None
     lines: list[str] = []
@@ -170,10 +186,12 @@ def finish_held(slurm: SlurmCluster, proc: subprocess.Popen[str], lines: list[st
 
 @pytest.fixture
 def ended(slurm: SlurmCluster):  # type: ignore[no-untyped-def]
-    """Ends every allocation a test left (the holders sleep)."""
+    """Ends every allocation a test left (the holders wait for their stdin to close)."""
     procs: list[subprocess.Popen[str]] = []
     yield procs
     for proc in procs:
+        if proc.stdin is not None:
+            proc.stdin.close()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -181,7 +199,6 @@ def ended(slurm: SlurmCluster):  # type: ignore[no-untyped-def]
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    slurm.run(["scancel", "--user", "root"])
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
@@ -217,3 +234,24 @@ def test_a_frozen_node_is_lost_and_its_agent_stops_its_ranks(slurm: SlurmCluster
         assert wait_job_processes_gone(job_id, timeout=20) == []
     finally:
         os.kill(stepd, signal.SIGCONT)
+
+
+@pytest.mark.slow
+def test_the_sbatch_example_trains_ddp_on_two_nodes(slurm: SlurmCluster, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    folder = tmp_path / "proj"
+    (folder / "examples").mkdir(parents=True)
+    for name in ("train_torch_ddp.sbatch", "train_torch_ddp.py"):
+        (folder / "examples" / name).write_text((REPO / "examples" / name).read_text())
+    env = {**job_env(slurm, tmp_path), "DLRUN": f"{sys.executable} -m dlrun",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    out = subprocess.run(["sbatch", "--wait", "--output=ddp.out", "examples/train_torch_ddp.sbatch", "--epochs", "2"],
+                         cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    log = (folder / "ddp.out").read_text() if (folder / "ddp.out").exists() else ""
+    assert out.returncode == 0, out.stdout + out.stderr + log[-4000:]
+    # no terminal: plain lines, 2 ranks on each node, the parameters in sync
+    assert re.search(r"dlrun: hosts from Slurm job \d+: host\[0-1\] \(2 nodes, slots 2,2", log), log[-3000:]
+    assert "\x1b[" not in log
+    assert {m[0] for m in re.findall(r"^\[(\d) (host\d)\] epoch 2/2", log, re.M)} == {"0", "1", "2", "3"}, log[-3000:]
+    assert re.findall(r"^\[\d (host\d)\] .*parameter checksum", log, re.M).count("host1") == 2
+    assert len(set(re.findall(r"parameter checksum (-?[0-9.]+)", log))) == 1

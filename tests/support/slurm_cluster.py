@@ -157,7 +157,8 @@ class SlurmCluster:
             "JobAcctGatherType=jobacct_gather/none",
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core",
-            "SchedulerType=sched/backfill",
+            "SchedulerType=sched/backfill",  # heterogeneous jobs need it; every second, not every 30 s
+            "SchedulerParameters=bf_interval=1",
             "MpiDefault=none",
             "ReturnToService=2",
             "SlurmUser=root",
