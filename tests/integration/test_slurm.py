@@ -255,3 +255,11 @@ def test_the_sbatch_example_trains_ddp_on_two_nodes(slurm: SlurmCluster, tmp_pat
     assert {m[0] for m in re.findall(r"^\[(\d) (host\d)\] epoch 2/2", log, re.M)} == {"0", "1", "2", "3"}, log[-3000:]
     assert re.findall(r"^\[\d (host\d)\] .*parameter checksum", log, re.M).count("host1") == 2
     assert len(set(re.findall(r"parameter checksum (-?[0-9.]+)", log))) == 1
+
+
+def test_detach_over_srun_is_refused_before_anything_starts(slurm: SlurmCluster, tmp_path: Path) -> None:
+    out = run_in_allocation(slurm, ["-N2"], "launch", "--detach", "--framework", "none", "report.py",
+                            cwd=project(tmp_path, "report.py", REPORT))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "--detach over srun steps is not supported yet" in out.stderr and "--transport ssh" in out.stderr
+    assert "report {" not in out.stdout
