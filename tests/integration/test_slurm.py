@@ -263,3 +263,20 @@ def test_detach_over_srun_is_refused_before_anything_starts(slurm: SlurmCluster,
     assert out.returncode == 2, out.stdout + out.stderr
     assert "--detach over srun steps is not supported yet" in out.stderr and "--transport ssh" in out.stderr
     assert "report {" not in out.stdout
+
+
+def test_the_gpu_view_samples_every_node_through_its_step(slurm: SlurmCluster, tmp_path: Path) -> None:
+    from test_gpu_view import FOUR_GPUS, WAIT_FOR_SAMPLES, printing, stub
+
+    calls = tmp_path / "calls"
+    stub_dir = stub(tmp_path / "bin", calls, printing(FOUR_GPUS))  # srun hands PATH to each step
+    folder = project(tmp_path, "wait.py", WAIT_FOR_SAMPLES)
+    env = {**job_env(slurm, tmp_path), "PATH": f"{stub_dir}{os.pathsep}{os.environ['PATH']}"}
+    out = subprocess.run([*salloc_argv("-N2"), *dlrun_argv(
+        "launch", "--plain", "--no-preflight", "--framework", "none", "--gpu-every", "0.5", "wait.py", str(calls),
+        "1", "6", "0")], cwd=folder, env=env, capture_output=True, text=True, timeout=240)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    for host in ("host0", "host1"):
+        assert f"dlrun: gpu {host} util 97 0 0 0 % mem 70.0 0.0 0.0 0.0/80 GiB" in text, text
+    assert "gpu host1: util 97 0 0 0 % (mean)" in text, text
