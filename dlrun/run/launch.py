@@ -634,10 +634,6 @@ class HostsEngine:
         if config.hosts is None and config.np is not None and config.np < 1:
             raise UsageError("--np must be at least 1")
         self.inventory = resolve_inventory(config.hosts, config.np)
-        if config.detach and transport_kind(self.inventory, config.ssh) == "srun":
-            raise UsageError("--detach over srun steps is not supported yet: a keeper must outlive dlrun, and a"
-                             " step's processes end with the step (with cgroups) or escape the allocation",
-                             hint="run attached (the job then ends with the allocation), or --transport ssh")
         self.base_port_given = config.base_port is not None
         if config.base_port is None and self.inventory.all_local:
             self.ports_chosen = True

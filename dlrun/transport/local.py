@@ -139,6 +139,12 @@ class HostRouter(Transport):
     def run(self, host: Host, argv: Sequence[str], stdin: bytes = b"", timeout: float = 60.0) -> CommandResult:
         return self._for(host).run(host, argv, stdin, timeout)
 
+    def start(self, host: Host, argv: Sequence[str], stdin: bytes = b"", timeout: float = 60.0) -> CommandResult:
+        return self._for(host).start(host, argv, stdin, timeout)
+
+    def holds_programs(self, host: Host) -> bool:
+        return self._for(host).holds_programs(host)
+
     def close(self) -> None:
         self.local.close()
         if self.remote is not None:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
 
 from dlrun.errors import HostUnreachable, UsageError
 from dlrun.inventory import Host
-from dlrun.transport.base import Channel, Transport
+from dlrun.transport.base import Channel, CommandResult, Transport
 from dlrun.transport.local import LocalChannel
 
 #: What slurmstepd sets for the agent's one-task step. They describe that step (task 0 of 1),
@@ -117,3 +119,41 @@ class SrunTransport(Transport):
         command = step_argv(host.address, argv, job_id=self.job_id, het_group=self.het_groups.get(host.address),
                             srun=self.srun)
         return LocalChannel(host.name, command, env=self.env, what=f"the Slurm step on {host.address}")
+
+    def holds_programs(self, host: Host) -> bool:
+        return True
+
+    def start(self, host: Host, argv: Sequence[str], stdin: bytes = b"", timeout: float = 60.0) -> CommandResult:
+        """Run ``argv`` as a step that outlives dlrun: ``srun`` in a session of its own, its
+        output into files (a pipe would break when dlrun exits, and a killed ``srun`` ends its
+        step), ``stdin`` sent and closed. Returns once the program printed a line (its answer)
+        or ended; the step then lives as long as the program, or the allocation."""
+        command = step_argv(host.address, argv, job_id=self.job_id, het_group=self.het_groups.get(host.address),
+                            srun=self.srun)
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            try:
+                proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=err, env=self.env,
+                                        start_new_session=True)
+            except OSError as exc:
+                raise HostUnreachable(f"cannot start {command[0]}: {exc}", host=host.name) from exc
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(stdin)
+                proc.stdin.close()
+            except OSError:
+                pass  # it ended: its exit code and stderr say why
+            deadline = time.monotonic() + timeout
+            while True:
+                code = proc.poll()
+                out.seek(0)
+                printed = out.read()
+                if b"\n" in printed or code is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            err.seek(0)
+            if code is None and b"\n" not in printed:
+                proc.kill()
+                raise HostUnreachable(f"no answer within {timeout:.0f} s from the Slurm step on {host.address}",
+                                      host=host.name)
+            return CommandResult(host=host.name, argv=tuple(command), exit_code=code or 0, stdout=printed,
+                                 stderr=err.read())

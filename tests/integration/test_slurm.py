@@ -257,12 +257,46 @@ def test_the_sbatch_example_trains_ddp_on_two_nodes(slurm: SlurmCluster, tmp_pat
     assert len(set(re.findall(r"parameter checksum (-?[0-9.]+)", log))) == 1
 
 
-def test_detach_over_srun_is_refused_before_anything_starts(slurm: SlurmCluster, tmp_path: Path) -> None:
-    out = run_in_allocation(slurm, ["-N2"], "launch", "--detach", "--framework", "none", "report.py",
-                            cwd=project(tmp_path, "report.py", REPORT))
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert "--detach over srun steps is not supported yet" in out.stderr and "--transport ssh" in out.stderr
-    assert "report {" not in out.stdout
+#: Inside the allocation: a detached job that ps, logs and stop reach, then a second one left
+#: running when the allocation ends.
+DETACHED = """
+import re, subprocess, sys
+dlrun = [sys.executable, "-m", "dlrun"]
+def run(*args):
+    out = subprocess.run([*dlrun, *args], capture_output=True, text=True, timeout=180)
+    print("$", *args, "->", out.returncode, flush=True)
+    print(out.stdout + out.stderr, flush=True)
+    return out
+def detach():
+    out = run("launch", "--detach", "--grace", "2", "--framework", "none", "sleep.py")
+    return re.search(r"detached job (\\S+)", out.stdout).group(1)
+first = detach()
+run("ps")
+subprocess.run(["sleep", "2"])
+run("logs", first)
+run("stop", first)
+print("second", detach(), flush=True)
+run("ps")
+"""
+
+
+def test_detached_jobs_live_in_steps_and_end_with_the_allocation(slurm: SlurmCluster, tmp_path: Path) -> None:
+    folder = project(tmp_path, "sleep.py", SLEEPER)
+    (tmp_path / "driver.py").write_text(DETACHED)
+    out = subprocess.run([*salloc_argv("-N2", "--ntasks-per-node=1"), sys.executable, str(tmp_path / "driver.py")],
+                         cwd=folder, env=job_env(slurm, tmp_path), capture_output=True, text=True, timeout=600)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    jobs = re.findall(r"dlrun: detached job (\S+)", text)
+    assert len(jobs) == 2, text
+    job = jobs[0]
+    assert re.search(rf"\$ ps -> 0\n(.*\n)*{job}\s+running\s+2", text), text
+    assert re.search(r"\[1 host1\] ready host1", text), text  # dlrun logs, through host1's step
+    assert re.search(rf"\$ stop {job} -> 143", text), text
+    assert wait_job_processes_gone(job, timeout=20) == []
+    assert re.search(rf"{jobs[1]}\s+running\s+2", text.rpartition("$ ps")[2]), text
+    # salloc has ended, and the allocation with it: Slurm ended the keepers' steps, and their ranks
+    assert wait_job_processes_gone(jobs[1], timeout=30) == []
 
 
 def test_the_gpu_view_samples_every_node_through_its_step(slurm: SlurmCluster, tmp_path: Path) -> None:
