@@ -30,7 +30,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dlrun.allocation import SLURM_HOSTS, allocation_inventory, in_allocation
 from dlrun.allocation import SOURCE as ALLOCATION_SOURCE
@@ -467,6 +467,36 @@ def settled_hosts(targets: Mapping[str, PushTarget], answers: Mapping[str, Agent
     return settled
 
 
+def claiming(request: dict[str, Any], token: str, host: str) -> dict[str, Any]:
+    """A survey request that also asks the host to claim its code folder for this launch
+    (``dlrun.remote.push_helper.claim``): hosts that share the folder name the same claimant."""
+    return {**request, "targets": [{**t, "claim": {"token": token, "host": host}} for t in request["targets"]]}
+
+
+def sharing_hosts(targets: Mapping[str, PushTarget], answers: Mapping[str, AgentAnswer],
+                  settled: Mapping[str, HostPushSummary], planned: Sequence[str]) -> dict[str, HostPushSummary]:
+    """Hosts whose code folder another planned host claimed (one folder, e.g. an NFS home):
+    that host's push fills it, so they get none of their own. Said in one line per folder."""
+    from dlrun.push.session import HostPushSummary
+
+    shared: dict[str, HostPushSummary] = {}
+    by_owner: dict[str, list[str]] = {}
+    for name, target in targets.items():
+        reply = ((answers.get(name) or AgentAnswer(name, None)).survey or {}).get("targets") or [{}]
+        owner, root = reply[0].get("claimed_by"), reply[0].get("root")
+        if name in settled or owner in (None, name) or owner not in planned or owner not in targets \
+                or not isinstance(root, str) or name not in planned:
+            continue
+        shared[name] = HostPushSummary(host=name, files_sent=0, bytes_sent=0,
+                                       files_unchanged=len(target.manifest.paths()), files_deleted=0, seconds=0.0,
+                                       code_dir=root)
+        by_owner.setdefault(str(owner), []).append(name)
+    for owner, names in by_owner.items():
+        print(f"dlrun: {', '.join(names)} share{'s' if len(names) == 1 else ''} {owner}'s code folder"
+              f" ({targets[owner].root}): pushed once, by {owner}", file=sys.stderr)
+    return shared
+
+
 @contextmanager
 def horovod_rendezvous(plan: Plan) -> Iterator[tuple[str, int]]:
     """dlrun's Horovod rendezvous server for this plan, stopped when the job ends."""
@@ -683,7 +713,7 @@ class HostsEngine:
             if targets:
                 from dlrun.push.session import survey_request
 
-                surveys = {name: survey_request([target]) for name, target in targets.items()}
+                surveys = {name: claiming(survey_request([target]), job_id, name) for name, target in targets.items()}
             # the agents start while we plan; each runs the probe, answers the push survey and
             # says which ports are free first
             ports_asked = ports_to_ask(config, inventory, used_hosts, given=self.base_port_given)
@@ -724,7 +754,9 @@ class HostsEngine:
                     plan = job_plan(config, inventory, job_id, addresses, self.ports)
                 else:
                     check_ports_free(plan, free)
-            pushed = push_for_launch(config, transport, plan.hosts, settled_hosts(targets, answers))
+            settled = settled_hosts(targets, answers)
+            settled.update(sharing_hosts(targets, answers, settled, [h.name for h in plan.hosts]))
+            pushed = push_for_launch(config, transport, plan.hosts, settled)
             run_setup_step(config, transport, plan.hosts, pushed, job_id,
                            manifest.result() if manifest is not None else None)
             self.inventory, self.transport, self.agents = pushed.apply(inventory), transport, agents
