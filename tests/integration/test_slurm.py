@@ -46,6 +46,10 @@ sys.stdin.read()
 """
 
 
+#: Named nodes: a node still cleaning up after the last test's job would otherwise be skipped
+TWO_BY_TWO = ["-N2", "-w", "host[0-1]", "--ntasks-per-node=2"]
+
+
 def salloc_argv(*salloc: str) -> list[str]:
     return ["salloc", "--quiet", *salloc]
 
@@ -83,7 +87,7 @@ def reports(stdout: str) -> dict[int, tuple[str, dict[str, str | None]]]:
 
 def test_the_allocation_is_the_inventory_and_srun_steps_the_default_transport(slurm: SlurmCluster,
                                                                                 tmp_path: Path) -> None:
-    out = run_in_allocation(slurm, ["-N2", "--ntasks-per-node=2"], "launch", "--plain", "--framework", "torch",
+    out = run_in_allocation(slurm, TWO_BY_TWO, "launch", "--plain", "--framework", "torch",
                             "report.py", cwd=project(tmp_path, "report.py", REPORT))
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"dlrun: hosts from Slurm job \d+: host\[0-1\] \(2 nodes, slots 2,2 from"
@@ -102,7 +106,7 @@ def test_the_allocation_is_the_inventory_and_srun_steps_the_default_transport(sl
 
 def test_over_ssh_inside_the_allocation(slurm: SlurmCluster, cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     script = shared_script(cluster, "slurm_report.py", REPORT)
-    out = run_in_allocation(slurm, ["-N2", "--ntasks-per-node=2"], "launch", "--plain", "--framework", "torch",
+    out = run_in_allocation(slurm, TWO_BY_TWO, "launch", "--plain", "--framework", "torch",
                             "--transport", "ssh", "--ssh-config", str(cluster.ssh_config), str(script),
                             cwd=project(tmp_path, "unused", ""))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -125,7 +129,8 @@ def test_hosts_slurm_outside_an_allocation_is_a_usage_error(tmp_path: Path) -> N
 
 
 def test_uneven_and_heterogeneous_allocations(slurm: SlurmCluster, tmp_path: Path) -> None:
-    out = run_in_allocation(slurm, ["-N1", "--ntasks-per-node=2", ":", "-N2", "--ntasks-per-node=1"],
+    out = run_in_allocation(slurm, ["-N1", "-w", "host0", "--ntasks-per-node=2", ":", "-N2", "-w", "host[1-2]",
+                             "--ntasks-per-node=1"],
                             "launch", "--plain", "--framework", "none", "report.py",
                             cwd=project(tmp_path, "report.py", REPORT))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -138,7 +143,7 @@ def test_uneven_and_heterogeneous_allocations(slurm: SlurmCluster, tmp_path: Pat
 def test_a_failing_rank_stops_every_step(slurm: SlurmCluster, tmp_path: Path) -> None:
     fail = ("import os, sys, time\nprint('ready', flush=True)\ntime.sleep(1)\n"
             "sys.exit(7) if os.environ['DLRUN_RANK'] == '2' else time.sleep(600)\n")
-    out = run_in_allocation(slurm, ["-N2", "--ntasks-per-node=2"], "launch", "--plain", "--grace", "2",
+    out = run_in_allocation(slurm, TWO_BY_TWO, "launch", "--plain", "--grace", "2",
                             "--framework", "none", "fail.py", cwd=project(tmp_path, "fail.py", fail))
     assert out.returncode == 7, out.stdout + out.stderr
     assert "root cause: rank 2 on host host1 exited with code 7" in out.stdout, out.stdout
@@ -153,7 +158,7 @@ def start_held(slurm: SlurmCluster, tmp_path: Path, *args: str, ready: int,
     returns once ``ready`` ranks said so: salloc, dlrun's pid, the job id, the lines so far."""
     folder = project(tmp_path, "sleep.py", SLEEPER)
     env = job_env(slurm, tmp_path)
-    argv = [*salloc_argv("-N2", "--ntasks-per-node=1"), sys.executable, "-c", HOLDER,
+    argv = [*salloc_argv("-N2", "-w", "host[0-1]", "--ntasks-per-node=1"), sys.executable, "-c", HOLDER,
             *dlrun_argv("launch", "--plain", "--grace", "2", "--framework", "none", *args, "sleep.py")]
     proc = subprocess.Popen(argv, cwd=folder, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -245,7 +250,8 @@ def test_the_sbatch_example_trains_ddp_on_two_nodes(slurm: SlurmCluster, tmp_pat
         (folder / "examples" / name).write_text((REPO / "examples" / name).read_text())
     env = {**job_env(slurm, tmp_path), "DLRUN": f"{sys.executable} -m dlrun",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    out = subprocess.run(["sbatch", "--wait", "--output=ddp.out", "examples/train_torch_ddp.sbatch", "--epochs", "2"],
+    out = subprocess.run(["sbatch", "--wait", "--output=ddp.out", "--nodelist=host[0-1]",
+                          "examples/train_torch_ddp.sbatch", "--epochs", "2"],
                          cwd=folder, env=env, capture_output=True, text=True, timeout=600)
     log = (folder / "ddp.out").read_text() if (folder / "ddp.out").exists() else ""
     assert out.returncode == 0, out.stdout + out.stderr + log[-4000:]
@@ -283,7 +289,8 @@ run("ps")
 def test_detached_jobs_live_in_steps_and_end_with_the_allocation(slurm: SlurmCluster, tmp_path: Path) -> None:
     folder = project(tmp_path, "sleep.py", SLEEPER)
     (tmp_path / "driver.py").write_text(DETACHED)
-    out = subprocess.run([*salloc_argv("-N2", "--ntasks-per-node=1"), sys.executable, str(tmp_path / "driver.py")],
+    out = subprocess.run([*salloc_argv("-N2", "-w", "host[0-1]", "--ntasks-per-node=1"), sys.executable,
+                          str(tmp_path / "driver.py")],
                          cwd=folder, env=job_env(slurm, tmp_path), capture_output=True, text=True, timeout=600)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
@@ -306,7 +313,7 @@ def test_the_gpu_view_samples_every_node_through_its_step(slurm: SlurmCluster, t
     stub_dir = stub(tmp_path / "bin", calls, printing(FOUR_GPUS))  # srun hands PATH to each step
     folder = project(tmp_path, "wait.py", WAIT_FOR_SAMPLES)
     env = {**job_env(slurm, tmp_path), "PATH": f"{stub_dir}{os.pathsep}{os.environ['PATH']}"}
-    out = subprocess.run([*salloc_argv("-N2"), *dlrun_argv(
+    out = subprocess.run([*salloc_argv("-N2", "-w", "host[0-1]"), *dlrun_argv(
         "launch", "--plain", "--no-preflight", "--framework", "none", "--gpu-every", "0.5", "wait.py", str(calls),
         "1", "6", "0")], cwd=folder, env=env, capture_output=True, text=True, timeout=240)
     text = out.stdout + out.stderr
