@@ -144,7 +144,9 @@ ssh_options = options(
 data_options = options(
     option("Push", "--data", type=click.Path(exists=True),
            help="Dataset directory (or file): each host gets its shard."),
-    option("Push", "--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True),
+    option("Push", "--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True,
+           help="How --data is split among the hosts: files (sorted files dealt round-robin), contiguous (equal"
+           " contiguous ranges), size (balanced by bytes), replicate (every host gets all of it)."),
     option("Push", "--split-lines", is_flag=True, help="Split a single text/CSV dataset file into per-host parts."),
 )
 
@@ -181,17 +183,25 @@ class _LaunchCommand(GroupedCommand):
             if isinstance(param, click.Option):
                 for name in (*param.opts, *param.secondary_opts):
                     takes_value[name] = not (param.is_flag or param.count)
-        args = _dlrun_options_first(list(args), takes_value)
+        args = _dlrun_options_first(list(args), takes_value, before_script=SCRIPT_FORM_OPTIONS)
         return super().parse_args(ctx, args)
 
 
-def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[str]:
+#: Options that say what SCRIPT is: they count only before it, so that ``python -m pkg.train``
+#: keeps its ``-m``.
+SCRIPT_FORM_OPTIONS = frozenset({"-m", "--module", "--no-python"})
+
+
+def _dlrun_options_first(args: list[str], takes_value: dict[str, bool],
+                         before_script: frozenset[str] = frozenset()) -> list[str]:
     """Move dlrun's options that follow SCRIPT in front of it (see ``_LaunchCommand``); warn
-    when one of them appears later, among the script's arguments, where the script gets it."""
+    when one of them appears later, among the script's arguments, where the script gets it.
+    ``before_script``: options that are dlrun's only before SCRIPT (after it, the script's)."""
+    script = len(args)  # set once SCRIPT is found: from there on, before_script options are the script's
 
     def option_at(i: int) -> int:  # how many tokens dlrun's option at i takes, 0 if none
         name, eq, _ = args[i].partition("=")
-        if name not in takes_value:
+        if name not in takes_value or (i > script and name in before_script):
             return 0
         return 2 if takes_value[name] and not eq and i + 1 < len(args) else 1
 
@@ -199,7 +209,7 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
     while i < len(args) and args[i] != "--" and (size := option_at(i)):
         i += size
     if i >= len(args) or args[i] == "--" or args[i].startswith("-"):
-        return args  # no script yet (click reports it), or an unknown option before it
+        return args  # no script yet, or an option of a form click parses itself (-n2, -dn 2; a typo: click's error)
     script, j, moved = i, i + 1, []
     while j < len(args) and (size := option_at(j)):
         moved += args[j:j + size]
@@ -209,7 +219,8 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
         rest = rest[1:]  # the explicit end of dlrun's options
     else:
         mine = rest[:rest.index("--")] if "--" in rest else rest  # after a "--" the user was explicit
-        late = sorted({a.partition("=")[0] for a in mine if a.startswith("--") and a.partition("=")[0] in takes_value})
+        late = sorted({a.partition("=")[0] for a in mine if a.startswith("--") and a.partition("=")[0] in takes_value
+                       and a.partition("=")[0] not in before_script})
         if late:
             click.echo(f"dlrun: warning: {', '.join(late)} after the script's own arguments goes to the script;"
                        " dlrun's options go before them (or use -- before the script's arguments)", err=True)
@@ -217,9 +228,15 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
     return [*args[:script], *moved, args[script], *rest]
 
 
-@main.command(cls=_LaunchCommand, context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@main.command(cls=_LaunchCommand, context_settings={"allow_interspersed_args": False})
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@option("Job", "--module", "-m", "module", is_flag=True,
+        help="SCRIPT is a Python module (pkg.train): each host runs its python -m SCRIPT in the pushed project"
+        " (the current folder, or --code), as torchrun -m. Before SCRIPT only.")
+@option("Job", "--no-python", is_flag=True,
+        help="Run SCRIPT [ARGS] exactly as given: no host python for python or .py, no Rscript for .R, no bash"
+        " for .sh (torchrun's --no-python). Before SCRIPT only.")
 @option("Job", "--hosts", "-H", help="hosts.toml, an MPI hostfile, 'h1:2,h2:4', or slurm: the allocation's nodes"
         " (default: those inside a Slurm allocation, else localhost).")
 @option("Job", "--np", "-n", "np", type=int, help="Number of ranks (default: every slot; 2 on localhost).")
@@ -238,6 +255,9 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
 @option("Job", "--min-hosts", type=click.IntRange(min=1),
         help="With --max-restarts: a restart after a lost host runs on the hosts left, if at least this many"
         " (default: the same hosts, the lost one reconnected).")
+@option("Job", "--checkpoint-dir", multiple=True, metavar="DIR",
+        help="Make DIR (relative to the job's folder on each host) the same on every host before every"
+        " attempt: per file, the newest copy written before a failure wins (repeatable).")
 @option("Job", "--detach", "-d", is_flag=True,
         help="Hand the job to the hosts and return once every rank started; it runs on without dlrun"
         " (dlrun ps, logs, attach, stop).")
@@ -275,6 +295,9 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
 def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
     """Run SCRIPT [ARGS]... on every rank: `dlrun launch train.py --hosts hosts.toml`.
 
+    SCRIPT is a script (train.py, train.R), a module with -m (-m pkg.train), or a command
+    (python -m pkg.train, Rscript train.R), run in the pushed project on every host.
+
     dlrun's options go before SCRIPT or right after it; from the first argument that is not
     one of them (or after --), the arguments are the script's.
     """
@@ -290,10 +313,11 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
     _refuse_unused({"--data": "data", "--shard": "shard", "--split-lines": "split_lines", "--push/--no-push": "push",
                     "--code": "code", "--max-push-size": "max_push_size", "--setup": "setup",
                     "--setup-always": "setup_always", "--base-port": "base_port", "--no-preflight": "preflight",
+                    "--module": "module",
                     "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
                     "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach",
-                    "--transport": "transport"},
+                    "--checkpoint-dir": "checkpoint_dir", "--transport": "transport"},
                    spark, "the SSH backend, not --backend spark (Spark places tasks and ships the code)")
     sys.exit(run(script, args, **settings).exit_code)
 
@@ -326,9 +350,10 @@ def topo(hosts: str | None, json_output: bool, **ssh: Any) -> None:
 
     result = probe(hosts, **ssh)
     if json_output:
-        click.echo(json.dumps(topo_document(result.reports, result.findings, result.env), indent=2))
+        click.echo(json.dumps(topo_document(result.reports, result.findings, result.env, result.ifaces, result.note),
+                              indent=2))
     else:
-        Console().print(render_topo(result.reports, result.findings, result.env))
+        Console().print(render_topo(result.reports, result.findings, result.env, result.note))
     sys.exit(result.exit_code)
 
 
@@ -373,6 +398,36 @@ def push_command(hosts: str, json_output: bool, **settings: Any) -> None:
     _refuse_unused({"--project": "project", "--no-delete": "delete", "--max-push-size": "max_push_size"},
                    settings["code"] is None, "--code DIR")
     summaries = push(hosts, live=False if json_output else None, summary=not json_output, **settings)
+    if json_output:
+        click.echo(json.dumps(summary_json(summaries), indent=2))
+
+
+@main.command("pull", cls=GroupedCommand)
+@click.argument("remote")
+@click.argument("local", default=".", type=click.Path(file_okay=False))
+@option("Hosts", "--hosts", "-H", required=True, help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4'.")
+@option("Push", "--project", help="The project folder under workdir that REMOTE is relative to"
+        " (default: the current folder's name).")
+@option("Push", "--max-size", metavar="SIZE",
+        help="Stop a pull that would write over SIZE (e.g. 500M, 2G; none: no limit). Default 200M and 20000 files.")
+@option("Output", "--dry-run", is_flag=True, help="Show per host what would be received; write nothing.")
+@option("Output", "--json", "json_output", is_flag=True, help="Print the per-host summary as JSON.")
+@ssh_options
+@_reports_errors
+def pull_command(remote: str, local: str, hosts: str, json_output: bool, **settings: Any) -> None:
+    """Copy REMOTE from every host into LOCAL (default .): files the same on every host once,
+    the rest into LOCAL/<host>/; only what changed moves, each file verified by sha256.
+
+    REMOTE is relative to the project folder on each host, or absolute; `out` arrives as
+    LOCAL/out, `out/` as its contents. Local files are never deleted.
+    """
+    import json
+
+    from dlrun.api import pull
+    from dlrun.push.pull import summary_json
+
+    summaries = pull(remote, local, hosts=hosts, live=False if json_output else None, summary=not json_output,
+                     **settings)
     if json_output:
         click.echo(json.dumps(summary_json(summaries), indent=2))
 

@@ -18,6 +18,10 @@ started by the bootstrap (``boot_argv``, then ``boot_payload`` on its stdin):
    middle (dlrun killed, Ctrl-C, dropped connection) removes the partial temporary file; the
    next push sends only what is missing or different.
 
+A plan may also name ``sources``: other hosts' helpers serving some of the files
+(``dlrun.push.checkpoint``); the helper then fetches those from there over TLS after the
+stream, with the same checks.
+
 A file counts as pushed (and so may be deleted) only while it is the file the push wrote: the
 same inode, as recorded. Nothing is read, written or deleted through a symlink below the root.
 ``dlrun launch`` asks step 1 of each host's agent instead, with the preflight probe (the agent
@@ -43,7 +47,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dlrun.errors import DlrunError, HostUnreachable, RemoteCommandError, SyncError, UsageError
+from dlrun.errors import DlrunError, HostUnreachable, RemoteCommandError, SyncError, TransportError, UsageError
 from dlrun.inventory import Host
 from dlrun.push.shard import SHARD_POLICIES, plan_data, remote_data_dir, shard_env
 from dlrun.push.tree import (
@@ -280,8 +284,11 @@ class _HostPush:
 
     def __init__(self, transport: Transport, host: Host, targets: Sequence[PushTarget], *, delete: bool,
                  progress: ProgressHook | None, file_progress: ProgressHook | None,
-                 cancel: threading.Event, dry_run: bool = False) -> None:
+                 cancel: threading.Event, dry_run: bool = False, sources: Sequence[Mapping[str, Any]] = ()) -> None:
         self.transport = transport
+        # other hosts' helpers that send some of target 0's files straight to this one
+        # (``address``, ``port``, ``token``, ``cert``, ``paths``: dlrun.push.checkpoint)
+        self.sources = sources
         self.dry_run = dry_run
         self.host = host
         self.targets = targets
@@ -386,16 +393,25 @@ class _HostPush:
     def _transfer(self, trees: Sequence[RemoteTree], plans: Sequence[TransferPlan],
                   replies: _Replies) -> tuple[int, list[dict[str, Any]], int]:
         assert self.channel is not None
-        items = [(f"{index}/{entry.path}", entry) for index, plan in enumerate(plans) for entry in plan.send]
-        plan_message = {
+        direct = {p for source in self.sources for p in source["paths"]}
+        items = [(f"{index}/{entry.path}", entry) for index, plan in enumerate(plans) for entry in plan.send
+                 if not (index == 0 and entry.path in direct)]
+        plan_message: dict[str, Any] = {
             "files": [[index, e.path, e.sha256, e.mode, e.source.mtime if e.source else 0]
                       for index, plan in enumerate(plans) for e in plan.send],
             "delete": [[index, path] for index, plan in enumerate(plans) for path in plan.delete],
             "keep": [list(plan.unchanged) for plan in plans],
         }
+        if self.sources:
+            needed = {e.path for e in plans[0].send}
+            plan_message["sources"] = [
+                {"address": s["address"], "port": s["port"], "token": s["token"], "cert": s["cert"],
+                 "files": [f"0/{p}" for p in s["paths"] if p in needed]}
+                for s in self.sources if any(p in needed for p in s["paths"])]
         self._send_line(plan_message, replies)
         outcome: dict[str, Any] = {"failures": [], "deleted": 0, "done": None}
-        collector = threading.Thread(target=self._collect, args=(replies, len(items), outcome), daemon=True)
+        total = sum(len(plan.send) for plan in plans)
+        collector = threading.Thread(target=self._collect, args=(replies, total, outcome), daemon=True)
         collector.start()
         sent = self._stream(items, replies)
         self.channel.close_stdin()
@@ -584,9 +600,13 @@ def push(
         return tuple(f.result() for f in futures)
     if len(failures) == 1:
         raise failures[0]
-    lines = "\n".join(f"  {exc}" for exc in failures)
-    raise SyncError(f"push failed on {len(failures)} of {len(hosts)} hosts:\n{lines}",
-                    hint="hosts not listed are up to date")
+    lines = "\n".join(f"  {exc.host}: {exc.message}" if isinstance(exc, DlrunError) and exc.host else f"  {exc}"
+                      for exc in failures)
+    hints = dict.fromkeys(exc.hint for exc in failures if isinstance(exc, DlrunError) and exc.hint)  # each once
+    # hosts that could not be reached (or whose login shell never started the helper) exit 255, as one does
+    kind = TransportError if all(isinstance(exc, TransportError) for exc in failures) else SyncError
+    raise kind(f"push failed on {len(failures)} of {len(hosts)} hosts:\n{lines}",
+               hint="; ".join([*hints, "hosts not listed are up to date"]))
 
 
 def _plan_local(code_root: Path | None, data_root: Path | None, count: int, shard: str, split_lines: bool,

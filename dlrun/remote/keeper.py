@@ -13,6 +13,7 @@ the ranks if the keeper dies. Host 0's keeper leads: the others connect to it ov
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import os
@@ -27,7 +28,6 @@ import tempfile
 import threading
 import time
 import types
-from collections import deque
 from typing import Any, Tuple
 
 #: The agent's frames (``dlrun.remote.agent``: each host program is shipped alone, imports none).
@@ -35,7 +35,7 @@ HEADER = struct.Struct(">BiI")
 STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, GPU = 2, 3, 4, 5, 6, 7, 11
 #: ``gpu.csv``'s columns, as the attached supervisor writes them (``dlrun.run.gpus.CSV_COLUMNS``)
 GPU_COLUMNS = "time,host,gpu,util,mem_used_mib,mem_total_mib,power_w,temp_c"
-TAIL_LINES = 20
+RECORD_LINE = 4000  # characters of one tail line kept in the job's records
 HANDSHAKE_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 30.0  # a follower's tries to reach the leader
 MAX_GREETINGS = 16  # TLS handshakes the leader runs at once (each a thread, HANDSHAKE_TIMEOUT at most)
@@ -48,12 +48,13 @@ RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
 Event = Tuple[Any, ...]
 
 
-def rank_state(code: int | None, stopping: bool) -> str:
-    """A rank's state from its exit code: one that exits non-zero while the job is being
-    stopped was stopped (its signal's 128 + N), not a new failure."""
-    if code == 0:
-        return "succeeded"
-    return "stopped" if stopping else "failed"
+def rank_state(code: int | None, stopping: bool, signalled: bool = False) -> str:
+    """A rank's state from how it exited (``dlrun.run.result.rank_state``'s rule): one the agent
+    signalled to stop, or that exits non-zero while the job is being stopped, was stopped (its
+    signal's 128 + N, or 0 from a framework that exits cleanly on SIGTERM), not a new failure."""
+    if signalled or (stopping and code != 0):
+        return "stopped"
+    return "succeeded" if code == 0 else "failed"
 
 
 def gpu_rows(when: float, host: str, text: str) -> str:
@@ -79,13 +80,17 @@ def fill_rendezvous_port(specs: list[dict[str, Any]], port: int) -> None:
                 env[RENDEZVOUS_PORT] = str(port)
 
 
-def load_rendezvous(source: str) -> Any:
-    """``dlrun.remote.rendezvous`` from its source (shipped in the config): a module of this
-    keeper's own, dlrun is not imported."""
-    module = types.ModuleType("dlrun_rendezvous")
+def load_module(source: str, name: str) -> Any:
+    """A ``dlrun.remote`` module from its source (shipped in the config: the rendezvous, the rank
+    lines): a module of this keeper's own, dlrun is not imported."""
+    module = types.ModuleType("dlrun_" + name)
     sys.modules[module.__name__] = module  # what its classes' __module__ names
-    exec(compile(source, "<dlrun-rendezvous>", "exec"), module.__dict__)
+    exec(compile(source, "<dlrun-" + name + ">", "exec"), module.__dict__)
     return module
+
+
+def load_rendezvous(source: str) -> Any:
+    return load_module(source, "rendezvous")
 
 
 def jobs_root() -> str:
@@ -108,12 +113,41 @@ def boot_id() -> str:
         return os.uname().nodename
 
 
-def write_json(path: str, document: dict[str, Any]) -> None:
-    """Atomically: a reader (``dlrun ps``) never sees half a file."""
+RESERVE = "reserve"  # a file of RESERVE_BYTES in the job's folder, given up for the final result
+RESERVE_BYTES = 1 << 20
+DISK_RETRY = 5.0  # seconds a keeper only counts log lines after a write failed, before it tries again
+
+
+def write_json(path: str, document: dict[str, Any], use_reserve: bool = False) -> bool:
+    """Atomically: a reader (``dlrun ps``) never sees half a file. On a full disk, with
+    ``use_reserve`` (the final result), the folder's reserve is given up for it; whether it was
+    written."""
     temp = path + ".tmp"
-    with open(temp, "w", encoding="utf-8") as fh:
-        json.dump(document, fh)
-    os.replace(temp, path)
+    for _ in range(2 if use_reserve else 1):
+        try:
+            with open(temp, "w", encoding="utf-8") as fh:
+                json.dump(document, fh)
+            os.replace(temp, path)
+            return True
+        except OSError:
+            try:
+                os.unlink(temp)
+            except OSError:
+                pass
+            try:
+                os.unlink(os.path.join(os.path.dirname(path), RESERVE))
+            except OSError:
+                return False
+    return False
+
+
+def make_reserve(folder: str) -> None:
+    """Room kept for the records (``result.json``) should the ranks' logs fill the disk."""
+    try:  # not zeros: a compressing filesystem (ZFS, btrfs) stores those as holes, reserving nothing
+        with open(os.path.join(folder, RESERVE), "wb") as fh:
+            fh.write(os.urandom(RESERVE_BYTES))
+    except OSError:
+        pass
 
 
 def server_context(cert_pem: str, key_pem: str) -> ssl.SSLContext:
@@ -252,8 +286,12 @@ class Keeper:
         self.logs: dict[int, Any] = {}
         self.indexes: dict[int, Any] = {}  # rank -> its log's index: when each offset was written
         self.indexed: dict[int, float] = {}  # rank -> when its index last got a line
-        self.splitters: dict[tuple[int, int], bytes] = {}
-        self.tails: dict[int, deque[str]] = {}
+        self.lines = load_module(str(config["ranklines_source"]), "ranklines")  # dlrun.remote.ranklines
+        self.outputs: dict[int, Any] = {}  # rank -> its ranklines.RankLines (tail, traceback, splitters)
+        self.dropped: dict[int, int] = {}  # rank -> log lines not written (the disk is full)
+        self.written: dict[int, int] = {}  # rank -> bytes of its log written whole
+        self.full_until = 0.0  # a log write failed: until then lines are only counted
+        self.notes: list[str] = []  # what the job's record says beside the root cause (disk full on h2)
         self.agent: subprocess.Popen[bytes] | None = None
         self.agent_done = False
         self.stopping = False
@@ -274,6 +312,8 @@ class Keeper:
         self.followers = [str(h) for h in config.get("followers", [])]
         self.root_cause: str | None = None
         self.root_tail: list[str] = []
+        self.leader_gone = False  # a follower that lost its leader: the job is lost (exit 255)
+        self.root: dict[str, Any] = {}  # the root cause rank's rank, host, exception, error file, hint
         self.exit_code: int | None = None
         self.interrupted_by: int | None = None
         self.failed_code = 0
@@ -289,6 +329,7 @@ class Keeper:
             "state": self.job_state(), "started_at": self.started_at,
             "ranks": [self.ranks[r] for r in sorted(self.ranks)],
             "exit_code": self.exit_code, "root_cause": self.root_cause, "root_tail": self.root_tail,
+            "root": self.root, "notes": self.notes,
             "attempts": self.attempt + 1, "history": self.history,
             "port": self.port,
         }
@@ -296,11 +337,13 @@ class Keeper:
             document["rendezvous_port"] = self.rendezvous.address[1]
         if final:
             document["ended_at"] = time.time()
-            write_json(os.path.join(self.jobdir, "result.json"), document)
-        write_json(os.path.join(self.jobdir, "state.json"), document)
+            write_json(os.path.join(self.jobdir, "result.json"), document, use_reserve=True)
+        write_json(os.path.join(self.jobdir, "state.json"), document, use_reserve=final)
         return document
 
     def job_state(self) -> str:
+        if self.leader_gone:
+            return "lost"
         if self.exit_code is not None:
             if self.exit_code == 0:
                 return "succeeded"
@@ -317,17 +360,24 @@ class Keeper:
     def start_agent(self) -> None:
         """A fresh agent for this attempt's spec, its ranks' logs in ``attempt-K/``."""
         for log in [*self.logs.values(), *self.indexes.values()]:
-            log.close()
-        self.splitters.clear()
+            try:
+                log.close()
+            except OSError:
+                pass
         self.generation += 1
         self.agent_done = False
         spec = self.specs[self.attempt]
-        os.makedirs(self.attempt_dir, mode=0o700, exist_ok=True)
+        self.dropped.clear()
+        self.written.clear()
+        try:
+            os.makedirs(self.attempt_dir, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            self.note(f"cannot make {self.attempt_dir} on {self.host} ({exc}): its ranks' lines are not logged")
         for rank in self.own:
-            self.logs[rank] = open(os.path.join(self.attempt_dir, f"rank-{rank}.log"), "wb")  # noqa: SIM115
-            self.indexes[rank] = open(os.path.join(self.attempt_dir, f"rank-{rank}.idx"), "w")  # noqa: SIM115
+            self.logs[rank] = self.open_log(f"rank-{rank}.log", "wb", 0)
+            self.indexes[rank] = self.open_log(f"rank-{rank}.idx", "w", -1)
             self.indexed[rank] = 0.0
-            self.tails[rank] = deque(maxlen=TAIL_LINES)
+            self.outputs[rank] = self.lines.RankLines()
         env = dict(os.environ)
         env["DLRUN_JOB_ID"] = str(spec["job_id"])  # the attempt's: what sweeps and tests look for
         with open(os.path.join(self.jobdir, "agent.log"), "ab") as stderr, self.agent_lock:
@@ -339,6 +389,14 @@ class Keeper:
             self.agent.stdin.write(json.dumps(spec).encode() + b"\n")
             self.agent.stdin.flush()
         threading.Thread(target=self.read_agent, args=(self.agent, self.generation), daemon=True).start()
+
+    def open_log(self, name: str, mode: str, buffering: int) -> Any:
+        """A file of this attempt's folder, or the null device where it cannot be made (a full disk)."""
+        try:
+            return open(os.path.join(self.attempt_dir, name), mode, buffering)
+        except OSError:
+            self.full_until = time.monotonic() + DISK_RETRY
+            return open(os.devnull, mode, buffering)
 
     def read_agent(self, agent: subprocess.Popen[bytes], generation: int) -> None:
         assert agent.stdout is not None
@@ -381,42 +439,87 @@ class Keeper:
             self.tell_agent({"op": "stop", "grace": self.grace})
 
     def write_log(self, rank: int, lines: list[str]) -> None:
-        """Lines to the rank's log; at most once a second, ``<time> <byte offset>`` to its index
-        (``attach --since`` starts there)."""
-        log = self.logs[rank]
-        now = time.time()
-        if now - self.indexed[rank] >= INDEX_EVERY:
-            self.indexed[rank] = now
-            self.indexes[rank].write(f"{now:.3f} {log.tell()}\n")
-            self.indexes[rank].flush()
-        log.write(("\n".join(lines) + "\n").encode("utf-8", "replace"))
-        log.flush()
-        self.tails[rank].extend(lines)
+        """Lines to the rank's log (unbuffered: what is in the file is whole lines); at most once a
+        second, ``<time> <byte offset>`` to its index (``attach --since`` starts there). A disk that
+        is full (or a log that cannot be written) loses lines, counted, never the job: the lines are
+        only counted until ``DISK_RETRY`` seconds have passed and the disk has room again."""
+        now = time.monotonic()
+        if self.full_until and now < self.full_until:
+            self.dropped[rank] = self.dropped.get(rank, 0) + len(lines)
+            return
+        if self.full_until and not self.has_room():
+            self.full_until = now + DISK_RETRY
+            self.dropped[rank] = self.dropped.get(rank, 0) + len(lines)
+            return
+        self.full_until = 0.0
+        fd = self.logs[rank].fileno()
+        data = ("\n".join(lines) + "\n").encode("utf-8", "replace")
+        end = self.written.get(rank, 0)
+        try:
+            wall = time.time()
+            if wall - self.indexed[rank] >= INDEX_EVERY:
+                self.indexed[rank] = wall
+                self.indexes[rank].write(f"{wall:.3f} {end}\n")
+                self.indexes[rank].flush()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            self.written[rank] = end + len(data)
+        except (OSError, ValueError) as exc:
+            first = not self.dropped
+            self.dropped[rank] = self.dropped.get(rank, 0) + len(lines)
+            self.full_until = now + DISK_RETRY
+            try:  # a line written in part is taken back: the file holds whole lines only
+                os.ftruncate(fd, end)
+            except (OSError, ValueError):
+                pass
+            if first:
+                why = "disk full" if getattr(exc, "errno", None) == errno.ENOSPC else f"cannot write logs ({exc})"
+                self.note(f"{why} on {self.host}: its ranks' log lines are dropped and counted; the job goes on")
+
+    def has_room(self) -> bool:
+        """Is there room again for logs (beyond what the records need)?"""
+        try:
+            stat = os.statvfs(self.jobdir)
+        except OSError:
+            return False
+        return stat.f_bavail * stat.f_frsize > 2 * RESERVE_BYTES
+
+    def note(self, text: str) -> None:
+        """A line for the job's record (the leader's, which every host gets at the end)."""
+        if text in self.notes:
+            return
+        self.notes.append(text)  # a follower's own record too (and what it sends once it joins)
+        if self.leader:
+            self.record()
+        elif self.leader_peer is not None:
+            self.leader_peer.send({"op": "note", "text": text})
 
     def on_frame(self, kind: int, rank: int, payload: bytes) -> None:
         if kind in (STDOUT, STDERR) and rank in self.logs:
-            key = (rank, kind)
-            data = self.splitters.get(key, b"") + payload
-            text, sep, rest = data.rpartition(b"\n")
-            self.splitters[key] = rest
-            if sep:
-                lines = text.decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n").split("\n")
+            lines = self.outputs[rank].feed(kind, payload)
+            if lines:
                 self.write_log(rank, lines)
         elif kind == STARTED:
             self.report(rank, "running", None)
         elif kind == ERROR and rank in self.logs:
-            message = payload.decode("utf-8", "replace")
-            self.write_log(rank, [f"dlrun: {message}"])
+            message = f"dlrun: {payload.decode('utf-8', 'replace')}"
+            self.outputs[rank].seen([message])
+            self.write_log(rank, [message])
         elif kind == EXIT:
-            for key in [k for k in self.splitters if k[0] == rank]:
-                rest = self.splitters.pop(key)
-                if rest and rank in self.logs:
-                    self.write_log(rank, [rest.decode("utf-8", "replace")])
+            output = self.outputs.get(rank)
+            if output is not None and rank in self.logs:
+                rest = [text for _stream, text in output.flush()]
+                if rest:
+                    self.write_log(rank, rest)
             try:
-                code = int(json.loads(payload)["code"])
+                info = json.loads(payload)
+                code = int(info["code"])
             except (ValueError, KeyError, TypeError):
-                code = 255
-            self.report(rank, "exit", code)
+                info, code = {}, 255
+            if self.dropped.get(rank):
+                self.note(f"rank {rank} on {self.host}: {self.dropped[rank]} log lines dropped (disk full)")
+            self.report(rank, "exit", code, info)
         elif kind == DONE:
             self.agent_done = True
         elif kind == GPU:
@@ -428,49 +531,80 @@ class Keeper:
             sample = json.loads(payload)
         except ValueError:
             return
-        if "csv" not in sample:
-            print(f"dlrun-keeper: GPU sample: {sample.get('error')}", flush=True)
-            return
-        rows = gpu_rows(float(sample.get("time") or 0), self.host, str(sample["csv"]))
-        path = os.path.join(self.attempt_dir, "gpu.csv")
-        new = not os.path.exists(path)
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write((GPU_COLUMNS + "\n" if new else "") + rows)
+        try:
+            if "csv" not in sample:
+                print(f"dlrun-keeper: GPU sample: {sample.get('error')}", flush=True)
+                return
+            rows = gpu_rows(float(sample.get("time") or 0), self.host, str(sample["csv"]))
+            path = os.path.join(self.attempt_dir, "gpu.csv")
+            new = not os.path.exists(path)
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write((GPU_COLUMNS + "\n" if new else "") + rows)
+        except OSError:  # a full disk: the samples are the first thing to give up
+            pass
 
-    def report(self, rank: int, what: str, code: int | None) -> None:
-        tail = list(self.tails.get(rank, ())) if code else []
+    def report(self, rank: int, what: str, code: int | None, info: dict[str, Any] | None = None) -> None:
+        """A rank started or exited (``info``: the agent's EXIT frame); with a failure, what its
+        root cause shows: the tail, the exception it raised and its error file."""
+        info = info or {}
+        evidence: dict[str, Any] = {"stopped": bool(info.get("stopped"))}
+        if what == "lost":
+            evidence["reason"] = str(info.get("reason", ""))
+        output = self.outputs.get(rank)
+        if code and output is not None:
+            evidence["tail"] = [self.lines.cut(t, RECORD_LINE) for t in output.tail]  # records stay small
+            evidence["exception"] = list(output.traceback.last)
+            evidence["error_file"] = self.lines.error_file_lines(info.get("error_file"))
         if self.leader:
-            self.on_rank(self.host, rank, what, code, tail)  # which writes the record
+            self.on_rank(self.host, rank, what, code, evidence)  # which writes the record
             return
         entry = self.ranks[rank]  # a follower's own record (state.json) follows its ranks
-        entry["state"] = "running" if what == "running" else rank_state(code, self.stopping)
+        entry["state"] = "running" if what == "running" else rank_state(code, self.stopping, evidence["stopped"])
+        if what == "lost":
+            entry["state"] = "lost"
         entry["code"] = code
         if self.leader_peer is not None:
-            self.leader_peer.send({"op": "rank", "rank": rank, "what": what, "code": code, "tail": tail})
+            self.leader_peer.send({"op": "rank", "rank": rank, "what": what, "code": code, **evidence})
         self.record()
 
     # ---------------------------------------------------------------- the leader's policy
-    def on_rank(self, host: str, rank: int, what: str, code: int | None, tail: list[str]) -> None:
+    def on_rank(self, host: str, rank: int, what: str, code: int | None, evidence: dict[str, Any]) -> None:
         entry = self.ranks.setdefault(rank, {"rank": rank, "host": host, "state": "pending", "code": None})
         if entry["state"] in FINAL:
             return
         if what == "running":
             entry["state"] = "running"
             entry["started"] = time.time()  # when the leader heard it: the summary's durations
+        elif what == "lost":  # its agent is gone (killed): the same state an attached job gives
+            entry.update(state="lost", code=255, ended=time.time())
+            if not self.stopping:
+                self.fail(f"host {host} lost: {evidence.get('reason') or 'its agent ended'}", 255, [])
         else:
             entry["ended"] = time.time()
             entry["code"] = code
-            entry["state"] = rank_state(code, self.stopping)
+            entry["state"] = rank_state(code, self.stopping, bool(evidence.get("stopped")))
             if entry["state"] == "failed":
-                self.fail(f"rank {rank} on {host} exited with code {code}", code or 1, tail)
+                if self.root_cause is None:
+                    self.root = self.root_of(rank, host, evidence)
+                self.fail(f"rank {rank} on {host} exited with code {code}", code or 1,
+                          [str(t) for t in evidence.get("tail") or []])
             elif code == 0 and rank in self.enders and not self.stopping:
                 self.stop_all()  # tf-ps: the chief's end is the job's; the servers never end by themselves
         self.record()
 
+    def root_of(self, rank: int, host: str, evidence: dict[str, Any]) -> dict[str, Any]:
+        """The root cause's evidence, as the attached supervisor keeps it (``RankResult``)."""
+        exception = [str(t) for t in evidence.get("exception") or []]
+        error_file = [str(t) for t in evidence.get("error_file") or []]
+        tail = [str(t) for t in evidence.get("tail") or []]
+        finished = [(r, str(e["host"])) for r, e in sorted(self.ranks.items()) if e["state"] == "succeeded"]
+        hint = self.lines.early_exit_hint(rank, exception + error_file + tail, finished)
+        return {"rank": rank, "host": host, "exception": exception, "error_file": error_file, "hint": hint}
+
     def fail(self, cause: str, code: int, tail: list[str]) -> None:
         """The first failure is the root cause: stop every rank everywhere."""
         if self.root_cause is None:
-            self.root_cause, self.root_tail, self.failed_code = cause, tail[-TAIL_LINES:], code
+            self.root_cause, self.root_tail, self.failed_code = cause, tail[-self.lines.TAIL_LINES:], code
         self.stop_all()
 
     def stop_all(self) -> None:
@@ -525,7 +659,7 @@ class Keeper:
         self.attempt = attempt
         for entry in self.ranks.values():
             entry.update(state="pending", code=None, started=None, ended=None)
-        self.root_cause, self.root_tail, self.failed_code = None, [], 0
+        self.root_cause, self.root_tail, self.failed_code, self.root = None, [], 0, {}
         self.stopping, self.kill_at = False, None
         if self.leader:
             time.sleep(RESTART_PAUSE)
@@ -592,6 +726,8 @@ class Keeper:
                 time.sleep(0.5)
         self.leader_peer = Peer(sock, "leader")
         threading.Thread(target=self.leader_peer.read_into, args=(self.events,), daemon=True).start()
+        for text in self.notes:  # said before it could reach the leader
+            self.leader_peer.send({"op": "note", "text": text})
 
     def beat(self) -> None:
         interval = min(2.0, (self.host_timeout or 8.0) / 4)
@@ -667,9 +803,15 @@ class Keeper:
         elif kind == "agent-closed":
             self.agent_done = True
             self.closed_generation = self.generation
+            if self.agent is not None and any(self.ranks[r]["state"] not in FINAL for r in self.own):
+                try:  # its guardian writes why once it has killed what the agent left
+                    self.agent.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
+            why = self.agent_words() or "the host's agent ended before its ranks did"
             for rank in self.own:  # ranks the agent never reported: it is gone, so are they
                 if self.ranks[rank]["state"] not in FINAL and rank in self.logs and not self.reported_exit(rank):
-                    self.report(rank, "exit", 255)
+                    self.report(rank, "lost", 255, {"reason": why})
         elif kind == "joined":
             peer = event[1]
             old = self.peers.get(peer.name)
@@ -698,6 +840,16 @@ class Keeper:
             elif not self.ended:
                 self.leader_lost("its connection closed")
 
+    def agent_words(self) -> str:
+        """The last line the agent (or its guardian) wrote to ``agent.log``: why it ended."""
+        try:
+            with open(os.path.join(self.jobdir, "agent.log"), "rb") as fh:
+                fh.seek(max(0, os.fstat(fh.fileno()).st_size - 4096))
+                lines = fh.read().decode("utf-8", "replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1][:500] if lines else ""
+
     def reported_exit(self, rank: int) -> bool:
         return self.ranks[rank]["state"] in FINAL
 
@@ -705,8 +857,9 @@ class Keeper:
         op = message.get("op")
         if self.leader:
             if op == "rank":
-                self.on_rank(name, int(message["rank"]), str(message["what"]), message.get("code"),
-                             [str(t) for t in message.get("tail") or []])
+                self.on_rank(name, int(message["rank"]), str(message["what"]), message.get("code"), message)
+            elif op == "note":
+                self.note(str(message.get("text", ""))[:500])
             elif op == "interrupt":
                 if self.interrupted_by is None:
                     self.interrupted_by = int(message.get("signal") or signal.SIGTERM)
@@ -723,6 +876,8 @@ class Keeper:
             self.exit_code = result.get("exit_code")
             self.root_cause = result.get("root_cause")
             self.root_tail = result.get("root_tail") or []
+            self.root = result.get("root") or {}
+            self.notes = list(result.get("notes") or [])
             self.history = list(result.get("history") or [])
             self.attempt = int(result.get("attempts") or 1) - 1
             for entry in result.get("ranks") or []:
@@ -733,6 +888,7 @@ class Keeper:
     def leader_lost(self, why: str) -> None:
         """A follower without its leader stops its ranks and records why."""
         self.root_cause = f"lost the leader keeper ({self.config['leader_host']}): {why}"
+        self.leader_gone = True
         self.stop_own()
         self.ended = True
         self.exit_code = 255
@@ -807,7 +963,10 @@ class Keeper:
             except subprocess.TimeoutExpired:
                 self.end_agent()
         for log in [*self.logs.values(), *self.indexes.values()]:
-            log.close()
+            try:
+                log.close()
+            except OSError:
+                pass
         time.sleep(0.2)  # the last messages reach the followers before the connections close
         for peer in list(self.peers.values()):
             peer.close()
@@ -890,6 +1049,7 @@ def main() -> None:
     jobdir = os.path.join(jobs_root(), job_id, host_folder(str(config["host"])))
     os.makedirs(jobdir, mode=0o700, exist_ok=True)
     os.chmod(os.path.dirname(jobdir), 0o700)
+    make_reserve(jobdir)
     listener = None
     context = None
     rendezvous = None
