@@ -225,6 +225,28 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        # a step daemon whose job ended as the cluster stopped can wait for ever to report it
+        for pid in self.step_daemons():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def step_daemons(self) -> list[int]:
+        """This cluster's ``slurmstepd`` processes (their environment names its config)."""
+        needle = f"SLURM_CONF={self.conf}".encode()
+        found = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                if Path(f"/proc/{entry.name}/comm").read_text().strip() != "slurmstepd":
+                    continue
+                if needle in Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+        return found
 
 
 def start_slurm(names: Sequence[str], base_dir: Path, timeout: float = 60.0) -> SlurmCluster:
