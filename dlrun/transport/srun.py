@@ -4,13 +4,17 @@ and the step's stdin and stdout are the channel. No sshd, keys or known_hosts ar
 and whatever runs stays inside the job: Slurm accounts it and ends it with the allocation.
 
 The agent is started exactly as on any host (``dlrun.remote.boot_argv``, its source first on
-stdin); this module only puts ``srun`` in front. Why the step options are what they are is in
-``docs/slurm.md``.
+stdin), through the same start as over SSH (``dlrun.transport.shell``): the step runs
+``/bin/sh -s``, which prints a random marker and execs the argv, so whatever the step printed
+first (a site's TaskProlog ``print`` lines) is dropped, not read as the agent's frames. Why the
+step options are what they are is in ``docs/slurm.md``.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import select
 import shutil
 import subprocess
 import tempfile
@@ -19,8 +23,11 @@ from collections.abc import Mapping, Sequence
 
 from dlrun.errors import HostUnreachable, UsageError
 from dlrun.inventory import Host
+from dlrun.transport import shell
 from dlrun.transport.base import Channel, CommandResult, Transport
 from dlrun.transport.local import LocalChannel
+
+START_TIMEOUT = 120.0  # seconds for a step to start its program (slurmctld may be busy)
 
 #: What slurmstepd sets for the agent's one-task step. They describe that step (task 0 of 1),
 #: not the job's ranks: a rank seeing SLURM_NTASKS=1 or SLURM_PROCID=0 would take them for its
@@ -77,6 +84,59 @@ def parse_node_addresses(text: str) -> dict[str, str]:
     return found
 
 
+class StepChannel(LocalChannel):
+    """A step's stdin and stdout. ``await_start`` drops what the step printed before the start
+    marker; ``stderr_text`` leaves out the marker and what preceded it."""
+
+    def __init__(self, host: str, argv: Sequence[str], *, env: Mapping[str, str], what: str) -> None:
+        super().__init__(host, argv, env=env, what=what)
+        self._pending = b""  # stdout that came with the marker, for the first recv
+        self._mark = b""
+
+    def await_start(self, mark: bytes, timeout: float) -> bytes:
+        """Read stdout up to the marker; what came before it. Raises ``HostUnreachable`` with
+        srun's words if the step ends or stays silent for ``timeout`` seconds."""
+        assert self.proc.stdout is not None
+        self._mark = mark
+        fd = self.proc.stdout.fileno()
+        out = bytearray()
+        deadline = time.monotonic() + timeout
+        while (split := shell.split_at_marker(bytes(out), mark)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or len(out) > shell.MAX_NOISE:
+                self.close()
+                raise HostUnreachable(self._why(f"the Slurm step did not start dlrun's program within {timeout:g} s"
+                                                if left <= 0 else "the Slurm step printed too much before starting"
+                                                " dlrun's program", bytes(out)), host=self.host)
+            ready, _, _ = select.select([fd], [], [], min(left, 0.25))
+            if not ready:
+                continue
+            data = os.read(fd, 65536)
+            if not data:
+                code = self.wait(5)
+                raise HostUnreachable(self._why("the Slurm step ended before starting dlrun's program"
+                                                + ("" if code is None else f" (exit {code})"), bytes(out)),
+                                      host=self.host)
+            out += data
+        before, self._pending = split
+        return before
+
+    def _why(self, what: str, printed: bytes) -> str:
+        lines = shell.noise_lines(printed, bytes(self._stderr))
+        return what + (": " + " / ".join(line.strip() for line in lines[-3:]) if lines else "")
+
+    def recv(self, max_bytes: int = 65536) -> bytes:
+        if self._pending:
+            data, self._pending = self._pending[:max_bytes], self._pending[max_bytes:]
+            return data
+        return super().recv(max_bytes)
+
+    def stderr_text(self) -> str:
+        text = bytes(self._stderr)
+        split = shell.split_at_marker(text, self._mark) if self._mark else None
+        return (split[1] if split is not None else text).decode(errors="replace")
+
+
 class SrunTransport(Transport):
     """The nodes of Slurm job ``job_id``, reached through ``srun`` steps (run inside the job).
 
@@ -116,9 +176,14 @@ class SrunTransport(Transport):
         return {h.name: addresses.get(h.address, h.address) for h in hosts}
 
     def open(self, host: Host, argv: Sequence[str]) -> Channel:
-        command = step_argv(host.address, argv, job_id=self.job_id, het_group=self.het_groups.get(host.address),
-                            srun=self.srun)
-        return LocalChannel(host.name, command, env=self.env, what=f"the Slurm step on {host.address}")
+        """Start ``argv`` in a step through ``/bin/sh -s`` and the start marker, as over SSH."""
+        command = step_argv(host.address, ["/bin/sh", "-s"], job_id=self.job_id,
+                            het_group=self.het_groups.get(host.address), srun=self.srun)
+        token = shell.new_token()
+        channel = StepChannel(host.name, command, env=self.env, what=f"the Slurm step on {host.address}")
+        channel.send(shell.boot_script(argv, token))
+        channel.await_start(shell.marker(token), START_TIMEOUT)
+        return channel
 
     def holds_programs(self, host: Host) -> bool:
         return True
@@ -126,10 +191,13 @@ class SrunTransport(Transport):
     def start(self, host: Host, argv: Sequence[str], stdin: bytes = b"", timeout: float = 60.0) -> CommandResult:
         """Run ``argv`` as a step that outlives dlrun: ``srun`` in a session of its own, its
         output into files (a pipe would break when dlrun exits, and a killed ``srun`` ends its
-        step), ``stdin`` sent and closed. Returns once the program printed a line (its answer)
-        or ended; the step then lives as long as the program, or the allocation."""
-        command = step_argv(host.address, argv, job_id=self.job_id, het_group=self.het_groups.get(host.address),
-                            srun=self.srun)
+        step); the start marker first, as in ``open``, then ``stdin`` sent and closed. Returns
+        once the program printed a line (its answer) or ended; the step then lives as long as
+        the program, or the allocation."""
+        command = step_argv(host.address, ["/bin/sh", "-s"], job_id=self.job_id,
+                            het_group=self.het_groups.get(host.address), srun=self.srun)
+        token = shell.new_token()
+        mark = shell.marker(token)
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             try:
                 proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=err, env=self.env,
@@ -137,23 +205,38 @@ class SrunTransport(Transport):
             except OSError as exc:
                 raise HostUnreachable(f"cannot start {command[0]}: {exc}", host=host.name) from exc
             assert proc.stdin is not None
-            try:
-                proc.stdin.write(stdin)
-                proc.stdin.close()
-            except OSError:
-                pass  # it ended: its exit code and stderr say why
             deadline = time.monotonic() + timeout
+            sent = False
+            try:
+                proc.stdin.write(shell.boot_script(argv, token))
+                proc.stdin.flush()
+            except OSError:
+                sent = True  # it ended: its exit code and stderr say why
             while True:
                 code = proc.poll()
                 out.seek(0)
-                printed = out.read()
-                if b"\n" in printed or code is not None or time.monotonic() > deadline:
+                split = shell.split_at_marker(out.read(), mark)
+                if split is not None and not sent:  # sh reads its script in blocks: the rest only now
+                    sent = True
+                    try:
+                        proc.stdin.write(stdin)
+                        proc.stdin.close()
+                    except OSError:
+                        pass
+                answered = split is not None and b"\n" in split[1]
+                if answered or code is not None or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
             err.seek(0)
-            if code is None and b"\n" not in printed:
-                proc.kill()
-                raise HostUnreachable(f"no answer within {timeout:.0f} s from the Slurm step on {host.address}",
-                                      host=host.name)
-            return CommandResult(host=host.name, argv=tuple(command), exit_code=code or 0, stdout=printed,
-                                 stderr=err.read())
+            errors = err.read()
+            if not answered:
+                if code is None:
+                    proc.kill()
+                why = f"exit {code}" if code is not None else f"no answer within {timeout:.0f} s"
+                detail = " / ".join(shell.noise_lines(errors)[-3:])
+                raise HostUnreachable(f"the Slurm step on {host.address} gave no answer ({why})"
+                                      + (f": {detail}" if detail else ""), host=host.name)
+            assert split is not None
+            after = shell.split_at_marker(errors, mark)
+            return CommandResult(host=host.name, argv=tuple(argv), exit_code=code or 0, stdout=split[1],
+                                 stderr=after[1] if after is not None else errors)

@@ -180,6 +180,12 @@ class SlurmCluster:
             lines.append(f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port}"
                          f" CPUs={NODE_CPUS} RealMemory=1000 State=UNKNOWN")
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO")
+        # as on sites that greet every task: "print" lines of a TaskProlog go to the task's stdout
+        # first, where dlrun's agent protocol would otherwise read them as frames
+        prolog = self.root / "task_prolog.sh"
+        prolog.write_text("#!/bin/sh\necho 'print Welcome to the test cluster'\n")
+        prolog.chmod(0o755)
+        lines.append(f"TaskProlog={prolog}")
         (self.root / "state").mkdir(parents=True, exist_ok=True)
         self.conf.write_text("\n".join(lines) + "\n")
 
