@@ -8,7 +8,7 @@ modules are imported inside the functions, so ``import dlrun`` stays cheap.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from dlrun.run.detach import JobHosts, JobRecord
     from dlrun.run.launch import SSHOptions
     from dlrun.run.supervisor import View
+    from dlrun.topo.bench import BenchResult
     from dlrun.topo.findings import Finding
     from dlrun.topo.records import HostReport
     from dlrun.transport.base import Transport
@@ -33,9 +34,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class TopoResult:
     """What ``topo`` found: each host's report, the findings across hosts, the env dlrun
-    suggests, the exit code (1 when a finding is an error), the socket interface ``launch``
-    gives each host (``ifaces``; empty without ``hosts``) and what launch does about them
-    (``note``)."""
+    suggests, the exit code (1 when a finding, the bench's too, is an error), the socket
+    interface ``launch`` gives each host (``ifaces``; empty without ``hosts``), what launch
+    does about them (``note``) and the bench's measurements where asked (``bench``)."""
 
     reports: tuple[HostReport, ...]
     findings: tuple[Finding, ...]
@@ -43,6 +44,7 @@ class TopoResult:
     exit_code: int
     ifaces: Mapping[str, str] = field(default_factory=dict)
     note: str = ""
+    bench: BenchResult | None = None
 
 
 def ssh_options(
@@ -86,6 +88,8 @@ def launch(
     plain: bool = False,
     pidns: bool = True,
     preflight: bool = True,
+    bench: bool = False,
+    bench_seconds: float = 60.0,
     push: bool = True,
     data: str | None = None,
     shard: str = "files",
@@ -130,7 +134,8 @@ def launch(
     folder or ``code``); ``no_python``: the command runs exactly as given (``python``, ``.py``,
     ``.R`` and ``.sh`` get no interpreter from dlrun). ``checkpoint_dir``: folders
     (relative to each host's working folder) made the same on every host before every attempt,
-    the newest complete copy of each file winning (``docs/checkpoints.md``).
+    the newest complete copy of each file winning (``docs/checkpoints.md``). ``bench``: after the
+    preflight, run ``dlrun topo --bench`` for about ``bench_seconds`` and stop on its error findings.
     """
     from dlrun.run.launch import LaunchConfig, run_job
 
@@ -143,13 +148,18 @@ def launch(
         raise UsageError("-m and --no-python exclude each other: -m runs the module with each host's python")
     if backend not in ("ssh", "spark"):
         raise UsageError(f"--backend {backend}: expected ssh or spark")
+    if bench and (not preflight or dry_run or backend != "ssh"):
+        raise UsageError("--bench runs after the preflight: not with --no-preflight, --dry-run or --backend spark")
+    if bench_seconds <= 0:
+        raise UsageError("--bench-seconds takes a positive number of seconds")
     if gpu_every < 0 or gpu_idle_after < 0:
         raise UsageError("--gpu-every and --gpu-idle-after take seconds, 0 or more")
     config = LaunchConfig(
         script=str(script), args=tuple(str(a) for a in args), hosts=hosts, np=np, base_port=base_port,
         framework=framework, dry_run=dry_run, json_output=json_output, log_dir=log_dir, grace=grace,
         ranks_shown=None if ranks is None else tuple(ranks), env=dict(env or {}), iface=iface, plain=plain,
-        pidns=pidns, preflight=preflight, push=push, data=None if data is None else str(data), shard=shard,
+        pidns=pidns, preflight=preflight, bench=bench_seconds if bench else 0.0, push=push,
+        data=None if data is None else str(data), shard=shard,
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
         min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
         gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach, module=module, no_python=no_python,
@@ -187,23 +197,32 @@ def topo(
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
     transport: str = "auto",
+    bench: bool = False,
+    bench_seconds: float = 60.0,
+    iface: str | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> TopoResult:
     """Probe every host (this machine without ``hosts``, or the allocation's nodes inside a Slurm
-    allocation), as ``dlrun topo`` does."""
+    allocation), as ``dlrun topo`` does; with ``bench``, then measure them for about
+    ``bench_seconds`` (``dlrun topo --bench``; ``progress`` hears what it is doing)."""
+    from dlrun.inventory import load_inventory
     from dlrun.run.addresses import host_ifaces, interfaces_at, reachable_addresses
     from dlrun.run.launch import default_hosts, make_transport, resolve_inventory
     from dlrun.topo.findings import analyse, exit_code, socket_note, suggested_env
     from dlrun.topo.preflight import probe_hosts
     from dlrun.topo.probe import probe_local
 
+    if bench_seconds <= 0:
+        raise UsageError("--bench-seconds takes a positive number of seconds")
     reports: tuple[HostReport, ...]
     hosts = default_hosts(hosts)
     ifaces = None
-    if hosts is None:
+    measured = None
+    if hosts is None and not bench:
         reports = (probe_local(),)
         slots = None
     else:
-        inventory = resolve_inventory(hosts, None)
+        inventory = resolve_inventory(hosts, None) if hosts is not None else load_inventory("localhost")
         reach = make_transport(inventory, ssh_options(
             ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
             connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport))
@@ -212,13 +231,19 @@ def topo(
             reached = [h for h, r in zip(inventory.hosts, reports, strict=True) if r.reachable]
             # where launch reaches each host (connected already: no new connection), and so launch's interfaces
             addresses = reachable_addresses(reached, reach.connect(reached)) if reached else {}
+            if bench:
+                from dlrun.topo.benchrun import bench_hosts
+
+                measured = bench_hosts(reach, inventory.hosts, reports, bench_seconds, iface, progress)
         finally:
             reach.close()
-        ifaces = host_ifaces(reached, addresses, None, interfaces_at(reports, addresses))
+        if hosts is not None:  # this machine alone (--bench without hosts) suggests as plain `dlrun topo`
+            ifaces = host_ifaces(reached, addresses, None, interfaces_at(reports, addresses))
         slots = {h.name: h.slots for h in inventory.hosts if h.slots is not None}
     findings = tuple(analyse(reports, slots))
-    return TopoResult(reports, findings, suggested_env(reports, ifaces), exit_code(findings),
-                      {name: i.name for name, i in (ifaces or {}).items()}, socket_note(reports, ifaces))
+    code = max(exit_code(findings), measured.exit_code if measured else 0)
+    return TopoResult(reports, findings, suggested_env(reports, ifaces), code,
+                      {name: i.name for name, i in (ifaces or {}).items()}, socket_note(reports, ifaces), measured)
 
 
 def push(
@@ -428,8 +453,8 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
     import sys
 
     from dlrun.run.detach import LogFollower
-    from dlrun.run.screen import ScreenFeed
-    from dlrun.run.view import PlainView, make_view
+    from dlrun.run.screen import ScreenFeed, make_view
+    from dlrun.run.view import PlainView
 
     stream = out or sys.stdout
     shown = PlainView(out) if out is not None else make_view()

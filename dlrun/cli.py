@@ -80,7 +80,7 @@ class GroupedOption(click.Option):
 
 
 #: The sections of ``--help``, in order; an option of no group goes last, under "Other".
-SECTIONS = ("Job", "Hosts", "Output", "SSH", "Push", "Spark")
+SECTIONS = ("Job", "Hosts", "Bench", "Output", "SSH", "Push", "Spark")
 
 
 class GroupedCommand(click.Command):
@@ -265,6 +265,10 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool],
         help="Do not run each host's ranks in a PID namespace.")
 @option("Job", "--no-preflight", "preflight", is_flag=True, flag_value=False, default=True,
         help="Skip the topology probe (slots, GPUs, error findings).")
+@option("Job", "--bench", is_flag=True,
+        help="After the preflight, measure the hosts as `dlrun topo --bench` does; stop on a host or link far below.")
+@option("Job", "--bench-seconds", type=click.FloatRange(min=1), default=60.0, show_default=True, metavar="SECONDS",
+        help="With --bench: about how long it takes.")
 @option("Job", "--backend", type=click.Choice(["ssh", "spark"]), default="ssh", show_default=True,
         help="ssh: the inventory's hosts (or localhost); spark: a barrier stage of --np tasks.")
 @option("Output", "--dry-run", is_flag=True,
@@ -313,7 +317,7 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
     _refuse_unused({"--data": "data", "--shard": "shard", "--split-lines": "split_lines", "--push/--no-push": "push",
                     "--code": "code", "--max-push-size": "max_push_size", "--setup": "setup",
                     "--setup-always": "setup_always", "--base-port": "base_port", "--no-preflight": "preflight",
-                    "--module": "module",
+                    "--bench": "bench", "--bench-seconds": "bench_seconds", "--module": "module",
                     "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
                     "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach",
@@ -335,10 +339,18 @@ def _refuse_unused(options: dict[str, str], unused: bool, needs: str) -> None:
 
 @main.command(cls=GroupedCommand)
 @option("Hosts", "--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: this machine).")
+@option("Bench", "--bench", is_flag=True,
+        help="Then measure the hosts: TCP between them, CPU or GPU compute, all-reduce (gloo/NCCL) where"
+        " torch is installed; each number beside what the topology promises; exit 1 on a host or link far below.")
+@option("Bench", "--bench-seconds", type=click.FloatRange(min=1), default=60.0, show_default=True, metavar="SECONDS",
+        help="About how long the bench takes in all.")
+@option("Bench", "--iface", help="Network interface the bench's TCP and all-reduce use on every host"
+        " (default: launch's rule, see README).")
 @option("Output", "--json", "json_output", is_flag=True, help="Print the report as JSON.")
 @ssh_options
 @_reports_errors
-def topo(hosts: str | None, json_output: bool, **ssh: Any) -> None:
+def topo(hosts: str | None, json_output: bool, bench: bool, bench_seconds: float, iface: str | None,
+         **ssh: Any) -> None:
     """Probe GPUs, NVLink/PCIe links and InfiniBand/RoCE NICs on every host; exit 1 on errors."""
     import json
 
@@ -348,12 +360,36 @@ def topo(hosts: str | None, json_output: bool, **ssh: Any) -> None:
     from dlrun.topo.findings import topo_document
     from dlrun.topo.report import render_topo
 
-    result = probe(hosts, **ssh)
+    if iface and not bench:
+        raise click.UsageError("--iface goes with --bench")
+    console = Console(stderr=True)
+    status = console.status("bench") if bench and console.is_terminal and not json_output else None
+
+    def progress(text: str) -> None:
+        if status is not None:
+            status.update(f"bench: {text}")
+
+    if status is not None:
+        status.start()
+    try:
+        result = probe(hosts, bench=bench, bench_seconds=bench_seconds, iface=iface, progress=progress, **ssh)
+    finally:
+        if status is not None:
+            status.stop()
     if json_output:
-        click.echo(json.dumps(topo_document(result.reports, result.findings, result.env, result.ifaces, result.note),
-                              indent=2))
+        doc = topo_document(result.reports, result.findings, result.env, result.ifaces, result.note)
+        if result.bench is not None:
+            from dlrun.topo.bench import bench_document
+
+            doc["bench"] = bench_document(result.bench)
+        click.echo(json.dumps(doc, indent=2))
     else:
-        Console().print(render_topo(result.reports, result.findings, result.env, result.note))
+        out = Console()
+        out.print(render_topo(result.reports, result.findings, result.env, result.note))
+        if result.bench is not None:
+            from dlrun.topo.bench import render_bench
+
+            out.print(render_bench(result.bench))
     sys.exit(result.exit_code)
 
 

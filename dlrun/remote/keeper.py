@@ -48,15 +48,6 @@ RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
 Event = Tuple[Any, ...]
 
 
-def rank_state(code: int | None, stopping: bool, signalled: bool = False) -> str:
-    """A rank's state from how it exited (``dlrun.run.result.rank_state``'s rule): one the agent
-    signalled to stop, or that exits non-zero while the job is being stopped, was stopped (its
-    signal's 128 + N, or 0 from a framework that exits cleanly on SIGTERM), not a new failure."""
-    if signalled or (stopping and code != 0):
-        return "stopped"
-    return "succeeded" if code == 0 else "failed"
-
-
 def gpu_rows(when: float, host: str, text: str) -> str:
     """``gpu.csv`` rows from nvidia-smi's ``index, uuid, util, mem used, mem total, power, temp``
     lines; what it could not say (``[N/A]``) is an empty cell."""
@@ -286,8 +277,8 @@ class Keeper:
         self.logs: dict[int, Any] = {}
         self.indexes: dict[int, Any] = {}  # rank -> its log's index: when each offset was written
         self.indexed: dict[int, float] = {}  # rank -> when its index last got a line
-        self.lines = load_module(str(config["ranklines_source"]), "ranklines")  # dlrun.remote.ranklines
-        self.outputs: dict[int, Any] = {}  # rank -> its ranklines.RankLines (tail, traceback, splitters)
+        self.lines = load_module(str(config["rankpolicy_source"]), "rankpolicy")  # dlrun.remote.rankpolicy
+        self.outputs: dict[int, Any] = {}  # rank -> its rankpolicy.RankLines (tail, traceback, splitters)
         self.dropped: dict[int, int] = {}  # rank -> log lines not written (the disk is full)
         self.written: dict[int, int] = {}  # rank -> bytes of its log written whole
         self.full_until = 0.0  # a log write failed: until then lines are only counted
@@ -313,6 +304,7 @@ class Keeper:
         self.root_cause: str | None = None
         self.root_tail: list[str] = []
         self.leader_gone = False  # a follower that lost its leader: the job is lost (exit 255)
+        self.failed = False  # the job ended by a failure (also when a stop came after it)
         self.root: dict[str, Any] = {}  # the root cause rank's rank, host, exception, error file, hint
         self.exit_code: int | None = None
         self.interrupted_by: int | None = None
@@ -347,7 +339,7 @@ class Keeper:
         if self.exit_code is not None:
             if self.exit_code == 0:
                 return "succeeded"
-            return "stopped" if self.interrupted_by is not None else "failed"
+            return "stopped" if self.interrupted_by is not None and not self.failed else "failed"
         if all(r["state"] != "pending" for r in self.ranks.values()):
             return "stopping" if self.stopping else "running"
         return "starting"
@@ -559,7 +551,8 @@ class Keeper:
             self.on_rank(self.host, rank, what, code, evidence)  # which writes the record
             return
         entry = self.ranks[rank]  # a follower's own record (state.json) follows its ranks
-        entry["state"] = "running" if what == "running" else rank_state(code, self.stopping, evidence["stopped"])
+        entry["state"] = ("running" if what == "running"
+                          else self.lines.rank_state(code, self.stopping, evidence["stopped"]))
         if what == "lost":
             entry["state"] = "lost"
         entry["code"] = code
@@ -582,7 +575,7 @@ class Keeper:
         else:
             entry["ended"] = time.time()
             entry["code"] = code
-            entry["state"] = rank_state(code, self.stopping, bool(evidence.get("stopped")))
+            entry["state"] = self.lines.rank_state(code, self.stopping, bool(evidence.get("stopped")))
             if entry["state"] == "failed":
                 if self.root_cause is None:
                     self.root = self.root_of(rank, host, evidence)
@@ -628,17 +621,18 @@ class Keeper:
                 and self.attempt + 1 < len(self.specs):
             self.restart(self.attempt + 1)
             return False
+        failed = self.root_cause is not None  # a rank's failure or a lost host: the root cause
         if self.interrupted_by is not None:
-            self.exit_code = 128 + self.interrupted_by
             for entry in self.ranks.values():
                 if entry["state"] == "failed" and entry["code"] in (128 + signal.SIGTERM, 128 + signal.SIGKILL):
                     entry["state"] = "stopped"
             if self.root_cause is None:
                 self.root_cause = f"stopped by signal {self.interrupted_by}"
-        elif self.root_cause is not None:
-            self.exit_code = self.failed_code
-        else:
-            self.exit_code = 0
+        ranks = [self.ranks[r] for r in sorted(self.ranks)]
+        self.exit_code = self.lines.job_exit_code(
+            self.failed_code if failed else None, self.interrupted_by, [e["code"] for e in ranks],
+            [e["code"] for e in ranks if e["rank"] in self.enders] if self.enders else None)
+        self.failed = failed
         self.ended = True
         result = self.record(final=True)
         for peer in self.peers.values():

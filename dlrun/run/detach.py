@@ -113,7 +113,7 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
             "token": token, "cert_pem": cert_pem, "grace": grace, "host_timeout": host_timeout,
             "script": script, "hosts": names,
             "agent_argv": agent_argv_of(host), "agent_source": pidns_source,
-            "ranklines_source": source_of("ranklines"),
+            "rankpolicy_source": source_of("rankpolicy"),
             "specs": specs[name],
         }
         if name == leader:

@@ -58,8 +58,8 @@ from dlrun.run.addresses import facing_address, interfaces_at, local_base_port, 
 from dlrun.run.agents import AgentAnswer, HostAgents
 from dlrun.run.engine import Engine, HeldView, Placement
 from dlrun.run.result import Attempt, RunResult
+from dlrun.run.screen import make_view
 from dlrun.run.supervisor import Supervisor, View
-from dlrun.run.view import make_view
 from dlrun.transport.base import Transport, default_python
 from dlrun.transport.local import HostRouter
 
@@ -101,6 +101,7 @@ class LaunchConfig:
     plain: bool = False
     iface: str | None = None
     preflight: bool = True
+    bench: float = 0.0  # --bench: seconds of `dlrun topo --bench` after the preflight (0: none)
     push: bool = True
     data: str | None = None
     shard: str = "files"
@@ -894,6 +895,10 @@ class HostsEngine:
                     print(f"dlrun: warning: {warning}", file=sys.stderr)
                     warned.append(warning)
                 self.warnings = tuple(warned)
+                if config.bench and config.attempt == 0:  # a restart does not measure again
+                    from dlrun.topo.benchrun import check_bench
+
+                    check_bench(transport, used_hosts, reports, config.bench, config.iface)
             plan = job_plan(config, inventory, job_id, addresses)
             if ports_asked:
                 free = {name: a.free_ports for name, a in answers.items()
