@@ -321,3 +321,10 @@ def test_the_gpu_view_samples_every_node_through_its_step(slurm: SlurmCluster, t
     for host in ("host0", "host1"):
         assert f"dlrun: gpu {host} util 97 0 0 0 % mem 70.0 0.0 0.0 0.0/80 GiB" in text, text
     assert "gpu host1: util 97 0 0 0 % (mean)" in text, text
+
+
+def test_topo_probes_the_allocations_nodes_through_steps(slurm: SlurmCluster, tmp_path: Path) -> None:
+    out = run_in_allocation(slurm, ["-N2", "-w", "host[0-1]"], "topo", cwd=project(tmp_path, "unused", ""))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"dlrun: hosts from Slurm job \d+: host\[0-1\]", out.stderr), out.stderr
+    assert "host0,host1" in out.stdout, out.stdout  # one section for the two alike nodes
