@@ -54,15 +54,20 @@ def ssh_options(
     accept_new_host_keys: bool = False,
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
+    transport: str = "auto",
 ) -> SSHOptions:
     """The SSH settings every command shares; a timeout left None follows each host's ssh config
-    (``ConnectTimeout``, ``ServerAliveInterval`` × ``ServerAliveCountMax``), else 10 s and 30 s."""
-    from dlrun.run.launch import SSHOptions
+    (``ConnectTimeout``, ``ServerAliveInterval`` × ``ServerAliveCountMax``), else 10 s and 30 s.
+    ``transport``: ``ssh``, ``srun`` (Slurm steps, inside an allocation) or ``auto`` (srun for
+    the allocation's own nodes, else ssh)."""
+    from dlrun.run.launch import TRANSPORTS, SSHOptions
 
+    if transport not in TRANSPORTS:
+        raise UsageError(f"--transport {transport}: expected one of {', '.join(TRANSPORTS)}")
     return SSHOptions(config_file=ssh_config, accept_new_host_keys=accept_new_host_keys,
                       connect_timeout=connect_timeout, known_hosts=known_hosts,
                       host_timeout=DEFAULT_HOST_TIMEOUT if host_timeout is None else host_timeout,
-                      host_timeout_given=host_timeout is not None)
+                      host_timeout_given=host_timeout is not None, transport=transport)
 
 
 def launch(
@@ -108,6 +113,7 @@ def launch(
     accept_new_host_keys: bool = False,
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
+    transport: str = "auto",
     view: View | None = None,
     detach: bool = False,
     module: bool = False,
@@ -164,7 +170,7 @@ def launch(
         gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach, module=module, no_python=no_python,
         checkpoint_dirs=tuple(checkpoint_dir), hang_timeout=hang_timeout,
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
-                        connect_timeout=connect_timeout, host_timeout=host_timeout),
+                        connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport),
     )
     if backend != "spark":
         return run_job(config, view=view)
@@ -205,17 +211,18 @@ def topo(
     accept_new_host_keys: bool = False,
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
+    transport: str = "auto",
     bench: bool = False,
     bench_seconds: float = 60.0,
     iface: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> TopoResult:
-    """Probe every host (this machine without ``hosts``), as ``dlrun topo`` does; with
-    ``bench``, then measure them for about ``bench_seconds`` (``dlrun topo --bench``;
-    ``progress`` hears what it is doing)."""
+    """Probe every host (this machine without ``hosts``, or the allocation's nodes inside a Slurm
+    allocation), as ``dlrun topo`` does; with ``bench``, then measure them for about
+    ``bench_seconds`` (``dlrun topo --bench``; ``progress`` hears what it is doing)."""
     from dlrun.inventory import load_inventory
     from dlrun.run.addresses import host_ifaces, interfaces_at, reachable_addresses
-    from dlrun.run.launch import make_transport
+    from dlrun.run.launch import default_hosts, make_transport, resolve_inventory
     from dlrun.topo.findings import analyse, exit_code, socket_note, suggested_env
     from dlrun.topo.preflight import probe_hosts
     from dlrun.topo.probe import probe_local
@@ -223,27 +230,28 @@ def topo(
     if bench_seconds <= 0:
         raise UsageError("--bench-seconds takes a positive number of seconds")
     reports: tuple[HostReport, ...]
+    hosts = default_hosts(hosts)
     ifaces = None
     measured = None
     if hosts is None and not bench:
         reports = (probe_local(),)
         slots = None
     else:
-        inventory = load_inventory(hosts or "localhost")
-        transport = make_transport(inventory, ssh_options(
+        inventory = resolve_inventory(hosts, None) if hosts is not None else load_inventory("localhost")
+        reach = make_transport(inventory, ssh_options(
             ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
-            connect_timeout=connect_timeout, host_timeout=host_timeout))
+            connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport))
         try:
-            reports = probe_hosts(transport, inventory.hosts)
+            reports = probe_hosts(reach, inventory.hosts)
             reached = [h for h, r in zip(inventory.hosts, reports, strict=True) if r.reachable]
             # where launch reaches each host (connected already: no new connection), and so launch's interfaces
-            addresses = reachable_addresses(reached, transport.connect(reached)) if reached else {}
+            addresses = reachable_addresses(reached, reach.connect(reached)) if reached else {}
             if bench:
                 from dlrun.topo.benchrun import bench_hosts
 
-                measured = bench_hosts(transport, inventory.hosts, reports, bench_seconds, iface, progress)
+                measured = bench_hosts(reach, inventory.hosts, reports, bench_seconds, iface, progress)
         finally:
-            transport.close()
+            reach.close()
         if hosts is not None:  # this machine alone (--bench without hosts) suggests as plain `dlrun topo`
             ifaces = host_ifaces(reached, addresses, None, interfaces_at(reports, addresses))
         slots = {h.name: h.slots for h in inventory.hosts if h.slots is not None}
@@ -271,29 +279,29 @@ def push(
     accept_new_host_keys: bool = False,
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
+    transport: str = "auto",
 ) -> tuple[HostPushSummary, ...]:
     """Push ``code`` and each host's shard of ``data``, as ``dlrun push`` does; one summary per
     host. ``live``: progress bars (default: on a terminal); ``summary``: print the closing table.
     ``max_push_size``: the code push's limit (``500M``, ``none``); ``dry_run``: survey the hosts and
     say what would be sent and deleted, writing nothing."""
-    from dlrun.inventory import load_inventory
     from dlrun.push.session import push as push_to
     from dlrun.push.tree import PushLimit, parse_size
     from dlrun.push.view import PushView
-    from dlrun.run.launch import make_transport
+    from dlrun.run.launch import make_transport, resolve_inventory
 
     limit = parse_size(max_push_size) if max_push_size is not None else PushLimit()
     if code is None and data is None:
         raise UsageError("nothing to push: give --code DIR and/or --data DIR")
-    inventory = load_inventory(hosts)
-    transport = make_transport(inventory, ssh_options(
+    inventory = resolve_inventory(hosts, None)
+    reach = make_transport(inventory, ssh_options(
         ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
-        connect_timeout=connect_timeout, host_timeout=host_timeout))
+        connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport))
     try:
-        transport.connect(inventory.hosts)
+        reach.connect(inventory.hosts)
         with PushView([h.name for h in inventory.hosts], live=False if dry_run else live) as view:
             summaries = push_to(
-                transport,
+                reach,
                 inventory.hosts,
                 code_dir=Path(code) if code else None,
                 data_dir=Path(data) if data else None,
@@ -309,7 +317,7 @@ def push(
             if summary:
                 view.finish(summaries)
     finally:
-        transport.close()
+        reach.close()
     return summaries
 
 
@@ -373,9 +381,9 @@ def pull(
 @contextmanager
 def _job_hosts(hosts: str | None, ssh: Mapping[str, Any]) -> Iterator[JobHosts]:
     from dlrun.run.detach import JobHosts
-    from dlrun.run.launch import make_transport, resolve_inventory
+    from dlrun.run.launch import default_hosts, make_transport, resolve_inventory
 
-    inventory = resolve_inventory(hosts, 1)
+    inventory = resolve_inventory(default_hosts(hosts), 1)
     transport = make_transport(inventory, ssh_options(**ssh))
     try:
         yield JobHosts(transport, inventory.hosts, unreachable=connect_reachable(transport, inventory.hosts))

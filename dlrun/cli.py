@@ -135,6 +135,9 @@ ssh_options = options(
            " asked for a reply every few seconds. A job's agents stop their ranks after the same"
            f" silence. 0: never. Default: the ssh config's ServerAliveInterval x ServerAliveCountMax,"
            f" else {DEFAULT_HOST_TIMEOUT:g}."),
+    option("SSH", "--transport", type=click.Choice(["auto", "ssh", "srun"]), default="auto", show_default=True,
+           help="How hosts are reached: ssh; srun (each host's commands as steps of the Slurm job dlrun"
+           " runs in); auto: srun for the allocation's own nodes, else ssh."),
 )
 
 #: The dataset each host gets its shard of (``dlrun launch`` and ``dlrun push``).
@@ -234,7 +237,8 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool],
 @option("Job", "--no-python", is_flag=True,
         help="Run SCRIPT [ARGS] exactly as given: no host python for python or .py, no Rscript for .R, no bash"
         " for .sh (torchrun's --no-python). Before SCRIPT only.")
-@option("Job", "--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: localhost).")
+@option("Job", "--hosts", "-H", help="hosts.toml, an MPI hostfile, 'h1:2,h2:4', or slurm: the allocation's nodes"
+        " (default: those inside a Slurm allocation, else localhost).")
 @option("Job", "--np", "-n", "np", type=int, help="Number of ranks (default: every slot; 2 on localhost).")
 @option("Job", "--framework", type=click.Choice((AUTO, *FRAMEWORKS)), default=AUTO, show_default=True,
         help="The rank contract; auto: from the script's imports (never run), both tf and torch when"
@@ -320,7 +324,7 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
                     "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
                     "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach",
-                    "--checkpoint-dir": "checkpoint_dir"},
+                    "--checkpoint-dir": "checkpoint_dir", "--transport": "transport"},
                    spark, "the SSH backend, not --backend spark (Spark places tasks and ships the code)")
     sys.exit(run(script, args, **settings).exit_code)
 

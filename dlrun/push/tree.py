@@ -46,7 +46,8 @@ HASH_THREADS = 8  # hashing threads at most, whatever the number of cores
 #: Left out of a code push unless a ``!pattern`` in ``.dlrunignore`` brings them back; so is
 #: any folder holding ``pyvenv.cfg`` or ``conda-meta/`` (an environment), and the job's logs.
 DEFAULT_LEFT_OUT = ("node_modules/", ".tox/", ".nox/", ".mypy_cache/", ".pytest_cache/", ".ruff_cache/",
-                    ".ipynb_checkpoints/", "wandb/", "mlruns/", "lightning_logs/", "/dlrun-logs/")
+                    ".ipynb_checkpoints/", "wandb/", "mlruns/", "lightning_logs/", "/dlrun-logs/",
+                    ".dlrun-claim-*")  # a launch's claim of a shared folder (dlrun.remote.push_helper.claim)
 DEFAULT_LOG_DIR = "dlrun-logs"  # at the root: earlier runs' logs, even when this job's go elsewhere
 DEFAULT_MAX_PUSH_BYTES = 200 * 1024 * 1024
 DEFAULT_MAX_PUSH_FILES = 20_000

@@ -1169,6 +1169,21 @@ def detach(jobdir: str) -> int | None:
     return None
 
 
+def stay(jobdir: str, answer: dict[str, Any], port: int) -> None:
+    """The keeper stays the process it was started as (a Slurm step's task: the step, and so
+    the allocation, holds it): the answer goes out now, then its stdio moves to ``keeper.log``."""
+    with open(os.path.join(jobdir, "keeper.pid"), "w") as fh:
+        fh.write(f"{os.getpid()} {boot_id()}")
+    print(json.dumps({"pid": os.getpid(), "port": port, "jobdir": jobdir, **answer}), flush=True)
+    null = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(os.path.join(jobdir, "keeper.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+
+
 def main() -> None:
     config = read_config()
     job_id = str(config["job_id"])
@@ -1205,7 +1220,11 @@ def main() -> None:
     if "rendezvous_port" in answer:
         fill_rendezvous_port(config.get("specs") or [config["spec"]], int(answer["rendezvous_port"]))
     sys.stdout.flush()
-    pid = detach(jobdir)
+    if config.get("stay"):
+        stay(jobdir, answer, port)
+        pid = None
+    else:
+        pid = detach(jobdir)
     if pid is not None:
         if not pid:
             sys.exit(f"dlrun-keeper: the keeper did not start (see {jobdir}/keeper.log)")

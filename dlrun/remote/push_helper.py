@@ -116,6 +116,59 @@ def load_record(root: str) -> Record:
     return loaded if isinstance(loaded, dict) else {}
 
 
+CLAIM_PREFIX = ".dlrun-claim-"
+CLAIM_MAX_AGE = 600.0  # seconds: an older claim file is an earlier launch's, removed by the next claim
+
+
+def claim(root: str, token: str, claimant: str) -> str | None:
+    """Which host of this launch (``token``) claimed the folder ``root`` first, itself or another:
+    hosts that see one folder (an NFS home) get the same answer. The claim is a file in ``root``,
+    or its nearest folder that exists, made with ``link`` (atomic, on NFS too) and holding the
+    claimant's name. None when no claim could be made or read."""
+    base = nearest_existing(root)
+    rest = os.path.relpath(root, base)
+    marker = os.path.join(base, CLAIM_PREFIX + token
+                          + ("" if rest == "." else "-" + hashlib.sha256(rest.encode()).hexdigest()[:12]))
+    mine = f"{marker}.{os.getpid()}.{hashlib.sha256(claimant.encode()).hexdigest()[:12]}"
+    try:
+        now = time.time()
+        for name in os.listdir(base):  # earlier launches' claims (another host's may come and go now)
+            path = os.path.join(base, name)
+            try:
+                if name.startswith(CLAIM_PREFIX) and now - os.lstat(path).st_mtime > CLAIM_MAX_AGE:
+                    os.unlink(path)
+            except OSError:
+                pass
+        with open(mine, "w") as fh:
+            fh.write(claimant)
+        try:
+            os.link(mine, marker)
+            return claimant
+        except FileExistsError:
+            with open(marker) as fh:
+                return fh.read() or None
+        finally:
+            os.unlink(mine)
+    except OSError:
+        return None
+
+
+def unclaim(root: str) -> None:
+    """Remove the claim files in ``root`` and its nearest folder that exists. A concurrent
+    launch's claim may go too: its hosts then each push, as without claims."""
+    for folder in {nearest_existing(root), root}:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith(CLAIM_PREFIX):
+                try:
+                    os.unlink(os.path.join(folder, name))
+                except OSError:
+                    pass
+
+
 def survey(spec: dict[str, Any]) -> tuple[dict[str, Any], Record, Record]:
     """What the host has at ``spec["root"]``: the reply to send, the record an earlier push
     left, and the fresh record of what is there now."""
@@ -171,6 +224,8 @@ def survey(spec: dict[str, Any]) -> tuple[dict[str, Any], Record, Record]:
                and all(rel in entries and entries[rel][4] for rel in record))
     reply = {"root": root, "entries": entries, "free": free, "block": block, "device": device,
              "error": error, "path": base if error else None, "settled": settled}
+    if spec.get("claim") and not error:  # a launch asks which of its hosts share this folder (to push it once)
+        reply["claimed_by"] = claim(root, str(spec["claim"]["token"]), str(spec["claim"]["host"]))
     return reply, record, fresh
 
 
@@ -737,6 +792,8 @@ def main() -> int:
     plan = json.loads(line)
     if plan.get("abort"):
         return 0
+    for root in roots:  # a push: every host of the launch has claimed its folder by now
+        unclaim(root)
     before = [dict(r) for r in records]
     new: list[Record] = []
     ours: list[set[str]] = []

@@ -135,10 +135,12 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
 
 
 def run_program(transport: Transport, host: Host, name: str, request: Mapping[str, Any], *args: str,
-                timeout: float = 60.0) -> dict[str, Any]:
-    """Run host program ``name`` with one JSON request; its one JSON answer."""
-    result = transport.run(host, boot_argv(default_python(host), name, *args),
-                           stdin=boot_payload(name) + json.dumps(request).encode() + b"\n", timeout=timeout)
+                timeout: float = 60.0, lasting: bool = False) -> dict[str, Any]:
+    """Run host program ``name`` with one JSON request; its one JSON answer. ``lasting``: the
+    program outlives dlrun (a keeper: ``Transport.start``)."""
+    run = transport.start if lasting else transport.run
+    result = run(host, boot_argv(default_python(host), name, *args),
+                 stdin=boot_payload(name) + json.dumps(request).encode() + b"\n", timeout=timeout)
     if result.exit_code != 0:
         detail = " / ".join(result.stderr.decode("utf-8", "replace").strip().splitlines()[-3:])
         error = JobStartError if name == "keeper" else DlrunError
@@ -341,16 +343,19 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
         ends_job=placement.ends_job, hang=hang_config(config, transport, list(
             {c.host_name: c.spec.host for c in placement.commands}.values())))
     names = list(configs)
+    for name in names:  # a Slurm step holds its keeper: one that detached would leave the job
+        configs[name]["stay"] = transport.holds_programs(hosts[name])
     leader = hosts[names[0]]
     address = engine.addresses.get(leader.name, leader.address)
     try:
-        answer = run_program(transport, leader, "keeper", configs[names[0]], job_id)
+        answer = run_program(transport, leader, "keeper", configs[names[0]], job_id, lasting=True)
         for name in names[1:]:
             configs[name]["leader_address"] = [address, int(answer["port"])]
             if "rendezvous_port" in answer:
                 configs[name]["rendezvous_port"] = int(answer["rendezvous_port"])
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(names) - 1))) as pool:
-            list(pool.map(lambda n: run_program(transport, hosts[n], "keeper", configs[n], job_id), names[1:]))
+            list(pool.map(lambda n: run_program(transport, hosts[n], "keeper", configs[n], job_id, lasting=True),
+                          names[1:]))
         record = wait_started(transport, leader, job_id)
     except BaseException:  # an interrupt, a keeper that did not start, ranks that never started:
         # the keepers that started stop the job (else the leader would end it as lost, later)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import sys
 import threading
@@ -30,8 +31,10 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from dlrun.allocation import SLURM_HOSTS, allocation_inventory, in_allocation
+from dlrun.allocation import SOURCE as ALLOCATION_SOURCE
 from dlrun.command import SOURCE_SUFFIXES, entry_point, interpreter_for, module_paths, runs_directly
 from dlrun.errors import DlrunError, RendezvousError, UsageError
 from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
@@ -76,6 +79,7 @@ class SSHOptions:
     known_hosts: str | None = None
     host_timeout: float = DEFAULT_HOST_TIMEOUT  # seconds of silence before a host is lost (0: never)
     host_timeout_given: bool = False  # on dlrun's command line: else SSH liveness follows the ssh config
+    transport: str = "auto"  # ssh, srun (Slurm steps) or auto: srun for the allocation's own nodes (make_transport)
 
 
 @dataclass(frozen=True)
@@ -205,14 +209,45 @@ def new_job_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
+def default_hosts(hosts: str | None) -> str | None:
+    """``--hosts`` as given; when not given, ``slurm`` inside a Slurm allocation (its nodes are
+    the inventory), else None (this machine)."""
+    if hosts is None and in_allocation(os.environ):
+        return SLURM_HOSTS
+    return hosts
+
+
 def resolve_inventory(hosts: str | None, np: int | None) -> Inventory:
     if hosts is None:
         return localhost_inventory(2 if np is None else np)
+    if hosts == SLURM_HOSTS:
+        allocation = allocation_inventory(os.environ)
+        print(f"dlrun: {allocation.describe()}", file=sys.stderr)
+        return allocation.inventory
     return load_inventory(hosts)
 
 
+TRANSPORTS = ("auto", "ssh", "srun")
+
+
+def transport_kind(inventory: Inventory, ssh: SSHOptions) -> str:
+    """``ssh`` or ``srun``: ``auto`` is srun for the allocation's own nodes where ``srun`` is on
+    PATH (docs/slurm.md says why), else ssh."""
+    if ssh.transport != "auto":
+        return ssh.transport
+    return "srun" if inventory.source == ALLOCATION_SOURCE and shutil.which("srun") else "ssh"
+
+
 def make_transport(inventory: Inventory, ssh: SSHOptions) -> Transport:
-    """Local hosts need no SSH (and dlrun does not import paramiko for them)."""
+    """Local hosts need no SSH (and dlrun does not import paramiko for them); ``srun`` runs
+    every other host's commands as steps of the Slurm job dlrun runs in."""
+    if transport_kind(inventory, ssh) == "srun":
+        from dlrun.transport.srun import SrunTransport
+
+        environ = os.environ
+        groups = allocation_inventory(environ).het_groups if in_allocation(environ) else {}
+        job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID", "")
+        return HostRouter(remote=SrunTransport(job_id, environ, het_groups=groups))
     if inventory.all_local:
         return HostRouter(remote=None)
     from dlrun.transport.ssh import SSHTransport
@@ -548,6 +583,36 @@ def settled_hosts(targets: Mapping[str, PushTarget], answers: Mapping[str, Agent
     return settled
 
 
+def claiming(request: dict[str, Any], token: str, host: str) -> dict[str, Any]:
+    """A survey request that also asks the host to claim its code folder for this launch
+    (``dlrun.remote.push_helper.claim``): hosts that share the folder name the same claimant."""
+    return {**request, "targets": [{**t, "claim": {"token": token, "host": host}} for t in request["targets"]]}
+
+
+def sharing_hosts(targets: Mapping[str, PushTarget], answers: Mapping[str, AgentAnswer],
+                  settled: Mapping[str, HostPushSummary], planned: Sequence[str]) -> dict[str, HostPushSummary]:
+    """Hosts whose code folder another planned host claimed (one folder, e.g. an NFS home):
+    that host's push fills it, so they get none of their own. Said in one line per folder."""
+    from dlrun.push.session import HostPushSummary
+
+    shared: dict[str, HostPushSummary] = {}
+    by_owner: dict[str, list[str]] = {}
+    for name, target in targets.items():
+        reply = ((answers.get(name) or AgentAnswer(name, None)).survey or {}).get("targets") or [{}]
+        owner, root = reply[0].get("claimed_by"), reply[0].get("root")
+        if name in settled or owner in (None, name) or owner not in planned or owner not in targets \
+                or not isinstance(root, str) or name not in planned:
+            continue
+        shared[name] = HostPushSummary(host=name, files_sent=0, bytes_sent=0,
+                                       files_unchanged=len(target.manifest.paths()), files_deleted=0, seconds=0.0,
+                                       code_dir=root)
+        by_owner.setdefault(str(owner), []).append(name)
+    for owner, names in by_owner.items():
+        print(f"dlrun: {', '.join(names)} share{'s' if len(names) == 1 else ''} {owner}'s code folder"
+              f" ({targets[owner].root}): pushed once, by {owner}", file=sys.stderr)
+    return shared
+
+
 @contextmanager
 def horovod_rendezvous(plan: Plan) -> Iterator[tuple[str, int]]:
     """dlrun's Horovod rendezvous server for this plan, stopped when the job ends."""
@@ -716,6 +781,7 @@ class HostsEngine:
         self.failed_at: float | None = None  # when the last attempt failed (its copies then may be half written)
 
     def prepare(self, config: LaunchConfig) -> LaunchConfig:
+        config = replace(config, hosts=default_hosts(config.hosts))
         if config.hosts is None and config.np is not None and config.np < 1:
             raise UsageError("--np must be at least 1")
         self.inventory = resolve_inventory(config.hosts, config.np)
@@ -797,7 +863,8 @@ class HostsEngine:
             if targets:
                 from dlrun.push.session import survey_request
 
-                surveys = {name: survey_request([target]) for name, target in targets.items()}
+                surveys = {name: survey_request([target]) if config.dry_run  # a dry run writes nothing
+                           else claiming(survey_request([target]), job_id, name) for name, target in targets.items()}
             # the agents start while we plan; each runs the probe, answers the push survey and
             # says which ports are free first
             ports_asked = ports_to_ask(config, inventory, used_hosts, given=self.base_port_given)
@@ -843,6 +910,7 @@ class HostsEngine:
                 else:
                     check_ports_free(plan, free)
             settled = settled_hosts(targets, answers)
+            settled.update(sharing_hosts(targets, answers, settled, [h.name for h in plan.hosts]))
             if config.dry_run:  # what a push would do: survey only, nothing written
                 settled = {name: replace(summary, dry_run=True) for name, summary in settled.items()}
             pushed = push_for_launch(config, transport, plan.hosts, settled, dry_run=config.dry_run)
