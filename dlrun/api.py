@@ -70,6 +70,7 @@ def launch(
     grace: float = 10.0,
     ranks: Sequence[int] | None = None,
     env: Mapping[str, str] | None = None,
+    env_file: str | Path | Sequence[str | Path] = (),
     iface: str | None = None,
     plain: bool = False,
     pidns: bool = True,
@@ -109,9 +110,11 @@ def launch(
     lines elsewhere). ``gpu_every``: seconds between GPU samples on every host (0: none); the
     result's ``gpu_summary`` and ``gpu_warnings`` say how the GPUs were used (``gpu_idle_after``:
     when an idle one is named). ``detach``: hand the job to the hosts and return once every rank
-    started (``ps``, ``logs``, ``attach``, ``stop`` follow it).
+    started (``ps``, ``logs``, ``attach``, ``stop`` follow it). ``env_file``: files of
+    ``NAME=VALUE`` lines that only their owner can read (``--env-file``); ``env`` wins over them.
     """
     from dlrun.run.launch import LaunchConfig, run_job
+    from dlrun.userenv import rank_env
 
     if json_output and not dry_run:
         raise UsageError("--json goes with --dry-run")
@@ -119,6 +122,7 @@ def launch(
         raise UsageError(f"--backend {backend}: expected ssh or spark")
     if gpu_every < 0 or gpu_idle_after < 0:
         raise UsageError("--gpu-every and --gpu-idle-after take seconds, 0 or more")
+    env = rank_env(env, [env_file] if isinstance(env_file, (str, Path)) else env_file)
     config = LaunchConfig(
         script=str(script), args=tuple(str(a) for a in args), hosts=hosts, np=np, base_port=base_port,
         framework=framework, dry_run=dry_run, json_output=json_output, log_dir=log_dir, grace=grace,

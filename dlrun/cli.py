@@ -40,7 +40,9 @@ def _reports_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except DlrunError as exc:
-            click.echo(f"dlrun: error: {exc}", err=True)
+            from dlrun.render import printable  # a name from a file or a host cannot drive the terminal
+
+            click.echo(f"dlrun: error: {chr(10).join(printable(line) for line in str(exc).split(chr(10)))}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("dlrun: interrupted", err=True)
@@ -115,6 +117,16 @@ def options(*decorators: Callable[[F], F]) -> Callable[[F], F]:
 
 def _env_option(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
     return _parse_env(value, f"--{param.name}")
+
+
+def _rank_env_option(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
+    """``-e NAME=VALUE`` or ``-e NAME`` (this process's value: no secret on dlrun's command line)."""
+    from dlrun.userenv import parse_env_args
+
+    try:
+        return parse_env_args(value)
+    except DlrunError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _ranks_option(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
@@ -222,7 +234,10 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
 @option("Job", "--framework", type=click.Choice((AUTO, *FRAMEWORKS)), default=AUTO, show_default=True,
         help="The rank contract; auto: from the script's imports (never run), both tf and torch when"
         " they name none. tf-ps is never guessed.")
-@option("Job", "--env", "-e", multiple=True, callback=_env_option, help="NAME=VALUE for every rank (repeatable).")
+@option("Job", "--env", "-e", multiple=True, callback=_rank_env_option, metavar="NAME[=VALUE]",
+        help="NAME=VALUE for every rank, or NAME: its value here, kept off the command line (repeatable).")
+@option("Job", "--env-file", multiple=True, type=click.Path(dir_okay=False), metavar="FILE",
+        help="NAME=VALUE lines for every rank (repeatable; -e wins). Only you may read the file (chmod 600).")
 @option("Job", "--base-port", type=click.IntRange(1, 65535),
         help=f"Port of local rank 0 (default {DEFAULT_BASE_PORT}; on this machine alone, the first free run "
         "of ports from there, so that jobs side by side do not collide).")

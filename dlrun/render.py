@@ -27,6 +27,12 @@ SECRET_NAME = re.compile(r"TOKEN|SECRET|PASS|PWD|CREDENTIAL|AUTH|KEY|COOKIE|PRIV
 # (it may hold '@' or '/'), the host to the first '/', '?', '#' or space
 URL_PASSWORD = re.compile(r"(://[^/:@\s]*):\S*@(?=[^@\s/]*(?:[/?#\s]|$))")
 MASK = "****"
+# an option of the script that names a secret: --password, --api-key (its value follows, or after '=')
+SECRET_OPTION = re.compile(r"-{1,2}[A-Za-z][\w.-]*")
+# NAME=VALUE or --name=value among the script's arguments
+ASSIGNMENT = re.compile(r"(-{0,2}[A-Za-z_][\w.-]*)=(.*)", re.DOTALL)
+# C0 and C1 control characters and DEL: a terminal obeys them (colors, cursor moves, titles)
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 @dataclass(frozen=True)
@@ -251,8 +257,43 @@ def worker_commands(
 def mask_env(env: Mapping[str, str]) -> dict[str, str]:
     """Hide the values of variables whose names say they hold a secret (``SECRET_NAME``), and
     the password of a URL in any other value (``DATABASE_URL=postgres://u:****@db/x``)."""
-    return {name: (MASK if SECRET_NAME.search(name) else URL_PASSWORD.sub(rf"\1:{MASK}@", value))
-            for name, value in env.items()}
+    return {name: (MASK if SECRET_NAME.search(name) else mask_text(value)) for name, value in env.items()}
+
+
+def mask_text(value: str) -> str:
+    """The password of every URL in ``value`` masked (``postgres://u:****@db``)."""
+    return URL_PASSWORD.sub(rf"\1:{MASK}@", value)
+
+
+def mask_argv(argv: Sequence[str]) -> list[str]:
+    """The script's arguments as dlrun shows or stores them: URL passwords masked, and the value
+    of an argument named for a secret (``--password X``, ``--api-key=X``, ``DB_PASS=X``; names
+    as ``SECRET_NAME``). It may hide a value that is no secret (``--max-tokens 8``): masking
+    too much in a printout is the cheaper mistake."""
+    shown: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next and not arg.startswith("-"):
+            shown.append(MASK)
+            hide_next = False
+            continue
+        hide_next = False
+        assignment = ASSIGNMENT.fullmatch(arg)
+        if assignment and SECRET_NAME.search(assignment.group(1)):
+            shown.append(f"{assignment.group(1)}={MASK}")
+        elif SECRET_OPTION.fullmatch(arg) and SECRET_NAME.search(arg):
+            shown.append(arg)
+            hide_next = True
+        else:
+            shown.append(mask_text(arg))
+    return shown
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped (``\\x1b``, ``\\n``), for anything dlrun prints
+    that came from a user or a host: a name or argument cannot move the cursor, recolor the
+    terminal or forge a line of dlrun's own."""
+    return CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def plan_to_json(commands: Sequence[WorkerCommand]) -> dict[str, Any]:
@@ -271,7 +312,7 @@ def plan_to_json(commands: Sequence[WorkerCommand]) -> dict[str, Any]:
                 "cross_size": c.spec.cross_size,
                 "task": {"type": c.spec.task_type, "index": c.spec.task_index},
                 "port": c.spec.port,
-                "argv": list(c.argv),
+                "argv": mask_argv(c.argv),
                 "cwd": c.cwd,
                 "env": mask_env(c.env),
             }

@@ -48,7 +48,7 @@ from dlrun.plan import (
     make_plan,
 )
 from dlrun.remote.tf_server import server_source
-from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
+from dlrun.render import WorkerCommand, mask_argv, mask_env, plan_to_json, printable, worker_commands
 from dlrun.run.addresses import facing_address, interfaces_at, local_base_port, reachable_addresses, socket_ifaces
 from dlrun.run.agents import AgentAnswer, HostAgents
 from dlrun.run.engine import Engine, HeldView, Placement
@@ -448,19 +448,22 @@ def horovod_rendezvous(plan: Plan) -> Iterator[tuple[str, int]]:
 
 
 def dry_run_text(commands: Sequence[WorkerCommand]) -> str:
+    """``--dry-run``'s text: secrets masked (env and the script's arguments), control characters
+    escaped (the argv is JSON, which escapes them itself)."""
     lines = []
     for c in commands:
         s = c.spec
         lines.append(
-            f"rank {s.rank}: host {s.host.name} ({s.address}) local_rank {s.local_rank}/{s.local_size} "
-            f"cross_rank {s.cross_rank}/{s.cross_size} task {s.task_type}:{s.task_index} port {s.port}"
+            f"rank {s.rank}: host {printable(s.host.name)} ({printable(s.address)}) local_rank"
+            f" {s.local_rank}/{s.local_size} cross_rank {s.cross_rank}/{s.cross_size}"
+            f" task {s.task_type}:{s.task_index} port {s.port}"
         )
-        shown = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in c.argv]
+        shown = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in mask_argv(c.argv)]
         lines.append(f"  argv: {json.dumps(shown)}")
         if c.cwd:
-            lines.append(f"  cwd:  {c.cwd}")
+            lines.append(f"  cwd:  {printable(c.cwd)}")
         for name, value in sorted(mask_env(c.env).items()):
-            lines.append(f"  env:  {name}={value}")
+            lines.append(f"  env:  {printable(name)}={printable(value)}")
     return "\n".join(lines)
 
 

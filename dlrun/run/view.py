@@ -20,7 +20,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from dlrun.render import WorkerCommand
+from dlrun.render import WorkerCommand, mask_argv, printable
 from dlrun.run.gpus import GpuSample, PlainThrottle, plain_line
 from dlrun.run.gpus import summary_lines as gpu_lines
 from dlrun.run.result import Attempt, RankState, RunResult
@@ -53,8 +53,8 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
     elif root.error:
         lines.append(f"  error: {root.error}")
     if root.rank in by_rank:
-        argv = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in by_rank[root.rank].argv]
-        lines.append(f"  command: {shlex.join(argv)}")
+        argv = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in mask_argv(by_rank[root.rank].argv)]
+        lines.append(f"  command: {printable(shlex.join(argv))}")
     recorded_line = root.error_file[-1] if root.error_file else None
     if root.exception and root.exception[-1] != recorded_line:  # @record's message says it already
         lines.append(f"  exception (last frames of rank {root.rank}'s traceback):")

@@ -1,0 +1,132 @@
+"""Issue 34: what another local user (or a careless input) could do to a job, tried for real:
+secrets on command lines and in printouts, input checks, file modes, workdir ownership."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import stat
+import subprocess
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+
+SECRET_WAIT = """
+import hashlib, os, sys, time
+print("got", hashlib.sha256((os.environ["CLI_TOKEN"] + os.environ["FILE_TOKEN"]).encode()).hexdigest(), flush=True)
+deadline = time.time() + 120
+while not os.path.exists(sys.argv[1]) and time.time() < deadline:
+    time.sleep(0.1)
+"""
+
+
+def cmdline_leaks(values: Iterable[str]) -> list[str]:
+    """Every process whose command line holds one of ``values`` (any user can read them all)."""
+    wanted = [v.encode() for v in values]
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmdline = fh.read()
+        except OSError:
+            continue
+        if any(w in cmdline for w in wanted):
+            found.append(f"{entry}: {cmdline.replace(bytes(1), b' ')[:300]!r}")
+    return found
+
+
+def readable_leaks(roots: Iterable[Path], values: Iterable[str]) -> list[str]:
+    """Files under ``roots`` that a group or other user may read and that hold one of ``values``."""
+    wanted = [v.encode() for v in values]
+    found = []
+    for root in roots:
+        for folder, _, files in os.walk(root):
+            for name in files:
+                path = os.path.join(folder, name)
+                try:
+                    info = os.lstat(path)
+                    if not stat.S_ISREG(info.st_mode) or not info.st_mode & 0o044 or info.st_size > 1 << 22:
+                        continue
+                    with open(path, "rb") as fh:
+                        data = fh.read()
+                except OSError:
+                    continue
+                if any(w in data for w in wanted):
+                    found.append(f"{path} ({stat.filemode(info.st_mode)})")
+    return found
+
+
+@pytest.mark.ssh
+def test_secrets_reach_the_ranks_but_no_command_line_or_shared_file(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from_env, from_file = "env-" + secrets.token_hex(12), "file-" + secrets.token_hex(12)
+    env_file = tmp_path / "job.env"
+    env_file.write_text(f"# secrets\nFILE_TOKEN={from_file}\n")
+    env_file.chmod(0o600)
+    go = cluster.root / f"go-{secrets.token_hex(4)}"
+    script = shared_script(cluster, "secret_wait.py", SECRET_WAIT)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    argv = dlrun_argv("launch", "--plain", "--framework", "none", "--hosts", str(hosts), "--ssh-config",
+                      str(cluster.ssh_config), "-e", "CLI_TOKEN", "--env-file", str(env_file), str(script), str(go))
+    proc = subprocess.Popen(argv, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "CLI_TOKEN": from_env})
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        while sum("] got " in line for line in lines) < 2:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        digest = hashlib.sha256((from_env + from_file).encode()).hexdigest()
+        assert sum(f"] got {digest}" in line for line in lines) == 2, "".join(lines)
+        assert cmdline_leaks([from_env, from_file]) == []
+        homes = [Path(os.path.expanduser(f"~{cluster.user}")), tmp_path, cluster.root]
+        scratch = [Path("/tmp") / n for n in os.listdir("/tmp") if n.startswith("dlrun-")]
+        assert readable_leaks([*homes, *scratch, Path("/dev/shm")], [from_env, from_file]) == []
+    finally:
+        go.touch()
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, "".join(lines) + out
+    assert from_env not in out + "".join(lines) and from_file not in out
+
+
+def test_script_arguments_are_masked_in_the_dry_run_and_the_root_cause(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    args = ["--password", "hunter2", "--db", "postgres://ml:hunter2@db/x", "API_KEY=hunter2"]
+    for dry in (["--dry-run"], ["--dry-run", "--json"]):
+        out = run_dlrun("launch", *dry, "--framework", "none", "-n", "1", str(script), *args, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert "hunter2" not in out.stdout + out.stderr and "postgres://ml:****@db/x" in out.stdout, out.stdout
+    out = run_dlrun("launch", "--plain", "--framework", "none", "-n", "1", str(script), *args, cwd=tmp_path,
+                    timeout=120)
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert "  command: " in out.stdout + out.stderr, out.stdout + out.stderr
+    assert "hunter2" not in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_script_arguments_are_masked_in_ps_and_the_stored_state(tmp_path: Path) -> None:
+    script = tmp_path / "quick.py"
+    script.write_text("print('done')\n")
+    home = {"HOME": str(tmp_path / "home")}
+    out = run_dlrun("launch", "--detach", "--framework", "none", "-n", "1", str(script), "--token", "hunter2",
+                    "postgres://ml:hunter2@db/x", cwd=tmp_path, timeout=120, env=home)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].removeprefix("dlrun: detached job ")
+    ps = run_dlrun("ps", cwd=tmp_path, timeout=60, env=home)
+    assert job in ps.stdout and "postgres://ml:****@db/x" in ps.stdout, ps.stdout
+    assert "hunter2" not in ps.stdout + out.stdout + out.stderr, ps.stdout
+    folder = tmp_path / "home" / ".dlrun" / "jobs" / job
+    deadline = time.monotonic() + 60
+    while not list(folder.glob("*/result.json")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stored = [p for p in folder.rglob("*") if p.is_file()]
+    assert any(p.name == "state.json" for p in stored), stored
+    assert [p for p in stored if b"hunter2" in p.read_bytes()] == []
