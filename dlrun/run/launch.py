@@ -126,7 +126,7 @@ def resolve_framework(config: LaunchConfig) -> LaunchConfig:
             detected = Detected(TF_AND_TORCH, f"{script.name} cannot be read here: both the tf and the torch contracts")
     else:
         detected = detect_framework(config.script, None)
-    print(f"dlrun: framework {detected.framework} ({detected.reason})", file=sys.stderr)
+    print(f"dlrun: framework {detected.framework} ({printable(detected.reason)})", file=sys.stderr)
     return replace(config, framework=detected.framework, detected=detected)
 
 
@@ -507,6 +507,26 @@ def default_ranks_for_gpus(inventory: Inventory, reports: Sequence[HostReport]) 
     return localhost_inventory(gpus)
 
 
+#: Linux's limits on a path and on each of its names (bytes): a longer script name is a usage error
+PATH_MAX, NAME_MAX = 4095, 255
+
+
+def check_script(config: LaunchConfig) -> None:
+    """The script names a program: not too long a path, not a folder, no NUL byte. Checked first,
+    for every engine (a dry run too): the hosts would fail each rank with 126 or 127 instead."""
+    raw = os.fsencode(config.script)
+    if not raw.strip() or b"\0" in raw:
+        raise UsageError("the script is empty or holds a NUL byte")
+    if len(raw) > PATH_MAX or any(len(part) > NAME_MAX for part in raw.split(b"/")):
+        raise UsageError(f"the script's name is too long ({len(raw)} bytes; a path may have {PATH_MAX},"
+                         f" each name in it {NAME_MAX})")
+    here = config.push or (config.hosts is None)
+    if here and Path(config.script).is_dir():
+        raise UsageError(f"{printable(config.script)} is a folder, not a script",
+                         hint=f"name the program in it (dlrun launch {printable(config.script).rstrip('/')}/train.py);"
+                         " --code DIR pushes a folder that holds the script")
+
+
 def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
     """Before any connection: a ``.py`` script that must be here (a local rank runs it, or its
     directory is pushed) exists, its push root is a project (not the home folder), and the log
@@ -517,7 +537,7 @@ def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
                          " every file would go twice", hint="keep the dataset in a directory of its own")
     here = config.push or any(h.is_local for h in inventory.hosts)
     if here and config.script.endswith(".py") and not Path(config.script).is_file():
-        raise UsageError(f"script not found: {config.script}",
+        raise UsageError(f"script not found: {printable(config.script)}",
                          hint="with --no-push, a path on the hosts is not checked here")
     log_root = Path(config.log_dir or DEFAULT_LOG_DIR)
     try:
@@ -823,6 +843,7 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
     terminal's (tests, API).
     """
     engine = engine or HostsEngine()
+    check_script(config)
     check_restart_options(config)
     config = engine.prepare(resolve_framework(config))
     if isinstance(engine, HostsEngine) and config.min_hosts is not None and config.min_hosts > len(engine.used_hosts):

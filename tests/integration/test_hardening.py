@@ -130,3 +130,51 @@ def test_script_arguments_are_masked_in_ps_and_the_stored_state(tmp_path: Path) 
     stored = [p for p in folder.rglob("*") if p.is_file()]
     assert any(p.name == "state.json" for p in stored), stored
     assert [p for p in stored if b"hunter2" in p.read_bytes()] == []
+
+
+# --------------------------------------------------------------------------- input checks
+
+
+@pytest.mark.parametrize("pair", ["A\nB=1", "A B=1", "\x1b[2JX=1"])
+def test_bad_env_names_are_usage_errors(tmp_path: Path, pair: str) -> None:
+    script = tmp_path / "ok.py"
+    script.write_text("print('ok')\n")
+    out = run_dlrun("launch", "--dry-run", "-e", pair, str(script), cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "expected NAME=VALUE or NAME" in out.stderr and "\x1b" not in out.stderr, out.stderr
+
+
+def test_an_over_long_script_name_and_a_folder_are_usage_errors(tmp_path: Path) -> None:
+    out = run_dlrun("launch", "--plain", "x" * 10_000 + ".py", cwd=tmp_path)
+    assert out.returncode == 2 and "the script's name is too long" in out.stderr, out.stderr[-500:]
+    assert "Traceback" not in out.stderr
+    (tmp_path / "project").mkdir()
+    for name in ("project", "./project/"):
+        out = run_dlrun("launch", "--plain", "--framework", "none", name, cwd=tmp_path, timeout=120)
+        assert out.returncode == 2 and f"{name} is a folder, not a script" in out.stderr, out.stdout + out.stderr
+        assert "[0 localhost]" not in out.stdout
+
+
+def test_control_characters_in_names_and_arguments_are_escaped_in_the_dry_run(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text('[[hosts]]\naddress = "127.0.0.9"\nslots = 1\nenv = { NOTE = "a\\u001b[2Jb" }\n')
+    script = tmp_path / "run\x1b[31m.py"
+    script.write_text("print(1)\n")
+    out = run_dlrun("launch", "--dry-run", "--no-push", "--no-preflight", "--hosts", str(hosts), str(script),
+                    "--title", "\x1b]0;pwned\x07", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout + out.stderr and "\x07" not in out.stdout + out.stderr, out.stdout + out.stderr
+    assert "NOTE=a\\x1b[2Jb" in out.stdout and "run\\x1b[31m.py" in out.stderr, out.stdout + out.stderr
+
+
+def test_many_unresolvable_hosts_show_progress_and_fail_fast(tmp_path: Path) -> None:
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"nosuch-{i:04d}.invalid slots=1\n" for i in range(300)))
+    script = tmp_path / "ok.py"
+    script.write_text("print('ok')\n")
+    out = run_dlrun("launch", "--plain", "--no-preflight", "--framework", "none", "--hosts", str(hostfile),
+                    str(script), cwd=tmp_path, timeout=600)
+    assert out.returncode == 255, out.stderr[-2000:]
+    assert "dlrun: connecting to 300 hosts" in out.stderr, out.stderr[-2000:]
+    assert "hosts not tried); no rank was started" in out.stderr, out.stderr[-2000:]
+    assert "… and " in out.stderr or out.stderr.count("cannot resolve host name") <= 20
