@@ -627,7 +627,8 @@ def survey_request(targets: Sequence[PushTarget]) -> dict[str, Any]:
     ``helper_source()``'s ``survey`` in-process), so that a launch learns whether its code is
     already on a host without a second session and interpreter there.
     """
-    return {"targets": [{"root": t.root, "paths": list(t.manifest.paths())} for t in targets],
+    return {"targets": [{"root": t.root, "paths": list(t.manifest.paths()),
+                         "folders": [list(f) for f in t.manifest.folders]} for t in targets],
             "idle": HELPER_IDLE_S}
 
 

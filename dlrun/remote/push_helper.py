@@ -160,7 +160,8 @@ def survey(spec: dict[str, Any]) -> tuple[dict[str, Any], Record, Record]:
     # (and a root that exists: an empty tree's push still makes its directory)
     settled = (os.path.isdir(root)
                and all(record.get(rel) == value for rel, value in fresh.items() if rel in wanted)
-               and all(rel in entries and entries[rel][4] for rel in record))
+               and all(rel in entries and entries[rel][4] for rel in record)
+               and not folder_modes(root, spec.get("folders") or []))
     reply = {"root": root, "entries": entries, "free": free, "block": block, "device": device,
              "error": error, "path": base if error else None, "settled": settled}
     return reply, record, fresh
@@ -396,15 +397,44 @@ class Receiver:
 
 
 def save_record(root: str, record: Record) -> None:
+    # private (0600 in a 0700 folder): it lists the sha256 of every pushed file, and that of a
+    # short secret (.env) lets anyone who reads it test guesses offline
     path = record_file(root)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        os.chmod(os.path.dirname(path), 0o700)
         temp = f"{path}.{os.getpid()}.tmp"
-        with open(temp, "w") as fh:
+        with os.fdopen(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w") as fh:
             json.dump(record, fh)
         os.replace(temp, path)
     except OSError:
         pass
+
+
+def folder_modes(root: str, folders: list[list[Any]]) -> list[tuple[str, int]]:
+    # the pushed folders that exist here (not through a link) whose mode differs from the pushed one
+    wrong = []
+    seen: dict[str, bool] = {}
+    for rel, mode in folders:
+        path = os.path.join(root, rel) if rel else root
+        if rel and under_link(root, rel + "/x", seen):
+            continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) != int(mode):
+            wrong.append((str(rel), int(mode)))
+    return wrong
+
+
+def set_folder_modes(root: str, folders: list[list[Any]]) -> None:
+    # after every file is written (a folder the owner may not write would refuse them)
+    for rel, mode in folder_modes(root, folders):
+        try:
+            os.chmod(os.path.join(root, rel) if rel else root, mode)
+        except OSError:
+            pass
 
 
 def widen_stdin() -> None:
@@ -458,11 +488,15 @@ def main() -> int:
         for t, root in enumerate(roots):  # the root itself, even for a tree with no files
             try:
                 receiver.makedirs(t, "")
+                if request["targets"][t].get("folders"):  # a private project is never open, not even at first
+                    os.chmod(root, 0o700)
             except OSError as exc:
                 receiver.fail(f"{t}/", *os_problem(exc, root))
         for t, rel in plan["delete"]:
             receiver.delete(t, rel)
         receiver.run()
+        for t, root in enumerate(roots):  # folder modes, as pushed (0700 stays 0700)
+            set_folder_modes(root, request["targets"][t].get("folders") or [])
     finally:
         deleted = {(t, rel) for t, rel in plan["delete"]}
         for t, root in enumerate(roots):

@@ -885,6 +885,8 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
 
             return start_detached(config, engine, job_id, shown)
         warnings = (warning,) if warning else getattr(engine, "warnings", ())
+        logs.mkdir(parents=True, exist_ok=True)
+        logs.chmod(0o700)  # private, as the hosts' job folders are: the ranks' lines may hold secrets
         attempt = 0
         dropped: tuple[str, ...] = ()
         while True:

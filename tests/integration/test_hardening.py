@@ -178,3 +178,50 @@ def test_many_unresolvable_hosts_show_progress_and_fail_fast(tmp_path: Path) -> 
     assert "dlrun: connecting to 300 hosts" in out.stderr, out.stderr[-2000:]
     assert "hosts not tried); no rank was started" in out.stderr, out.stderr[-2000:]
     assert "… and " in out.stderr or out.stderr.count("cannot resolve host name") <= 20
+
+
+# --------------------------------------------------------------------------- modes and caches
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+@pytest.mark.ssh
+def test_the_push_keeps_folder_modes_and_its_record_is_private(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    project = tmp_path / f"modes-{secrets.token_hex(3)}"
+    (project / "private").mkdir(parents=True)
+    (project / "shared").mkdir()
+    (project / "train.py").write_text("print('hi')\n")
+    (project / "private" / ".env").write_text("DB_PASSWORD=abc\n")
+    (project / "private" / ".env").chmod(0o600)
+    (project / "shared" / "data.txt").write_text("x\n")
+    (project / "private").chmod(0o700)
+    (project / "shared").chmod(0o755)
+    project.chmod(0o750)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
+    ssh = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
+    out = run_dlrun("push", *ssh, "--code", str(project), cwd=tmp_path, timeout=120,
+                    env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stdout + out.stderr
+    remote = cluster.hosts[0].workdir / project.name
+    assert (mode_of(remote), mode_of(remote / "private"), mode_of(remote / "shared")) == (0o750, 0o700, 0o755)
+    assert mode_of(remote / "private" / ".env") == 0o600
+    record = cluster.hosts[0].workdir / ".dlrun-cache" / f"{project.name}.json"
+    assert (mode_of(record.parent), mode_of(record)) == (0o700, 0o600)
+    caches = list((tmp_path / "cache").rglob("*.json"))
+    assert caches and all(mode_of(c) == 0o600 for c in caches), [(c, oct(mode_of(c))) for c in caches]
+    (project / "private").chmod(0o750)  # only a folder's mode changed: the next push says so too
+    out = run_dlrun("push", *ssh, "--code", str(project), cwd=tmp_path, timeout=120,
+                    env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert mode_of(remote / "private") == 0o750
+
+
+def test_the_local_job_log_folder_is_private(tmp_path: Path) -> None:
+    script = tmp_path / "ok.py"
+    script.write_text("print('ok')\n")
+    out = run_dlrun("launch", "--plain", "--framework", "none", "-n", "1", str(script), cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (job,) = list((tmp_path / "dlrun-logs").iterdir())
+    assert mode_of(job) == 0o700 and (job / "rank-0.log").is_file()
