@@ -100,6 +100,7 @@ def launch(
     host_timeout: float | None = None,
     view: View | None = None,
     detach: bool = False,
+    insecure_workdir: bool = False,
 ) -> RunResult:
     """Run ``script`` on every rank, as ``dlrun launch`` does; how the job ended.
 
@@ -110,8 +111,10 @@ def launch(
     lines elsewhere). ``gpu_every``: seconds between GPU samples on every host (0: none); the
     result's ``gpu_summary`` and ``gpu_warnings`` say how the GPUs were used (``gpu_idle_after``:
     when an idle one is named). ``detach``: hand the job to the hosts and return once every rank
-    started (``ps``, ``logs``, ``attach``, ``stop`` follow it). ``env_file``: files of
-    ``NAME=VALUE`` lines that only their owner can read (``--env-file``); ``env`` wins over them.
+    started (``ps``, ``logs``, ``attach``, ``stop`` follow it). ``insecure_workdir``: push and
+    run even where another user owns, or may write, a host's workdir or project folder.
+    ``env_file``: files of ``NAME=VALUE`` lines that only their owner can read (``--env-file``);
+    ``env`` wins over them.
     """
     from dlrun.run.launch import LaunchConfig, run_job
     from dlrun.userenv import rank_env
@@ -130,7 +133,7 @@ def launch(
         pidns=pidns, preflight=preflight, push=push, data=None if data is None else str(data), shard=shard,
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
         min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
-        gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach,
+        gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach, insecure_workdir=insecure_workdir,
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
                         connect_timeout=connect_timeout, host_timeout=host_timeout),
     )
@@ -196,6 +199,7 @@ def push(
     delete: bool = True,
     max_push_size: str | None = None,
     dry_run: bool = False,
+    insecure_workdir: bool = False,
     live: bool | None = None,
     summary: bool = True,
     ssh_config: str | None = None,
@@ -237,6 +241,7 @@ def push(
                 file_progress=view.files,
                 limit=limit,
                 dry_run=dry_run,
+                insecure_workdir=insecure_workdir,
             )
             if summary:
                 view.finish(summaries)

@@ -279,6 +279,8 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
 @option("Push", "--setup", metavar="CMD",
         help="Run `sh -c CMD` on every host in the pushed folder before any rank (overrides the"
         " inventory's setup); again only when CMD or the pushed files changed.")
+@option("Push", "--insecure-workdir", is_flag=True,
+        help="Push and run even where another user owns, or may write, the workdir or project folder on a host.")
 @option("Push", "--setup-always", is_flag=True, help="Run the setup even when nothing changed since its last success.")
 @data_options
 @spark_options
@@ -300,7 +302,8 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
                    "--push (not --no-push)")
     _refuse_unused({"--data": "data", "--shard": "shard", "--split-lines": "split_lines", "--push/--no-push": "push",
                     "--code": "code", "--max-push-size": "max_push_size", "--setup": "setup",
-                    "--setup-always": "setup_always", "--base-port": "base_port", "--no-preflight": "preflight",
+                    "--setup-always": "setup_always", "--insecure-workdir": "insecure_workdir",
+                    "--base-port": "base_port", "--no-preflight": "preflight",
                     "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
                     "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach"},
@@ -368,6 +371,8 @@ def init(directory: str, framework: str, force: bool) -> None:
 @option("Push", "--no-delete", "delete", is_flag=True, flag_value=False, default=True,
         help="Keep remote code files that were deleted locally (a data shard always drops what left it).")
 @max_push_size_option
+@option("Push", "--insecure-workdir", is_flag=True,
+        help="Push and run even where another user owns, or may write, the workdir or project folder on a host.")
 @option("Output", "--dry-run", is_flag=True, help="Show per host what would be sent and deleted; write nothing.")
 @option("Output", "--json", "json_output", is_flag=True, help="Print the per-host summary as JSON.")
 @ssh_options

@@ -273,6 +273,7 @@ class RemoteTree:
     device: int = 0
     error: str | None = None
     error_path: str | None = None
+    unsafe: tuple[tuple[str, str, str], ...] = ()  # (folder, what is wrong, fix): others could plant code
 
 
 @dataclass(frozen=True)

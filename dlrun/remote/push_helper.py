@@ -99,6 +99,67 @@ def under_link(root: str, rel: str, seen: dict[str, bool]) -> bool:
     return seen[folder]
 
 
+def user_name(uid: int) -> str:
+    try:
+        import pwd
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def own_group(st: os.stat_result, uid: int) -> bool:
+    # a group only this user is in (a user private group, umask 002): its write bit lets no one else in
+    try:
+        import grp
+        import pwd
+        me = pwd.getpwuid(uid)
+        group = grp.getgrgid(st.st_gid)
+    except (ImportError, KeyError):
+        return False
+    return st.st_gid == me.pw_gid and group.gr_name == me.pw_name and set(group.gr_mem) <= {me.pw_name}
+
+
+def unsafe_folders(root: str) -> list[list[str]]:
+    # As OpenSSH's StrictModes asks of ~/.ssh: the pushed folder and every folder above it (as
+    # resolved: links followed) belong to this user or root, and no one else may write there, except
+    # in a sticky folder above the pushed one (/tmp). Else another user could plant code the job
+    # runs (<workdir>/<project>/json.py) or swap a folder for theirs. [path, what is wrong, fix]
+    uid = os.geteuid()
+    path = nearest_existing(root)
+    leaf = path == root
+    problems = []
+    current = os.path.realpath(path)
+    while True:
+        try:
+            st = os.stat(current)
+        except OSError:
+            break
+        mode = stat.S_IMODE(st.st_mode)
+        sticky_ok = bool(mode & stat.S_ISVTX) and not leaf
+        if st.st_uid not in (uid, 0):
+            problems.append([current, f"is owned by {user_name(st.st_uid)}, not by {user_name(uid)}",
+                             "use a workdir of your own (workdir in the inventory), or remove it"])
+        elif mode & 0o002 and not sticky_ok:
+            problems.append([current, f"is writable by every user (mode {mode:04o})", "chmod o-w " + current])
+        elif mode & 0o020 and not sticky_ok and not own_group(st, uid):
+            problems.append([current, f"is writable by group {group_name(st.st_gid)} (mode {mode:04o})",
+                             "chmod g-w " + current])
+        leaf = False
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    return problems
+
+
+def group_name(gid: int) -> str:
+    try:
+        import grp
+        return grp.getgrgid(gid).gr_name
+    except (ImportError, KeyError):
+        return f"gid {gid}"
+
+
 def load_record(root: str) -> Record:
     try:
         with open(record_file(root)) as fh:
@@ -162,8 +223,9 @@ def survey(spec: dict[str, Any]) -> tuple[dict[str, Any], Record, Record]:
                and all(record.get(rel) == value for rel, value in fresh.items() if rel in wanted)
                and all(rel in entries and entries[rel][4] for rel in record)
                and not folder_modes(root, spec.get("folders") or []))
+    unsafe = unsafe_folders(root) if spec.get("owner_check") else []
     reply = {"root": root, "entries": entries, "free": free, "block": block, "device": device,
-             "error": error, "path": base if error else None, "settled": settled}
+             "error": error, "path": base if error else None, "settled": settled and not unsafe, "unsafe": unsafe}
     return reply, record, fresh
 
 
@@ -488,10 +550,13 @@ def main() -> int:
         for t, root in enumerate(roots):  # the root itself, even for a tree with no files
             try:
                 receiver.makedirs(t, "")
-                if request["targets"][t].get("folders"):  # a private project is never open, not even at first
-                    os.chmod(root, 0o700)
             except OSError as exc:
                 receiver.fail(f"{t}/", *os_problem(exc, root))
+            if request["targets"][t].get("folders"):  # a private project is never open, not even at first
+                try:
+                    os.chmod(root, 0o700)
+                except OSError:
+                    pass  # not ours (--insecure-workdir): its owner's mode stays
         for t, rel in plan["delete"]:
             receiver.delete(t, rel)
         receiver.run()

@@ -111,6 +111,7 @@ class LaunchConfig:
     gpu_idle_after: float = 60.0  # --gpu-idle-after: an idle GPU beside a busy one is named after this long
     detected: Detected | None = None  # what --framework auto found in the script (resolve_framework)
     detach: bool = False  # --detach: the hosts' keepers run the job (dlrun.run.detach)
+    insecure_workdir: bool = False  # push and run even where another user owns or may write the folders
 
 
 def resolve_framework(config: LaunchConfig) -> LaunchConfig:
@@ -333,7 +334,7 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
         with PushView([h.name for h in hosts], live=live) as view:
             summaries = push(transport, hosts, code_dir=None, data_dir=Path(config.data), shard=config.shard,
                              split_lines=config.split_lines, progress=view.progress, file_progress=view.files,
-                             dry_run=dry_run)
+                             dry_run=dry_run, insecure_workdir=config.insecure_workdir)
             view.finish(summaries)
             shown += summaries
         for index, (host, summary) in enumerate(zip(hosts, summaries, strict=True)):
@@ -348,7 +349,8 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
         if pending:
             fresh = push(transport, pending, code_dir=code_dir, progress=view.progress, file_progress=view.files,
                          leave_out=Path(config.data) if config.data else None,  # the data went as shards
-                         log_dir=config.log_dir or DEFAULT_LOG_DIR, limit=push_limit(config), dry_run=dry_run)
+                         log_dir=config.log_dir or DEFAULT_LOG_DIR, limit=push_limit(config), dry_run=dry_run,
+                         insecure_workdir=config.insecure_workdir)
             done.update((s.host, s) for s in fresh)
         view.finish([done[h.name] for h in remote])
     shown += [done[h.name] for h in remote]
@@ -670,7 +672,8 @@ class HostsEngine:
             if targets:
                 from dlrun.push.session import survey_request
 
-                surveys = {name: survey_request([target]) for name, target in targets.items()}
+                surveys = {name: survey_request([target], owner_check=not config.insecure_workdir)
+                           for name, target in targets.items()}
             # the agents start while we plan; each runs the probe, answers the push survey and
             # says which ports are free first
             ports_asked = ports_to_ask(config, inventory, used_hosts, given=self.base_port_given)

@@ -225,3 +225,84 @@ def test_the_local_job_log_folder_is_private(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     (job,) = list((tmp_path / "dlrun-logs").iterdir())
     assert mode_of(job) == 0o700 and (job / "rank-0.log").is_file()
+
+
+# --------------------------------------------------------------------------- workdir ownership
+
+
+def other_user() -> tuple[int, int]:
+    """A second local user, ``mallory``, who shares the hosts with the job's login user."""
+    from support.sshd_cluster import ensure_test_user
+
+    pw = ensure_test_user("mallory", Path("/var/lib/dlrun-mallory"))
+    return pw.pw_uid, pw.pw_gid
+
+
+def scratch_inventory(cluster, path: Path, workdir: Path) -> Path:  # type: ignore[no-untyped-def]
+    path.write_text(f'[defaults]\npython = "{cluster.python}"\n[[hosts]]\naddress = "{cluster.hosts[0].name}"\n'
+                    f'slots = 1\nworkdir = "{workdir}"\n')
+    return path
+
+
+@pytest.mark.ssh
+def test_a_project_folder_another_user_made_first_is_refused(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    if not cluster.is_root:
+        pytest.skip("needs root to make a second user")
+    uid, gid = other_user()
+    tag = secrets.token_hex(3)
+    scratch = Path(f"/tmp/dlrun-scratch-{tag}")  # a shared /scratch: anyone may make folders, sticky
+    scratch.mkdir()
+    scratch.chmod(0o1777)
+    try:
+        project = tmp_path / f"proj-{tag}"
+        project.mkdir()
+        (project / "train.py").write_text("import json\nprint('trained', json.dumps(1))\n")
+        planted = scratch / project.name  # mallory was there first, and left a json.py for `import json`
+        planted.mkdir()
+        planted.chmod(0o777)
+        marker = scratch / f"pwned-{tag}"
+        (planted / "json.py").write_text(f"open({str(marker)!r}, 'w').write('mallory')\ndumps = str\n")
+        for path in (planted, planted / "json.py"):
+            os.chown(path, uid, gid)
+        hosts = scratch_inventory(cluster, tmp_path / "hosts.toml", scratch)
+        ssh = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), "--framework", "none", "--plain"]
+        out = run_dlrun("launch", *ssh, str(project / "train.py"), cwd=tmp_path, timeout=180)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert f"{planted} is owned by mallory, not by {cluster.user}" in out.stderr, out.stderr
+        assert "--insecure-workdir" in out.stderr and "] trained" not in out.stdout
+        assert not marker.exists()
+        out = run_dlrun("launch", *ssh, "--insecure-workdir", str(project / "train.py"), cwd=tmp_path, timeout=180)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert marker.read_text() == "mallory"  # what the check prevents: the job ran mallory's json.py
+
+        fresh = tmp_path / f"fresh-{tag}"  # a project of one's own in the sticky scratch: fine
+        fresh.mkdir()
+        (fresh / "train.py").write_text("print('trained')\n")
+        out = run_dlrun("launch", *ssh, str(fresh / "train.py"), cwd=tmp_path, timeout=180)
+        assert out.returncode == 0 and "[0 host0] trained" in out.stdout, out.stdout + out.stderr
+    finally:
+        subprocess.run(["rm", "-rf", str(scratch)], check=False)
+
+
+@pytest.mark.ssh
+def test_a_workdir_others_may_write_is_refused_with_its_fix(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    workdir = cluster.hosts[0].workdir / f"open-{secrets.token_hex(3)}"
+    workdir.mkdir()
+    workdir.chmod(0o777)  # not sticky: another user could swap the project folder for theirs
+    import pwd
+
+    pw = pwd.getpwnam(cluster.user)
+    os.chown(workdir, pw.pw_uid, pw.pw_gid)
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "train.py").write_text("print('trained')\n")
+    hosts = scratch_inventory(cluster, tmp_path / "hosts.toml", workdir)
+    out = run_dlrun("push", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), "--code", str(project),
+                    cwd=tmp_path, timeout=180)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"{workdir} is writable by every user (mode 0777): chmod o-w {workdir}" in out.stderr, out.stderr
+    assert not (workdir / "proj").exists()
+    out = run_dlrun("push", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), "--code", str(project),
+                    "--insecure-workdir", cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (workdir / "proj" / "train.py").is_file()
