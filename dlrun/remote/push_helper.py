@@ -119,15 +119,34 @@ def own_group(st: os.stat_result, uid: int) -> bool:
     return st.st_gid == me.pw_gid and group.gr_name == me.pw_name and set(group.gr_mem) <= {me.pw_name}
 
 
-def unsafe_folders(root: str) -> list[list[str]]:
+def user_namespace_overflow() -> int | None:
+    # in a user namespace (the agent's, for its PID namespace) a file of an unmapped user, root
+    # included, shows as the overflow uid: that owner is unknown. None outside one.
+    try:
+        with open("/proc/self/uid_map") as fh:
+            fields = fh.read().split()
+        if fields[:3] == ["0", "0", "4294967295"]:
+            return None
+        with open("/proc/sys/fs/overflowuid") as fh:
+            return int(fh.read())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def unsafe_folders(root: str) -> tuple[list[list[str]], bool]:
     # As OpenSSH's StrictModes asks of ~/.ssh: the pushed folder and every folder above it (as
     # resolved: links followed) belong to this user or root, and no one else may write there, except
     # in a sticky folder above the pushed one (/tmp). Else another user could plant code the job
     # runs (<workdir>/<project>/json.py) or swap a folder for theirs. [path, what is wrong, fix]
+    # each; and whether an owner could not be seen (a user namespace): the push helper, outside
+    # one, must look again.
     uid = os.geteuid()
+    overflow = user_namespace_overflow()
     path = nearest_existing(root)
     leaf = path == root
+    near = 2  # the pushed folder and the workdir: their owner must be known
     problems = []
+    unsure = False
     current = os.path.realpath(path)
     while True:
         try:
@@ -136,7 +155,11 @@ def unsafe_folders(root: str) -> list[list[str]]:
             break
         mode = stat.S_IMODE(st.st_mode)
         sticky_ok = bool(mode & stat.S_ISVTX) and not leaf
-        if st.st_uid not in (uid, 0):
+        owner_ok = st.st_uid in (uid, 0)
+        if not owner_ok and st.st_uid == overflow:  # root or another user: the mode must say enough
+            owner_ok = True
+            unsure = unsure or near > 0
+        if not owner_ok:
             problems.append([current, f"is owned by {user_name(st.st_uid)}, not by {user_name(uid)}",
                              "use a workdir of your own (workdir in the inventory), or remove it"])
         elif mode & 0o002 and not sticky_ok:
@@ -145,11 +168,12 @@ def unsafe_folders(root: str) -> list[list[str]]:
             problems.append([current, f"is writable by group {group_name(st.st_gid)} (mode {mode:04o})",
                              "chmod g-w " + current])
         leaf = False
+        near -= 1
         parent = os.path.dirname(current)
         if parent == current:
             break
         current = parent
-    return problems
+    return problems, unsure
 
 
 def group_name(gid: int) -> str:
@@ -223,9 +247,10 @@ def survey(spec: dict[str, Any]) -> tuple[dict[str, Any], Record, Record]:
                and all(record.get(rel) == value for rel, value in fresh.items() if rel in wanted)
                and all(rel in entries and entries[rel][4] for rel in record)
                and not folder_modes(root, spec.get("folders") or []))
-    unsafe = unsafe_folders(root) if spec.get("owner_check") else []
+    unsafe, unsure = unsafe_folders(root) if spec.get("owner_check") else ([], False)
     reply = {"root": root, "entries": entries, "free": free, "block": block, "device": device,
-             "error": error, "path": base if error else None, "settled": settled and not unsafe, "unsafe": unsafe}
+             "error": error, "path": base if error else None, "settled": settled and not unsafe and not unsure,
+             "unsafe": unsafe}
     return reply, record, fresh
 
 

@@ -535,7 +535,7 @@ class SSHTransport(Transport):
         waiting: queue.SimpleQueue[Host] = queue.SimpleQueue()
         for host in todo:
             waiting.put(host)
-        answers: queue.SimpleQueue[TransportError | None] = queue.SimpleQueue()
+        answers: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
 
         def work() -> None:  # daemon threads: a lookup still hanging after a fail-fast holds nothing up
             while not self._abandoned:
@@ -543,12 +543,18 @@ class SSHTransport(Transport):
                     host = waiting.get_nowait()
                 except queue.Empty:
                     return
-                answers.put(self._connect_one(host))
+                try:
+                    answers.put(self._connect_one(host))
+                except BaseException as exc:  # not a host's failure (a ProxyJump loop): raised below
+                    answers.put(exc)
 
         for i in range(min(64, len(todo))):
             threading.Thread(target=work, name=f"dlrun-connect-{i}", daemon=True).start()
         for done in range(1, len(todo) + 1):
             error = answers.get()
+            if error is not None and not isinstance(error, TransportError):
+                self._abandoned = True
+                raise error
             if error is not None:
                 errors.append(error)
             if noisy and done % step == 0 and done < len(todo):
