@@ -27,6 +27,8 @@ SECRET_NAME = re.compile(r"TOKEN|SECRET|PASS|PWD|CREDENTIAL|AUTH|KEY|COOKIE|PRIV
 # (it may hold '@' or '/'), the host to the first '/', '?', '#' or space
 URL_PASSWORD = re.compile(r"(://[^/:@\s]*):\S*@(?=[^@\s/]*(?:[/?#\s]|$))")
 MASK = "****"
+# HOROVOD_GLOO_RENDEZVOUS_ADDR=host:port/<key>: the key is the rendezvous credential
+RENDEZVOUS_KEY = re.compile(r"^([^/]*/).+$", re.DOTALL)
 # an option of the script that names a secret: --password, --api-key (its value follows, or after '=')
 SECRET_OPTION = re.compile(r"-{1,2}[A-Za-z][\w.-]*")
 # NAME=VALUE or --name=value among the script's arguments
@@ -108,8 +110,17 @@ def socket_env(framework: str, iface: SocketIface | None) -> dict[str, str]:
     return env
 
 
-def horovod_env(plan: Plan, spec: RankSpec, *, rendezvous: tuple[str, int]) -> dict[str, str]:
+#: Where the ranks meet: (address, port), or (address, port, key) for a server that wants the
+#: job's rendezvous key in every request (``dlrun.remote.rendezvous.client_address``)
+Rendezvous = tuple[str, int] | tuple[str, int, str]
+
+
+def horovod_env(plan: Plan, spec: RankSpec, *, rendezvous: Rendezvous) -> dict[str, str]:
     """Horovod's gloo rank environment, pointing at dlrun's rendezvous server."""
+    key = rendezvous[2] if len(rendezvous) > 2 else None
+    # with a key: host:port/key, which Horovod's client puts into every request's path
+    # (dlrun.remote.rendezvous.client_address, the keeper's copy)
+    address = f"{rendezvous[0]}:{rendezvous[1]}/{key}" if key else rendezvous[0]
     env = {
         "HOROVOD_RANK": str(spec.rank),
         "HOROVOD_SIZE": str(plan.world_size),
@@ -119,7 +130,7 @@ def horovod_env(plan: Plan, spec: RankSpec, *, rendezvous: tuple[str, int]) -> d
         "HOROVOD_CROSS_SIZE": str(spec.cross_size),
         # the rank's network address: gloo resolves it when no interface is named
         "HOROVOD_HOSTNAME": spec.address,
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous[0],
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": address,
         "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous[1]),
         "HOROVOD_CONTROLLER": "gloo",
         "HOROVOD_CPU_OPERATIONS": "gloo",
@@ -178,7 +189,7 @@ def framework_env(
     plan: Plan,
     spec: RankSpec,
     *,
-    rendezvous: tuple[str, int] | None = None,
+    rendezvous: Rendezvous | None = None,
 ) -> dict[str, str]:
     """The framework part of a rank's env (``plan.framework`` picks which)."""
     if plan.framework == TF_AND_TORCH:  # --framework auto found no framework: both contracts
@@ -209,7 +220,7 @@ def worker_commands(
     python_for: Mapping[str, Sequence[str]],
     cwd_for: Mapping[str, str | None] | None = None,
     extra_env: Mapping[str, str] | None = None,
-    rendezvous: tuple[str, int] | None = None,
+    rendezvous: Rendezvous | None = None,
     ifaces: Mapping[str, SocketIface] | None = None,
     server_argv: Sequence[str] | None = None,
     gpus_for: Mapping[str, Sequence[str]] | None = None,
@@ -257,7 +268,8 @@ def worker_commands(
 def mask_env(env: Mapping[str, str]) -> dict[str, str]:
     """Hide the values of variables whose names say they hold a secret (``SECRET_NAME``), and
     the password of a URL in any other value (``DATABASE_URL=postgres://u:****@db/x``)."""
-    return {name: (MASK if SECRET_NAME.search(name) else mask_text(value)) for name, value in env.items()}
+    return {name: (MASK if SECRET_NAME.search(name) else RENDEZVOUS_KEY.sub(rf"\1{MASK}", value)
+                   if name == "HOROVOD_GLOO_RENDEZVOUS_ADDR" else mask_text(value)) for name, value in env.items()}
 
 
 def mask_text(value: str) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import secrets
 import shlex
 import sys
 import time
@@ -119,8 +118,8 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
             config["followers"] = names[1:]
             config["enders"] = [c.rank for c in commands if ends_job is not None and ends_job(c)]
             if rendezvous_source is not None:
-                config["rendezvous"] = {"source": rendezvous_source, "scopes": scope_sizes(
-                    [(c.spec.address, c.spec.local_rank) for c in commands])}
+                config["rendezvous"] = {"source": rendezvous_source, "host": commands[0].spec.address,
+                                        "scopes": scope_sizes([(c.spec.address, c.spec.local_rank) for c in commands])}
         configs[name] = config
     return configs
 
@@ -221,7 +220,7 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
     hosts = {c.host_name: c.spec.host for c in placement.commands}
     configs = keeper_configs(
         job_id, attempts, agent_argv_of=lambda h: agent_argv(default_python(h), pidns=config.pidns),
-        token=secrets.token_hex(32), cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
+        token=engine.job_secret, cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
         host_timeout=config.ssh.host_timeout, script=" ".join(mask_argv([config.script, *config.args]))[:200],
         pidns_source=source_of("agent"), gpu_every=config.gpu_every,
         rendezvous_source=source_of("rendezvous") if config.framework == "horovod" else None,
@@ -229,6 +228,7 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
     names = list(configs)
     leader = hosts[names[0]]
     address = engine.addresses.get(leader.name, leader.address)
+    configs[names[0]]["bind"] = address  # the leader listens where its followers reach it, not everywhere
     try:
         answer = run_program(transport, leader, "keeper", configs[names[0]], job_id)
         for name in names[1:]:

@@ -48,7 +48,7 @@ from dlrun.plan import (
     make_plan,
 )
 from dlrun.remote.tf_server import server_source
-from dlrun.render import WorkerCommand, mask_argv, mask_env, plan_to_json, printable, worker_commands
+from dlrun.render import Rendezvous, WorkerCommand, mask_argv, mask_env, plan_to_json, printable, worker_commands
 from dlrun.run.addresses import facing_address, interfaces_at, local_base_port, reachable_addresses, socket_ifaces
 from dlrun.run.agents import AgentAnswer, HostAgents
 from dlrun.run.engine import Engine, HeldView, Placement
@@ -173,7 +173,7 @@ def render_commands(
     job_id: str,
     addresses: Mapping[str, str] | None = None,
     cwd_for: Mapping[str, str | None] | None = None,
-    rendezvous: tuple[str, int] | None = None,
+    rendezvous: Rendezvous | None = None,
     gpus_for: Mapping[str, Sequence[str]] | None = None,
     found_ifaces: Mapping[str, str] | None = None,
     ports: Mapping[int, int] | None = None,
@@ -435,18 +435,21 @@ def settled_hosts(targets: Mapping[str, PushTarget], answers: Mapping[str, Agent
 
 
 @contextmanager
-def horovod_rendezvous(plan: Plan) -> Iterator[tuple[str, int]]:
-    """dlrun's Horovod rendezvous server for this plan, stopped when the job ends."""
+def horovod_rendezvous(plan: Plan) -> Iterator[tuple[str, int, str]]:
+    """dlrun's Horovod rendezvous server for this plan, stopped when the attempt ends; every
+    request must carry a key of this attempt's own (``dlrun.remote.rendezvous``)."""
+    from dlrun.remote.rendezvous import rendezvous_key
     from dlrun.run.rendezvous import RendezvousServer, scope_sizes
 
+    key = rendezvous_key(secrets.token_hex(32))
     server = RendezvousServer(
         scope_sizes([(r.address, r.local_rank) for r in plan.ranks]),
-        host=facing_address([r.address for r in plan.ranks]),
+        host=facing_address([r.address for r in plan.ranks]), key=key,
     )
     with server:
         address = server.address
         assert address is not None
-        yield address
+        yield address[0], address[1], key
 
 
 def dry_run_text(commands: Sequence[WorkerCommand]) -> str:
@@ -618,6 +621,7 @@ class HostsEngine:
         self.ports_chosen = False  # dlrun chose the base port (no --base-port): a restart chooses again
         self.reconnect: tuple[Host, ...] = ()  # hosts lost in the last attempt: reconnected, probed again
         self.dropped: tuple[str, ...] = ()  # hosts lost and left out (--min-hosts)
+        self.job_secret = secrets.token_hex(32)  # a detached job's keepers' token (and rendezvous key's root)
 
     def prepare(self, config: LaunchConfig) -> LaunchConfig:
         if config.hosts is None and config.np is not None and config.np < 1:
@@ -788,9 +792,11 @@ class HostsEngine:
                 agents = self.rejoin(config)
         with ExitStack() as stack:
             plan = job_plan(config, self.inventory, job_id, self.addresses, self.ports)
-            rendezvous = None
+            rendezvous: Rendezvous | None = None
             if config.framework == "horovod" and detached:
-                rendezvous = (plan.ranks[0].address, 0)
+                from dlrun.remote.rendezvous import rendezvous_key
+
+                rendezvous = (plan.ranks[0].address, 0, rendezvous_key(self.job_secret))
                 if ":" in rendezvous[0]:
                     raise RendezvousError(
                         f"host {plan.ranks[0].host.name}'s address {rendezvous[0]} is IPv6; Horovod's rendezvous"
