@@ -28,6 +28,8 @@ from dlrun import topo as _topo_package
 if TYPE_CHECKING:
     from dlrun.api import TopoResult as TopoResult
     from dlrun.api import launch as launch
+    from dlrun.api import push as push
+    from dlrun.api import topo as topo
     from dlrun.run.result import RunResult as RunResult
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -19,23 +19,29 @@ from dlrun.plan import DEFAULT_HOST_TIMEOUT
 from dlrun.run.result import RunResult
 
 if TYPE_CHECKING:
+    from dlrun.inventory import Host
     from dlrun.push.session import HostPushSummary
     from dlrun.run.detach import JobHosts, JobRecord
     from dlrun.run.launch import SSHOptions
     from dlrun.run.supervisor import View
     from dlrun.topo.findings import Finding
     from dlrun.topo.records import HostReport
+    from dlrun.transport.base import Transport
 
 
 @dataclass(frozen=True)
 class TopoResult:
     """What ``topo`` found: each host's report, the findings across hosts, the env dlrun
-    suggests, and the exit code (1 when a finding is an error)."""
+    suggests, the exit code (1 when a finding is an error), the socket interface ``launch``
+    gives each host (``ifaces``; empty without ``hosts``) and what launch does about them
+    (``note``)."""
 
     reports: tuple[HostReport, ...]
     findings: tuple[Finding, ...]
     env: Mapping[str, str]
     exit_code: int
+    ifaces: Mapping[str, str] = field(default_factory=dict)
+    note: str = ""
 
 
 def ssh_options(
@@ -101,6 +107,8 @@ def launch(
     view: View | None = None,
     detach: bool = False,
     insecure_workdir: bool = False,
+    module: bool = False,
+    no_python: bool = False,
 ) -> RunResult:
     """Run ``script`` on every rank, as ``dlrun launch`` does; how the job ended.
 
@@ -111,16 +119,24 @@ def launch(
     lines elsewhere). ``gpu_every``: seconds between GPU samples on every host (0: none); the
     result's ``gpu_summary`` and ``gpu_warnings`` say how the GPUs were used (``gpu_idle_after``:
     when an idle one is named). ``detach``: hand the job to the hosts and return once every rank
-    started (``ps``, ``logs``, ``attach``, ``stop`` follow it). ``insecure_workdir``: push and
-    run even where another user owns, or may write, a host's workdir or project folder.
-    ``env_file``: files of ``NAME=VALUE`` lines that only their owner can read (``--env-file``);
-    ``env`` wins over them.
+    started (``ps``, ``logs``, ``attach``, ``stop`` follow it). ``module``: ``script`` is a
+    Python module (``-m pkg.train``), run with each host's python in the project (the current
+    folder or ``code``); ``no_python``: the command runs exactly as given (``python``, ``.py``,
+    ``.R`` and ``.sh`` get no interpreter from dlrun). ``insecure_workdir``: push and run even
+    where another user owns, or may write, a host's workdir or project folder. ``env_file``:
+    files of ``NAME=VALUE`` lines that only their owner can read (``--env-file``); ``env`` wins
+    over them.
     """
     from dlrun.run.launch import LaunchConfig, run_job
     from dlrun.userenv import rank_env
 
+    if str(script).startswith("-"):  # an option dlrun lacks would run as the command on every rank
+        raise UsageError(f"{script}: a script or command never starts with '-'",
+                         hint="dlrun's options are listed by dlrun launch --help; the script comes before its own")
     if json_output and not dry_run:
         raise UsageError("--json goes with --dry-run")
+    if module and no_python:
+        raise UsageError("-m and --no-python exclude each other: -m runs the module with each host's python")
     if backend not in ("ssh", "spark"):
         raise UsageError(f"--backend {backend}: expected ssh or spark")
     if gpu_every < 0 or gpu_idle_after < 0:
@@ -133,7 +149,8 @@ def launch(
         pidns=pidns, preflight=preflight, push=push, data=None if data is None else str(data), shard=shard,
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
         min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
-        gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach, insecure_workdir=insecure_workdir,
+        gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach, module=module, no_python=no_python,
+        insecure_workdir=insecure_workdir,
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
                         connect_timeout=connect_timeout, host_timeout=host_timeout),
     )
@@ -143,6 +160,8 @@ def launch(
 
     if detach:
         raise UsageError("--detach goes with the SSH backend (a Spark stage lives with its driver)")
+    if module:
+        raise UsageError("-m goes with the SSH backend (Spark ships one script file)")
     if master is None:
         raise UsageError("--backend spark needs --master URL")
     if hosts is not None:
@@ -165,12 +184,14 @@ def topo(
 ) -> TopoResult:
     """Probe every host (this machine without ``hosts``), as ``dlrun topo`` does."""
     from dlrun.inventory import load_inventory
+    from dlrun.run.addresses import host_ifaces, interfaces_at, reachable_addresses
     from dlrun.run.launch import make_transport
-    from dlrun.topo.findings import analyse, exit_code, suggested_env
+    from dlrun.topo.findings import analyse, exit_code, socket_note, suggested_env
     from dlrun.topo.preflight import probe_hosts
     from dlrun.topo.probe import probe_local
 
     reports: tuple[HostReport, ...]
+    ifaces = None
     if hosts is None:
         reports = (probe_local(),)
         slots = None
@@ -181,11 +202,16 @@ def topo(
             connect_timeout=connect_timeout, host_timeout=host_timeout))
         try:
             reports = probe_hosts(transport, inventory.hosts)
+            reached = [h for h, r in zip(inventory.hosts, reports, strict=True) if r.reachable]
+            # where launch reaches each host (connected already: no new connection), and so launch's interfaces
+            addresses = reachable_addresses(reached, transport.connect(reached)) if reached else {}
         finally:
             transport.close()
+        ifaces = host_ifaces(reached, addresses, None, interfaces_at(reports, addresses))
         slots = {h.name: h.slots for h in inventory.hosts if h.slots is not None}
     findings = tuple(analyse(reports, slots))
-    return TopoResult(reports, findings, suggested_env(reports), exit_code(findings))
+    return TopoResult(reports, findings, suggested_env(reports, ifaces), exit_code(findings),
+                      {name: i.name for name, i in (ifaces or {}).items()}, socket_note(reports, ifaces))
 
 
 def push(
@@ -261,10 +287,34 @@ def _job_hosts(hosts: str | None, ssh: Mapping[str, Any]) -> Iterator[JobHosts]:
     inventory = resolve_inventory(hosts, 1)
     transport = make_transport(inventory, ssh_options(**ssh))
     try:
-        transport.connect(inventory.hosts)
-        yield JobHosts(transport, inventory.hosts)
+        yield JobHosts(transport, inventory.hosts, unreachable=connect_reachable(transport, inventory.hosts))
     finally:
         transport.close()
+
+
+def connect_reachable(transport: Transport, hosts: Sequence[Host]) -> dict[str, str]:
+    """Connect to every host that can be reached (``ps``, ``logs`` and ``stop`` go on without
+    the others); the others by name, with the reason."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dlrun.errors import TransportError
+
+    try:
+        transport.connect(hosts)
+        return {}
+    except TransportError:
+        pass
+
+    def one(host: Host) -> str | None:
+        try:
+            transport.connect([host])
+        except TransportError as exc:
+            return str(exc.message)
+        return None
+
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        reasons = list(pool.map(one, hosts))
+    return {h.name: why for h, why in zip(hosts, reasons, strict=True) if why is not None}
 
 
 def ps(hosts: str | None = None, **ssh: Any) -> list[JobRecord]:
@@ -284,14 +334,18 @@ def logs(job: str, hosts: str | None = None, *, follow: bool = False, delete: bo
     from dlrun.run.detach import LogFollower
 
     with _job_hosts(hosts, ssh) as job_hosts:
-        follower = LogFollower(job_hosts, job, out or sys.stdout, since)
-        record = follower.follow() if follow else follower.poll()
+        stream = out or sys.stdout
+        follower = LogFollower(job_hosts, job, stream, since)
+        if delete and since is not None:
+            raise UsageError("--delete goes without --since: it deletes only what was shown, to the end")
+        record = follower.follow() if follow else follower.poll(whole=True)
         if record is None:
             raise UsageError(f"no job {job} on {', '.join(h.name for h in job_hosts.hosts)}")
         if delete:
             if not record.ended or record.alive:  # a keeper of it may still run, even on a shared home
                 raise UsageError(f"job {job} is {record.state}: dlrun stop {job} first, then delete its logs")
-            job_hosts.delete(job)
+            stream.flush()  # written out (a full disk or a closed pipe raises here, and nothing is deleted)
+            job_hosts.delete(job, follower.offsets)
             return None
         return record
 
@@ -304,20 +358,25 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
     import sys
 
     from dlrun.run.detach import LogFollower
+    from dlrun.run.screen import ScreenFeed
     from dlrun.run.view import PlainView, make_view
 
     stream = out or sys.stdout
-    shown = PlainView(out) if out is not None else make_view()
+    shown = PlainView(out) if out is not None else make_view(lossless_plain=True)
     with _job_hosts(hosts, ssh) as job_hosts:
         follower = LogFollower(job_hosts, job, stream, since, view=shown)
         try:
             record = follower.follow()
         except KeyboardInterrupt:
+            if isinstance(shown, ScreenFeed):
+                shown.drain()
             shown.notice(f"detached from job {job}; it goes on (dlrun attach {job} to come back)")
             return 0
         for attempt in record.history:
             shown.notice(f"attempt {int(attempt.get('attempt', 0)) + 1} (job {attempt.get('job_id')}) failed:"
                          f" {attempt.get('root_cause')}")
+        for note in record.notes:
+            shown.notice(note)
         result = follower.result(record)
         if record.root_cause and result.root_cause is None and record.state != "stopped":
             shown.notice(f"root cause: {record.root_cause}")

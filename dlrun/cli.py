@@ -153,7 +153,9 @@ ssh_options = options(
 data_options = options(
     option("Push", "--data", type=click.Path(exists=True),
            help="Dataset directory (or file): each host gets its shard."),
-    option("Push", "--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True),
+    option("Push", "--shard", type=click.Choice(SHARD_POLICIES), default="files", show_default=True,
+           help="How --data is split among the hosts: files (sorted files dealt round-robin), contiguous (equal"
+           " contiguous ranges), size (balanced by bytes), replicate (every host gets all of it)."),
     option("Push", "--split-lines", is_flag=True, help="Split a single text/CSV dataset file into per-host parts."),
 )
 
@@ -190,17 +192,25 @@ class _LaunchCommand(GroupedCommand):
             if isinstance(param, click.Option):
                 for name in (*param.opts, *param.secondary_opts):
                     takes_value[name] = not (param.is_flag or param.count)
-        args = _dlrun_options_first(list(args), takes_value)
+        args = _dlrun_options_first(list(args), takes_value, before_script=SCRIPT_FORM_OPTIONS)
         return super().parse_args(ctx, args)
 
 
-def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[str]:
+#: Options that say what SCRIPT is: they count only before it, so that ``python -m pkg.train``
+#: keeps its ``-m``.
+SCRIPT_FORM_OPTIONS = frozenset({"-m", "--module", "--no-python"})
+
+
+def _dlrun_options_first(args: list[str], takes_value: dict[str, bool],
+                         before_script: frozenset[str] = frozenset()) -> list[str]:
     """Move dlrun's options that follow SCRIPT in front of it (see ``_LaunchCommand``); warn
-    when one of them appears later, among the script's arguments, where the script gets it."""
+    when one of them appears later, among the script's arguments, where the script gets it.
+    ``before_script``: options that are dlrun's only before SCRIPT (after it, the script's)."""
+    script = len(args)  # set once SCRIPT is found: from there on, before_script options are the script's
 
     def option_at(i: int) -> int:  # how many tokens dlrun's option at i takes, 0 if none
         name, eq, _ = args[i].partition("=")
-        if name not in takes_value:
+        if name not in takes_value or (i > script and name in before_script):
             return 0
         return 2 if takes_value[name] and not eq and i + 1 < len(args) else 1
 
@@ -208,7 +218,7 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
     while i < len(args) and args[i] != "--" and (size := option_at(i)):
         i += size
     if i >= len(args) or args[i] == "--" or args[i].startswith("-"):
-        return args  # no script yet (click reports it), or an unknown option before it
+        return args  # no script yet, or an option of a form click parses itself (-n2, -dn 2; a typo: click's error)
     script, j, moved = i, i + 1, []
     while j < len(args) and (size := option_at(j)):
         moved += args[j:j + size]
@@ -218,7 +228,8 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
         rest = rest[1:]  # the explicit end of dlrun's options
     else:
         mine = rest[:rest.index("--")] if "--" in rest else rest  # after a "--" the user was explicit
-        late = sorted({a.partition("=")[0] for a in mine if a.startswith("--") and a.partition("=")[0] in takes_value})
+        late = sorted({a.partition("=")[0] for a in mine if a.startswith("--") and a.partition("=")[0] in takes_value
+                       and a.partition("=")[0] not in before_script})
         if late:
             click.echo(f"dlrun: warning: {', '.join(late)} after the script's own arguments goes to the script;"
                        " dlrun's options go before them (or use -- before the script's arguments)", err=True)
@@ -226,9 +237,15 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
     return [*args[:script], *moved, args[script], *rest]
 
 
-@main.command(cls=_LaunchCommand, context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@main.command(cls=_LaunchCommand, context_settings={"allow_interspersed_args": False})
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@option("Job", "--module", "-m", "module", is_flag=True,
+        help="SCRIPT is a Python module (pkg.train): each host runs its python -m SCRIPT in the pushed project"
+        " (the current folder, or --code), as torchrun -m. Before SCRIPT only.")
+@option("Job", "--no-python", is_flag=True,
+        help="Run SCRIPT [ARGS] exactly as given: no host python for python or .py, no Rscript for .R, no bash"
+        " for .sh (torchrun's --no-python). Before SCRIPT only.")
 @option("Job", "--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: localhost).")
 @option("Job", "--np", "-n", "np", type=int, help="Number of ranks (default: every slot; 2 on localhost).")
 @option("Job", "--framework", type=click.Choice((AUTO, *FRAMEWORKS)), default=AUTO, show_default=True,
@@ -288,6 +305,9 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool]) -> list[
 def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
     """Run SCRIPT [ARGS]... on every rank: `dlrun launch train.py --hosts hosts.toml`.
 
+    SCRIPT is a script (train.py, train.R), a module with -m (-m pkg.train), or a command
+    (python -m pkg.train, Rscript train.R), run in the pushed project on every host.
+
     dlrun's options go before SCRIPT or right after it; from the first argument that is not
     one of them (or after --), the arguments are the script's.
     """
@@ -303,7 +323,7 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
     _refuse_unused({"--data": "data", "--shard": "shard", "--split-lines": "split_lines", "--push/--no-push": "push",
                     "--code": "code", "--max-push-size": "max_push_size", "--setup": "setup",
                     "--setup-always": "setup_always", "--insecure-workdir": "insecure_workdir",
-                    "--base-port": "base_port", "--no-preflight": "preflight",
+                    "--base-port": "base_port", "--no-preflight": "preflight", "--module": "module",
                     "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
                     "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach"},
@@ -339,9 +359,10 @@ def topo(hosts: str | None, json_output: bool, **ssh: Any) -> None:
 
     result = probe(hosts, **ssh)
     if json_output:
-        click.echo(json.dumps(topo_document(result.reports, result.findings, result.env), indent=2))
+        click.echo(json.dumps(topo_document(result.reports, result.findings, result.env, result.ifaces, result.note),
+                              indent=2))
     else:
-        Console().print(render_topo(result.reports, result.findings, result.env))
+        Console().print(render_topo(result.reports, result.findings, result.env, result.note))
     sys.exit(result.exit_code)
 
 

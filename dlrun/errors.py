@@ -15,10 +15,12 @@ The tree::
     │   ├── HostUnreachable         DNS failure, refused, timeout, dropped connection
     │   ├── AuthenticationFailed    no key was accepted
     │   ├── HostKeyError            unknown (not opted in) or changed host key
+    │   ├── LoginShellError         the login shell ended or waited instead of starting dlrun's program
     │   └── RemoteCommandError      a control command on a host failed (probe, push helper)
     ├── SyncError                   push failed (space, permission, verification) on a host
     ├── PreflightError              exit 1: error findings stop the launch
     ├── RendezvousError             the Horovod key-value server could not start
+    ├── JobStartError               exit 1: a detached job's keepers or ranks did not start (the job is stopped)
     └── BackendError                a backend (Spark) cannot run the job (missing pyspark, slots)
         └── BackendUnavailable      exit 255: its cluster failed us (Spark did not start, tasks never reported)
 
@@ -94,6 +96,11 @@ class HostKeyError(TransportError):
     """The host's key is unknown (and the user did not opt in) or differs from known_hosts."""
 
 
+class LoginShellError(TransportError):
+    """The login user's shell never started dlrun's program: a startup file exited, exec'd or
+    waited; the message names what the shell printed instead."""
+
+
 class RemoteCommandError(TransportError):
     """A control command on a host (probe, manifest, unpack) failed."""
 
@@ -140,3 +147,10 @@ class BackendUnavailable(BackendError):
     failed or its tasks never reported): like an unreachable host, not a usage error."""
 
     exit_code = 255
+
+
+class JobStartError(DlrunError):
+    """A detached job could not start: a keeper failed to start, or its ranks did not all start
+    in time. The keepers that did start stop the job; nothing is left running."""
+
+    exit_code = 1

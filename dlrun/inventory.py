@@ -7,7 +7,8 @@ Owns the ``Host`` and ``Inventory`` frozen dataclasses and four input formats:
 - an MPI/DeepSpeed hostfile: one ``[user@]host slots=N`` per line, ``#`` comments, blank lines;
 - ranges in either of the last two: ``node[01-04,07]:8`` keeps the zero padding.
 
-Pure: the only I/O is reading the file named by ``--hosts`` in ``load_inventory``. Every
+Pure: the only I/O is reading the file named by ``--hosts`` in ``load_inventory`` (and, when
+there is none, listing its folder for a close name). Every
 problem raises ``InventoryError`` naming the source, the line (where one exists) and the key.
 """
 
@@ -118,9 +119,39 @@ def load_inventory(spec: str) -> Inventory:
         if path.suffix == ".toml" or _looks_like_toml(text):
             return parse_toml_inventory(text, source=spec)
         return parse_hostfile(text, source=spec)
-    if spec.endswith(".toml") or "/" in spec:
-        raise InventoryError("no such file", source=spec, hint="pass a hosts.toml, a hostfile or 'h1:2,h2:4'")
+    if spec.endswith(".toml") or "/" in spec or _file_like(spec):
+        what = "no such file"
+        if _file_like(path.name) and not spec.endswith(".toml"):
+            what += f", and no host name ends in .{spec.rpartition('.')[2]}"
+        near = _near_file(path)
+        hint = f"did you mean {near}? " if near else ""
+        raise InventoryError(what, source=spec, hint=f"{hint}--hosts takes a hosts.toml, a hostfile or 'h1:2,h2:4'")
     return parse_inline(spec)
+
+
+#: Endings that name a file, never a host: no top-level domain is one of them.
+_FILE_ENDINGS = frozenset({"toml", "tml", "tmol", "tom", "txt", "cfg", "conf", "ini", "yaml", "yml", "json",
+                           "lst", "list", "hosts", "hostfile"})
+
+
+def _file_like(spec: str) -> bool:
+    """``--hosts hosts.tml``: one entry, no slots, ending like a file (a typo of hosts.toml)."""
+    if "," in spec or ":" in spec or "." not in spec:
+        return False
+    return spec.rpartition(".")[2].lower() in _FILE_ENDINGS
+
+
+def _near_file(path: Path) -> str | None:
+    """A file beside ``path`` whose name is close to it (``hosts.toml`` for ``hosts.tml``)."""
+    import difflib
+
+    folder = path.parent
+    try:
+        names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    except OSError:
+        return None
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.75)
+    return str(path.with_name(close[0])) if close else None
 
 
 def _looks_like_toml(text: str) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import ipaddress
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -51,36 +52,54 @@ class Detected:
     imports: frozenset[str] = frozenset()  # the frameworks whose imports were found ("tf", "torch", …)
 
 
+#: R code that loads a Python framework: ``library(tensorflow)``, ``require(keras)`` (R's
+#: packages over TensorFlow), or reticulate's ``import("tensorflow")``.
+_R_LIBRARY = re.compile(r"""\b(?:library|require|requireNamespace)\(\s*["']?([A-Za-z][\w.]*)["']?""")
+_R_IMPORT = re.compile(r"""\bimport\(\s*["']([A-Za-z_][\w.]*)["']""")
+#: R packages that run TensorFlow (through reticulate), as the Python module they load.
+_R_PACKAGES = {"tensorflow": "tensorflow", "keras": "keras", "keras3": "keras", "tfdatasets": "tensorflow"}
+
+
 def detect_framework(script: str, source: str | None) -> Detected:
-    """Read a script's imports (``ast``, never running it) for the rank contract it needs.
+    """Read a script's imports (``ast`` for Python, R's ``library()`` and reticulate's
+    ``import()`` for a ``.R`` file; never running it) for the rank contract it needs.
 
     Horovod wins over torch and TF (``horovod.torch`` scripts import torch too); a script that
-    imports both torch and TF, names none, is not Python or cannot be parsed gets both
+    imports both torch and TF, names none, is not Python or R, or cannot be parsed gets both
     contracts (:data:`TF_AND_TORCH`).
     """
     name = script.rsplit("/", 1)[-1]
     if source is None:
         return Detected(TF_AND_TORCH, f"{name} is not a Python script: both the tf and the torch contracts")
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError) as exc:
-        return Detected(TF_AND_TORCH, f"could not read the imports of {name} ({type(exc).__name__}): both contracts")
-    imported: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported += [alias.name.split(".")[0] for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            imported.append(node.module.split(".")[0])
-    found = {framework: next(m for m in imported if m in modules)
-             for framework, modules in FRAMEWORK_IMPORTS if any(m in modules for m in imported)}
+    imported: list[tuple[str, str]] = []  # (top-level Python module, as the source says it)
+    if name.endswith((".R", ".r")):
+        code = "\n".join(line.split("#", 1)[0] for line in source.splitlines())
+        imported += [(_R_PACKAGES[m], f"library({m})") for m in _R_LIBRARY.findall(code) if m in _R_PACKAGES]
+        imported += [(m.split(".")[0], f'import("{m}")') for m in _R_IMPORT.findall(code)]
+    else:
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError) as exc:
+            return Detected(TF_AND_TORCH,
+                            f"could not read the imports of {name} ({type(exc).__name__}): both contracts")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported += [(alias.name.split(".")[0],) * 2 for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.append((node.module.split(".")[0],) * 2)
+        imported = [(module, f"import {said}") for module, said in imported]
+    found = {framework: next(said for m, said in imported if m in modules)
+             for framework, modules in FRAMEWORK_IMPORTS if any(m in modules for m, _ in imported)}
     imports = frozenset(found)
     if "horovod" in found:
-        return Detected("horovod", f"import {found['horovod']} in {name}", imports)
+        return Detected("horovod", f"{found['horovod']} in {name}", imports)
     if "torch" in found and "tf" in found:
-        return Detected(TF_AND_TORCH, f"import {found['torch']} and {found['tf']} in {name}: both contracts", imports)
+        tf = found["tf"].removeprefix("import ") if found["torch"].startswith("import ") else found["tf"]
+        both = f"{found['torch']} and {tf}"
+        return Detected(TF_AND_TORCH, f"{both} in {name}: both contracts", imports)
     for framework in ("torch", "tf"):
         if framework in found:
-            return Detected(framework, f"import {found[framework]} in {name}", imports)
+            return Detected(framework, f"{found[framework]} in {name}", imports)
     return Detected(TF_AND_TORCH, f"no framework imported in {name}: both the tf and the torch contracts")
 
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dlrun.command import program_argv, runs_r
 from dlrun.plan import TF_AND_TORCH, Plan, RankSpec
 
 # names that hold secrets: HF_TOKEN, AWS_SECRET_ACCESS_KEY, DB_PASS, MYSQL_PWD, SMTP_PASSWD,
@@ -205,11 +206,12 @@ def framework_env(
     return {}
 
 
-def worker_argv(script: str, args: Sequence[str], python: Sequence[str]) -> tuple[str, ...]:
-    """A ``.py`` script runs with the host's python; anything else runs as given."""
-    if script.endswith(".py"):
-        return (*python, script, *args)
-    return (script, *args)
+def worker_argv(script: str, args: Sequence[str], python: Sequence[str], *, module: bool = False,
+                no_python: bool = False) -> tuple[str, ...]:
+    """A ``.py`` script, a module (``-m``) and a ``python …`` command run with the host's python;
+    ``.R`` and ``.sh`` scripts with Rscript and bash; anything else runs as given
+    (``dlrun.command.program_argv``)."""
+    return program_argv(script, args, python, module=module, no_python=no_python)
 
 
 def worker_commands(
@@ -224,6 +226,8 @@ def worker_commands(
     ifaces: Mapping[str, SocketIface] | None = None,
     server_argv: Sequence[str] | None = None,
     gpus_for: Mapping[str, Sequence[str]] | None = None,
+    module: bool = False,
+    no_python: bool = False,
 ) -> tuple[WorkerCommand, ...]:
     """Render every rank: env = inventory env (host over defaults) < extra < dlrun < framework.
 
@@ -233,7 +237,9 @@ def worker_commands(
     of that host for the job, one per local rank, from the preflight probe; each rank's
     ``CUDA_VISIBLE_DEVICES`` follows :func:`visible_devices`, and a value the user set is kept. ``ifaces``
     maps host name → its socket interface (``socket_env``); interface variables the user set
-    (inventory env, ``--env``) are kept too.
+    (inventory env, ``--env``) are kept too. ``module``: ``script`` is a module, run with
+    ``python -m``; ``no_python``: the command runs exactly as given. An R command gets
+    ``RETICULATE_PYTHON``, the host's python (when that is one path), unless it is set.
     """
     commands = []
     for spec in plan.ranks:
@@ -251,7 +257,10 @@ def worker_commands(
             if spec.local_size > 1:
                 env.setdefault("OMP_NUM_THREADS", "1")
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # an NCCL error fails, not hangs
-        argv = worker_argv(script, args, python_for[spec.host.name])
+        python = python_for[spec.host.name]
+        if len(python) == 1 and python[0].startswith("/") and runs_r(script, args, no_python=no_python):
+            env.setdefault("RETICULATE_PYTHON", python[0])  # reticulate loads the inventory's python
+        argv = worker_argv(script, args, python, module=module, no_python=no_python)
         if plan.framework == "tf-ps" and spec.task_type in ("ps", "worker") and server_argv is not None:
             argv = (*python_for[spec.host.name], *server_argv)
         commands.append(

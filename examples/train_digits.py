@@ -15,7 +15,7 @@ this script opts into legacy Keras (the ``tf_keras`` package) for its own proces
 ``TF_USE_LEGACY_KERAS=1`` before TensorFlow is imported. Other jobs are not affected.
 
 Resuming (``dlrun launch --max-restarts N``): after each epoch the chief saves the model's and
-the optimizer's variables and the epoch in its working directory. On a restart
+the optimizer's variables and the epoch in ``dlrun-model/``, beside the model. On a restart
 (``DLRUN_RESTART_COUNT`` > 0) the chief loads them and every worker receives them through an
 all-reduce (the other workers add zeros), and ``fit`` goes on from the next epoch. Keras's own
 ``BackupAndRestore`` is not used: every worker restores from the ``backup_dir`` it names, so it
@@ -46,7 +46,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-per-replica", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=0.01)
     parser.add_argument("--model-dir", default="dlrun-model")
-    parser.add_argument("--checkpoint", default="checkpoint-digits.npz", help="the chief's, in its working directory")
+    parser.add_argument("--checkpoint", default="dlrun-model/checkpoint-digits.npz",
+                        help="the chief's, beside the saved model (relative: to its working directory)")
     parser.add_argument("--crash-after", type=int, default=0, help="the first attempt fails after this epoch")
     return parser.parse_args()
 
@@ -104,6 +105,7 @@ def main() -> None:
             print(f"epoch {epoch + 1}/{args.epochs}: loss {logs.get('loss', float('nan')):.4f} "
                   f"accuracy {logs.get('accuracy', float('nan')):.4f}")
             if is_chief:  # written aside, then renamed: a crash mid-write leaves the last one whole
+                os.makedirs(os.path.dirname(args.checkpoint) or ".", exist_ok=True)
                 with open(args.checkpoint + ".tmp", "wb") as out:
                     np.savez(out, np.array(epoch + 1), *[v.numpy() for v in variables(model)])
                 os.replace(args.checkpoint + ".tmp", args.checkpoint)

@@ -43,7 +43,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dlrun.errors import DlrunError, HostUnreachable, RemoteCommandError, SyncError, UsageError
+from dlrun.errors import DlrunError, HostUnreachable, RemoteCommandError, SyncError, TransportError, UsageError
 from dlrun.inventory import Host
 from dlrun.push.shard import SHARD_POLICIES, plan_data, remote_data_dir, shard_env
 from dlrun.push.tree import (
@@ -591,9 +591,13 @@ def push(
         return tuple(f.result() for f in futures)
     if len(failures) == 1:
         raise failures[0]
-    lines = "\n".join(f"  {exc}" for exc in failures)
-    raise SyncError(f"push failed on {len(failures)} of {len(hosts)} hosts:\n{lines}",
-                    hint="hosts not listed are up to date")
+    lines = "\n".join(f"  {exc.host}: {exc.message}" if isinstance(exc, DlrunError) and exc.host else f"  {exc}"
+                      for exc in failures)
+    hints = dict.fromkeys(exc.hint for exc in failures if isinstance(exc, DlrunError) and exc.hint)  # each once
+    # hosts that could not be reached (or whose login shell never started the helper) exit 255, as one does
+    kind = TransportError if all(isinstance(exc, TransportError) for exc in failures) else SyncError
+    raise kind(f"push failed on {len(failures)} of {len(hosts)} hosts:\n{lines}",
+               hint="; ".join([*hints, "hosts not listed are up to date"]))
 
 
 def _plan_local(code_root: Path | None, data_root: Path | None, count: int, shard: str, split_lines: bool,

@@ -4,7 +4,8 @@ rendezvous (a module the leader keeper loads). Standard library only, Python >= 
 from dlrun: each is shipped as its source, never imported on the host.
 
 One bootstrap ships them all (SSH hosts, localhost, Spark tasks): the command line is
-``python3 -c <LOADER> dlrun-<name> [args]``, a few hundred bytes that ``ps`` shows whole, and
+``python3 -c <LOADER> dlrun-<name> [args]`` (over SSH it reaches ``/bin/sh`` on stdin, behind
+the login shell's ``exec /bin/sh -s``: ``dlrun.transport.shell``), a few hundred bytes that ``ps`` shows whole, and
 the program's source arrives on stdin first (10 ASCII digits of length, then the source).
 The loader reads exactly that much with ``os.read``, so the program's own input that follows
 is untouched, and runs it as ``__main__`` with ``sys.argv = ["dlrun-<name>", args...]``.
@@ -17,8 +18,8 @@ from importlib import resources
 
 #: The host programs, by the name the controller ships them under.
 PROGRAMS = ("agent", "probe", "push_helper", "tf_server", "keeper", "jobs")
-#: Modules a host program loads from source it was given (the leader keeper: the rendezvous).
-MODULES = ("rendezvous",)
+#: Modules a host program loads from source it was given (keepers: the rank lines; the leader: the rendezvous).
+MODULES = ("rendezvous", "ranklines")
 
 
 def source_of(name: str) -> str:

@@ -221,6 +221,7 @@ class Agent:
         self.open_streams: dict[int, int] = {}  # rank -> number of open pipes
         self.exited: dict[int, int] = {}
         self.error_files: dict[int, str] = {}  # rank -> its TORCHELASTIC_ERROR_FILE
+        self.signalled: set[int] = set()  # ranks the agent signalled to stop while they ran
         self.gpus = GpuSampler(0)
         self.kill_at: float | None = None
         self.job_id = ""
@@ -372,6 +373,7 @@ class Agent:
     def signal_all(self, sig: int) -> None:
         for rank, proc in self.procs.items():
             if rank not in self.exited:
+                self.signalled.add(rank)  # its EXIT says so: a rank that exits 0 on SIGTERM (Lightning) was stopped
                 try:
                     os.killpg(proc.pid, sig)
                 except OSError:
@@ -499,6 +501,8 @@ class Agent:
                     self.sel.unregister(stream)
                     stream.close()
             exit_info: dict[str, Any] = {"code": code}
+            if rank in self.signalled:
+                exit_info["stopped"] = True
             if code != 0 and rank in self.error_files:
                 recorded = read_error_file(self.error_files[rank])
                 if recorded is not None:
@@ -642,8 +646,98 @@ def pidns_argv(agent_argv: list[str]) -> list[str]:
     return ["sh", "-c", PIDNS_WRAPPER, "dlrun-agent", *agent_argv]
 
 
+def guard() -> None:
+    """Without a PID namespace nothing kills the ranks when the agent itself dies (kill -9, the
+    OOM killer): fork, and let the agent run in the child while this process, a child subreaper,
+    waits for it. Its orphans (the ranks, what they started, ``setsid`` escapes included) are
+    re-parented here, and are killed once the agent is gone; then this process exits with the
+    agent's status, saying why on stderr if the agent did not end by itself."""
+    child = os.fork()
+    if child == 0:
+        return
+    try:  # the guardian takes no part in the protocol: the channel's stdout is the agent's alone
+        os.close(1)
+        os.close(0)
+    except OSError:
+        pass
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the agent's to handle; this process outlives it
+        signal.signal(sig, lambda signum, _frame: _forward(child, signum))
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, b"dlrun-guard", 0, 0, 0)  # PR_SET_NAME: tell it from the agent in ps
+    except (OSError, AttributeError):
+        pass
+    subreaper = become_subreaper()
+    while True:
+        try:
+            _pid, status = os.waitpid(child, 0)
+            break
+        except ChildProcessError:
+            status = 0
+            break
+        except InterruptedError:
+            continue
+    killed = os.WIFSIGNALED(status)
+    code = 128 + os.WTERMSIG(status) if killed else os.WEXITSTATUS(status)
+    left = kill_descendants() if subreaper else 0
+    if killed:
+        try:
+            name = signal.Signals(os.WTERMSIG(status)).name
+        except ValueError:
+            name = str(os.WTERMSIG(status))
+        sys.stderr.write(f"dlrun-agent (pid {child}) was killed by {name}; {left} process(es) of its job"
+                         " were left and are killed\n")
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def _forward(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except OSError:
+        pass
+
+
+def kill_descendants() -> int:
+    """Kill every child of this subreaper until none is left (orphans keep arriving as their
+    parents die); how many were killed."""
+    killed = 0
+    for _ in range(200):
+        children = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open("/proc/" + entry + "/stat", "rb") as fh:
+                    ppid = int(fh.read().rpartition(b")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == os.getpid():
+                children.append(int(entry))
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except OSError:
+                pass
+        while True:  # reap what died, so it leaves /proc
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        if not children:
+            return killed
+        time.sleep(0.02)
+    return killed
+
+
 def _run_agent(argv: list[str]) -> int:
     in_namespace = "--in-pidns" in argv  # set by PIDNS_WRAPPER
+    if not in_namespace and not os.environ.get("DLRUN_NO_GUARD"):
+        guard()  # returns in the child, which is the agent
     stdin_fd = sys.stdin.fileno()
     os.set_blocking(stdin_fd, False)
     agent = Agent(sys.stdout.buffer, in_namespace, stdin_fd)

@@ -4,9 +4,10 @@ Shipped by ``dlrun.remote``'s loader; one JSON request on stdin after the source
 answer on stdout. Standard library only, Python >= 3.8. A job's folder has one folder per host
 (``host-<name>/``: hosts may share a home); a pid there counts only on the machine and boot
 that wrote it. Requests: ``{"op": "ps"}``, ``{"op": "state", "job"}``, ``{"op": "logs", "job",
-"offsets": {file: byte offset}}`` (whole lines from each offset, so ``--follow`` polls
-cheaply), ``{"op": "stop", "job"}`` (SIGTERM to the job's keepers here, found by their pid
-files and checked in ``/proc/<pid>/cmdline``) and ``{"op": "delete", "job"}``. Every run
+"offsets": {file: byte offset}, "whole"}`` (every byte from each offset, streamed in pieces:
+``--follow`` polls cheaply and nothing is capped), ``{"op": "stop", "job"}`` (SIGTERM to the
+job's keepers here, found by their pid files and checked in ``/proc/<pid>/cmdline``) and
+``{"op": "delete", "job", "read"}`` (only files read to their end). Every run
 first removes job folders older than ``KEEP_DAYS`` that no keeper here runs.
 """
 
@@ -18,10 +19,11 @@ import shutil
 import signal
 import sys
 import time
+import zlib
 from typing import Any
 
 KEEP_DAYS = 7
-READ_LIMIT = 1 << 20  # bytes of one log file per answer
+CHUNK = 1 << 20  # bytes of one piece of the streamed ``logs`` answer
 
 
 def jobs_root() -> str:
@@ -157,11 +159,9 @@ def offset_since(index_path: str, since: float) -> int:
     return -1
 
 
-def logs(job_id: str, offsets: dict[str, int], since: float | None = None) -> dict[str, Any]:
-    """Each rank log's (and ``gpu.csv``'s) whole lines from its offset (keys
-    ``host-X/attempt-K/rank-N.log``, ``host-X/attempt-K/gpu.csv``); a
-    file not in ``offsets`` starts at 0, or with ``since`` (a time here) where its index says."""
-    files: dict[str, Any] = {}
+def log_files(job_id: str, offsets: dict[str, int], since: float | None) -> list[tuple[str, str, str, int]]:
+    """(key, path, host, offset to start from) of each rank log and ``gpu.csv`` of the job."""
+    found = []
     for hostdir in host_dirs(job_id):
         host = (read_json(os.path.join(hostdir, "state.json")) or {}).get("host", "?")
         for attempt in sorted(os.listdir(hostdir)):
@@ -169,7 +169,7 @@ def logs(job_id: str, offsets: dict[str, int], since: float | None = None) -> di
             if not attempt.startswith("attempt-") or not os.path.isdir(folder):
                 continue
             for name in sorted(os.listdir(folder)):
-                if not name.endswith(".log") and name != "gpu.csv":  # attach shows the GPUs too
+                if not name.endswith(".log") and name != "gpu.csv":
                     continue
                 key = "/".join((os.path.basename(hostdir), attempt, name))
                 path = os.path.join(folder, name)
@@ -180,14 +180,53 @@ def logs(job_id: str, offsets: dict[str, int], since: float | None = None) -> di
                     offset = os.path.getsize(path) if offset < 0 else offset
                 else:
                     offset = 0
-                with open(path, "rb") as fh:
-                    fh.seek(offset)
-                    data = fh.read(READ_LIMIT)
-                end = data.rfind(b"\n") + 1
-                if end == 0 and len(data) == READ_LIMIT:  # one line longer than a read: as it is
-                    end = len(data)
-                files[key] = {"offset": offset + end, "text": data[:end].decode("utf-8", "replace"), "host": host}
-    return {"files": files, "jobs": job_records(job_id)}
+                found.append((key, path, str(host), offset))
+    return found
+
+
+def stream_logs(job_id: str, offsets: dict[str, int], since: float | None, whole: bool, out: Any,
+                compress: bool = False) -> None:
+    """The ``logs`` answer as a stream: first ``R {"jobs"}\n`` (the records: a job that has ended
+    there wrote every line before), then every byte of each file to its end, in pieces of at most
+    ``CHUNK`` that end at a line's end where one is within reach: ``P {"key", "host", "offset",
+    "length"}\n`` and that many raw bytes; last ``J {"ends": {key: offset reached}}\n``. Without
+    ``whole`` a file's unfinished last line waits for the next look (``--follow``); with it (the
+    job ended, or a one-off look), it is sent as it is. With ``compress``, each piece travels as
+    zlib level 1 (logs shrink 5-10 times; header ``"zlib"``: the piece's own length)."""
+    out.write(b"R " + json.dumps({"jobs": job_records(job_id)}).encode() + b"\n")
+    ends: dict[str, int] = {}
+    for key, path, host, offset in log_files(job_id, offsets, since):
+        try:
+            fh = open(path, "rb")  # noqa: SIM115 - the with below owns it
+        except OSError:
+            continue
+        with fh:
+            size = os.fstat(fh.fileno()).st_size  # what is there now: a growing log is followed by the next look
+            fh.seek(offset)
+            pos = offset
+            while pos < size:
+                data = fh.read(min(CHUNK, size - pos))
+                if not data:
+                    break
+                if not data.endswith(b"\n"):
+                    cut = data.rfind(b"\n") + 1
+                    last = pos + len(data) >= size
+                    if cut:  # whole lines now, the rest in the next piece
+                        data = data[:cut]
+                        fh.seek(pos + cut)
+                    elif last and not whole and len(data) < CHUNK:
+                        break  # a line not finished yet: the next look
+                header = {"key": key, "host": host, "offset": pos, "length": len(data)}
+                body = data
+                if compress:
+                    body = zlib.compress(data, 1)
+                    header.update(length=len(body), zlib=len(data))
+                out.write(b"P " + json.dumps(header).encode() + b"\n")
+                out.write(body)
+                pos += len(data)
+            ends[key] = pos
+    out.write(b"J " + json.dumps({"ends": ends}).encode() + b"\n")
+    out.flush()
 
 
 def stop(job_id: str) -> dict[str, Any]:
@@ -204,9 +243,20 @@ def stop(job_id: str) -> dict[str, Any]:
     return {"signalled": signalled, "jobs": job_records(job_id)}
 
 
-def delete(job_id: str) -> dict[str, Any]:
+def delete(job_id: str, read: dict[str, int] | None = None) -> dict[str, Any]:
+    """Remove the job's folders here. ``read``: how far the client read each file; a file
+    that holds more than that is not deleted (its end was not read out)."""
     if any(keeper_pid(d, job_id) is not None for d in host_dirs(job_id)):
         return {"deleted": False, "error": "the job is running: dlrun stop it first"}
+    if read is not None:
+        for key, path, _host, _offset in log_files(job_id, {}, None):
+            try:
+                size = os.path.getsize(path)
+            except OSError:
+                continue
+            if int(read.get(key, 0)) < size:
+                return {"deleted": False, "error": f"{key} was not read to its end ({read.get(key, 0)} of"
+                        f" {size} bytes): nothing was deleted"}
     if not os.path.isdir(os.path.join(jobs_root(), job_id)):
         return {"deleted": False}
     return {"deleted": remove_job(job_id)}
@@ -225,14 +275,17 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
         return {"jobs": [r for n in names for r in job_records(n)]}
     if op == "state":
         return {"jobs": job_records(job_id)}
-    if op == "logs":
+    if op == "logs":  # streamed: every byte, however much (``stream_logs``)
         ago = request.get("since_ago")  # seconds before now on this host's clock (no clock skew)
-        return logs(job_id, {str(k): int(v) for k, v in (request.get("offsets") or {}).items()},
-                    None if ago is None else time.time() - float(ago))
+        stream_logs(job_id, {str(k): int(v) for k, v in (request.get("offsets") or {}).items()},
+                    None if ago is None else time.time() - float(ago), bool(request.get("whole")),
+                    sys.stdout.buffer, bool(request.get("zlib")))
+        return {}
     if op == "stop":
         return stop(job_id)
     if op == "delete":
-        return delete(job_id)
+        read = request.get("read")
+        return delete(job_id, None if read is None else {str(k): int(v) for k, v in read.items()})
     return {"error": f"unknown op {op!r}"}
 
 
@@ -243,7 +296,9 @@ def main() -> None:
         if not chunk:
             break
         data += chunk
-    sys.stdout.write(json.dumps(answer(json.loads(data))) + "\n")
+    reply = answer(json.loads(data))
+    if reply:  # a streamed answer wrote itself
+        sys.stdout.write(json.dumps(reply) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ the ranks if the keeper dies. Host 0's keeper leads: the others connect to it ov
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import os
@@ -27,7 +28,6 @@ import tempfile
 import threading
 import time
 import types
-from collections import deque
 from typing import Any, Callable, Tuple
 
 #: The agent's frames (``dlrun.remote.agent``: each host program is shipped alone, imports none).
@@ -35,7 +35,7 @@ HEADER = struct.Struct(">BiI")
 STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, GPU = 2, 3, 4, 5, 6, 7, 11
 #: ``gpu.csv``'s columns, as the attached supervisor writes them (``dlrun.run.gpus.CSV_COLUMNS``)
 GPU_COLUMNS = "time,host,gpu,util,mem_used_mib,mem_total_mib,power_w,temp_c"
-TAIL_LINES = 20
+RECORD_LINE = 4000  # characters of one tail line kept in the job's records
 HANDSHAKE_TIMEOUT = 10.0  # a follower's wait for the leader's welcome, per try
 AUTH_TIMEOUT = 1.0  # a stranger at the leader's door must be through TLS and the token by then, in all
 CONNECT_TIMEOUT = 30.0  # a follower's tries to reach the leader
@@ -51,12 +51,13 @@ RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 Event = Tuple[Any, ...]
 
 
-def rank_state(code: int | None, stopping: bool) -> str:
-    """A rank's state from its exit code: one that exits non-zero while the job is being
-    stopped was stopped (its signal's 128 + N), not a new failure."""
-    if code == 0:
-        return "succeeded"
-    return "stopped" if stopping else "failed"
+def rank_state(code: int | None, stopping: bool, signalled: bool = False) -> str:
+    """A rank's state from how it exited (``dlrun.run.result.rank_state``'s rule): one the agent
+    signalled to stop, or that exits non-zero while the job is being stopped, was stopped (its
+    signal's 128 + N, or 0 from a framework that exits cleanly on SIGTERM), not a new failure."""
+    if signalled or (stopping and code != 0):
+        return "stopped"
+    return "succeeded" if code == 0 else "failed"
 
 
 def gpu_rows(when: float, host: str, text: str) -> str:
@@ -86,13 +87,17 @@ def fill_rendezvous_port(specs: list[dict[str, Any]], port: int) -> None:
                 env[RENDEZVOUS_ADDR] = f"{host}:{port}/{rest.partition('/')[2]}"
 
 
-def load_rendezvous(source: str) -> Any:
-    """``dlrun.remote.rendezvous`` from its source (shipped in the config): a module of this
-    keeper's own, dlrun is not imported."""
-    module = types.ModuleType("dlrun_rendezvous")
+def load_module(source: str, name: str) -> Any:
+    """A ``dlrun.remote`` module from its source (shipped in the config: the rendezvous, the rank
+    lines): a module of this keeper's own, dlrun is not imported."""
+    module = types.ModuleType("dlrun_" + name)
     sys.modules[module.__name__] = module  # what its classes' __module__ names
-    exec(compile(source, "<dlrun-rendezvous>", "exec"), module.__dict__)
+    exec(compile(source, "<dlrun-" + name + ">", "exec"), module.__dict__)
     return module
+
+
+def load_rendezvous(source: str) -> Any:
+    return load_module(source, "rendezvous")
 
 
 def jobs_root() -> str:
@@ -115,12 +120,39 @@ def boot_id() -> str:
         return os.uname().nodename
 
 
-def write_json(path: str, document: dict[str, Any]) -> None:
-    """Atomically: a reader (``dlrun ps``) never sees half a file."""
+RESERVE = "reserve"  # a file of RESERVE_BYTES in the job's folder, given up when the disk is full
+RESERVE_BYTES = 1 << 20
+
+
+def write_json(path: str, document: dict[str, Any]) -> bool:
+    """Atomically: a reader (``dlrun ps``) never sees half a file. On a full disk the folder's
+    reserve is given up for it; whether it was written."""
     temp = path + ".tmp"
-    with open(temp, "w", encoding="utf-8") as fh:
-        json.dump(document, fh)
-    os.replace(temp, path)
+    for _ in range(2):
+        try:
+            with open(temp, "w", encoding="utf-8") as fh:
+                json.dump(document, fh)
+            os.replace(temp, path)
+            return True
+        except OSError:
+            try:
+                os.unlink(temp)
+            except OSError:
+                pass
+            try:
+                os.unlink(os.path.join(os.path.dirname(path), RESERVE))
+            except OSError:
+                return False
+    return False
+
+
+def make_reserve(folder: str) -> None:
+    """Room kept for the records (``result.json``) should the ranks' logs fill the disk."""
+    try:
+        with open(os.path.join(folder, RESERVE), "wb") as fh:
+            fh.write(b"\0" * RESERVE_BYTES)
+    except OSError:
+        pass
 
 
 def server_context(cert_pem: str, key_pem: str) -> ssl.SSLContext:
@@ -332,8 +364,10 @@ class Keeper:
         self.logs: dict[int, Any] = {}
         self.indexes: dict[int, Any] = {}  # rank -> its log's index: when each offset was written
         self.indexed: dict[int, float] = {}  # rank -> when its index last got a line
-        self.splitters: dict[tuple[int, int], bytes] = {}
-        self.tails: dict[int, deque[str]] = {}
+        self.lines = load_module(str(config["ranklines_source"]), "ranklines")  # dlrun.remote.ranklines
+        self.outputs: dict[int, Any] = {}  # rank -> its ranklines.RankLines (tail, traceback, splitters)
+        self.dropped: dict[int, int] = {}  # rank -> log lines not written (the disk is full)
+        self.notes: list[str] = []  # what the job's record says beside the root cause (disk full on h2)
         self.agent: subprocess.Popen[bytes] | None = None
         self.agent_done = False
         self.stopping = False
@@ -354,6 +388,8 @@ class Keeper:
         self.followers = [str(h) for h in config.get("followers", [])]
         self.root_cause: str | None = None
         self.root_tail: list[str] = []
+        self.leader_gone = False  # a follower that lost its leader: the job is lost (exit 255)
+        self.root: dict[str, Any] = {}  # the root cause rank's rank, host, exception, error file, hint
         self.exit_code: int | None = None
         self.interrupted_by: int | None = None
         self.failed_code = 0
@@ -369,6 +405,7 @@ class Keeper:
             "state": self.job_state(), "started_at": self.started_at,
             "ranks": [self.ranks[r] for r in sorted(self.ranks)],
             "exit_code": self.exit_code, "root_cause": self.root_cause, "root_tail": self.root_tail,
+            "root": self.root, "notes": self.notes,
             "attempts": self.attempt + 1, "history": self.history,
             "port": self.port,
         }
@@ -381,6 +418,8 @@ class Keeper:
         return document
 
     def job_state(self) -> str:
+        if self.leader_gone:
+            return "lost"
         if self.exit_code is not None:
             if self.exit_code == 0:
                 return "succeeded"
@@ -397,8 +436,10 @@ class Keeper:
     def start_agent(self) -> None:
         """A fresh agent for this attempt's spec, its ranks' logs in ``attempt-K/``."""
         for log in [*self.logs.values(), *self.indexes.values()]:
-            log.close()
-        self.splitters.clear()
+            try:
+                log.close()
+            except OSError:
+                pass
         self.generation += 1
         self.agent_done = False
         spec = self.specs[self.attempt]
@@ -407,7 +448,7 @@ class Keeper:
             self.logs[rank] = open(os.path.join(self.attempt_dir, f"rank-{rank}.log"), "wb")  # noqa: SIM115
             self.indexes[rank] = open(os.path.join(self.attempt_dir, f"rank-{rank}.idx"), "w")  # noqa: SIM115
             self.indexed[rank] = 0.0
-            self.tails[rank] = deque(maxlen=TAIL_LINES)
+            self.outputs[rank] = self.lines.RankLines()
         env = dict(os.environ)
         env["DLRUN_JOB_ID"] = str(spec["job_id"])  # the attempt's: what sweeps and tests look for
         with open(os.path.join(self.jobdir, "agent.log"), "ab") as stderr, self.agent_lock:
@@ -462,41 +503,65 @@ class Keeper:
 
     def write_log(self, rank: int, lines: list[str]) -> None:
         """Lines to the rank's log; at most once a second, ``<time> <byte offset>`` to its index
-        (``attach --since`` starts there)."""
+        (``attach --since`` starts there). A disk that is full (or a log that cannot be written)
+        loses lines, counted, never the job."""
         log = self.logs[rank]
-        now = time.time()
-        if now - self.indexed[rank] >= INDEX_EVERY:
-            self.indexed[rank] = now
-            self.indexes[rank].write(f"{now:.3f} {log.tell()}\n")
-            self.indexes[rank].flush()
-        log.write(("\n".join(lines) + "\n").encode("utf-8", "replace"))
-        log.flush()
-        self.tails[rank].extend(lines)
+        data = ("\n".join(lines) + "\n").encode("utf-8", "replace")
+        try:
+            now = time.time()
+            if now - self.indexed[rank] >= INDEX_EVERY:
+                self.indexed[rank] = now
+                self.indexes[rank].write(f"{now:.3f} {log.tell()}\n")
+                self.indexes[rank].flush()
+            log.write(data)
+            log.flush()
+        except (OSError, ValueError) as exc:
+            first = not self.dropped
+            self.dropped[rank] = self.dropped.get(rank, 0) + len(lines)
+            try:  # what the buffer held is lost too: start the file's next write afresh
+                log.seek(0, os.SEEK_END)
+            except (OSError, ValueError):
+                pass
+            if first:
+                why = "disk full" if getattr(exc, "errno", None) == errno.ENOSPC else f"cannot write logs ({exc})"
+                self.note(f"{why} on {self.host}: its ranks' log lines are dropped and counted; the job goes on")
+
+    def note(self, text: str) -> None:
+        """A line for the job's record (the leader's, which every host gets at the end)."""
+        if self.leader:
+            if text not in self.notes:
+                self.notes.append(text)
+            self.record()
+        elif self.leader_peer is not None:
+            self.leader_peer.send({"op": "note", "text": text})
+            if text not in self.notes:
+                self.notes.append(text)
 
     def on_frame(self, kind: int, rank: int, payload: bytes) -> None:
         if kind in (STDOUT, STDERR) and rank in self.logs:
-            key = (rank, kind)
-            data = self.splitters.get(key, b"") + payload
-            text, sep, rest = data.rpartition(b"\n")
-            self.splitters[key] = rest
-            if sep:
-                lines = text.decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n").split("\n")
+            lines = self.outputs[rank].feed(kind, payload)
+            if lines:
                 self.write_log(rank, lines)
         elif kind == STARTED:
             self.report(rank, "running", None)
         elif kind == ERROR and rank in self.logs:
-            message = payload.decode("utf-8", "replace")
-            self.write_log(rank, [f"dlrun: {message}"])
+            message = f"dlrun: {payload.decode('utf-8', 'replace')}"
+            self.outputs[rank].seen([message])
+            self.write_log(rank, [message])
         elif kind == EXIT:
-            for key in [k for k in self.splitters if k[0] == rank]:
-                rest = self.splitters.pop(key)
-                if rest and rank in self.logs:
-                    self.write_log(rank, [rest.decode("utf-8", "replace")])
+            output = self.outputs.get(rank)
+            if output is not None and rank in self.logs:
+                rest = [text for _stream, text in output.flush()]
+                if rest:
+                    self.write_log(rank, rest)
             try:
-                code = int(json.loads(payload)["code"])
+                info = json.loads(payload)
+                code = int(info["code"])
             except (ValueError, KeyError, TypeError):
-                code = 255
-            self.report(rank, "exit", code)
+                info, code = {}, 255
+            if self.dropped.get(rank):
+                self.note(f"rank {rank} on {self.host}: {self.dropped[rank]} log lines dropped (disk full)")
+            self.report(rank, "exit", code, info)
         elif kind == DONE:
             self.agent_done = True
         elif kind == GPU:
@@ -508,29 +573,40 @@ class Keeper:
             sample = json.loads(payload)
         except ValueError:
             return
-        if "csv" not in sample:
-            print(f"dlrun-keeper: GPU sample: {sample.get('error')}", flush=True)
-            return
-        rows = gpu_rows(float(sample.get("time") or 0), self.host, str(sample["csv"]))
-        path = os.path.join(self.attempt_dir, "gpu.csv")
-        new = not os.path.exists(path)
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write((GPU_COLUMNS + "\n" if new else "") + rows)
+        try:
+            if "csv" not in sample:
+                print(f"dlrun-keeper: GPU sample: {sample.get('error')}", flush=True)
+                return
+            rows = gpu_rows(float(sample.get("time") or 0), self.host, str(sample["csv"]))
+            path = os.path.join(self.attempt_dir, "gpu.csv")
+            new = not os.path.exists(path)
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write((GPU_COLUMNS + "\n" if new else "") + rows)
+        except OSError:  # a full disk: the samples are the first thing to give up
+            pass
 
-    def report(self, rank: int, what: str, code: int | None) -> None:
-        tail = list(self.tails.get(rank, ())) if code else []
+    def report(self, rank: int, what: str, code: int | None, info: dict[str, Any] | None = None) -> None:
+        """A rank started or exited (``info``: the agent's EXIT frame); with a failure, what its
+        root cause shows: the tail, the exception it raised and its error file."""
+        info = info or {}
+        evidence: dict[str, Any] = {"stopped": bool(info.get("stopped"))}
+        output = self.outputs.get(rank)
+        if code and output is not None:
+            evidence["tail"] = [self.lines.cut(t, RECORD_LINE) for t in output.tail]  # records stay small
+            evidence["exception"] = list(output.traceback.last)
+            evidence["error_file"] = self.lines.error_file_lines(info.get("error_file"))
         if self.leader:
-            self.on_rank(self.host, rank, what, code, tail)  # which writes the record
+            self.on_rank(self.host, rank, what, code, evidence)  # which writes the record
             return
         entry = self.ranks[rank]  # a follower's own record (state.json) follows its ranks
-        entry["state"] = "running" if what == "running" else rank_state(code, self.stopping)
+        entry["state"] = "running" if what == "running" else rank_state(code, self.stopping, evidence["stopped"])
         entry["code"] = code
         if self.leader_peer is not None:
-            self.leader_peer.send({"op": "rank", "rank": rank, "what": what, "code": code, "tail": tail})
+            self.leader_peer.send({"op": "rank", "rank": rank, "what": what, "code": code, **evidence})
         self.record()
 
     # ---------------------------------------------------------------- the leader's policy
-    def on_rank(self, host: str, rank: int, what: str, code: int | None, tail: list[str]) -> None:
+    def on_rank(self, host: str, rank: int, what: str, code: int | None, evidence: dict[str, Any]) -> None:
         entry = self.ranks.setdefault(rank, {"rank": rank, "host": host, "state": "pending", "code": None})
         if entry["state"] in FINAL:
             return
@@ -540,17 +616,29 @@ class Keeper:
         else:
             entry["ended"] = time.time()
             entry["code"] = code
-            entry["state"] = rank_state(code, self.stopping)
+            entry["state"] = rank_state(code, self.stopping, bool(evidence.get("stopped")))
             if entry["state"] == "failed":
-                self.fail(f"rank {rank} on {host} exited with code {code}", code or 1, tail)
+                if self.root_cause is None:
+                    self.root = self.root_of(rank, host, evidence)
+                self.fail(f"rank {rank} on {host} exited with code {code}", code or 1,
+                          [str(t) for t in evidence.get("tail") or []])
             elif code == 0 and rank in self.enders and not self.stopping:
                 self.stop_all()  # tf-ps: the chief's end is the job's; the servers never end by themselves
         self.record()
 
+    def root_of(self, rank: int, host: str, evidence: dict[str, Any]) -> dict[str, Any]:
+        """The root cause's evidence, as the attached supervisor keeps it (``RankResult``)."""
+        exception = [str(t) for t in evidence.get("exception") or []]
+        error_file = [str(t) for t in evidence.get("error_file") or []]
+        tail = [str(t) for t in evidence.get("tail") or []]
+        finished = [(r, str(e["host"])) for r, e in sorted(self.ranks.items()) if e["state"] == "succeeded"]
+        hint = self.lines.early_exit_hint(rank, exception + error_file + tail, finished)
+        return {"rank": rank, "host": host, "exception": exception, "error_file": error_file, "hint": hint}
+
     def fail(self, cause: str, code: int, tail: list[str]) -> None:
         """The first failure is the root cause: stop every rank everywhere."""
         if self.root_cause is None:
-            self.root_cause, self.root_tail, self.failed_code = cause, tail[-TAIL_LINES:], code
+            self.root_cause, self.root_tail, self.failed_code = cause, tail[-self.lines.TAIL_LINES:], code
         self.stop_all()
 
     def stop_all(self) -> None:
@@ -605,7 +693,7 @@ class Keeper:
         self.attempt = attempt
         for entry in self.ranks.values():
             entry.update(state="pending", code=None, started=None, ended=None)
-        self.root_cause, self.root_tail, self.failed_code = None, [], 0
+        self.root_cause, self.root_tail, self.failed_code, self.root = None, [], 0, {}
         self.stopping, self.kill_at = False, None
         if self.leader:
             time.sleep(RESTART_PAUSE)
@@ -769,8 +857,9 @@ class Keeper:
         op = message.get("op")
         if self.leader:
             if op == "rank":
-                self.on_rank(name, int(message["rank"]), str(message["what"]), message.get("code"),
-                             [str(t) for t in message.get("tail") or []])
+                self.on_rank(name, int(message["rank"]), str(message["what"]), message.get("code"), message)
+            elif op == "note":
+                self.note(str(message.get("text", ""))[:500])
             elif op == "interrupt":
                 if self.interrupted_by is None:
                     self.interrupted_by = int(message.get("signal") or signal.SIGTERM)
@@ -787,6 +876,8 @@ class Keeper:
             self.exit_code = result.get("exit_code")
             self.root_cause = result.get("root_cause")
             self.root_tail = result.get("root_tail") or []
+            self.root = result.get("root") or {}
+            self.notes = list(result.get("notes") or [])
             self.history = list(result.get("history") or [])
             self.attempt = int(result.get("attempts") or 1) - 1
             for entry in result.get("ranks") or []:
@@ -797,6 +888,7 @@ class Keeper:
     def leader_lost(self, why: str) -> None:
         """A follower without its leader stops its ranks and records why."""
         self.root_cause = f"lost the leader keeper ({self.config['leader_host']}): {why}"
+        self.leader_gone = True
         self.stop_own()
         self.ended = True
         self.exit_code = 255
@@ -871,7 +963,10 @@ class Keeper:
             except subprocess.TimeoutExpired:
                 self.end_agent()
         for log in [*self.logs.values(), *self.indexes.values()]:
-            log.close()
+            try:
+                log.close()
+            except OSError:
+                pass
         time.sleep(0.2)  # the last messages reach the followers before the connections close
         for peer in list(self.peers.values()):
             peer.close()
@@ -959,6 +1054,7 @@ def main() -> None:
     jobdir = os.path.join(jobs_root(), job_id, host_folder(str(config["host"])))
     os.makedirs(jobdir, mode=0o700, exist_ok=True)
     os.chmod(os.path.dirname(jobdir), 0o700)
+    make_reserve(jobdir)
     listener = None
     context = None
     rendezvous = None

@@ -40,12 +40,20 @@ def local_base_port(inventory: Inventory, np: int | None) -> int:
 
 
 def socket_ifaces(plan: Plan, iface: str | None, found: Mapping[str, str]) -> dict[str, SocketIface]:
-    """Each host's Gloo/NCCL interface: the inventory's ``iface``, else ``--iface``, else ``lo``
-    when every rank is on this machine, else the one the preflight found holding the address
-    the other ranks reach the host at (``found``). Hosts need not share interface names."""
-    every_rank_here = all(is_loopback(r.address) for r in plan.ranks)
+    """Each of the plan's hosts' Gloo/NCCL interface (``host_ifaces``)."""
+    return host_ifaces(plan.hosts, {r.host.name: r.address for r in plan.ranks}, iface, found)
+
+
+def host_ifaces(hosts: Sequence[Host], addresses: Mapping[str, str], iface: str | None,
+                found: Mapping[str, str]) -> dict[str, SocketIface]:
+    """Each host's Gloo/NCCL interface, the one rule of ``launch`` and ``topo``: the inventory's
+    ``iface``, else ``--iface``, else ``lo`` when every host is this machine (``addresses``:
+    where the ranks reach each host), else the one the probe found holding the address the
+    other ranks reach the host at (``found``, ``interfaces_at``). Hosts need not share
+    interface names."""
+    every_rank_here = all(is_loopback(addresses.get(h.name, h.address)) for h in hosts)
     out: dict[str, SocketIface] = {}
-    for host in plan.hosts:
+    for host in hosts:
         if host.iface or iface:
             out[host.name] = SocketIface(host.iface or iface or "")
         elif every_rank_here:  # gloo must not pick an interface the other ranks cannot reach

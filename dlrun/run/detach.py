@@ -14,13 +14,15 @@ import contextlib
 import json
 import shlex
 import sys
+import threading
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TextIO
 
-from dlrun.errors import DlrunError, UsageError
+from dlrun.errors import DlrunError, HostUnreachable, JobStartError, TransportError, UsageError
 from dlrun.inventory import Host
 from dlrun.plan import RankSpec
 from dlrun.remote import boot_argv, boot_payload, keeper, source_of
@@ -57,6 +59,8 @@ class JobRecord:
     alive: bool = False
     rank_states: tuple[Mapping[str, Any], ...] = ()
     history: tuple[Mapping[str, Any], ...] = ()  # the failed attempts before the last
+    root: Mapping[str, Any] = field(default_factory=dict)  # the root cause rank's exception, error file, hint
+    notes: tuple[str, ...] = ()  # what the keepers recorded beside it (disk full on h2)
 
     @property
     def ended(self) -> bool:
@@ -109,6 +113,7 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
             "token": token, "cert_pem": cert_pem, "grace": grace, "host_timeout": host_timeout,
             "script": script, "hosts": names,
             "agent_argv": agent_argv_of(host), "agent_source": pidns_source,
+            "ranklines_source": source_of("ranklines"),
             "specs": specs[name],
         }
         if name == leader:
@@ -131,7 +136,8 @@ def run_program(transport: Transport, host: Host, name: str, request: Mapping[st
                            stdin=boot_payload(name) + json.dumps(request).encode() + b"\n", timeout=timeout)
     if result.exit_code != 0:
         detail = " / ".join(result.stderr.decode("utf-8", "replace").strip().splitlines()[-3:])
-        raise DlrunError(f"dlrun-{name} exited with code {result.exit_code}: {detail}", host=host.name)
+        error = JobStartError if name == "keeper" else DlrunError
+        raise error(f"dlrun-{name} exited with code {result.exit_code}: {detail}", host=host.name)
     try:
         answer: dict[str, Any] = json.loads(result.stdout.decode("utf-8", "replace").strip().splitlines()[-1])
     except (ValueError, IndexError) as exc:
@@ -141,6 +147,59 @@ def run_program(transport: Transport, host: Host, name: str, request: Mapping[st
     return answer
 
 
+def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
+                on_records: Callable[[list[dict[str, Any]]], None],
+                on_piece: Callable[[str, Mapping[str, Any], bytes], None], timeout: float = 600.0) -> dict[str, Any]:
+    """``dlrun-jobs``'s streamed ``logs`` answer (``dlrun.remote.jobs.stream_logs``): the host's
+    records to ``on_records`` first, then each piece to ``on_piece(key, header, data)`` as it
+    arrives, so memory stays bounded whatever the logs hold; the closing document (``jobs``,
+    ``ends``)."""
+    channel = transport.open(host, boot_argv(default_python(host), "jobs"))
+    try:
+        channel.send(boot_payload("jobs") + json.dumps({**request, "stream": True, "zlib": True}).encode() + b"\n")
+        channel.close_stdin()
+        buf = bytearray()
+        header: dict[str, Any] | None = None
+        records: dict[str, Any] = {}
+        deadline = time.monotonic() + timeout
+        while True:
+            if header is not None:
+                need = int(header["length"])
+                if len(buf) >= need:
+                    piece = bytes(buf[:need])
+                    on_piece(str(header["key"]), header, zlib.decompress(piece) if header.get("zlib") else piece)
+                    del buf[:need]
+                    header = None
+                    continue
+            else:
+                end = buf.find(b"\n")
+                if end >= 0:
+                    line = bytes(buf[:end])
+                    del buf[: end + 1]
+                    if line.startswith(b"P "):
+                        header = json.loads(line[2:])
+                        continue
+                    if line.startswith(b"R "):
+                        records = json.loads(line[2:])
+                        on_records(records.get("jobs") or [])
+                        continue
+                    if line.startswith(b"J "):
+                        answer: dict[str, Any] = json.loads(line[2:])
+                        return {**answer, **records}
+                    raise DlrunError(f"dlrun-jobs answered {line[:200]!r}", host=host.name)
+            data = channel.recv(1 << 20)
+            if not data:
+                code = channel.wait(5)
+                detail = " / ".join(channel.stderr_text().strip().splitlines()[-3:])
+                raise DlrunError(f"dlrun-jobs ended (exit {code}) before its answer was whole: {detail}",
+                                 host=host.name)
+            buf += data
+            if time.monotonic() > deadline:
+                raise HostUnreachable(f"dlrun-jobs did not finish within {timeout:g} s", host=host.name)
+    finally:
+        channel.close()
+
+
 def record_of(document: Mapping[str, Any]) -> JobRecord:
     return JobRecord(
         job_id=str(document.get("job_id", "")), state=str(document.get("state", "?")),
@@ -148,20 +207,55 @@ def record_of(document: Mapping[str, Any]) -> JobRecord:
         script=str(document.get("script", "")), hosts=tuple(document.get("hosts") or ()),
         exit_code=document.get("exit_code"), root_cause=document.get("root_cause"),
         root_tail=tuple(document.get("root_tail") or ()), alive=bool(document.get("alive")),
-        rank_states=tuple(document.get("ranks") or ()), history=tuple(document.get("history") or ()))
+        rank_states=tuple(document.get("ranks") or ()), history=tuple(document.get("history") or ()),
+        root=dict(document.get("root") or {}), notes=tuple(str(n) for n in document.get("notes") or ()))
+
+
+LEADER_LOST = "lost the leader keeper"  # how a follower's final record begins when its leader went
 
 
 def merge_records(documents: Sequence[Mapping[str, Any]]) -> list[JobRecord]:
     """One record per job from every host's answer: the leader's where it answered; a job whose
-    keeper lives on any host is alive."""
+    keeper lives on any host is alive. A leader that is frozen or gone cannot say so itself: when
+    a follower's final record says it lost the leader, and the leader's record has not ended,
+    the job is ``lost`` (exit 255), with the follower's reason and every rank not ended lost."""
     jobs: dict[str, Mapping[str, Any]] = {}
     alive: dict[str, bool] = {}
+    orphaned: dict[str, Mapping[str, Any]] = {}  # job -> a follower's final record: its leader is gone
+    finals: dict[str, dict[int, Mapping[str, Any]]] = {}  # job -> rank -> its host's own final entry
     for document in documents:
         job_id = str(document.get("job_id", ""))
         alive[job_id] = alive.get(job_id, False) or bool(document.get("alive"))
         if job_id not in jobs or (document.get("leader") and not jobs[job_id].get("leader")):
             jobs[job_id] = document
-    return [replace(record_of(d), alive=alive[j]) for j, d in sorted(jobs.items())]
+        if not document.get("leader") and str(document.get("root_cause") or "").startswith(LEADER_LOST):
+            orphaned.setdefault(job_id, document)
+        for entry in document.get("ranks") or ():
+            if entry.get("host") == document.get("host") and entry.get("state") in FINAL:
+                finals.setdefault(job_id, {})[int(entry["rank"])] = entry
+    records = []
+    for job_id, document in sorted(jobs.items()):
+        if document.get("state") not in FINAL and job_id in orphaned:  # a frozen leader: its followers tell
+            document = {**document, "state": "lost", "exit_code": 255,
+                        "root_cause": orphaned[job_id].get("root_cause"), "root_tail": []}
+        if document.get("state") in FINAL:
+            document = ended_ranks(document, finals.get(job_id, {}))
+        records.append(replace(record_of(document), alive=alive[job_id]))
+    return records
+
+
+def ended_ranks(document: Mapping[str, Any], finals: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """A job that has ended has no rank still running: a rank its record left running (a leader
+    frozen or killed before it heard the end) takes its own host's final entry, else it is lost
+    (255); a lost job without an exit code exits 255."""
+    ranks = []
+    for entry in document.get("ranks") or ():
+        if entry.get("state") in FINAL:
+            ranks.append(entry)
+        else:
+            ranks.append(finals.get(int(entry["rank"])) or {**entry, "state": "lost", "code": 255})
+    code = document.get("exit_code")
+    return {**document, "ranks": ranks, "exit_code": 255 if code is None and document.get("state") == "lost" else code}
 
 
 def age_text(seconds: float) -> str:
@@ -192,8 +286,14 @@ def summary_lines(record: JobRecord) -> list[str]:
         lines.append(f"dlrun: {len(record.history) + 1} attempts:")
         lines.extend(f"  attempt {int(h.get('attempt', 0)) + 1} (job {h.get('job_id')}): {h.get('root_cause')}"
                      for h in record.history)
+    lines.extend(f"dlrun: {note}" for note in record.notes)
     if record.root_cause:
         lines.append(f"dlrun: root cause: {record.root_cause}")
+        exception = [str(t) for t in record.root.get("exception") or ()]
+        if exception:
+            lines.append("  exception (last frames of its traceback):")
+            lines.extend(f"    | {text}" for text in exception)
+        lines.extend(f"  hint: {text}" for text in record.root.get("hint") or ())
         lines.extend(f"    | {text}" for text in record.root_tail[-10:])
     for entry in sorted(record.rank_states, key=lambda e: int(e.get("rank", 0))):
         code = "" if entry.get("code") is None else str(entry.get("code"))
@@ -221,7 +321,8 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
     configs = keeper_configs(
         job_id, attempts, agent_argv_of=lambda h: agent_argv(default_python(h), pidns=config.pidns),
         token=engine.job_secret, cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
-        host_timeout=config.ssh.host_timeout, script=" ".join(mask_argv([config.script, *config.args]))[:200],
+        host_timeout=config.ssh.host_timeout,
+        script=" ".join(mask_argv(["-m"] * config.module + [config.script, *config.args]))[:200],
         pidns_source=source_of("agent"), gpu_every=config.gpu_every,
         rendezvous_source=source_of("rendezvous") if config.framework == "horovod" else None,
         ends_job=placement.ends_job)
@@ -265,7 +366,7 @@ def wait_started(transport: Transport, leader: Host, job_id: str) -> JobRecord:
             if record.state != "starting":
                 return record
         if time.monotonic() > deadline:
-            raise DlrunError(f"the ranks of detached job {job_id} did not all start within {START_TIMEOUT:g} s;"
+            raise JobStartError(f"the ranks of detached job {job_id} did not all start within {START_TIMEOUT:g} s;"
                              f" the job is stopped (dlrun logs {job_id} shows what they printed)", host=leader.name)
         time.sleep(POLL)
 
@@ -274,17 +375,58 @@ def wait_started(transport: Transport, leader: Host, job_id: str) -> JobRecord:
 
 
 class JobHosts:
-    """The hosts given to ``ps``/``logs``/``attach``/``stop`` and the transport that reaches them."""
+    """The hosts given to ``ps``/``logs``/``attach``/``stop`` and the transport that reaches them.
+    A host that cannot be reached (or whose answer fails) is named once on ``warn`` and left out:
+    the others still answer. ``unreachable``: such hosts, with the reason."""
 
-    def __init__(self, transport: Transport, hosts: Sequence[Host]) -> None:
+    def __init__(self, transport: Transport, hosts: Sequence[Host], *,
+                 unreachable: Mapping[str, str] | None = None, warn: TextIO | None = None) -> None:
         self.transport = transport
         self.hosts = tuple(hosts)
+        self.unreachable: dict[str, str] = {}
+        self.hints: dict[str, None] = {}  # each host's hint once (a login shell's startup file, a key)
+        self.warn = warn if warn is not None else sys.stderr
+        for name, why in (unreachable or {}).items():
+            self.left_out(name, why)
+
+    def left_out(self, name: str, why: str, hint: str | None = None) -> None:
+        if hint:
+            self.hints.setdefault(hint)
+        if name not in self.unreachable:
+            self.unreachable[name] = why
+            self.warn.write(f"dlrun: warning: {name} cannot be reached ({why.splitlines()[0][:200]});"
+                            " what it holds is not shown\n")
+            self.warn.flush()
+
+    def none_reached(self) -> HostUnreachable:
+        """The error when no host answers: each host with its reason, each hint once."""
+        return HostUnreachable(f"none of the {len(self.hosts)} hosts answered:\n" + "\n".join(
+            f"  {name}: {why.splitlines()[0][:200]}" for name, why in self.unreachable.items()),
+            hint="; ".join(self.hints) or None)
 
     def ask(self, request: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-        """Every host's answer (in parallel), by host name."""
-        with ThreadPoolExecutor(max_workers=min(32, len(self.hosts))) as pool:
-            answers = list(pool.map(lambda h: run_program(self.transport, h, "jobs", request), self.hosts))
-        return {h.name: a for h, a in zip(self.hosts, answers, strict=True)}
+        """Every reachable host's answer (in parallel), by host name."""
+        hosts = [h for h in self.hosts if h.name not in self.unreachable]
+        if not hosts:
+            raise self.none_reached()
+
+        def one(host: Host) -> dict[str, Any] | DlrunError:
+            try:
+                return run_program(self.transport, host, "jobs", request)
+            except (HostUnreachable, TransportError) as exc:
+                return exc
+
+        with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+            answers = list(pool.map(one, hosts))
+        out: dict[str, dict[str, Any]] = {}
+        for host, answer in zip(hosts, answers, strict=True):
+            if isinstance(answer, DlrunError):
+                self.left_out(host.name, str(answer.message), answer.hint)
+            else:
+                out[host.name] = answer
+        if not out:
+            raise self.none_reached()
+        return out
 
     def ps(self) -> list[JobRecord]:
         return merge_records([d for a in self.ask({"op": "ps"}).values() for d in a.get("jobs", [])])
@@ -306,10 +448,35 @@ class JobHosts:
                 return record
             time.sleep(POLL)
 
-    def delete(self, job_id: str) -> None:
-        for name, answer in self.ask({"op": "delete", "job": job_id}).items():
+    def delete(self, job_id: str, read: Mapping[str, int]) -> None:
+        """Remove the job's folders, where every file was ``read`` to its end; a host that does not
+        answer keeps its copy (named), and nothing is deleted anywhere."""
+        if self.unreachable:
+            raise UsageError(f"--delete: {', '.join(self.unreachable)} cannot be reached, so their logs were not"
+                             " read: nothing was deleted")
+        for name, answer in self.ask({"op": "delete", "job": job_id, "read": dict(read)}).items():
             if answer.get("error"):
                 raise UsageError(f"{name}: {answer['error']}")
+
+    def each(self, work: Callable[[Host], None]) -> None:
+        """``work`` on every reachable host, in parallel; a host whose connection fails is left out
+        (named once); an error of dlrun's programs there is raised."""
+        hosts = [h for h in self.hosts if h.name not in self.unreachable]
+
+        def one(host: Host) -> DlrunError | None:
+            try:
+                work(host)
+            except (HostUnreachable, TransportError) as exc:
+                return exc
+            return None
+
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(hosts)))) as pool:
+            errors = list(pool.map(one, hosts))
+        for host, error in zip(hosts, errors, strict=True):
+            if error is not None:
+                self.left_out(host.name, str(error.message), error.hint)
+        if len(self.unreachable) == len(self.hosts):
+            raise self.none_reached()
 
 
 class LogFollower:
@@ -328,37 +495,41 @@ class LogFollower:
         self.gpu_stats = GpuStats()  # attach: the summary's GPU lines, as an attached job's
         self.gpu_idle = IdleWatch(GPU_IDLE_AFTER)
 
-    def poll(self) -> JobRecord | None:
-        """Print what is new; the merged record of the job (None: no host has it)."""
-        request: dict[str, Any] = {"op": "logs", "job": self.job_id, "offsets": dict(self.offsets)}
+    def poll(self, whole: bool = False) -> JobRecord | None:
+        """Print what is new, every byte of it (``whole``: a file's unfinished last line too);
+        the merged record of the job (None: no host has it). Each host streams its answer in
+        parallel; hosts that share a home hold the same files, and each file is shown from one."""
+        request: dict[str, Any] = {"op": "logs", "job": self.job_id, "offsets": dict(self.offsets), "whole": whole}
         if self.since is not None:
             request["since_ago"], self.since = self.since, None  # files that appear later start at 0
-        answers = self.hosts.ask(request).values()
+        if self.view is not None and not self.started:  # attach: the view needs every rank first, from every host
+            self.start_view([d for a in self.hosts.ask({"op": "state", "job": self.job_id}).values()
+                             for d in a.get("jobs") or []])
+        lock = threading.Lock()
+        claimed: dict[str, str] = {}  # file -> the host it is shown from, in this look
         documents: list[Mapping[str, Any]] = []
-        pieces: dict[str, Mapping[str, Any]] = {}
-        for answer in answers:  # hosts that share a home answer the same files: each once
-            for key, piece in answer.get("files", {}).items():
-                pieces.setdefault(key, piece)
-            documents.extend(answer.get("jobs") or [])
+
+        def records(found: list[dict[str, Any]]) -> None:
+            with lock:
+                documents.extend(found)
+
+        def piece(host: str, key: str, header: Mapping[str, Any], data: bytes) -> None:
+            with lock:
+                if self.view is not None and not self.started:
+                    return  # not shown, so not read: the next look sends it again
+                if claimed.setdefault(key, host) != host or int(header["offset"]) < self.offsets.get(key, 0):
+                    return
+                self.offsets[key] = int(header["offset"]) + len(data)  # data: as the file holds it
+                self.show(key, str(header.get("host", "?")), data)
+
+        def ask(host: Host) -> None:
+            stream_logs(self.hosts.transport, host, request, records,
+                        lambda key, header, data: piece(host.name, key, header, data))
+
+        self.hosts.each(ask)
         record = merge_records(documents)[0] if documents else None
-        if self.view is not None and record is not None and not self.started:
-            self.view.start(view_commands(record), None)
-            self.started = True
-        for key, piece in sorted(pieces.items(), key=lambda kv: (rank_of(kv[0]), kv[0])):
-            self.offsets[key] = int(piece["offset"])
-            text = str(piece["text"])
-            if not text:
-                continue
-            if key.endswith("/gpu.csv"):
-                if self.view is not None and self.started:
-                    self.gpus(text)
-                continue
-            if self.view is not None and self.started:
-                self.view.lines(rank_of(key), text[:-1].split("\n"), "stdout")
-            elif self.view is None:
-                prefix = f"[{rank_of(key)} {piece.get('host', '?')}] "
-                self.out.write(prefix + text[:-1].replace("\n", "\n" + prefix) + "\n")
         if self.view is not None and record is not None:
+            self.start_view(documents)
             for entry in record.rank_states:
                 now = (str(entry.get("state")), entry.get("code"))
                 if self.shown.get(int(entry["rank"])) != now:
@@ -367,6 +538,36 @@ class LogFollower:
             self.view.flush()
         self.out.flush()
         return record
+
+    def start_view(self, documents: Sequence[Mapping[str, Any]]) -> None:
+        """attach: the view starts once the ranks are known (the merged records of every host)."""
+        if self.view is None or self.started or not documents:
+            return
+        self.view.start(view_commands(merge_records(documents)[0]), None)
+        self.started = True
+
+    def show(self, key: str, host: str, data: bytes) -> None:
+        """One piece of a file (whole lines, but for an over-long one) to the view or ``out``."""
+        raw = getattr(self.out, "buffer", None)
+        if self.view is None and raw is not None and not key.endswith("/gpu.csv"):  # bytes as they are: no decode
+            head = f"[{rank_of(key)} {host}] ".encode()
+            body = data[:-1] if data.endswith(b"\n") else data
+            self.out.flush()
+            raw.write(head + body.replace(b"\n", b"\n" + head) + b"\n")
+            return
+        text = data.decode("utf-8", "replace")
+        if text.endswith("\n"):
+            text = text[:-1]
+        if key.endswith("/gpu.csv"):
+            if self.view is not None and self.started:
+                self.gpus(text + "\n")
+            return
+        if self.view is not None:
+            if self.started:
+                self.view.lines(rank_of(key), text.split("\n"), "stdout")
+            return
+        prefix = f"[{rank_of(key)} {host}] "
+        self.out.write(prefix + text.replace("\n", "\n" + prefix) + "\n")
 
     def gpus(self, text: str) -> None:
         """New ``gpu.csv`` lines to the view, the idle watch and the summary's statistics."""
@@ -384,13 +585,13 @@ class LogFollower:
                        gpu_warnings=tuple(self.gpu_idle.warned.values()))
 
     def follow(self) -> JobRecord:
-        """Poll until the job has ended everywhere; its record."""
+        """Poll until the job has ended everywhere; its record, once every line was shown."""
         while True:
             record = self.poll()
             if record is None:
                 raise UsageError(f"no job {self.job_id} on {', '.join(h.name for h in self.hosts.hosts)}")
             if record.ended:
-                self.poll()  # the last lines, written before the end
+                self.poll(whole=True)  # the last lines, written before the end, to the last byte
                 return record
             time.sleep(POLL)
 
@@ -420,9 +621,15 @@ def run_result(record: JobRecord) -> RunResult:
                   for e in sorted(record.rank_states, key=lambda e: int(e["rank"])))
     root = None
     if record.root_cause and record.state != "stopped":
+        evidence = record.root
         for r in ranks:
+            if evidence and r.rank != evidence.get("rank"):
+                continue
             if r.state == RankState.LOST or (r.state == RankState.FAILED and r.exit_code == record.exit_code):
-                root = replace(r, tail=record.root_tail, error=record.root_cause if r.state == RankState.LOST else None)
+                root = replace(r, tail=record.root_tail, error=record.root_cause if r.state == RankState.LOST else None,
+                               exception=tuple(str(t) for t in evidence.get("exception") or ()),
+                               error_file=tuple(str(t) for t in evidence.get("error_file") or ()),
+                               hint=tuple(str(t) for t in evidence.get("hint") or ()))
                 break
     code = 1 if record.exit_code is None else record.exit_code
     return RunResult(ranks=ranks, exit_code=code, root_cause=root, job_id=record.job_id,

@@ -2,7 +2,8 @@
 
 ``LaunchConfig`` holds what the user asked for. ``run_job`` checks it, asks the engine
 (``dlrun.run.engine``) to place each attempt's ranks, supervises them, shows them, restarts a
-failed job (``max_restarts``) and returns the ``RunResult``; ``--dry-run`` stops after render.
+failed job (``max_restarts``) and returns the ``RunResult``; ``--dry-run`` stops after render
+(on SSH hosts after the same session as a launch, with a push that writes nothing).
 ``run_job`` first resolves ``--framework auto`` from the script's imports (``resolve_framework``).
 ``HostsEngine`` places ranks on the inventory's hosts: inventory → connect → start agents
 (each runs the preflight probe, answers the code push's survey and says which ports are
@@ -31,6 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from dlrun.command import SOURCE_SUFFIXES, entry_point, interpreter_for, module_paths, runs_directly
 from dlrun.errors import DlrunError, RendezvousError, UsageError
 from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
 from dlrun.plan import (
@@ -112,23 +114,89 @@ class LaunchConfig:
     detected: Detected | None = None  # what --framework auto found in the script (resolve_framework)
     detach: bool = False  # --detach: the hosts' keepers run the job (dlrun.run.detach)
     insecure_workdir: bool = False  # push and run even where another user owns or may write the folders
+    module: bool = False  # -m: script is a Python module, run with each host's python -m in the project
+    no_python: bool = False  # --no-python: the command runs exactly as given (no python, Rscript, bash)
 
 
 def resolve_framework(config: LaunchConfig) -> LaunchConfig:
-    """``--framework auto``: read the script's imports (never running it) and pick the contract,
-    said on dlrun's first line; an explicit framework stays as given."""
+    """``--framework auto``: read the imports of the job's code (the script, the module's source,
+    or the ``.py``/``.R`` file a command names; never running it) and pick the contract
+    (``say_framework`` tells it once the usage checks passed); an explicit framework stays as given."""
     if config.framework != AUTO:
         return config
-    script = Path(config.script)
-    if config.script.endswith(".py"):
+    entry = entry_point(config.script, config.args, module=config.module)
+    source = source_file(config)
+    if source is not None and source.name.endswith(SOURCE_SUFFIXES):
+        shown = source.as_posix() if config.module else source.name
         try:
-            detected = detect_framework(config.script, script.read_text(encoding="utf-8", errors="replace"))
+            detected = detect_framework(shown, source.read_text(encoding="utf-8", errors="replace"))
         except OSError:
-            detected = Detected(TF_AND_TORCH, f"{script.name} cannot be read here: both the tf and the torch contracts")
+            detected = Detected(TF_AND_TORCH, f"{source.name} cannot be read here: both the tf and the torch contracts")
+    elif entry.kind == "file" and entry.name.endswith(SOURCE_SUFFIXES):
+        detected = Detected(TF_AND_TORCH, f"{Path(entry.name).name} cannot be read here:"
+                            " both the tf and the torch contracts")
+    elif entry.kind == "module":
+        detected = Detected(TF_AND_TORCH, f"module {entry.name} is not in {project_root(config)}:"
+                            " both the tf and the torch contracts")
     else:
         detected = detect_framework(config.script, None)
-    print(f"dlrun: framework {detected.framework} ({printable(detected.reason)})", file=sys.stderr)
     return replace(config, framework=detected.framework, detected=detected)
+
+
+def say_framework(config: LaunchConfig) -> None:
+    """dlrun's first line, for ``--framework auto``: the contract the script's imports chose.
+    Said after the usage checks, so that a usage error is the only thing printed."""
+    if config.detected is not None:
+        print(f"dlrun: framework {config.detected.framework} ({printable(config.detected.reason)})", file=sys.stderr)
+
+
+def project_root(config: LaunchConfig) -> Path:
+    """Where a module or a command (not a script given alone) finds its files: ``--code``, else
+    the current folder. The command runs there (on every host: the pushed copy)."""
+    return Path(config.code).resolve() if config.code is not None else Path.cwd()
+
+
+def script_given_alone(config: LaunchConfig) -> bool:
+    """Is the job a script file named as the program (``train.py``, ``./run.sh``), not a module
+    or a command (``python -m pkg.train``, ``Rscript train.R``)?"""
+    return not config.module and Path(config.script).is_file()
+
+
+def source_file(config: LaunchConfig) -> Path | None:
+    """The local file holding the job's code: the script, the module's source under the
+    project (``pkg/train.py``, ``pkg/train/__main__.py``), or the file a command names; None
+    when there is none here."""
+    entry = entry_point(config.script, config.args, module=config.module)
+    if entry.kind == "file" and script_given_alone(config):
+        return Path(config.script)
+    root = project_root(config)
+    if entry.kind == "module":
+        found = (root / path for path in module_paths(entry.name))
+        return next((path.relative_to(root) if root == Path.cwd() else path for path in found if path.is_file()),
+                    None)
+    if entry.kind == "file":
+        path = root / entry.name
+        return (Path(entry.name) if root == Path.cwd() else path) if path.is_file() else None
+    return None
+
+
+def names_project_files(config: LaunchConfig, root: Path) -> bool:
+    """Does the module or command name something in ``root``: the module's package (or file),
+    or an argument that is a relative path to a file or folder inside it?"""
+    entry = entry_point(config.script, config.args, module=config.module)
+    if entry.kind == "module":
+        top = entry.name.split(".")[0]
+        return (root / top).is_dir() or (root / f"{top}.py").is_file()
+    for arg in (config.script, *config.args):
+        if not arg or arg.startswith("-") or Path(arg).is_absolute() or "\0" in arg:
+            continue
+        try:
+            path = (root / arg).resolve()
+        except (OSError, ValueError):
+            continue
+        if path != root and path.is_relative_to(root) and path.exists():
+            return True
+    return False
 
 
 def new_job_id() -> str:
@@ -192,6 +260,8 @@ def render_commands(
         ifaces=socket_ifaces(plan, config.iface, found_ifaces or {}),
         server_argv=["-c", server_source()] if config.framework == "tf-ps" else None,
         gpus_for=gpus_for,
+        module=config.module,
+        no_python=config.no_python,
     )
     return plan, commands
 
@@ -218,7 +288,9 @@ def tf_job(config: LaunchConfig) -> bool:
 
 def keras_warning(config: LaunchConfig, inventory: Inventory,
                   reports: Sequence[HostReport] | None = None) -> str | None:
-    """Keras 3 cannot model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585).
+    """Keras 3 cannot model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585), and a
+    custom training loop written for tf.keras (Keras 2: TensorFlow's own tutorials) fails on
+    Keras 3's changed API; legacy Keras (``TF_USE_LEGACY_KERAS=1`` with tf_keras) runs both.
 
     ``reports``: the preflight's, whose per-host Keras and tf_keras versions decide (the hosts'
     Pythons run the job, not this machine's); without them, this machine's Keras does."""
@@ -227,7 +299,8 @@ def keras_warning(config: LaunchConfig, inventory: Inventory,
     if "TF_USE_LEGACY_KERAS" in config.env:
         return None
     try:  # a script that opts in itself (as examples/train_digits.py does) needs no warning
-        if "TF_USE_LEGACY_KERAS" in Path(config.script).read_text(encoding="utf-8", errors="replace"):
+        source = source_file(config)
+        if source is not None and "TF_USE_LEGACY_KERAS" in source.read_text(encoding="utf-8", errors="replace"):
             return None
     except OSError:
         pass
@@ -257,9 +330,11 @@ def keras_warning(config: LaunchConfig, inventory: Inventory,
             return None
         where, install = "", "Install tf_keras and pass"
     return (
-        f"Keras {', '.join(versions)} is installed{where} and TF_USE_LEGACY_KERAS is unset: Keras 3 cannot"
-        " model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585). "
-        f"{install} --env TF_USE_LEGACY_KERAS=1, or use a custom training loop."
+        f"Keras {', '.join(versions)} is installed{where} and TF_USE_LEGACY_KERAS is unset. Under"
+        " MultiWorkerMirroredStrategy, Keras 3 cannot model.fit (keras-team/keras#20585), and a custom training"
+        " loop written for tf.keras (as in TensorFlow's tutorials) fails on Keras 3's changed API"
+        f" (e.g. metric.reset_states). Legacy Keras runs both. {install} --env TF_USE_LEGACY_KERAS=1"
+        " (or set it in the script before it imports TensorFlow)."
     )
 
 
@@ -279,16 +354,19 @@ class Pushed:
 
 
 def code_dir_to_push(config: LaunchConfig, *, strict: bool = False) -> Path | None:
-    """The folder ``launch`` pushes (``--push`` and a script file): ``--code DIR``, else the
-    script's directory, unless the script is an installed program (``/usr/bin/…``, a
+    """The folder ``launch`` pushes (with ``--push``). A script given alone: ``--code DIR``,
+    else the script's directory, unless the script is an installed program (``/usr/bin/…``, a
     ``site-packages``: nothing pushed). A script directly in the home folder or ``/`` has
     none: with ``strict`` (remote hosts to push to) that is a ``UsageError``
-    (``dlrun.push.tree.push_root_for``)."""
+    (``dlrun.push.tree.push_root_for``). A module or a command: ``--code DIR``, else the
+    current folder when the module is there or an argument names a file in it (else nothing)."""
     from dlrun.push.tree import push_root_for, system_folders
 
     script = Path(config.script)
-    if not config.push or not script.is_file():
+    if not config.push:
         return None
+    if not script_given_alone(config):
+        return command_project(config, strict=strict)
     if config.code is not None:
         code = Path(config.code).resolve()
         if not script.resolve().is_relative_to(code):
@@ -303,9 +381,36 @@ def code_dir_to_push(config: LaunchConfig, *, strict: bool = False) -> Path | No
         return None
 
 
+def command_project(config: LaunchConfig, *, strict: bool) -> Path | None:
+    """The project a module or a command pushes: ``--code`` (always), else the current folder
+    when the command names something in it (``names_project_files``). The home folder or ``/``
+    is not a project: with ``strict`` that is a ``UsageError``, else nothing is pushed."""
+    if config.code is not None:
+        return Path(config.code).resolve()
+    root = Path.cwd().resolve()
+    if not names_project_files(config, root):
+        return None
+    if root == Path(root.anchor) or root == Path.home().resolve():
+        if not strict:
+            return None
+        where = "the home folder" if root != Path(root.anchor) else "/"
+        raise UsageError(f"the command names files in {where} ({root}): dlrun pushes the current folder, and that"
+                         " would be all of it; nothing was pushed",
+                         hint="run dlrun from a project folder, name the folder to push with --code DIR, "
+                         "or run what is already on the hosts with --no-push")
+    return root
+
+
 def script_in_push(config: LaunchConfig, code_dir: Path) -> str:
-    """The script as the ranks name it, relative to the pushed folder (a link: its target)."""
-    return Path(config.script).resolve().relative_to(code_dir).as_posix()
+    """The script as the ranks name it, relative to the pushed folder (a link: its target); a
+    program the system runs itself keeps a ``./``. A module or a command stays as given: it
+    runs in the pushed folder, where its arguments name the same files."""
+    if not script_given_alone(config):
+        return config.script
+    name = Path(config.script).resolve().relative_to(code_dir).as_posix()
+    if "/" not in name and runs_directly(name, no_python=config.no_python):
+        return f"./{name}"
+    return name
 
 
 def push_limit(config: LaunchConfig) -> PushLimit:
@@ -342,7 +447,7 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
     code_dir = code_dir_to_push(config)
     remote = [h for h in hosts if not h.is_local]
     if code_dir is None or not remote:
-        return Pushed(env_for, summaries=tuple(shown))
+        return Pushed(env_for, local_cwd(config, code_dir, hosts), summaries=tuple(shown))
     done = dict(settled or {})
     pending = [h for h in remote if h.name not in done]
     with PushView([h.name for h in remote], live=live) as view:
@@ -409,9 +514,17 @@ def planned_push(config: LaunchConfig, hosts: Sequence[Host]) -> Pushed:
     env_for = {h.name: shard_env(i, len(hosts), h) for i, h in enumerate(hosts)} if config.data else {}
     code_dir = code_dir_to_push(config)
     if code_dir is None or all(h.is_local for h in hosts):
-        return Pushed(env_for)
+        return Pushed(env_for, local_cwd(config, code_dir, hosts))
     cwd_for = {h.name: str(code_dir) if h.is_local else code_dir_on(h, code_dir) for h in hosts}
     return Pushed(env_for, cwd_for, script_in_push(config, code_dir))
+
+
+def local_cwd(config: LaunchConfig, code_dir: Path | None, hosts: Sequence[Host]) -> dict[str, str | None] | None:
+    """Where ranks run when nothing goes to remote hosts: a module or a command with ``--code``
+    runs in that folder (its arguments name files there); else the default (None)."""
+    if code_dir is None or config.code is None or script_given_alone(config):
+        return None
+    return {h.name: str(code_dir) if h.is_local else None for h in hosts}
 
 
 def survey_code(code_dir: Path, hosts: Sequence[Host], manifest: Manifest) -> dict[str, PushTarget]:
@@ -526,7 +639,7 @@ def check_script(config: LaunchConfig) -> None:
         raise UsageError(f"the script's name is too long ({len(raw)} bytes; a path may have {PATH_MAX},"
                          f" each name in it {NAME_MAX})")
     here = config.push or (config.hosts is None)
-    if here and Path(config.script).is_dir():
+    if here and not config.module and Path(config.script).is_dir():
         raise UsageError(f"{printable(config.script)} is a folder, not a script",
                          hint=f"name the program in it (dlrun launch {printable(config.script).rstrip('/')}/train.py);"
                          " --code DIR pushes a folder that holds the script")
@@ -540,8 +653,12 @@ def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
     if code_dir is not None and config.data and code_dir.is_relative_to(Path(config.data).resolve()):
         raise UsageError(f"--data {config.data} holds the script's directory {code_dir}, which is pushed as code:"
                          " every file would go twice", hint="keep the dataset in a directory of its own")
+    if config.module and (config.script.endswith(".py") or "/" in config.script):
+        raise UsageError(f"-m {config.script}: -m takes a module name (pkg.train), not a file",
+                         hint=f"dlrun launch {config.script} runs a script file")
     here = config.push or any(h.is_local for h in inventory.hosts)
-    if here and config.script.endswith(".py") and not Path(config.script).is_file():
+    if (here and not config.module and (config.script.endswith(".py") or interpreter_for(config.script))
+            and not Path(config.script).is_file()):
         raise UsageError(f"script not found: {printable(config.script)}",
                          hint="with --no-push, a path on the hosts is not checked here")
     log_root = Path(config.log_dir or DEFAULT_LOG_DIR)
@@ -640,13 +757,40 @@ class HostsEngine:
         return config
 
     def dry_run(self, config: LaunchConfig, job_id: str) -> tuple[WorkerCommand, ...]:
-        planned_hosts = job_plan(config, self.inventory, job_id).hosts
-        pushed = dry_run_push(config, self.inventory, planned_hosts)
+        """Each rank's command as the launch would start it, nothing started or written. With a
+        host to reach over the network, the launch's own ``session`` runs (connect, agents with
+        the probe, the push survey and the free ports, the preflight, a push that writes
+        nothing), so the dry run shows the addresses, interfaces, GPUs and ports the ranks get;
+        where a host cannot be reached, the plan as written, with a warning. Ranks on this
+        machine alone: the plan, which is what they get (their addresses and ``lo``)."""
+        if not self.inventory.all_local:
+            from dlrun.errors import TransportError
+
+            try:
+                with self.session(config, job_id) as placed:
+                    return self._dry_commands(placed, job_id)
+            except TransportError as exc:
+                print("dlrun: warning: showing the plan as written, without the addresses, interfaces, GPUs and"
+                      f" free ports the hosts would give: {exc}", file=sys.stderr)
+                self.addresses, self.gpus, self.found_ifaces, self.ports = {}, {}, {}, None
+                warning = keras_warning(config, self.inventory)
+                if warning and not config.json_output:
+                    print(f"dlrun: warning: {warning}", file=sys.stderr)
+                planned_hosts = job_plan(config, self.inventory, job_id).hosts
+                pushed = planned_push(config, planned_hosts)
+        else:
+            planned_hosts = job_plan(config, self.inventory, job_id).hosts
+            pushed = dry_run_push(config, self.inventory, planned_hosts)
         self.dry_run_pushes = pushed.summaries
-        shown = replace(config, script=pushed.script) if pushed.script is not None else config
-        addresses = reachable_addresses(planned_hosts, {})
-        plan, commands = render_commands(shown, pushed.apply(self.inventory), job_id, cwd_for=pushed.cwd_for,
-                                         addresses=addresses)
+        self.inventory, self.cwd_for = pushed.apply(self.inventory), pushed.cwd_for
+        self.addresses = reachable_addresses(planned_hosts, {})
+        return self._dry_commands(replace(config, script=pushed.script) if pushed.script is not None else config,
+                                  job_id)
+
+    def _dry_commands(self, config: LaunchConfig, job_id: str) -> tuple[WorkerCommand, ...]:
+        """``--dry-run``'s commands, rendered as ``place`` renders them (``render``); Horovod's
+        rendezvous server is not started: its port is named, not chosen."""
+        plan, commands = self.render(config, job_id)
         if config.framework == "horovod":  # dlrun's rendezvous server binds a free port when the job starts
             server = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": facing_address([r.address for r in plan.ranks]),
                       "HOROVOD_GLOO_RENDEZVOUS_PORT": "<a free port, chosen at launch>"}
@@ -655,7 +799,9 @@ class HostsEngine:
 
     @contextmanager
     def session(self, config: LaunchConfig, job_id: str) -> Iterator[LaunchConfig]:
-        """Connect, start the agents (probe and survey first), check the preflight, plan, push."""
+        """Connect, start the agents (probe and survey first), check the preflight, plan, push.
+        With ``config.dry_run`` (``dry_run``): the push surveys and writes nothing, no setup runs,
+        and the agents are closed before they get any rank."""
         inventory, used_hosts = self.inventory, self.used_hosts
         transport = make_transport(inventory, config.ssh)
         agents = HostAgents(transport, used_hosts, pidns=config.pidns, host_timeout=config.ssh.host_timeout)
@@ -668,7 +814,7 @@ class HostsEngine:
             leave_out = Path(config.data) if config.data else None  # sent as shards, not with the code
             # hashes (or reads the cache) while we connect; over the size limit it raises before hashing
             manifest = pusher.submit(scan_code, code_dir, leave_out, log_dir=config.log_dir or DEFAULT_LOG_DIR,
-                                     limit=push_limit(config))
+                                     limit=push_limit(config), save_cache=not config.dry_run)
         try:
             addresses = reachable_addresses(used_hosts, transport.connect(used_hosts))
             targets = survey_code(code_dir, used_hosts, manifest.result()) if code_dir and manifest is not None else {}
@@ -718,9 +864,14 @@ class HostsEngine:
                     plan = job_plan(config, inventory, job_id, addresses, self.ports)
                 else:
                     check_ports_free(plan, free)
-            pushed = push_for_launch(config, transport, plan.hosts, settled_hosts(targets, answers))
-            run_setup_step(config, transport, plan.hosts, pushed, job_id,
-                           manifest.result() if manifest is not None else None)
+            settled = settled_hosts(targets, answers)
+            if config.dry_run:  # what a push would do: survey only, nothing written
+                settled = {name: replace(summary, dry_run=True) for name, summary in settled.items()}
+            pushed = push_for_launch(config, transport, plan.hosts, settled, dry_run=config.dry_run)
+            self.dry_run_pushes = pushed.summaries if config.dry_run else ()
+            if not config.dry_run:
+                run_setup_step(config, transport, plan.hosts, pushed, job_id,
+                               manifest.result() if manifest is not None else None)
             self.inventory, self.transport, self.agents = pushed.apply(inventory), transport, agents
             self.addresses, self.cwd_for = addresses, pushed.cwd_for
             yield config if pushed.script is None else replace(config, script=pushed.script)
@@ -778,6 +929,14 @@ class HostsEngine:
             raise
         return agents
 
+    def render(self, config: LaunchConfig, job_id: str,
+               rendezvous: Rendezvous | None = None) -> tuple[Plan, tuple[WorkerCommand, ...]]:
+        """Every rank's command from what the session found: addresses, run folders, GPUs,
+        interfaces and ports (``place`` and ``--dry-run`` alike)."""
+        return render_commands(config, self.inventory, job_id, addresses=self.addresses, cwd_for=self.cwd_for,
+                               rendezvous=rendezvous, gpus_for=self.gpus, found_ifaces=self.found_ifaces,
+                               ports=self.ports)
+
     @contextmanager
     def place(self, config: LaunchConfig, job_id: str, view: View, *, detached: bool = False) -> Iterator[Placement]:
         """``detached``: Horovod's rendezvous is the leader keeper's, on host 0: the ranks get its
@@ -804,10 +963,7 @@ class HostsEngine:
                         hint="give host 0 an IPv4 address in --hosts")
             elif config.framework == "horovod":
                 rendezvous = stack.enter_context(horovod_rendezvous(plan))
-            _, commands = render_commands(
-                config, self.inventory, job_id, addresses=self.addresses, cwd_for=self.cwd_for,
-                rendezvous=rendezvous, gpus_for=self.gpus, found_ifaces=self.found_ifaces, ports=self.ports,
-            )
+            _, commands = self.render(config, job_id, rendezvous)
             yield Placement(self.transport, commands, agents,
                             ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None)
 
@@ -863,10 +1019,17 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
         check_detach(config, isinstance(engine, HostsEngine))
     job_id = new_job_id()
     # with a preflight, the hosts' own Keras decides (HostsEngine.session warns then)
-    probed = isinstance(engine, HostsEngine) and config.preflight and not config.dry_run
+    probed = isinstance(engine, HostsEngine) and config.preflight and (
+        not config.dry_run or not engine.inventory.all_local)  # a dry run on hosts runs the session too
     warning = None if probed else keras_warning(config, engine.inventory)
     if config.dry_run:
-        commands = engine.dry_run(config, job_id)
+        hosts_engine = isinstance(engine, HostsEngine)
+        if hosts_engine:  # the dry run's one usage check before it reaches the hosts (it writes nothing)
+            code_dir_to_push(config, strict=not engine.inventory.all_local)
+            say_framework(config)
+        commands = engine.dry_run(config, job_id)  # Spark's refuses
+        if not hosts_engine:
+            say_framework(config)
         warn_replaced_env(config, commands)
         if config.json_output:
             document = plan_to_json(commands)
@@ -880,11 +1043,14 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
             if warning:
                 print(f"dlrun: warning: {warning}", file=sys.stderr)
             print(dry_run_text(commands))
+            if isinstance(engine, HostsEngine) and engine.ports is not None and config.base_port is None:
+                print("ports: free on each host now; a launch asks again and may get others (--base-port P fixes them)")
             print(restart_policy_text(config))
         return RunResult(ranks=(), exit_code=0, commands=commands, job_id=job_id, attempts=0)
+    check_local_inputs(config, engine.inventory)
+    say_framework(config)
     if warning:
         print(f"dlrun: warning: {warning}", file=sys.stderr)
-    check_local_inputs(config, engine.inventory)
     shown = view or make_view(config.ranks_shown, force_plain=config.plain)
     logs = Path(config.log_dir or DEFAULT_LOG_DIR) / job_id
     history: list[Attempt] = []

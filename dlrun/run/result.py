@@ -35,6 +35,16 @@ class RankResult:
     error: str | None = None  # agent's words when the rank could not start
     exception: tuple[str, ...] = ()  # its output's last Python traceback: innermost frames, exception line
     error_file: tuple[str, ...] = ()  # what torch's @record wrote to TORCHELASTIC_ERROR_FILE (lines shown)
+    hint: tuple[str, ...] = ()  # the root cause's: what the failure more likely comes from (peers that left early)
+
+
+def rank_state(code: int | None, *, stopping: bool, signalled: bool = False) -> RankState:
+    """A rank's state from how it exited, for attached and detached jobs alike: ended by dlrun's
+    stop (signalled while it ran, or non-zero while the job was stopping) is STOPPED whatever its
+    exit code (Lightning exits 0 on SIGTERM)."""
+    if signalled or (stopping and code != 0):
+        return RankState.STOPPED
+    return RankState.SUCCEEDED if code == 0 else RankState.FAILED
 
 
 @dataclass(frozen=True)

@@ -32,27 +32,33 @@ from __future__ import annotations
 
 import json
 import queue
-import re
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from dlrun.errors import DlrunError
 from dlrun.plan import DEFAULT_HOST_TIMEOUT, heartbeat_interval
 from dlrun.remote import agent
+from dlrun.remote.ranklines import (
+    MAX_LINE,
+    TAIL_LINES,
+    TRACEBACK_START,
+    LineSplitter,
+    TracebackCatcher,
+    early_exit_hint,
+    error_file_lines,
+)
 from dlrun.render import WorkerCommand
 from dlrun.run.agents import HostAgents, HostLink, close_aside, encode_message, with_agent_words
 from dlrun.run.gpus import CSV_COLUMNS, GpuSample, GpuStats, IdleWatch, csv_rows, parse_sample, visible_gpus
-from dlrun.run.result import RankResult, RankState, RunResult
-from dlrun.run.rootcause import TRACEBACK_START, TracebackCatcher, error_file_lines
+from dlrun.run.result import RankResult, RankState, RunResult, rank_state
 from dlrun.transport.base import Transport
 
-TAIL_LINES = 20
-MAX_LINE = 1 << 20
+__all__ = ["MAX_LINE", "TAIL_LINES", "LineSplitter", "Supervisor", "View", "agent_spec"]
 
 
 class View(Protocol):
@@ -66,66 +72,6 @@ class View(Protocol):
     def gpus(self, host: str, samples: Sequence[GpuSample]) -> None: ...
     def flush(self) -> None: ...
     def finish(self, result: RunResult) -> None: ...
-
-
-def _whole_characters(data: bytes) -> tuple[str, bytes]:
-    """An over-long line's text so far, and the bytes of a UTF-8 character it cuts in two
-    (kept for the next piece instead of becoming two replacement characters)."""
-    cut = len(data)
-    for back in range(1, min(4, len(data)) + 1):  # a lead byte within the last 4 bytes
-        byte = data[-back]
-        if byte & 0xC0 != 0x80:  # not a continuation byte
-            need = 2 if byte >= 0xC0 else 1
-            need = 3 if byte >= 0xE0 else need
-            need = 4 if byte >= 0xF0 else need
-            if back < need:
-                cut = len(data) - back
-            break
-    return data[:cut].decode("utf-8", errors="replace"), data[cut:]
-
-
-class LineSplitter:
-    """Splits a byte stream into lines on ``\\n``, ``\\r\\n`` and ``\\r``."""
-
-    _SEP = re.compile(rb"\r\n|\r|\n")
-
-    def __init__(self) -> None:
-        self.buf = b""
-
-    def feed(self, data: bytes) -> list[str]:
-        buf = self.buf + data
-        lines: list[str] = []
-        if b"\r" not in buf:  # the common case: one decode and one split, both in C
-            end = buf.rfind(b"\n")
-            if end < 0:
-                rest = buf
-            else:
-                lines = buf[:end].decode("utf-8", errors="replace").split("\n")
-                rest = buf[end + 1 :]
-            if len(rest) > MAX_LINE:
-                line, rest = _whole_characters(rest)
-                lines.append(line)
-            self.buf = rest
-            return lines
-        hold = b""
-        if buf.endswith(b"\r"):  # maybe the first half of \r\n
-            buf, hold = buf[:-1], b"\r"
-        pos = 0
-        for match in self._SEP.finditer(buf):
-            piece = buf[pos : match.start()]
-            if piece or match.group() != b"\r":
-                lines.append(piece.decode("utf-8", errors="replace"))
-            pos = match.end()
-        rest = buf[pos:]
-        if len(rest) > MAX_LINE:
-            line, rest = _whole_characters(rest)
-            lines.append(line)
-        self.buf = rest + hold
-        return lines
-
-    def flush(self) -> list[str]:
-        rest, self.buf = self.buf.rstrip(b"\r"), b""
-        return [rest.decode("utf-8", errors="replace")] if rest else []
 
 
 @dataclass
@@ -200,6 +146,7 @@ class Supervisor:
         self.stopping = False
         self.stop_deadline: float | None = None
         self.root_cause: int | None = None
+        self.finished_before: tuple[tuple[int, str], ...] = ()  # ranks that exited 0 before the root cause
         self.lost_host: str | None = None
         self.interrupted_by: int | None = None
         self.signals: list[int] = []  # interrupt()'s, handled before any queued event
@@ -399,7 +346,7 @@ class Supervisor:
             for kind_, splitter in rank.splitters.items():
                 for text in splitter.flush():
                     self._line(rank_no, rank, text, "stdout" if kind_ == agent.STDOUT else "stderr")
-            self._exited(rank_no, rank, code)
+            self._exited(rank_no, rank, code, stopped=bool(info.get("stopped")))
 
     def _gpu(self, host: str, payload: bytes) -> None:
         """One GPU sample of ``host``: to gpu.csv, the stats, the idle watch and the view."""
@@ -438,22 +385,21 @@ class Supervisor:
         if not self.hurry:
             self.view.line(rank_no, text, stream)
 
-    def _exited(self, rank_no: int, rank: _Rank, code: int) -> None:
+    def _exited(self, rank_no: int, rank: _Rank, code: int, *, stopped: bool = False) -> None:
+        """``stopped``: the agent had signalled the rank to stop before it exited (a rank that
+        exits 0 on SIGTERM, as Lightning does, was stopped all the same)."""
         rank.exit_code = code
         rank.ended = self.clock()
         if rank.started is None:
             rank.started = rank.ended
-        if code == 0:
-            rank.state = RankState.SUCCEEDED
-        elif self.stopping:
-            rank.state = RankState.STOPPED
-        else:
-            rank.state = RankState.FAILED
+        rank.state = rank_state(code, stopping=self.stopping, signalled=stopped)
         self.view.state(rank_no, rank.state, code)
         if self.stopping:
             return
         if code != 0:
             self.root_cause = rank_no
+            self.finished_before = tuple((n, r.command.host_name) for n, r in sorted(self.ranks.items())
+                                         if r.state == RankState.SUCCEEDED)
             self.view.notice(
                 f"rank {rank_no} on {rank.command.host_name} exited with code {code}: stopping every rank"
             )
@@ -477,7 +423,8 @@ class Supervisor:
         if link.channel is None:
             reason = "could not start"
         else:
-            reason = link.channel.lost_reason() or "connection to the host was lost"
+            ended = "the host's agent ended before its ranks did"
+            reason = link.channel.lost_reason() or (ended if code else "connection to the host was lost")
         self._host_failed(host, with_agent_words(reason, stderr, code))
 
     def _silent(self, host: str, seconds: float) -> None:
@@ -549,7 +496,11 @@ class Supervisor:
                     error_file=rank.error_file,
                 )
             )
-        root = results[self.root_cause] if self.root_cause is not None else None
+        root = None
+        if self.root_cause is not None:
+            root = results[self.root_cause]
+            hint = early_exit_hint(root.rank, [*root.exception, *root.error_file, *root.tail], self.finished_before)
+            root = results[self.root_cause] = replace(root, hint=tuple(hint))
         if root is not None:
             exit_code = root.exit_code if root.exit_code else 1
         elif self.interrupted_by is not None:

@@ -27,7 +27,7 @@ from dlrun.run.result import Attempt, RankState, RunResult
 from dlrun.run.rootcause import signal_text
 
 if TYPE_CHECKING:  # rich is imported only for the live view (~40 ms a job otherwise)
-    from dlrun.run.live import LiveView
+    from dlrun.run.screen import ScreenFeed
 
 
 def duration_text(seconds: float | None) -> str:
@@ -56,12 +56,13 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
         argv = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in mask_argv(by_rank[root.rank].argv)]
         lines.append(f"  command: {printable(shlex.join(argv))}")
     recorded_line = root.error_file[-1] if root.error_file else None
+    if root.error_file:  # what the rank itself recorded comes first
+        lines.append(f"  error file (TORCHELASTIC_ERROR_FILE of rank {root.rank}):")
+        lines.extend(f"    | {text}" for text in root.error_file)
     if root.exception and root.exception[-1] != recorded_line:  # @record's message says it already
         lines.append(f"  exception (last frames of rank {root.rank}'s traceback):")
         lines.extend(f"    | {text}" for text in root.exception)
-    if root.error_file:
-        lines.append(f"  error file (TORCHELASTIC_ERROR_FILE of rank {root.rank}):")
-        lines.extend(f"    | {text}" for text in root.error_file)
+    lines.extend(f"  hint: {text}" for text in root.hint)
     if root.state != RankState.LOST and (killed := signal_text(root.exit_code)):
         lines.append(f"  {killed}")
     lines.extend(f"  warning before the start: {text}" for text in result.warnings)
@@ -173,15 +174,21 @@ class PlainView:
 
 
 
-def make_view(ranks: Collection[int] | None = None, *, force_plain: bool = False) -> PlainView | LiveView:
-    """A LiveView on a terminal, a PlainView otherwise."""
+def make_view(ranks: Collection[int] | None = None, *, force_plain: bool = False,
+              lossless_plain: bool = False) -> ScreenFeed:
+    """A LiveView on a terminal, a PlainView otherwise, each drawn on its own clock
+    (``dlrun.run.screen``): what a rank prints never holds back the supervisor.
+    ``lossless_plain``: plain lines wait for the screen rather than being dropped (``attach``
+    into a pipe: its lines are the record there)."""
+    from dlrun.run.screen import LIVE_RATE, LIVE_WAITING, ScreenFeed
+
     if force_plain or not sys.stdout.isatty():
-        return PlainView(sys.stdout, ranks)
+        return ScreenFeed(PlainView(sys.stdout, ranks), lossless=lossless_plain)
     from rich.console import Console
 
     from dlrun.run.live import LiveView
 
     console = Console()
     if console.is_terminal:
-        return LiveView(console, ranks)
-    return PlainView(sys.stdout, ranks)
+        return ScreenFeed(LiveView(console, ranks), rate=LIVE_RATE, max_lines=LIVE_WAITING)
+    return ScreenFeed(PlainView(sys.stdout, ranks), lossless=lossless_plain)

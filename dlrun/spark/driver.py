@@ -854,6 +854,7 @@ def task_commands(
         rendezvous=rendezvous or (("127.0.0.1", 0) if config.framework == "horovod" else None),
         ifaces=socket_ifaces(plan, config.iface, {h.name: h.iface for h in ordered if h.iface}),
         gpus_for={h.name: [",".join(h.gpus)] for h in ordered if h.gpus},
+        no_python=config.no_python,
     )
     by_name = {h.name: h for h in ordered}
     topology = horovod_topology(ordered) if config.framework == "horovod" else {}
@@ -869,7 +870,7 @@ def task_commands(
                 "HOROVOD_CROSS_RANK": str(cross_rank),
                 "HOROVOD_CROSS_SIZE": str(cross_size),
             })
-        argv = worker_argv(task.script or config.script, config.args, [task.python])
+        argv = worker_argv(task.script or config.script, config.args, [task.python], no_python=config.no_python)
         rendered.append(replace(c, argv=argv, env=env))
     return plan, tuple(rendered)
 

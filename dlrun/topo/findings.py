@@ -15,15 +15,18 @@ Severities, on purpose:
   PHB/NODE/SYS path; on a multi-host job, a GPU with no NIC at PXB or better (no GPUDirect RDMA
   by NCCL's default); a tool that failed or timed out (``HostReport.problems``).
 - ``info`` — worth knowing: PHB/NODE/SYS pairs when every GPU still reaches the others over P2P
-  paths (DGX-1 hybrid cube mesh); python patch levels differ; MIG enabled; socket interface or
-  HCA names that differ across hosts (which is why a suggested variable is a prefix or missing).
+  paths (DGX-1 hybrid cube mesh); python patch levels differ; MIG enabled; HCA names that differ
+  across hosts (which is why ``NCCL_IB_HCA`` lists them all).
+
+The socket interface follows ``dlrun launch``'s one rule (``dlrun.run.addresses.host_ifaces``):
+the caller passes launch's choice per host, and ``socket_note`` says what launch will do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dlrun.topo.records import (
     HostReport,
@@ -35,11 +38,12 @@ from dlrun.topo.records import (
     natural_key,
 )
 
+if TYPE_CHECKING:
+    from dlrun.render import SocketIface
+
 Severity = Literal["error", "warning", "info"]
 SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
 
-#: Interfaces never suggested for NCCL/Gloo sockets unless they carry the default route.
-_VIRTUAL_PREFIXES = ("lo", "docker", "virbr", "veth", "br-", "cni", "flannel", "cali", "tun", "tap")
 _MAX_LISTED = 8
 
 
@@ -307,28 +311,9 @@ def _hcas(report: HostReport) -> list[str]:
     return [f"{n.name}:{n.port}" for n in chosen]
 
 
-def _socket_interface(report: HostReport) -> str | None:
-    usable = [i for i in report.interfaces if i.ipv4 and not i.loopback]
-    for iface in usable:
-        if iface.default_route:
-            return iface.name
-    for iface in usable:
-        if not iface.name.startswith(_VIRTUAL_PREFIXES):
-            return iface.name
-    return None
-
-
 def interface_with_address(report: HostReport, ipv4: str) -> str | None:
     """The probed host's interface that holds this IPv4 address (the one its peers reach it at)."""
     return next((i.name for i in report.interfaces if ipv4 in i.ipv4), None)
-
-
-def _common_prefix(names: Sequence[str]) -> str:
-    first, last = min(names), max(names)
-    size = 0
-    while size < min(len(first), len(last)) and first[size] == last[size]:
-        size += 1
-    return first[:size]
 
 
 def _env_plan(ok: Sequence[HostReport]) -> tuple[dict[str, str], list[Finding]]:
@@ -353,42 +338,57 @@ def _env_plan(ok: Sequence[HostReport]) -> tuple[dict[str, str], list[Finding]]:
                 )
             )
 
-    names = {r.host: name for r in ok if (name := _socket_interface(r)) is not None}
-    if names:
-        distinct = sorted(set(names.values()))
-        if len(distinct) == 1:
-            env["NCCL_SOCKET_IFNAME"] = distinct[0]
-            env["GLOO_SOCKET_IFNAME"] = distinct[0]
-        else:
-            prefix = _common_prefix(distinct)
-            if len(prefix) >= 2 and not any(prefix.startswith(v) for v in _VIRTUAL_PREFIXES):
-                env["NCCL_SOCKET_IFNAME"] = prefix
-                how = f"NCCL_SOCKET_IFNAME is their common prefix {prefix!r}"
-            else:
-                env["NCCL_SOCKET_IFNAME"] = "^lo,docker"
-                how = "NCCL_SOCKET_IFNAME excludes lo and docker instead"
-            notes.append(
-                Finding(
-                    "info",
-                    f"socket interfaces differ across hosts ({_by_value(names)}): {how}; "
-                    "GLOO_SOCKET_IFNAME needs an exact name per host, which dlrun launch sets (or the"
-                    " inventory's iface)",
-                )
-            )
     return env, notes
 
 
-def suggested_env(reports: Sequence[HostReport]) -> dict[str, str]:
+def suggested_env(reports: Sequence[HostReport], ifaces: Mapping[str, SocketIface] | None = None) -> dict[str, str]:
     """Environment worth setting for NCCL/Gloo on these hosts.
 
     ``NCCL_IB_HCA`` lists the active HCA ports (``=mlx5_0:1,…``: the ``=`` makes NCCL match
     names exactly, so ``mlx5_1`` does not also pick ``mlx5_10``), those common to every host
-    that has one. ``NCCL_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` name the interface of each
-    host's default route (else its first non-loopback IPv4 interface) when all hosts agree;
-    otherwise ``NCCL_SOCKET_IFNAME`` is a common prefix or ``^lo,docker`` and Gloo's is left out
-    (:func:`analyse` says so in an info finding). Unreachable hosts are ignored.
+    that has one. ``ifaces``: the interface ``dlrun launch`` gives each host's sockets
+    (``dlrun.run.addresses.host_ifaces``); when every reachable host has the same one it is
+    ``GLOO_SOCKET_IFNAME``, and ``NCCL_SOCKET_IFNAME`` too where launch names it for NCCL
+    (``--iface``, the inventory's ``iface``, ``lo``). No other interface is suggested: one that
+    launch would not choose overrides its choice once pasted (``socket_note`` says why there is
+    none). Unreachable hosts are ignored.
     """
-    return _env_plan([r for r in reports if r.ok])[0]
+    ok = [r for r in reports if r.ok]
+    env = _env_plan(ok)[0]
+    chosen = [ifaces[r.host] for r in ok if ifaces and r.host in ifaces]
+    if ok and len(chosen) == len(ok) and len({c.name for c in chosen}) == 1:
+        env["GLOO_SOCKET_IFNAME"] = chosen[0].name
+        if all(c.named for c in chosen):
+            env["NCCL_SOCKET_IFNAME"] = chosen[0].name
+    return env
+
+
+def socket_note(reports: Sequence[HostReport], ifaces: Mapping[str, SocketIface] | None) -> str:
+    """What ``dlrun launch`` does about the socket interfaces of these hosts, under the suggested
+    environment; ``ifaces`` as for :func:`suggested_env` (None: no host was reached over the
+    network, so launch's choice is not known yet)."""
+    rule = "the interface holding the address it reaches the host at"
+    nccl = "NCCL picks its own unless --iface or the inventory's iface names one."
+    ok = [r.host for r in reports if r.ok]
+    if ifaces is None or not ok:
+        return (f"dlrun launch sets GLOO_SOCKET_IFNAME on each host itself: {rule} (lo for a job on this machine"
+                f" alone; dlrun topo --hosts ... names it). {nccl}")
+    chosen = {h: ifaces[h].name for h in ok if h in ifaces}
+    missing = [h for h in ok if h not in ifaces]
+    names = sorted(set(chosen.values()))
+    named = bool(chosen) and all(ifaces[h].named for h in chosen)
+    why = "the inventory's iface, or lo for a job on this machine alone" if named else rule
+    parts = []
+    if len(names) == 1:
+        where = "" if len(ok) == 1 else " on every host" if not missing else f" on {', '.join(chosen)}"
+        parts.append(f"dlrun launch sets GLOO_SOCKET_IFNAME={names[0]} itself{where}: {why}.")
+    elif names:
+        parts.append(f"dlrun launch sets each host's GLOO_SOCKET_IFNAME itself ({_by_value(chosen)}): {why}.")
+    if missing:
+        parts.append(f"No interface of {', '.join(missing)} holds the address dlrun reached it at (NAT, a jump host):"
+                     " Gloo picks one there; name it with --iface or the inventory's iface.")
+    parts.append("NCCL uses the same." if named else nccl)
+    return " ".join(parts)
 
 
 def finding_to_json(finding: Finding) -> dict[str, Any]:
@@ -400,14 +400,23 @@ def topo_document(
     reports: Sequence[HostReport],
     findings: Sequence[Finding],
     env: Mapping[str, str] | None = None,
+    ifaces: Mapping[str, str] | None = None,
+    note: str = "",
 ) -> dict[str, Any]:
-    """The whole ``dlrun topo --json`` document: ``{"hosts": [...], "findings": [...], "env"}``.
+    """The whole ``dlrun topo --json`` document: ``{"hosts": [...], "findings": [...], "env"}``,
+    and, when given, ``"launch_ifaces"`` (host → the socket interface ``dlrun launch`` gives it)
+    and ``"launch_note"`` (``socket_note``).
 
     Each host carries its own findings (``severity``, ``message``); the top-level list holds
     every finding, with ``host`` (null for cross-host findings).
     """
-    return {
+    doc: dict[str, Any] = {
         "hosts": [host_report_to_json(r, findings) for r in reports],
         "findings": [finding_to_json(f) for f in findings],
         "env": dict(env) if env is not None else suggested_env(reports),
     }
+    if ifaces is not None:
+        doc["launch_ifaces"] = dict(ifaces)
+    if note:
+        doc["launch_note"] = note
+    return doc

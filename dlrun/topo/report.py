@@ -539,10 +539,12 @@ def interfaces_line(reports: Sequence[HostReport]) -> Text:
 class TopoReport:
     """The whole ``dlrun topo`` report; laid out when printed, for the console's width."""
 
-    def __init__(self, reports: Sequence[HostReport], findings: Sequence[Finding], env: Mapping[str, str]) -> None:
+    def __init__(self, reports: Sequence[HostReport], findings: Sequence[Finding], env: Mapping[str, str],
+                 note: str = "") -> None:
         self.groups = host_groups(reports)
         self.findings = findings
         self.env = env
+        self.note = note
         probed = [g for g in self.groups if g[0].ok]
         self.reference = max(probed, key=len) if len(probed) > 1 else None
 
@@ -592,6 +594,8 @@ class TopoReport:
             yield link_legend()
         yield findings_table(self.findings)
         yield env_lines(self.env, options.max_width)
+        if self.note:
+            yield Text(self.note, style="dim")
 
 
 def merged_findings(findings: Sequence[Finding]) -> list[tuple[Finding, str]]:
@@ -643,7 +647,8 @@ def link_legend() -> Text:
 
 
 def render_topo(
-    reports: Sequence[HostReport], findings: Sequence[Finding], env: Mapping[str, str]
+    reports: Sequence[HostReport], findings: Sequence[Finding], env: Mapping[str, str], note: str = ""
 ) -> RenderableType:
-    """The whole ``dlrun topo`` report, laid out for the console that prints it."""
-    return TopoReport(reports, findings, env)
+    """The whole ``dlrun topo`` report, laid out for the console that prints it; ``note``: what
+    ``dlrun launch`` does about the socket interfaces (``findings.socket_note``), under the env."""
+    return TopoReport(reports, findings, env, note)

@@ -99,7 +99,8 @@ class Transport(ABC):
 
     @abstractmethod
     def open(self, host: Host, argv: Sequence[str]) -> Channel:
-        """Start ``argv`` on the host (no shell parses it) and return its channel."""
+        """Start ``argv`` on the host (no shell parses it) and return its channel, once the
+        program runs: whatever a login shell printed before it is not in the channel's output."""
 
     def run(self, host: Host, argv: Sequence[str], stdin: bytes = b"", timeout: float = 60.0) -> CommandResult:
         """Run a control command to completion and collect its output."""

@@ -24,9 +24,12 @@ socket layer's exceptions into dlrun's own (``HostUnreachable``, ``Authenticatio
   the connection when none has come for the host timeout. A host that loses power or network
   mid-push then fails that step within the timeout instead of after TCP's ~15 minutes; every
   wait on the connection ends when it closes.
-* **Commands**: ``open`` runs an argv as one exec channel; the argv is joined with
-  ``shlex.join`` for the remote login shell, so no argument can inject a command. Env never
-  travels on the command line: the agent receives it inside JSON on stdin.
+* **Commands**: ``open`` runs an argv as one exec channel whose command line is always
+  ``exec /bin/sh -s`` (``dlrun.transport.shell``: it parses in every login shell); the argv
+  follows on stdin, joined with ``shlex.join`` for that POSIX sh, so no argument can inject a
+  command. ``open`` returns once the program's start marker came; what the login shell printed
+  before it is discarded and shown once per host (``notify``). Env never travels on the command
+  line: the agent receives it inside JSON on stdin.
 
 Why paramiko and not fabric's Connection: fabric's defaults are the unsafe ones (AutoAddPolicy
 without known_hosts); plain paramiko keeps every one of those choices visible here.
@@ -55,6 +58,7 @@ import paramiko
 from dlrun.errors import AuthenticationFailed, HostKeyError, HostUnreachable, TransportError, UsageError
 from dlrun.inventory import Host
 from dlrun.plan import DEFAULT_HOST_TIMEOUT, heartbeat_interval
+from dlrun.transport import shell
 from dlrun.transport.base import Channel, Transport
 from dlrun.transport.ssh_config import (
     DEFAULT_CONNECT_TIMEOUT,
@@ -144,6 +148,9 @@ class Target:
     def proxy_command(self) -> str | None:
         return self.config.proxy_command
 
+
+#: How long stderr's start marker may lag behind stdout's (seconds).
+STDERR_MARKER_WAIT = 2.0
 
 _Sock = socket.socket | paramiko.Channel | paramiko.ProxyCommand  # what paramiko connects over
 
@@ -287,6 +294,68 @@ class SSHChannel(Channel):
         self.why = why  # why the connection was closed, when dlrun closed it (silence)
         self._stderr = bytearray()
         self._lock = threading.Lock()
+        self._pending = b""  # stdout that came with the start marker, for the first recv
+
+    def await_start(self, mark: bytes, timeout: float) -> tuple[bytes, bytes]:
+        """Read stdout until the program's start marker (``dlrun.transport.shell``), then stderr's
+        (printed first, so it is on its way); return what the login shell printed before each.
+        Raises ``LoginShellError`` naming that output if the shell ends or the marker has not come
+        within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        out = bytearray()
+        try:
+            while (split := shell.split_at_marker(bytes(out), mark)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or len(out) > shell.MAX_NOISE:
+                    raise shell.not_started(self.host, bytes(out), self._take_stderr(), exit_code=None,
+                                            timeout=None if left > 0 else timeout, overflow=left > 0)
+                self.channel.settimeout(min(left, 0.25))
+                try:
+                    data = self.channel.recv(65536)
+                except TimeoutError:
+                    self._drain_stderr()  # a shell that floods stderr must not stall stdout's window
+                    continue
+                except (OSError, EOFError, paramiko.SSHException):
+                    data = b""
+                if not data:
+                    code = self.wait(min(2.0, max(0.1, deadline - time.monotonic())))
+                    why = self.why()
+                    if why:
+                        raise HostUnreachable(f"connection lost before dlrun's program started: {why}",
+                                              host=self.host)
+                    raise shell.not_started(self.host, bytes(out), self._take_stderr(), exit_code=code, timeout=None)
+                out += data
+            before, self._pending = split
+            # stderr's marker was printed first and travels in the same sshd loop: it follows at
+            # once, unless a startup file sent stderr elsewhere (exec 2>file), then it never comes
+            return before, self._stderr_before(mark, min(deadline, time.monotonic() + STDERR_MARKER_WAIT))
+        finally:
+            self.channel.settimeout(None)
+
+    def _stderr_before(self, mark: bytes, deadline: float) -> bytes:
+        """Drop stderr up to its marker and return what came before it (all of it so far, if the
+        marker has not come by ``deadline``)."""
+        while (split := shell.split_at_marker(bytes(self._stderr), mark)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return bytes(self._stderr)
+            self.channel.settimeout(min(left, 0.25))
+            try:
+                chunk = self.channel.recv_stderr(65536)
+            except TimeoutError:
+                continue
+            except (OSError, EOFError, paramiko.SSHException):
+                chunk = b""
+            if not chunk:
+                return bytes(self._stderr)
+            self._stderr += chunk
+        before, after = split
+        self._stderr[:] = after
+        return before
+
+    def _take_stderr(self) -> bytes:
+        self._drain_stderr()
+        return bytes(self._stderr)
 
     def send(self, data: bytes | memoryview) -> None:
         try:
@@ -304,6 +373,9 @@ class SSHChannel(Channel):
                                   host=self.host) from exc
 
     def recv(self, max_bytes: int = 65536) -> bytes:
+        if self._pending:
+            first, self._pending = self._pending[:max_bytes], self._pending[max_bytes:]
+            return first
         try:
             data: bytes = self.channel.recv(max_bytes)
         except (OSError, EOFError, paramiko.SSHException):
@@ -344,6 +416,11 @@ class SSHChannel(Channel):
             self.channel.close()
         except (OSError, EOFError, paramiko.SSHException):
             pass
+
+
+def _print_note(note: str) -> None:
+    sys.stderr.write(f"dlrun: note: {note}\n")  # one write: threads print no half lines
+    sys.stderr.flush()
 
 
 def parse_jump(spec: str) -> tuple[str | None, str, int | None]:
@@ -453,7 +530,11 @@ class SSHTransport(Transport):
         known_hosts: str | None = None,
         host_timeout: float | None = None,
         openssh: bool = True,
+        notify: Callable[[str], None] | None = None,
     ) -> None:
+        self.notify = notify or _print_note
+        self._noted: set[str] = set()  # hosts whose login shell's output was shown
+        self._notes_lock = threading.Lock()
         self.accept_new = accept_new_host_keys
         self.timeout = connect_timeout
         self.host_timeout = host_timeout
@@ -461,7 +542,6 @@ class SSHTransport(Transport):
         self.known_hosts_override = os.path.expanduser(known_hosts) if known_hosts else None
         self.reader = SSHConfigReader(config_file, shutil.which("ssh") if openssh else None)
         self.clients: dict[str, paramiko.SSHClient] = {}
-        self._abandoned = False  # a connect stopped early (most hosts unreachable): late clients close
         self.jump_hops: dict[str, _Hop] = {}
         self.jump_clients: list[paramiko.SSHClient] = []  # in the order they were connected
         self.targets: dict[str, Target] = {}
@@ -527,7 +607,7 @@ class SSHTransport(Transport):
         least ``FAIL_FAST_AFTER``), the rest are not tried: the launch has failed already, and a
         resolver flooded with bad names answers each in seconds."""
         errors: list[TransportError] = []
-        self._abandoned = False
+        abandoned = threading.Event()  # this round's: its threads take no more hosts, close late clients
         noisy = len(todo) >= PROGRESS_FROM
         if noisy:
             print(f"dlrun: connecting to {len(todo)} hosts", file=sys.stderr, flush=True)
@@ -538,13 +618,13 @@ class SSHTransport(Transport):
         answers: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
 
         def work() -> None:  # daemon threads: a lookup still hanging after a fail-fast holds nothing up
-            while not self._abandoned:
+            while not abandoned.is_set():
                 try:
                     host = waiting.get_nowait()
                 except queue.Empty:
                     return
                 try:
-                    answers.put(self._connect_one(host))
+                    answers.put(self._connect_one(host, abandoned))
                 except BaseException as exc:  # not a host's failure (a ProxyJump loop): raised below
                     answers.put(exc)
 
@@ -553,7 +633,7 @@ class SSHTransport(Transport):
         for done in range(1, len(todo) + 1):
             error = answers.get()
             if error is not None and not isinstance(error, TransportError):
-                self._abandoned = True
+                abandoned.set()
                 raise error
             if error is not None:
                 errors.append(error)
@@ -561,7 +641,7 @@ class SSHTransport(Transport):
                 print(f"dlrun: connecting: {done - len(errors)} of {len(todo)} hosts reached,"
                       f" {len(errors)} unreachable", file=sys.stderr, flush=True)
             if len(errors) >= FAIL_FAST_AFTER and 2 * len(errors) > done and done < len(todo):
-                self._abandoned = True  # the threads take no more hosts; those under way close theirs
+                abandoned.set()  # the threads take no more hosts; those under way close theirs
                 return errors, waiting.qsize()
         return errors, 0
 
@@ -573,12 +653,12 @@ class SSHTransport(Transport):
                 threading.Thread(target=old.close, name=f"dlrun-drop-{host.name}", daemon=True).start()
         return self.connect(hosts)
 
-    def _connect_one(self, host: Host) -> TransportError | None:
+    def _connect_one(self, host: Host, abandoned: threading.Event | None = None) -> TransportError | None:
         try:
             client = self._client(self.targets[host.name])
         except TransportError as exc:
             return exc
-        if self._abandoned:  # connect gave up on the hosts while this one was under way
+        if abandoned is not None and abandoned.is_set():  # connect gave up while this one was under way
             client.close()
             return None
         self.clients[host.name] = client
@@ -800,13 +880,33 @@ class SSHTransport(Transport):
         if transport is None or not transport.is_active():
             why = self._why(host.name)
             raise HostUnreachable("the SSH connection is closed" + (f": {why}" if why else ""), host=host.name)
+        timeout = self.targets[host.name].connect_timeout
+        token = shell.new_token()
         try:
-            channel = transport.open_session(timeout=self.targets[host.name].connect_timeout)
-            channel.exec_command(shlex.join(argv))
+            channel = transport.open_session(timeout=timeout)
+            channel.exec_command(shell.BOOT_COMMAND)
         except (paramiko.SSHException, OSError, EOFError) as exc:
             why = self._why(host.name) or str(exc) or type(exc).__name__
             raise HostUnreachable(f"cannot start a command over SSH: {why}", host=host.name) from exc
-        return SSHChannel(host.name, channel, lambda: self._why(host.name))
+        started = SSHChannel(host.name, channel, lambda: self._why(host.name))
+        try:
+            started.send(shell.boot_script(argv, token))
+            # nothing more is sent until the marker: an sh that reads its script in blocks
+            # would swallow bytes meant for the program
+            stdout, stderr = started.await_start(shell.marker(token), timeout)
+        except BaseException:
+            started.close()
+            raise
+        self._note(host.name, shell.noise_note(host.name, stdout, stderr))
+        return started
+
+    def _note(self, name: str, note: str | None) -> None:
+        """Show a host's note once per transport (each channel to the host would repeat it)."""
+        with self._notes_lock:  # held while it prints: two hosts' notes never share a line
+            if note is None or name in self._noted:
+                return
+            self._noted.add(name)
+            self.notify(note)
 
     def close(self) -> None:
         # bastions first: a target's socket is a channel on its bastion, and closing it over

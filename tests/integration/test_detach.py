@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dlrun_argv, example, hosts_toml, roles_toml, run_dlrun, shared_script
+from support.scripts import TORCH_LABELS
 from support.sshd_cluster import TEST_USER_HOME, wait_job_processes_gone
 
 pytestmark = pytest.mark.ssh
@@ -313,3 +314,150 @@ def test_a_detached_tf_ps_job_ends_with_its_chief_and_stops_the_servers(cluster,
     assert result["exit_code"] == 0 and result["root_cause"] is None, result
     assert {r["host"]: r["state"] for r in result["ranks"]} == {"host0": "succeeded", "host1": "stopped",
                                                                 "host2": "stopped"}, result
+
+
+# --------------------------------------------------------------------------- evidence (issue 28)
+
+# rank 1 writes 70,000 numbered lines, then raises
+LONG_LOG = """
+import os, sys, time
+time.sleep(4)  # the launch returns first
+if os.environ["DLRUN_RANK"] == "1":
+    out = sys.stdout
+    for i in range(70000):
+        out.write(f"line {i:05d} of rank 1 {'x' * 40}\\n")
+    out.flush()
+    raise ValueError("after 70000 lines")
+"""
+
+
+def test_a_detached_torch_failure_names_the_exception_behind_the_rank_prefix(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path) -> None:
+    script = shared_script(cluster, "labels.py", TORCH_LABELS)
+    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", *common(cluster, tmp_path),
+                    str(script), cwd=tmp_path, timeout=180)
+    job = re.search(r"detached job ([\w-]+)", out.stdout + out.stderr)
+    job_id = job.group(1) if job else ""
+    if not job_id:  # it failed before the launch returned: the job id is in the summary
+        match = re.search(r"dlrun: job ([\w-]+) failed", out.stdout + out.stderr)
+        job_id = match.group(1) if match else ""
+    assert job_id, out.stdout + out.stderr
+    attached = run_dlrun("attach", job_id, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
+    assert attached.returncode == 1, attached.stdout + attached.stderr
+    root = attached.stdout[attached.stdout.index("dlrun: root cause"):]
+    assert "ValueError: labels out of range" in root, attached.stdout
+    nothing_left(job_id)
+
+
+def test_every_line_of_a_long_detached_log_is_shown_and_deleted_only_after(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path) -> None:
+    script = shared_script(cluster, "long_log.py", LONG_LOG)
+    job = detach(cluster, tmp_path, script)
+    attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=180)
+    assert attached.returncode == 1, attached.stdout[-3000:] + attached.stderr
+    numbers = re.findall(r"^\[1 host1\] line (\d{5}) of rank 1", attached.stdout, re.M)
+    assert numbers == [f"{i:05d}" for i in range(70000)]
+    assert "ValueError: after 70000 lines" in attached.stdout[attached.stdout.index("dlrun: root cause"):]
+    for args in ((), ("--delete",)):
+        shown = run_dlrun("logs", job, *args, *common(cluster, tmp_path), cwd=tmp_path, timeout=180)
+        assert shown.returncode == 0, shown.stderr
+        lines = re.findall(r"^\[1 host1\] line (\d{5}) of rank 1", shown.stdout, re.M)
+        assert lines == [f"{i:05d}" for i in range(70000)], (args, len(lines))
+        assert "[1 host1] ValueError: after 70000 lines" in shown.stdout
+    assert not (TEST_USER_HOME / ".dlrun" / "jobs" / job).exists()
+
+
+def test_a_rank_that_exits_0_on_sigterm_is_stopped_not_succeeded(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # Lightning catches SIGTERM and exits 0: dlrun's stop must still call it stopped
+    script = shared_script(cluster, "clean_exit.py", (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"))
+    job = detach(cluster, tmp_path, script)
+    time.sleep(2)
+    stopped = run_dlrun("stop", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
+    assert stopped.returncode == 143, stopped.stdout + stopped.stderr
+    assert re.search(r"^\s+0\s+host0\s+0\s+stopped$", stopped.stdout, re.M), stopped.stdout
+    assert re.search(r"^\s+1\s+host1\s+0\s+stopped$", stopped.stdout, re.M), stopped.stdout
+    nothing_left(job)
+
+
+def test_a_frozen_leader_is_found_lost_from_its_followers_record(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleeper.py", SLEEPER)
+    job = run_dlrun("launch", "--detach", "--framework", "none", "--grace", "2", "--host-timeout", "5",
+                    *common(cluster, tmp_path), str(script), cwd=tmp_path, timeout=180)
+    assert job.returncode == 0, job.stdout + job.stderr
+    job_id = job.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1]
+    leader = int((host_folder(job_id, "host0") / "keeper.pid").read_text().split()[0])
+    os.kill(leader, signal.SIGSTOP)
+    try:
+        # the follower hears nothing for 5 s and ends its part; the leader's agent stops its rank too
+        assert wait_job_processes_gone(job_id, timeout=90) == []
+        listed = run_dlrun("ps", *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
+        assert re.search(rf"^{job_id}\s+lost\s+2\s+\S+\s+255\s", listed.stdout, re.M), listed.stdout
+        attached = run_dlrun("attach", job_id, *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
+        assert attached.returncode == 255, attached.stdout + attached.stderr
+        assert "lost the leader keeper (host0)" in attached.stdout, attached.stdout
+    finally:
+        os.kill(leader, signal.SIGKILL)
+        os.kill(leader, signal.SIGCONT)
+    nothing_left(job_id)
+
+
+def test_a_killed_leader_makes_attach_exit_255(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleeper.py", SLEEPER)
+    job = detach(cluster, tmp_path, script)
+    leader = int((host_folder(job, "host0") / "keeper.pid").read_text().split()[0])
+    os.kill(leader, signal.SIGKILL)
+    attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
+    assert attached.returncode == 255, attached.stdout + attached.stderr
+    assert not re.search(r"^\s+\d+\s+host\d\s+\S*\s+running\b", attached.stdout, re.M), attached.stdout
+    assert re.search(r"^\s+0\s+host0\s+255\s+lost\b", attached.stdout, re.M), attached.stdout
+    nothing_left(job)
+
+
+def test_ps_and_stop_go_on_without_an_unreachable_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "sleeper.py", SLEEPER)
+    job = detach(cluster, tmp_path, script)
+    with_dead = tmp_path / "with-dead.toml"  # the job's two hosts and one that refuses connections
+    with_dead.write_text((tmp_path / "hosts.toml").read_text()
+                         + '\n[[hosts]]\naddress = "127.0.0.1"\nname = "dead"\nport = 1\nuser = "nobody"\n')
+    args = ["--hosts", str(with_dead), "--ssh-config", str(cluster.ssh_config)]
+    listed = run_dlrun("ps", *args, cwd=tmp_path, timeout=60)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert re.search(rf"^{job}\s+running\s", listed.stdout, re.M), listed.stdout
+    assert "dlrun: warning: dead cannot be reached" in listed.stderr, listed.stderr
+    stopped = run_dlrun("stop", job, *args, cwd=tmp_path, timeout=120)
+    assert stopped.returncode == 143, stopped.stdout + stopped.stderr
+    nothing_left(job)
+
+
+def test_a_full_disk_drops_log_lines_and_the_job_goes_on(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    if os.geteuid() != 0 or cluster.user == "root":
+        pytest.skip("needs root to mount a small tmpfs over the login user's job folders")
+    jobs_dir = TEST_USER_HOME / ".dlrun" / "jobs"
+    jobs_dir.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["chown", "-R", f"{cluster.user}:", str(TEST_USER_HOME / ".dlrun")], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=3m,mode=0700,uid={os.stat(jobs_dir).st_uid}",
+                    "tmpfs", str(jobs_dir)], check=True)
+    try:
+        script = shared_script(cluster, "chatty.py", (
+            "import sys, time\n"
+            "time.sleep(3)  # every keeper is up before the disk fills\n"
+            "for i in range(100000):\n"
+            "    sys.stdout.write(f'line {i} ' + 'y' * 60 + '\\n')\n"
+            "print('done', flush=True)\n"))
+        job = detach(cluster, tmp_path, script)
+        attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=180)
+        keeper_logs = "".join(f"\n{log}:\n{log.read_text(errors='replace')[-2000:]}"
+                              for log in sorted((jobs_dir / job).glob("host-*/*.log")))
+        assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr + keeper_logs
+        listed = run_dlrun("ps", *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
+        assert re.search(rf"^{job}\s+succeeded\s", listed.stdout, re.M), listed.stdout
+        result = json.loads((host_folder(job, "host0") / "result.json").read_text())
+        assert any(note.startswith("disk full on host") for note in result["notes"]), result["notes"]
+        assert "disk full on host" in attached.stdout, attached.stdout[-2000:]
+        nothing_left(job)
+    finally:
+        subprocess.run(["umount", "-l", str(jobs_dir)], check=False)

@@ -205,7 +205,7 @@ def test_dlrun_options_may_follow_the_script_up_to_the_scripts_own(tmp_path: Pat
         out = run_dlrun("launch", "--dry-run", "--json", *args, cwd=tmp_path)
         assert out.returncode == 0, out.stderr
         ranks = json.loads(out.stdout)["ranks"]
-        said = "".join(line for line in out.stderr.splitlines(True) if not line.startswith("dlrun: framework "))
+        said = "".join(line for line in out.stderr.splitlines(True) if line.startswith("dlrun: warning: --"))
         return sorted({r["host"] for r in ranks}), ranks[0]["argv"][2:], said
 
     assert plan("train.py", "--hosts", "gpu1:2,gpu2:2") == (["gpu1", "gpu2"], [], "")

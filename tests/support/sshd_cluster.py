@@ -237,11 +237,15 @@ def _shadow_password(user: str) -> str | None:
     return None
 
 
-def ensure_test_user(name: str = TEST_USER, home: Path = TEST_USER_HOME) -> pwd.struct_passwd:
+def ensure_test_user(
+    name: str = TEST_USER, home: Path = TEST_USER_HOME, shell: str = TEST_USER_SHELL
+) -> pwd.struct_passwd:
     """Create (idempotently, as root) a clean login user for pubkey auth without PAM.
 
     Shell ``/bin/sh`` (dash reads no rc file for ``ssh host cmd``), password field ``*`` (sshd
     with ``UsePAM no`` refuses a locked ``!`` account), home ``/var/lib/dlrun-test`` (mode 0755).
+    Another ``name`` (with its own ``home`` and ``shell``) gives a test a login user whose shell
+    and startup files it may change; never change ``dlrun-test``'s, which other tests share.
     """
     with _user_lock():
         try:
@@ -256,7 +260,7 @@ def ensure_test_user(name: str = TEST_USER, home: Path = TEST_USER_HOME) -> pwd.
                     "--home-dir",
                     str(home),
                     "--shell",
-                    TEST_USER_SHELL,
+                    shell,
                     "--password",
                     "*",
                     name,
@@ -274,8 +278,8 @@ def ensure_test_user(name: str = TEST_USER, home: Path = TEST_USER_HOME) -> pwd.
                     f"{proc.stderr.strip()}"
                 ) from None
         fixes: list[str] = []
-        if pw.pw_shell != TEST_USER_SHELL:
-            fixes += ["--shell", TEST_USER_SHELL]
+        if pw.pw_shell != shell:
+            fixes += ["--shell", shell]
         if _shadow_password(name) != "*":
             fixes += ["--password", "*"]
         if fixes:
@@ -453,6 +457,8 @@ class SshdCluster:
         bastion: bool = False,
         python: str | None = None,
         start_timeout: float = 15.0,
+        login_user: str = TEST_USER,
+        login_shell: str = TEST_USER_SHELL,
     ) -> None:
         if not 0 <= n + bastion <= 253:
             raise ValueError("a cluster has 0 to 253 hosts (127.0.0.2 … 127.0.0.254)")
@@ -462,6 +468,8 @@ class SshdCluster:
         self.with_bastion = bastion
         self.python = python or sys.executable
         self.start_timeout = start_timeout
+        self.login_user = login_user
+        self.login_shell = login_shell
         self.is_root = os.geteuid() == 0
         self.sshd_path = find_sshd() or ""
         self.ssh_path = shutil.which("ssh") or "/usr/bin/ssh"
@@ -497,6 +505,12 @@ class SshdCluster:
         self.stop()
 
     @property
+    def login_home(self) -> Path:
+        """The login user's home directory (where its startup files go)."""
+        assert self._login_pw is not None, "start() first"
+        return Path(self._login_pw.pw_dir)
+
+    @property
     def all_hosts(self) -> list[SshdHost]:
         """The hosts plus the bastion, if any."""
         return self.hosts + ([self.bastion] if self.bastion else [])
@@ -524,7 +538,11 @@ class SshdCluster:
         self.base_dir.mkdir(parents=True, exist_ok=True)
         if self.is_root:
             PRIVSEP_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
-            self._login_pw = ensure_test_user()
+            home = TEST_USER_HOME
+            if self.login_user != TEST_USER:  # a test's own user: an empty home, no startup files
+                home = Path("/var/lib") / self.login_user
+                shutil.rmtree(home, ignore_errors=True)
+            self._login_pw = ensure_test_user(self.login_user, home, self.login_shell)
         else:
             self._login_pw = pwd.getpwuid(os.geteuid())
         pw = self._login_pw
@@ -939,11 +957,16 @@ def start_cluster(
     bastion: bool = False,
     python: str | None = None,
     start_timeout: float = 15.0,
+    login_user: str = TEST_USER,
+    login_shell: str = TEST_USER_SHELL,
 ) -> SshdCluster:
     """Start ``n`` sshd hosts (plus a ``bastion`` host if asked) and return the running cluster.
 
     ``extra_sshd_config`` goes into every sshd_config, before the fixture's defaults so that it
-    wins (sshd keeps a keyword's first value); ``Match`` blocks go at the end.
+    wins (sshd keeps a keyword's first value); ``Match`` blocks go at the end. ``login_user`` and
+    ``login_shell`` (as root only) log in as another user, created with that shell and the home
+    ``/var/lib/<login_user>`` (``SshdCluster.login_home``, emptied at each start), for tests of
+    login shells and their startup files.
     """
     cluster = SshdCluster(
         n,
@@ -952,5 +975,7 @@ def start_cluster(
         bastion=bastion,
         python=python,
         start_timeout=start_timeout,
+        login_user=login_user,
+        login_shell=login_shell,
     )
     return cluster.start()

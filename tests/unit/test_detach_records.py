@@ -4,6 +4,7 @@ program's records from a job folder, and the keeper's copy of the agent's frame 
 from __future__ import annotations
 
 import ast
+import io
 import json
 import os
 import socket
@@ -123,9 +124,11 @@ def test_a_tf_ps_leader_knows_the_chief(tmp_path: Path) -> None:
 
 
 def test_the_leaders_record_wins_and_any_live_keeper_keeps_the_job_alive() -> None:
-    follower = {"job_id": "j", "leader": False, "state": "running", "alive": True, "ranks": [{}]}
+    follower = {"job_id": "j", "leader": False, "state": "running", "alive": True,
+                "ranks": [{"rank": 1, "state": "running"}]}
     leader = {"job_id": "j", "leader": True, "state": "failed", "exit_code": 3, "alive": False,
-              "ranks": [{}, {}], "started_at": 100.0, "script": "t.py"}
+              "ranks": [{"rank": 0, "state": "stopped"}, {"rank": 1, "state": "failed"}], "started_at": 100.0,
+              "script": "t.py"}
     (merged,) = merge_records([follower, leader])
     assert merged.state == "failed" and merged.exit_code == 3 and merged.ranks == 2 and merged.alive
     assert merged.ended
@@ -163,6 +166,7 @@ def test_the_keeper_reads_the_agents_frames() -> None:
     assert keeper.rank_state(0, stopping=True) == "succeeded"
     assert keeper.rank_state(143, stopping=True) == "stopped"
     assert keeper.rank_state(3, stopping=False) == "failed"
+    assert keeper.rank_state(0, stopping=True, signalled=True) == "stopped"  # Lightning exits 0 on SIGTERM
     assert keeper.host_folder("user@h:22") == "host-user_h_22"
 
 
@@ -192,13 +196,52 @@ def test_the_jobs_program_reads_records_logs_and_prunes(tmp_path: Path, monkeypa
         ("ended", "succeeded", False), ("died", "lost", False)}  # "old" is pruned
     assert not (root / "old").exists()
 
-    first = jobs.answer({"op": "logs", "job": "ended", "offsets": {}})["files"]["host-a/attempt-0/rank-0.log"]
-    assert first["text"] == "one\ntwo\n" and first["offset"] == 8  # whole lines only
-    again = jobs.answer({"op": "logs", "job": "ended", "offsets": {"host-a/attempt-0/rank-0.log": 8}})
-    assert again["files"]["host-a/attempt-0/rank-0.log"]["text"] == ""
+    key = "host-a/attempt-0/rank-0.log"
+    records, first, ends = streamed("ended", {})
+    assert first == {key: b"one\ntwo\n"} and ends == {key: 8}  # whole lines only
+    assert [r["job_id"] for r in records] == ["ended"]
+    assert streamed("ended", {key: 8})[1:] == ({}, {key: 8})
+    assert streamed("ended", {key: 8}, whole=True)[1:] == ({key: b"part"}, {key: 12})  # the job ended: to the end
     assert jobs.answer({"op": "logs", "job": "../x"}) == {"error": "bad job id '../x'"}
-    assert jobs.answer({"op": "delete", "job": "ended"}) == {"deleted": True}
+    refused = jobs.answer({"op": "delete", "job": "ended", "read": {key: 8}})
+    assert refused["deleted"] is False and "not read to its end (8 of 12 bytes)" in refused["error"]
+    assert jobs.answer({"op": "delete", "job": "ended", "read": {key: 12}}) == {"deleted": True}
     assert not (root / "ended").exists()
+
+
+def streamed(job: str, offsets: dict[str, int], since: float | None = None, whole: bool = False,
+             ) -> tuple[list[dict[str, object]], dict[str, bytes], dict[str, int]]:
+    """The jobs program's streamed logs answer: records, each file's bytes, where each file ended."""
+    out = io.BytesIO()
+    jobs.stream_logs(job, offsets, since, whole, out)
+    data, pieces = out.getvalue(), {}
+    records: list[dict[str, object]] = []
+    while data:
+        line, _, data = data.partition(b"\n")
+        kind, document = line[:2], json.loads(line[2:])
+        if kind == b"R ":
+            records = document["jobs"]
+        elif kind == b"P ":
+            pieces[document["key"]] = pieces.get(document["key"], b"") + data[: document["length"]]
+            data = data[document["length"]:]
+        else:
+            assert kind == b"J " and not data
+            return records, pieces, document["ends"]
+    raise AssertionError("no closing line")
+
+
+def test_a_log_is_streamed_whole_in_pieces_that_end_at_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(jobs, "CHUNK", 64)
+    folder = tmp_path / ".dlrun" / "jobs" / "j" / "host-a" / "attempt-0"
+    folder.mkdir(parents=True)
+    text = b"".join(b"line %d\n" % i for i in range(70_000)) + b"x" * 200 + b"\nend"
+    (folder / "rank-0.log").write_bytes(text)
+    out = io.BytesIO()
+    jobs.stream_logs("j", {}, None, True, out)
+    headers = [json.loads(line[2:]) for line in out.getvalue().split(b"\n") if line.startswith(b"P {")]
+    assert len(headers) > 1000  # no cap: many pieces
+    assert streamed("j", {}, whole=True)[1]["host-a/attempt-0/rank-0.log"] == text  # every byte, to the end
 
 
 def test_since_starts_each_log_where_its_time_index_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -209,10 +252,11 @@ def test_since_starts_each_log_where_its_time_index_says(tmp_path: Path, monkeyp
     now = time.time()
     (folder / "rank-0.idx").write_text(f"{now - 100:.3f} 0\n{now - 10:.3f} 4\n")
     key = "host-a/attempt-0/rank-0.log"
-    assert jobs.answer({"op": "logs", "job": "j", "since_ago": 50})["files"][key]["text"] == "new\n"
-    assert jobs.answer({"op": "logs", "job": "j", "since_ago": 500})["files"][key]["text"] == "old\nnew\n"
-    assert jobs.answer({"op": "logs", "job": "j", "since_ago": 1})["files"][key]["text"] == ""  # nothing that recent
-    assert jobs.answer({"op": "logs", "job": "j", "since_ago": 1, "offsets": {key: 0}})["files"][key]["offset"] == 8
+    now = time.time()
+    assert streamed("j", {}, now - 50)[1] == {key: b"new\n"}
+    assert streamed("j", {}, now - 500)[1] == {key: b"old\nnew\n"}
+    assert streamed("j", {}, now - 1)[1:] == ({}, {key: 8})  # nothing that recent
+    assert streamed("j", {key: 0}, now - 1)[2] == {key: 8}
 
 
 def test_durations() -> None:
@@ -270,9 +314,8 @@ def test_another_machines_folder_is_left_to_it_and_a_long_line_still_moves(
 
     log = root / "long" / "host-a" / "attempt-0" / "rank-0.log"
     log.parent.mkdir(parents=True)
-    log.write_bytes(b"x" * (jobs.READ_LIMIT + 10) + b"\n")
-    files = jobs.answer({"op": "logs", "job": "long", "offsets": {}})["files"]
-    assert files["host-a/attempt-0/rank-0.log"]["offset"] == jobs.READ_LIMIT
+    log.write_bytes(b"x" * (jobs.CHUNK + 10) + b"\n")
+    assert streamed("long", {})[2] == {"host-a/attempt-0/rank-0.log": jobs.CHUNK + 11}  # a piece, then the rest
 
 
 def test_detach_needs_a_host_timeout_and_the_leaders_key_loads_from_memory() -> None:
@@ -312,6 +355,7 @@ def test_the_leader_greets_only_a_peer_with_the_job_token() -> None:
 
     job = make_job_tls("j")
     config = {"job_id": "j", "host": "a", "leader": True, "hosts": ["a", "b"], "token": "right",
+              "ranklines_source": source_of("ranklines"),
               "specs": [{"job_id": "j", "ranks": []}]}
     leader = keeper.Keeper(config, "/nonexistent", None, keeper.server_context(job.cert_pem, job.key_pem))
 
@@ -351,19 +395,20 @@ def test_the_leader_greets_only_a_peer_with_the_job_token() -> None:
 def tf_ps_leader(tmp_path: Path) -> keeper.Keeper:
     """A leader keeper of a chief (rank 0, its own), a worker and a ps; no agent is started."""
     config = {"job_id": "j", "host": "a", "leader": True, "world": {"0": "a", "1": "b", "2": "c"}, "enders": [0],
+              "ranklines_source": source_of("ranklines"),
               "specs": [{"job_id": "j", "ranks": [{"rank": 0}]}], "followers": ["b", "c"]}
     leader = keeper.Keeper(config, str(tmp_path), None, None)
     for rank, host in ((0, "a"), (1, "b"), (2, "c")):
-        leader.on_rank(host, rank, "running", None, [])
+        leader.on_rank(host, rank, "running", None, {})
     return leader
 
 
 def test_the_tf_ps_chiefs_end_stops_the_servers_and_is_the_jobs(tmp_path: Path) -> None:
     leader = tf_ps_leader(tmp_path)
-    leader.on_rank("a", 0, "exit", 0, [])
+    leader.on_rank("a", 0, "exit", 0, {})
     assert leader.stopping  # the servers never end by themselves
-    leader.on_rank("b", 1, "exit", 143, [])
-    leader.on_rank("c", 2, "exit", -15, [])
+    leader.on_rank("b", 1, "exit", 143, {})
+    leader.on_rank("c", 2, "exit", -15, {})
     assert leader.decide()
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["state"] == "succeeded" and result["exit_code"] == 0 and result["root_cause"] is None
@@ -372,10 +417,49 @@ def test_the_tf_ps_chiefs_end_stops_the_servers_and_is_the_jobs(tmp_path: Path) 
 
 def test_a_tf_ps_server_that_fails_first_is_the_root_cause(tmp_path: Path) -> None:
     leader = tf_ps_leader(tmp_path)
-    leader.on_rank("c", 2, "exit", 3, ["ps died"])
-    leader.on_rank("a", 0, "exit", 143, [])
-    leader.on_rank("b", 1, "exit", 143, [])
+    leader.on_rank("c", 2, "exit", 3, {"tail": ["ps died"]})
+    leader.on_rank("a", 0, "exit", 143, {})
+    leader.on_rank("b", 1, "exit", 143, {})
     assert leader.decide()
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["exit_code"] == 3 and result["root_cause"] == "rank 2 on c exited with code 3"
     assert [r["state"] for r in result["ranks"]] == ["stopped", "stopped", "failed"]
+
+
+def test_a_keeper_that_cannot_start_is_a_job_start_error_exit_1() -> None:
+    from dlrun.errors import JobStartError
+    from dlrun.inventory import Host
+    from dlrun.run.detach import run_program
+    from dlrun.transport.local import LocalTransport
+
+    with pytest.raises(JobStartError) as caught:  # the real keeper program, refusing a bad job id
+        run_program(LocalTransport(), Host(address="localhost", name="localhost"), "keeper",
+                    {"job_id": "../x", "host": "localhost", "leader": True})
+    assert caught.value.exit_code == 1 and "bad job id" in str(caught.value)
+
+
+def test_a_frozen_leader_is_lost_by_its_followers_word() -> None:
+    from dlrun.run.detach import merge_records
+
+    leader = {"job_id": "j", "host": "a", "leader": True, "state": "running", "alive": True, "ranks": [
+        {"rank": 0, "host": "a", "state": "running", "code": None},
+        {"rank": 1, "host": "b", "state": "running", "code": None}]}
+    follower = {"job_id": "j", "host": "b", "leader": False, "state": "lost", "exit_code": 255, "alive": False,
+                "root_cause": "lost the leader keeper (a): silent for 5 s",
+                "ranks": [{"rank": 1, "host": "b", "state": "stopped", "code": 143}]}
+    record = merge_records([leader, follower])[0]
+    assert (record.state, record.exit_code) == ("lost", 255)
+    assert record.root_cause == "lost the leader keeper (a): silent for 5 s"
+    assert [(e["rank"], e["state"], e["code"]) for e in record.rank_states] == [(0, "lost", 255), (1, "stopped", 143)]
+    assert merge_records([leader])[0].state == "running"  # no follower's word: as the leader says
+
+
+def test_a_killed_leaders_job_has_no_rank_running() -> None:
+    from dlrun.run.detach import merge_records
+
+    dead = {"job_id": "j", "host": "a", "leader": True, "state": "lost", "alive": False,
+            "root_cause": "the job's keeper on this host is gone", "ranks": [
+                {"rank": 0, "host": "a", "state": "running", "code": None},
+                {"rank": 1, "host": "b", "state": "running", "code": None}]}
+    record = merge_records([dead])[0]
+    assert record.exit_code == 255 and {e["state"] for e in record.rank_states} == {"lost"}

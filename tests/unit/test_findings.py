@@ -11,7 +11,10 @@ from dataclasses import replace
 import pytest
 from rich.console import Console
 
-from dlrun.topo.findings import Finding, analyse, exit_code, has_errors, suggested_env, topo_document
+from dlrun.inventory import Host
+from dlrun.render import SocketIface
+from dlrun.run.addresses import host_ifaces, interfaces_at
+from dlrun.topo.findings import Finding, analyse, exit_code, has_errors, socket_note, suggested_env, topo_document
 from dlrun.topo.parse import parse_ibstat, parse_sysfs_ib, parse_topo_matrix
 from dlrun.topo.probe import parse_probe_output
 from dlrun.topo.records import (
@@ -213,15 +216,13 @@ def test_timed_out_tool_is_a_warning() -> None:
     assert messages(analyse([r]), "warning") == ["nvidia-smi topo -m: timed out after 30 s"]
 
 
-def test_suggested_env_from_active_hcas_and_default_route() -> None:
+def test_suggested_env_from_active_hcas_and_launchs_interfaces() -> None:
     a = host("a", DGX1, sysfs="gpud-h100-testdata")
     b = host("b", DGX1, sysfs="gpud-h100-testdata")
-    env = suggested_env([a, b])
-    assert env == {
-        "NCCL_IB_HCA": "=mlx5_0:1,mlx5_1:1,mlx5_4:1,mlx5_5:1,mlx5_6:1,mlx5_7:1,mlx5_8:1,mlx5_9:1",
-        "NCCL_SOCKET_IFNAME": "eth0",
-        "GLOO_SOCKET_IFNAME": "eth0",
-    }
+    hcas = {"NCCL_IB_HCA": "=mlx5_0:1,mlx5_1:1,mlx5_4:1,mlx5_5:1,mlx5_6:1,mlx5_7:1,mlx5_8:1,mlx5_9:1"}
+    assert suggested_env([a, b]) == hcas  # launch's interfaces not known: none suggested
+    found = {"a": SocketIface("eth0", named=False), "b": SocketIface("eth0", named=False)}
+    assert suggested_env([a, b], found) == {**hcas, "GLOO_SOCKET_IFNAME": "eth0"}  # NCCL: its own choice
     # RoCE only: the 400 Gb/s back-end ports, not the 100 Gb/s front-end ones.
     roce = suggested_env([host("r", None, gpus=0, ibstat="gpud-h100-all-active.txt")])
     assert (
@@ -238,38 +239,38 @@ def test_suggested_env_from_active_hcas_and_default_route() -> None:
     assert suggested_env([HostReport.unreachable("u", "timeout")]) == {}
 
 
-def test_socket_interface_names_that_differ() -> None:
-    def with_iface(name: str, iface: str) -> HostReport:
-        return host(
-            name,
-            None,
-            gpus=0,
-            interfaces=(
-                NetInterface("lo", ("127.0.0.1",)),
-                NetInterface("docker0", ("172.17.0.1",)),
-                NetInterface(iface, ("10.0.0.2",), True),
-            ),
-        )
+def test_topo_suggests_and_says_the_interfaces_launch_gives_each_host() -> None:
+    def with_iface(name: str, iface: str, address: str) -> HostReport:
+        return host(name, None, gpus=0, interfaces=(
+            NetInterface("lo", ("127.0.0.1",)), NetInterface("docker0", ("172.17.0.1",)),
+            NetInterface("eth0", ("192.0.2.9",), True),  # the default route: not where dlrun reaches the host
+            NetInterface(iface, (address,))))
 
-    prefix = [with_iface("a", "enp1s0f0"), with_iface("b", "enp65s0f0")]
-    assert suggested_env(prefix) == {"NCCL_SOCKET_IFNAME": "enp"}
-    (note,) = [f for f in analyse(prefix) if "socket interfaces" in f.message]
-    assert note.severity == "info" and "GLOO_SOCKET_IFNAME needs an exact name" in note.message
-    assert suggested_env([with_iface("a", "eth0"), with_iface("b", "ens5")]) == {
-        "NCCL_SOCKET_IFNAME": "^lo,docker"
-    }
-    no_route = host(
-        "n",
-        None,
-        gpus=0,
-        interfaces=(
-            NetInterface("docker0", ("172.17.0.1",)),
-            NetInterface("ib0", ("192.168.1.2",)),
-        ),
-    )
-    assert suggested_env([no_route])["NCCL_SOCKET_IFNAME"] == "ib0"
-    loop = host("l", None, gpus=0, interfaces=(NetInterface("lo", ("127.0.0.1",)),))
-    assert "NCCL_SOCKET_IFNAME" not in suggested_env([loop])
+    reports = [with_iface("a", "enp1s0f0", "10.0.0.2"), with_iface("b", "enp65s0f0", "10.0.0.3")]
+    hosts = [Host(address="a", name="a"), Host(address="b", name="b")]
+    reached = {"a": "10.0.0.2", "b": "10.0.0.3"}
+    ifaces = host_ifaces(hosts, reached, None, interfaces_at(reports, reached))
+    assert {h: i.name for h, i in ifaces.items()} == {"a": "enp1s0f0", "b": "enp65s0f0"}
+    assert suggested_env(reports, ifaces) == {}  # names differ: no one export fits, and never eth0
+    note = socket_note(reports, ifaces)
+    assert "sets each host's GLOO_SOCKET_IFNAME itself (enp1s0f0 on a; enp65s0f0 on b)" in note
+    assert "NCCL picks its own" in note
+    same = host_ifaces(hosts, reached, None, {"a": "bond0", "b": "bond0"})
+    assert suggested_env(reports, same) == {"GLOO_SOCKET_IFNAME": "bond0"}
+    assert "sets GLOO_SOCKET_IFNAME=bond0 itself on every host" in socket_note(reports, same)
+    named = host_ifaces([Host(address="a", name="a", iface="ib0"), Host(address="b", name="b", iface="ib0")],
+                        reached, None, {})
+    assert suggested_env(reports, named) == {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}
+    assert "NCCL uses the same" in socket_note(reports, named)
+    behind_nat = host_ifaces(hosts, reached, None, {"a": "enp1s0f0"})
+    assert suggested_env(reports, behind_nat) == {}
+    note = socket_note(reports, behind_nat)
+    assert "GLOO_SOCKET_IFNAME=enp1s0f0 itself on a:" in note and "No interface of b holds the address" in note
+    alone = socket_note(reports, None)  # dlrun topo without --hosts: no address known yet
+    assert "the interface holding the address it reaches the host at" in alone and "--hosts" in alone
+    local = host_ifaces([Host(address="localhost", name="localhost")], {"localhost": "127.0.0.1"}, None, {})
+    assert suggested_env([with_iface("localhost", "x", "1.2.3.4")], local) == {
+        "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 
 
 def test_topo_document_shape() -> None:
@@ -467,8 +468,12 @@ def nv18_host(name: str) -> HostReport:
 
 
 def rendered(reports: list[HostReport], width: int) -> str:
+    """``dlrun topo --hosts``'s report, each host reached at the address of its default route."""
+    addresses = {r.host: i.ipv4[0] for r in reports for i in r.interfaces if i.default_route and i.ipv4}
+    hosts = [Host(address=addresses.get(r.host, r.host), name=r.host) for r in reports]
+    ifaces = host_ifaces(hosts, addresses, None, interfaces_at(reports, addresses))
     console = Console(width=width, color_system=None, record=True, file=io.StringIO())
-    console.print(render_topo(reports, analyse(reports), suggested_env(reports)))
+    console.print(render_topo(reports, analyse(reports), suggested_env(reports, ifaces), socket_note(reports, ifaces)))
     return console.export_text()
 
 

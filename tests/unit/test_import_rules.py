@@ -11,7 +11,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "dlrun"
 
 #: Pure modules: functions over frozen dataclasses, no process, network or live terminal.
-PURE = ("inventory.py", "plan.py", "render.py",
+PURE = ("inventory.py", "plan.py", "render.py", "command.py",
         "topo/records.py", "topo/parse.py", "topo/findings.py", "topo/report.py",
         "push/tree.py", "push/shard.py", "run/gpus.py", "run/rootcause.py", "run/result.py")
 PURE_MAY_NOT = ("dlrun.transport", "subprocess", "socket", "paramiko", "rich.live", "multiprocessing", "asyncio")

@@ -195,6 +195,14 @@ def test_load_inventory_dispatches_on_files(tmp_path: Path) -> None:
     assert load_inventory("x:3").total_slots == 3
     with pytest.raises(InventoryError, match="no such file"):
         load_inventory(str(tmp_path / "missing.toml"))
+    # a typo of a file name is no host name either; the file meant is named
+    with pytest.raises(InventoryError, match=r"hosts\.tml: no such file, and no host name ends in \.tml") as info:
+        load_inventory(str(tmp_path / "hosts.tml"))
+    assert f"did you mean {toml}?" in str(info.value)
+    for spec in ("hosts.txt", "cluster.yaml"):
+        with pytest.raises(InventoryError, match="no such file"):
+            load_inventory(spec)
+    assert load_inventory("gpu1.example.com,node.tl:2").total_slots == 3  # domains stay host names
 
 
 def test_example_inventory_is_valid() -> None:

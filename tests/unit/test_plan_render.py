@@ -117,7 +117,8 @@ def test_env_layers_and_dlrun_variables() -> None:
 
 
 def test_non_python_commands_run_as_given() -> None:
-    assert worker_argv("./run.sh", ["a b"], ["python3"]) == ("./run.sh", "a b")
+    assert worker_argv("./run", ["a b"], ["python3"]) == ("./run", "a b")
+    assert worker_argv("./run.sh", ["a b"], ["python3"], no_python=True) == ("./run.sh", "a b")
     assert worker_argv("bash", ["-c", "echo hi"], ["python3"]) == ("bash", "-c", "echo hi")
 
 

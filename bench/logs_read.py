@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Reading a detached job's logs home: ``dlrun logs JOB`` against ``ssh host cat`` of the same files.
+
+A detached job runs on N fixture hosts (``tests/support/sshd_cluster.py``) and ends; then each
+rank's ``rank-N.log`` is grown to ``--mb`` MB of numbered lines on its host. Timed, interleaved,
+``--repeat`` times, each a fresh process with its output to a file:
+
+* **dlrun**: ``dlrun logs JOB --hosts hosts.toml --ssh-config <cfg>`` (every byte, prefixed
+  ``[rank host] ``, streamed by ``dlrun-jobs`` in pieces);
+* **ssh**: one ``ssh -F <cfg> host cat <rank log>`` per rank, all in parallel (OpenSSH, no prefix).
+
+The table gives MB/s of log read home (the file sizes over the wall time) and dlrun's rate as a
+ratio of ssh's (goal ≥ 0.5). dlrun's output is checked: every line, in order, per rank.
+
+    python bench/logs_read.py                   # --hosts 2 --mb 100 --repeat 3
+    python bench/logs_read.py --hosts 2 --mb 2 --repeat 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launch import dlrun_env, make_base_dir, median, scripts_dir, start_bench_cluster, write_hosts_toml, write_script
+
+LINE = b"%09d " + b"z" * 90 + b"\n"  # 100 bytes a line
+
+
+def grow(path: Path, mb: int, owner: tuple[int, int]) -> int:
+    """Make ``path`` ``mb`` MB of numbered lines; its size."""
+    lines = mb * 10_000
+    with open(path, "wb") as fh:
+        for start in range(0, lines, 10_000):
+            fh.write(b"".join(LINE % i for i in range(start, min(lines, start + 10_000))))
+    os.chown(path, *owner)
+    return path.stat().st_size
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--mb", type=int, default=100, help="MB of log per rank")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--python", default=sys.executable)
+    args = parser.parse_args()
+    base = make_base_dir()
+    cluster = start_bench_cluster(args.hosts, base, args.python)
+    try:
+        hosts = write_hosts_toml(cluster, base / "hosts.toml", args.hosts, args.python)
+        script = write_script(scripts_dir(base), "quick.py", "print('started')\n")
+        common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
+        env = dlrun_env()
+        out = subprocess.run([sys.executable, "-m", "dlrun", "launch", "--detach", "--framework", "none", *common,
+                              str(script)], capture_output=True, text=True, env=env, cwd=base, timeout=120)
+        match = re.search(r"detached job ([\w-]+)", out.stdout)
+        if out.returncode != 0 or not match:
+            print(out.stdout + out.stderr, file=sys.stderr)
+            return 1
+        job = match.group(1)
+        home = Path(os.path.expanduser(f"~{cluster.user}"))
+        for _ in range(100):  # the job ends at once; its result is written last
+            if all((home / ".dlrun" / "jobs" / job / f"host-{h.name}" / "result.json").exists()
+                   for h in cluster.hosts[: args.hosts]):
+                break
+            time.sleep(0.2)
+        owner = (os.stat(home).st_uid, os.stat(home).st_gid)
+        files = sorted((home / ".dlrun" / "jobs" / job).glob("host-*/attempt-0/rank-*.log"))
+        total = sum(grow(f, args.mb, owner) for f in files)
+        print(f"{len(files)} rank logs of {args.mb} MB on {args.hosts} hosts ({total / 1e6:.0f} MB in all)\n")
+        rows: dict[str, list[float]] = {"dlrun": [], "ssh": []}
+        for _ in range(args.repeat):
+            started = time.monotonic()
+            with open(base / "dlrun.out", "wb") as sink:
+                code = subprocess.run([sys.executable, "-m", "dlrun", "logs", job, *common], stdout=sink, env=env,
+                                      cwd=base, timeout=600).returncode
+            rows["dlrun"].append(time.monotonic() - started)
+            if code != 0:
+                return code
+            started = time.monotonic()
+            procs = []
+            for f in files:
+                host = f.parts[-3].removeprefix("host-")
+                sink = open(base / f"ssh-{host}-{f.name}", "wb")  # noqa: SIM115 - closed below
+                procs.append((sink, subprocess.Popen(["ssh", "-F", str(cluster.ssh_config), host, "cat", str(f)],
+                                                     stdout=sink)))
+            for sink, proc in procs:
+                proc.wait(600)
+                sink.close()
+            rows["ssh"].append(time.monotonic() - started)
+        lost = check(base / "dlrun.out", len(files), args.mb * 10_000)
+        rate = {tool: total / 1e6 / median(times) for tool, times in rows.items()}
+        print("| tool | wall s (median) | MB/s | × ssh |\n|---|---|---|---|")
+        for tool, times in rows.items():
+            print(f"| {tool} | {median(times):.2f} | {rate[tool]:.0f} | {rate[tool] / rate['ssh']:.2f} |")
+        print(f"\nlines lost or out of order in dlrun's output: {lost}")
+        return 0 if lost == 0 else 1
+    finally:
+        cluster.stop(remove=True)
+
+
+def check(output: Path, ranks: int, lines: int) -> int:
+    """How many lines of ``dlrun logs``' output are missing or out of order (every rank: 0 … lines-1)."""
+    seen: dict[str, int] = {}
+    bad = 0
+    with open(output, "rb") as fh:
+        for line in fh:
+            prefix, _, rest = line.partition(b"] ")
+            number = int(rest[:9]) if rest[:9].isdigit() else -1
+            if number < 0:
+                continue
+            key = prefix.decode()
+            if number != seen.get(key, 0):
+                bad += 1
+            seen[key] = number + 1
+    return bad + sum(lines - n for n in seen.values()) + (ranks - len(seen)) * lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""What a rank's output means, written once for the attached supervisor and the detached keeper:
+lines (split on ``\\n``, ``\\r\\n`` and ``\\r``, one line capped at ``MAX_LINE`` bytes), the tail a
+root cause shows, the Python exception a rank raised (also behind a prefix such as torch's
+``[rank0]: ``), what torch's ``@record`` wrote to ``TORCHELASTIC_ERROR_FILE``, the signal behind an
+exit code, and the hint for peers that left early.
+
+Standard library only, Python >= 3.8: the supervisor imports it, the keeper on a host loads it from
+the source it was shipped (as it loads the Horovod rendezvous). Pure.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections import deque
+from typing import Any, Sequence
+
+TAIL_LINES = 20  # a failed rank's last lines in its root cause
+MAX_LINE = 1 << 20  # bytes: a longer line is cut into pieces of this size
+FRAMES_SHOWN = 3  # the innermost frames of a traceback shown in a root cause
+EXCEPTION_CHARS = 400  # an exception line longer than this is cut (a tensor in the message)
+TRACEBACK_START = "Traceback (most recent call last):"
+MAX_PREFIX = 80  # characters before TRACEBACK_START that still count as a prefix ([rank0]: , [1,0]<stderr>:)
+
+
+def cut(text: str, limit: int = EXCEPTION_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _whole_characters(data: bytes) -> tuple[str, bytes]:
+    """An over-long line's text so far, and the bytes of a UTF-8 character it cuts in two
+    (kept for the next piece instead of becoming two replacement characters)."""
+    end = len(data)
+    for back in range(1, min(4, len(data)) + 1):  # a lead byte within the last 4 bytes
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte
+            need = 2 if byte >= 0xC0 else 1
+            need = 3 if byte >= 0xE0 else need
+            need = 4 if byte >= 0xF0 else need
+            if back < need:
+                end = len(data) - back
+            break
+    return data[:end].decode("utf-8", errors="replace"), data[end:]
+
+
+class LineSplitter:
+    """Splits a byte stream into lines on ``\\n``, ``\\r\\n`` and ``\\r``; a line longer than
+    ``max_line`` bytes comes out in pieces, so one endless line costs bounded memory."""
+
+    _SEP = re.compile(rb"\r\n|\r|\n")
+
+    def __init__(self, max_line: int = MAX_LINE) -> None:
+        self.buf = b""
+        self.max_line = max_line
+
+    def feed(self, data: bytes) -> list[str]:
+        buf = self.buf + data
+        lines: list[str] = []
+        if b"\r" not in buf:  # the common case: one decode and one split, both in C
+            end = buf.rfind(b"\n")
+            if end < 0:
+                rest = buf
+            else:
+                lines = buf[:end].decode("utf-8", errors="replace").split("\n")
+                rest = buf[end + 1:]
+            while len(rest) > self.max_line:
+                line, rest = self._piece(rest)
+                lines.append(line)
+            self.buf = rest
+            return lines
+        hold = b""
+        if buf.endswith(b"\r"):  # maybe the first half of \r\n
+            buf, hold = buf[:-1], b"\r"
+        pos = 0
+        for match in self._SEP.finditer(buf):
+            piece = buf[pos: match.start()]
+            if piece or match.group() != b"\r":
+                lines.append(piece.decode("utf-8", errors="replace"))
+            pos = match.end()
+        rest = buf[pos:]
+        while len(rest) > self.max_line:
+            line, rest = self._piece(rest)
+            lines.append(line)
+        self.buf = rest + hold
+        return lines
+
+    def _piece(self, rest: bytes) -> tuple[str, bytes]:
+        """The first ``max_line`` bytes of an over-long line as a line (whole characters), and the rest."""
+        text, held = _whole_characters(rest[: self.max_line])
+        return text, held + rest[self.max_line:]
+
+    def flush(self) -> list[str]:
+        rest, self.buf = self.buf.rstrip(b"\r"), b""
+        return [rest.decode("utf-8", errors="replace")] if rest else []
+
+
+class TracebackCatcher:
+    """Fed a rank's lines in order; keeps the last complete Python traceback it saw: the
+    innermost frames and the exception line. A traceback may stand behind a prefix that a
+    framework puts before every line of it (torch >= 2.2: ``[rank0]: ``; torchrun --tee:
+    ``[default0]:``; horovodrun: ``[1,0]<stderr>:``): the prefix is whatever stands before
+    ``Traceback (most recent call last):``, and is taken off the lines that follow."""
+
+    def __init__(self) -> None:
+        self.last: tuple[str, ...] = ()
+        self._frames: list[str] | None = None
+        self._prefix = ""
+
+    @property
+    def reading(self) -> bool:
+        """Inside a traceback: every line counts (otherwise only a traceback's first line does)."""
+        return self._frames is not None
+
+    def feed(self, line: str) -> None:
+        where = line.find(TRACEBACK_START)
+        if 0 <= where <= MAX_PREFIX:
+            self._frames = []
+            self._prefix = line[:where]
+            return
+        if self._frames is None:
+            return
+        if self._prefix:
+            if not line.startswith(self._prefix):
+                stripped = self._prefix.rstrip()
+                if not (stripped and line.startswith(stripped)):
+                    return  # another writer's line between two of the traceback's
+                line = line[len(stripped):]
+            else:
+                line = line[len(self._prefix):]
+        if line.startswith((" ", "\t")):
+            self._frames.append(line)
+            if len(self._frames) > 8 * FRAMES_SHOWN:  # keep the innermost ones only
+                del self._frames[: len(self._frames) - 8 * FRAMES_SHOWN]
+            return
+        if not line.strip():
+            return
+        self.last = (*tuple(innermost(self._frames)), cut(line))
+        self._frames = None
+
+
+def innermost(frame_lines: Sequence[str]) -> list[str]:
+    """The last ``FRAMES_SHOWN`` frames (each a ``File …`` line and what follows it)."""
+    starts = [i for i, text in enumerate(frame_lines) if text.lstrip().startswith("File ")]
+    if not starts:
+        return list(frame_lines[-2 * FRAMES_SHOWN:])
+    return list(frame_lines[starts[-FRAMES_SHOWN:][0]:])
+
+
+def signal_text(code: int | None) -> str | None:
+    """``killed by SIGABRT (134)`` for exit codes 129–159 (128 + the signal's number)."""
+    if code is None or not 128 < code < 160:
+        return None
+    try:
+        name = signal.Signals(code - 128).name
+    except ValueError:
+        return None
+    return f"killed by {name} ({code})"
+
+
+def error_file_lines(recorded: Any) -> list[str]:
+    """The lines worth showing of a ``TORCHELASTIC_ERROR_FILE`` (torch's ``@record`` JSON:
+    ``{"message": {"message": "ValueError: …", "extraInfo": {"py_callstack": …}}}``)."""
+    if isinstance(recorded, str):
+        return [cut(line) for line in recorded.strip().splitlines()[-FRAMES_SHOWN * 2 - 1:]]
+    if not isinstance(recorded, dict):
+        return []
+    message = recorded.get("message")
+    if isinstance(message, dict):
+        text = str(message.get("message", "")).strip()
+        extra = message.get("extraInfo")
+        stack = str(extra.get("py_callstack", "")) if isinstance(extra, dict) else ""
+        lines = [line for line in stack.strip().splitlines() if line.strip()]
+        frames = innermost([line for line in lines if line.startswith((" ", "\t"))])
+        return [*frames, cut(text)] if text else frames
+    if isinstance(message, str):
+        return [cut(message.strip())]
+    return []
+
+
+class RankLines:
+    """One rank's output as the root cause needs it: the line splitters (one per stream), the
+    last ``TAIL_LINES`` lines and the last traceback."""
+
+    def __init__(self) -> None:
+        self.splitters: dict[int, LineSplitter] = {}
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.traceback = TracebackCatcher()
+
+    def feed(self, stream: int, data: bytes) -> list[str]:
+        """Bytes of one stream; the whole lines they complete."""
+        splitter = self.splitters.get(stream)
+        if splitter is None:
+            splitter = self.splitters[stream] = LineSplitter()
+        texts = splitter.feed(data)
+        if texts:
+            self.seen(texts)
+        return texts
+
+    def seen(self, texts: Sequence[str]) -> None:
+        """Lines of the rank (from a splitter, or dlrun's own about it) for the tail and the traceback."""
+        self.tail.extend(texts[-TAIL_LINES:])
+        if self.traceback.reading or any(TRACEBACK_START in text for text in texts):  # a line at a time only there
+            for text in texts:
+                self.traceback.feed(text)
+
+    def flush(self) -> list[tuple[int, str]]:
+        """What the streams hold without a line end (the rank exited): (stream, line) pairs."""
+        out = []
+        for stream, splitter in self.splitters.items():
+            for text in splitter.flush():
+                self.seen([text])
+                out.append((stream, text))
+        return out
+
+
+#: What a rank prints when a peer went away under it (gloo, NCCL, TF's gRPC, Horovod).
+PEER_GONE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|"
+    r"ProcessGroupGloo.*(?:Timed out|closed)|NCCL communicator was aborted|peer .* (?:closed|disconnected)|"
+    r"Socket closed|UNAVAILABLE: .*(?:Connection|failed to connect)|Horovod has been shut down",
+    re.IGNORECASE)
+
+
+def peer_gone(lines: Sequence[str]) -> bool:
+    """Do a failed rank's exception or last lines say that a peer left under it?"""
+    return any(PEER_GONE.search(line) for line in lines)
+
+
+def early_exit_hint(root_rank: int, root_lines: Sequence[str],
+                    finished_before: Sequence[tuple[int, str]]) -> list[str]:
+    """When ranks exited 0 while others still ran and the first failure is a peer's connection
+    going away, the failure is the symptom: say so, and what usually causes it.
+    ``finished_before``: (rank, host) of the ranks that exited 0 before the root cause failed."""
+    if not finished_before or not peer_gone(root_lines):
+        return []
+    ranks = ", ".join(f"{rank} ({host})" for rank, host in finished_before[:8])
+    more = f" and {len(finished_before) - 8} more" if len(finished_before) > 8 else ""
+    plural = "s" if len(finished_before) != 1 else ""
+    return [
+        f"rank{plural} {ranks}{more} exited 0 while the others still ran, and rank {root_rank} then lost"
+        " its connection to a peer:",
+        "the early exit is the likely cause, not this rank. Usual reasons: a resume checkpoint that only some"
+        " hosts have (they start at a later step), a different number of steps or batches per rank"
+        " (unequal data shards), or a rank that skips the last collective",
+    ]

@@ -1,0 +1,13 @@
+"""Small training scripts that tests run as ranks (the same job in several test modules)."""
+
+from __future__ import annotations
+
+#: torch >= 2.2 prefixes every traceback line with ``[rank0]: `` once a process group exists; the
+#: exception's message holds a 40×12 tensor, so the last 20 lines are all tensor rows.
+TORCH_LABELS = """
+import datetime, torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+if dist.get_rank() == 0:
+    raise ValueError(f"labels out of range: {torch.randint(0, 100, (40, 12))}")
+dist.barrier()
+"""
