@@ -3,7 +3,8 @@
 
 A detached job runs on N fixture hosts (``tests/support/sshd_cluster.py``) and ends; then each
 rank's ``rank-N.log`` is grown to ``--mb`` MB of numbered lines on its host. Timed, interleaved,
-``--repeat`` times, each a fresh process with its output to a file:
+``--repeat`` times, each a fresh process with its output to a file (lines of a training log
+with random hex in them: zlib shrinks them about as much as real logs):
 
 * **dlrun**: ``dlrun logs JOB --hosts hosts.toml --ssh-config <cfg>`` (every byte, prefixed
   ``[rank host] ``, streamed by ``dlrun-jobs`` in pieces);
@@ -28,7 +29,11 @@ from pathlib import Path
 
 from launch import dlrun_env, make_base_dir, median, scripts_dir, start_bench_cluster, write_hosts_toml, write_script
 
-LINE = b"%09d " + b"z" * 90 + b"\n"  # 100 bytes a line
+
+def line(i: int, noise: bytes) -> bytes:
+    """100 bytes like a training log's line: a number, a few values and random hex (which keeps
+    zlib from shrinking it more than real logs shrink, about 2-3 times)."""
+    return b"%09d step loss=%.6f lr=%.3e grad=%.4f %s\n" % (i, 1 / (i + 1), 1e-3, i % 97 / 7, noise)
 
 
 def grow(path: Path, mb: int, owner: tuple[int, int]) -> int:
@@ -36,7 +41,9 @@ def grow(path: Path, mb: int, owner: tuple[int, int]) -> int:
     lines = mb * 10_000
     with open(path, "wb") as fh:
         for start in range(0, lines, 10_000):
-            fh.write(b"".join(LINE % i for i in range(start, min(lines, start + 10_000))))
+            noise = os.urandom(10_000 * 19).hex().encode()
+            fh.write(b"".join(line(i, noise[38 * (i - start): 38 * (i - start) + 38])
+                              for i in range(start, min(lines, start + 10_000))))
     os.chown(path, *owner)
     return path.stat().st_size
 
@@ -108,8 +115,8 @@ def check(output: Path, ranks: int, lines: int) -> int:
     seen: dict[str, int] = {}
     bad = 0
     with open(output, "rb") as fh:
-        for line in fh:
-            prefix, _, rest = line.partition(b"] ")
+        for text in fh:
+            prefix, _, rest = text.partition(b"] ")
             number = int(rest[:9]) if rest[:9].isdigit() else -1
             if number < 0:
                 continue

@@ -5,14 +5,15 @@ Data flows one way, and the folders follow it:
 - ``inventory``: the hosts file (``hosts.toml``, hostfiles, ``h1:2`` lists), validated;
 - ``topo/``: what each host has (GPUs, links, NICs) and what is wrong across hosts;
 - ``plan``: ranks placed on hosts; ``render``: each rank's env and command (pure);
-- ``push/``: code and data shards to the hosts, only what changed;
+- ``push/``: code and data shards to the hosts, only what changed; results and checkpoints
+  back (``push/pull``) and between them (``push/checkpoint``);
 - ``run/``: the launch pipeline, the host agents' supervisor, the terminal view, the exit code,
   detached jobs (``run/detach``: the hosts' keepers run the job);
 - ``transport/``: how a host is reached (this machine, SSH);
 - ``remote/``: the programs that run on the hosts (standard library only);
 - ``spark/``: the Spark barrier stage as an engine under ``run/``.
 
-``api`` is dlrun from Python (``dlrun.launch``, ``dlrun.topo``, ``dlrun.push``); ``cli`` is a
+``api`` is dlrun from Python (``dlrun.launch``, ``dlrun.topo``, ``dlrun.push``, ``dlrun.pull``); ``cli`` is a
 thin layer over it; ``errors`` holds the one exception tree; ``tls`` makes a job's pinned
 certificate.
 """
@@ -28,6 +29,7 @@ from dlrun import topo as _topo_package
 if TYPE_CHECKING:
     from dlrun.api import TopoResult as TopoResult
     from dlrun.api import launch as launch
+    from dlrun.api import pull as pull
     from dlrun.api import push as push
     from dlrun.api import topo as topo
     from dlrun.run.result import RunResult as RunResult
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> object:
     """The API, imported when first used: ``import dlrun`` stays cheap."""
-    if name in ("launch", "TopoResult"):
+    if name in ("launch", "pull", "TopoResult"):
         from dlrun import api
 
         return getattr(api, name)
@@ -59,4 +61,4 @@ class _CallablePackage(_types.ModuleType):
 _push_package.__class__ = _CallablePackage
 _topo_package.__class__ = _CallablePackage
 
-__all__ = ["RunResult", "TopoResult", "__version__", "launch", "push", "topo"]
+__all__ = ["RunResult", "TopoResult", "__version__", "launch", "pull", "push", "topo"]

@@ -1,4 +1,4 @@
-"""dlrun from Python: ``launch``, ``topo`` and ``push`` take the commands' settings as keyword
+"""dlrun from Python: ``launch``, ``topo``, ``push`` and ``pull`` take the commands' settings as keyword
 arguments (named as the options, ``--no-X`` flags as ``X=False``) and return result records.
 
 The ``dlrun`` command line is a thin layer over these functions; the option records
@@ -8,7 +8,7 @@ modules are imported inside the functions, so ``import dlrun`` stays cheap.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +20,12 @@ from dlrun.run.result import RunResult
 
 if TYPE_CHECKING:
     from dlrun.inventory import Host
+    from dlrun.push.pull import HostPullSummary
     from dlrun.push.session import HostPushSummary
     from dlrun.run.detach import JobHosts, JobRecord
     from dlrun.run.launch import SSHOptions
     from dlrun.run.supervisor import View
+    from dlrun.topo.bench import BenchResult
     from dlrun.topo.findings import Finding
     from dlrun.topo.records import HostReport
     from dlrun.transport.base import Transport
@@ -32,9 +34,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class TopoResult:
     """What ``topo`` found: each host's report, the findings across hosts, the env dlrun
-    suggests, the exit code (1 when a finding is an error), the socket interface ``launch``
-    gives each host (``ifaces``; empty without ``hosts``) and what launch does about them
-    (``note``)."""
+    suggests, the exit code (1 when a finding, the bench's too, is an error), the socket
+    interface ``launch`` gives each host (``ifaces``; empty without ``hosts``), what launch
+    does about them (``note``) and the bench's measurements where asked (``bench``)."""
 
     reports: tuple[HostReport, ...]
     findings: tuple[Finding, ...]
@@ -42,6 +44,7 @@ class TopoResult:
     exit_code: int
     ifaces: Mapping[str, str] = field(default_factory=dict)
     note: str = ""
+    bench: BenchResult | None = None
 
 
 def ssh_options(
@@ -81,6 +84,8 @@ def launch(
     plain: bool = False,
     pidns: bool = True,
     preflight: bool = True,
+    bench: bool = False,
+    bench_seconds: float = 60.0,
     push: bool = True,
     data: str | None = None,
     shard: str = "files",
@@ -109,6 +114,7 @@ def launch(
     insecure_workdir: bool = False,
     module: bool = False,
     no_python: bool = False,
+    checkpoint_dir: Sequence[str] = (),
 ) -> RunResult:
     """Run ``script`` on every rank, as ``dlrun launch`` does; how the job ended.
 
@@ -122,10 +128,13 @@ def launch(
     started (``ps``, ``logs``, ``attach``, ``stop`` follow it). ``module``: ``script`` is a
     Python module (``-m pkg.train``), run with each host's python in the project (the current
     folder or ``code``); ``no_python``: the command runs exactly as given (``python``, ``.py``,
-    ``.R`` and ``.sh`` get no interpreter from dlrun). ``insecure_workdir``: push and run even
-    where another user owns, or may write, a host's workdir or project folder. ``env_file``:
-    files of ``NAME=VALUE`` lines that only their owner can read (``--env-file``); ``env`` wins
-    over them.
+    ``.R`` and ``.sh`` get no interpreter from dlrun). ``checkpoint_dir``: folders
+    (relative to each host's working folder) made the same on every host before every attempt,
+    the newest complete copy of each file winning (``docs/checkpoints.md``). ``bench``: after the
+    preflight, run ``dlrun topo --bench`` for about ``bench_seconds`` and stop on its error findings.
+    ``insecure_workdir``: push and run even where another user owns, or may write, a host's
+    workdir or project folder. ``env_file``: files of ``NAME=VALUE`` lines that only their owner
+    can read (``--env-file``); ``env`` wins over them.
     """
     from dlrun.run.launch import LaunchConfig, run_job
     from dlrun.userenv import rank_env
@@ -139,6 +148,10 @@ def launch(
         raise UsageError("-m and --no-python exclude each other: -m runs the module with each host's python")
     if backend not in ("ssh", "spark"):
         raise UsageError(f"--backend {backend}: expected ssh or spark")
+    if bench and (not preflight or dry_run or backend != "ssh"):
+        raise UsageError("--bench runs after the preflight: not with --no-preflight, --dry-run or --backend spark")
+    if bench_seconds <= 0:
+        raise UsageError("--bench-seconds takes a positive number of seconds")
     if gpu_every < 0 or gpu_idle_after < 0:
         raise UsageError("--gpu-every and --gpu-idle-after take seconds, 0 or more")
     env = rank_env(env, [env_file] if isinstance(env_file, (str, Path)) else env_file)
@@ -146,11 +159,13 @@ def launch(
         script=str(script), args=tuple(str(a) for a in args), hosts=hosts, np=np, base_port=base_port,
         framework=framework, dry_run=dry_run, json_output=json_output, log_dir=log_dir, grace=grace,
         ranks_shown=None if ranks is None else tuple(ranks), env=dict(env or {}), iface=iface, plain=plain,
-        pidns=pidns, preflight=preflight, push=push, data=None if data is None else str(data), shard=shard,
+        pidns=pidns, preflight=preflight, bench=bench_seconds if bench else 0.0, push=push,
+        data=None if data is None else str(data), shard=shard,
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
         min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
         gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach, module=module, no_python=no_python,
         insecure_workdir=insecure_workdir,
+        checkpoint_dirs=tuple(checkpoint_dir),
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
                         connect_timeout=connect_timeout, host_timeout=host_timeout),
     )
@@ -158,6 +173,8 @@ def launch(
         return run_job(config, view=view)
     from dlrun.spark.driver import SparkConfig, SparkEngine
 
+    if checkpoint_dir:
+        raise UsageError("--checkpoint-dir goes with the SSH backend (a Spark task has no folder of its own)")
     if detach:
         raise UsageError("--detach goes with the SSH backend (a Spark stage lives with its driver)")
     if module:
@@ -181,8 +198,14 @@ def topo(
     accept_new_host_keys: bool = False,
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
+    bench: bool = False,
+    bench_seconds: float = 60.0,
+    iface: str | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> TopoResult:
-    """Probe every host (this machine without ``hosts``), as ``dlrun topo`` does."""
+    """Probe every host (this machine without ``hosts``), as ``dlrun topo`` does; with
+    ``bench``, then measure them for about ``bench_seconds`` (``dlrun topo --bench``;
+    ``progress`` hears what it is doing)."""
     from dlrun.inventory import load_inventory
     from dlrun.run.addresses import host_ifaces, interfaces_at, reachable_addresses
     from dlrun.run.launch import make_transport
@@ -190,13 +213,16 @@ def topo(
     from dlrun.topo.preflight import probe_hosts
     from dlrun.topo.probe import probe_local
 
+    if bench_seconds <= 0:
+        raise UsageError("--bench-seconds takes a positive number of seconds")
     reports: tuple[HostReport, ...]
     ifaces = None
-    if hosts is None:
+    measured = None
+    if hosts is None and not bench:
         reports = (probe_local(),)
         slots = None
     else:
-        inventory = load_inventory(hosts)
+        inventory = load_inventory(hosts or "localhost")
         transport = make_transport(inventory, ssh_options(
             ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
             connect_timeout=connect_timeout, host_timeout=host_timeout))
@@ -205,13 +231,19 @@ def topo(
             reached = [h for h, r in zip(inventory.hosts, reports, strict=True) if r.reachable]
             # where launch reaches each host (connected already: no new connection), and so launch's interfaces
             addresses = reachable_addresses(reached, transport.connect(reached)) if reached else {}
+            if bench:
+                from dlrun.topo.benchrun import bench_hosts
+
+                measured = bench_hosts(transport, inventory.hosts, reports, bench_seconds, iface, progress)
         finally:
             transport.close()
-        ifaces = host_ifaces(reached, addresses, None, interfaces_at(reports, addresses))
+        if hosts is not None:  # this machine alone (--bench without hosts) suggests as plain `dlrun topo`
+            ifaces = host_ifaces(reached, addresses, None, interfaces_at(reports, addresses))
         slots = {h.name: h.slots for h in inventory.hosts if h.slots is not None}
     findings = tuple(analyse(reports, slots))
-    return TopoResult(reports, findings, suggested_env(reports, ifaces), exit_code(findings),
-                      {name: i.name for name, i in (ifaces or {}).items()}, socket_note(reports, ifaces))
+    code = max(exit_code(findings), measured.exit_code if measured else 0)
+    return TopoResult(reports, findings, suggested_env(reports, ifaces), code,
+                      {name: i.name for name, i in (ifaces or {}).items()}, socket_note(reports, ifaces), measured)
 
 
 def push(
@@ -276,6 +308,60 @@ def push(
     return summaries
 
 
+def pull(
+    remote: str,
+    local: str | Path = ".",
+    *,
+    hosts: str,
+    project: str | None = None,
+    max_size: str | None = None,
+    dry_run: bool = False,
+    live: bool | None = None,
+    summary: bool = True,
+    ssh_config: str | None = None,
+    known_hosts: str | None = None,
+    accept_new_host_keys: bool = False,
+    connect_timeout: float | None = None,
+    host_timeout: float | None = None,
+) -> tuple[HostPullSummary, ...]:
+    """Copy ``remote`` from every host into ``local``, as ``dlrun pull`` does; one summary per
+    host. ``remote``: relative to the project folder on each host (``<workdir>/<project>``,
+    ``project`` defaulting to the current folder's name), or absolute; a trailing ``/`` pulls
+    its contents rather than the folder. Files the same on every host are written once, the
+    rest under ``local/<host>/``; only what differs from the local copy moves, and every file
+    is verified by sha256. ``max_size``: what the pull may write (``500M``, ``none``; default
+    200M and 20000 files); ``dry_run``: list the hosts and say what would be written."""
+    import sys
+
+    from dlrun.inventory import load_inventory
+    from dlrun.push.pull import pull as pull_from
+    from dlrun.push.pull import summary_line
+    from dlrun.push.tree import PushLimit, parse_size
+    from dlrun.push.view import PushView
+    from dlrun.run.launch import make_transport
+
+    limit = parse_size(max_size) if max_size is not None else PushLimit()
+    inventory = load_inventory(hosts)
+    transport = make_transport(inventory, ssh_options(
+        ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
+        connect_timeout=connect_timeout, host_timeout=host_timeout))
+
+    def notice(text: str) -> None:
+        print(f"dlrun: {text}", file=sys.stderr, flush=True)
+
+    try:
+        with PushView([h.name for h in inventory.hosts], live=False if dry_run else live) as view:
+            summaries = pull_from(transport, inventory.hosts, remote, Path(local), project=project, limit=limit,
+                                  dry_run=dry_run, progress=view.progress, file_progress=view.files, notice=notice)
+            view.stop()
+        if summary:
+            for line in map(summary_line, summaries):
+                print(line, file=sys.stderr, flush=True)
+    finally:
+        transport.close()
+    return summaries
+
+
 # --------------------------------------------------------------------------- detached jobs
 
 
@@ -330,6 +416,7 @@ def logs(job: str, hosts: str | None = None, *, follow: bool = False, delete: bo
     from that many seconds ago); with ``delete``, remove its folder on every host afterwards.
     Its record (None once deleted)."""
     import sys
+    import time
 
     from dlrun.run.detach import LogFollower
 
@@ -341,7 +428,17 @@ def logs(job: str, hosts: str | None = None, *, follow: bool = False, delete: bo
         record = follower.follow() if follow else follower.poll(whole=True)
         if record is None:
             raise UsageError(f"no job {job} on {', '.join(h.name for h in job_hosts.hosts)}")
+        if job_hosts.unreachable:  # what those hosts hold was not shown: not a complete answer
+            from dlrun.errors import HostUnreachable
+
+            stream.flush()
+            raise HostUnreachable(f"the logs on {', '.join(job_hosts.unreachable)} were not read (see above)")
         if delete:
+            if follow and record.ended:  # the keepers finish writing their records right after the end
+                deadline = time.monotonic() + 30
+                while record.alive and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    record = job_hosts.record(job)
             if not record.ended or record.alive:  # a keeper of it may still run, even on a shared home
                 raise UsageError(f"job {job} is {record.state}: dlrun stop {job} first, then delete its logs")
             stream.flush()  # written out (a full disk or a closed pipe raises here, and nothing is deleted)
@@ -358,11 +455,11 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
     import sys
 
     from dlrun.run.detach import LogFollower
-    from dlrun.run.screen import ScreenFeed
-    from dlrun.run.view import PlainView, make_view
+    from dlrun.run.screen import ScreenFeed, make_view
+    from dlrun.run.view import PlainView
 
     stream = out or sys.stdout
-    shown = PlainView(out) if out is not None else make_view(lossless_plain=True)
+    shown = PlainView(out) if out is not None else make_view()
     with _job_hosts(hosts, ssh) as job_hosts:
         follower = LogFollower(job_hosts, job, stream, since, view=shown)
         try:

@@ -82,7 +82,7 @@ class GroupedOption(click.Option):
 
 
 #: The sections of ``--help``, in order; an option of no group goes last, under "Other".
-SECTIONS = ("Job", "Hosts", "Output", "SSH", "Push", "Spark")
+SECTIONS = ("Job", "Hosts", "Bench", "Output", "SSH", "Push", "Spark")
 
 
 class GroupedCommand(click.Command):
@@ -266,6 +266,9 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool],
 @option("Job", "--min-hosts", type=click.IntRange(min=1),
         help="With --max-restarts: a restart after a lost host runs on the hosts left, if at least this many"
         " (default: the same hosts, the lost one reconnected).")
+@option("Job", "--checkpoint-dir", multiple=True, metavar="DIR",
+        help="Make DIR (relative to the job's folder on each host) the same on every host before every"
+        " attempt: per file, the newest copy written before a failure wins (repeatable).")
 @option("Job", "--detach", "-d", is_flag=True,
         help="Hand the job to the hosts and return once every rank started; it runs on without dlrun"
         " (dlrun ps, logs, attach, stop).")
@@ -273,6 +276,10 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool],
         help="Do not run each host's ranks in a PID namespace.")
 @option("Job", "--no-preflight", "preflight", is_flag=True, flag_value=False, default=True,
         help="Skip the topology probe (slots, GPUs, error findings).")
+@option("Job", "--bench", is_flag=True,
+        help="After the preflight, measure the hosts as `dlrun topo --bench` does; stop on a host or link far below.")
+@option("Job", "--bench-seconds", type=click.FloatRange(min=1), default=60.0, show_default=True, metavar="SECONDS",
+        help="With --bench: about how long it takes.")
 @option("Job", "--backend", type=click.Choice(["ssh", "spark"]), default="ssh", show_default=True,
         help="ssh: the inventory's hosts (or localhost); spark: a barrier stage of --np tasks.")
 @option("Output", "--dry-run", is_flag=True,
@@ -323,10 +330,12 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
     _refuse_unused({"--data": "data", "--shard": "shard", "--split-lines": "split_lines", "--push/--no-push": "push",
                     "--code": "code", "--max-push-size": "max_push_size", "--setup": "setup",
                     "--setup-always": "setup_always", "--insecure-workdir": "insecure_workdir",
-                    "--base-port": "base_port", "--no-preflight": "preflight", "--module": "module",
+                    "--base-port": "base_port", "--no-preflight": "preflight",
+                    "--bench": "bench", "--bench-seconds": "bench_seconds", "--module": "module",
                     "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
-                    "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach"},
+                    "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach",
+                    "--checkpoint-dir": "checkpoint_dir"},
                    spark, "the SSH backend, not --backend spark (Spark places tasks and ships the code)")
     sys.exit(run(script, args, **settings).exit_code)
 
@@ -344,10 +353,18 @@ def _refuse_unused(options: dict[str, str], unused: bool, needs: str) -> None:
 
 @main.command(cls=GroupedCommand)
 @option("Hosts", "--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: this machine).")
+@option("Bench", "--bench", is_flag=True,
+        help="Then measure the hosts: TCP between them, CPU or GPU compute, all-reduce (gloo/NCCL) where"
+        " torch is installed; each number beside what the topology promises; exit 1 on a host or link far below.")
+@option("Bench", "--bench-seconds", type=click.FloatRange(min=1), default=60.0, show_default=True, metavar="SECONDS",
+        help="About how long the bench takes in all.")
+@option("Bench", "--iface", help="Network interface the bench's TCP and all-reduce use on every host"
+        " (default: launch's rule, see README).")
 @option("Output", "--json", "json_output", is_flag=True, help="Print the report as JSON.")
 @ssh_options
 @_reports_errors
-def topo(hosts: str | None, json_output: bool, **ssh: Any) -> None:
+def topo(hosts: str | None, json_output: bool, bench: bool, bench_seconds: float, iface: str | None,
+         **ssh: Any) -> None:
     """Probe GPUs, NVLink/PCIe links and InfiniBand/RoCE NICs on every host; exit 1 on errors."""
     import json
 
@@ -357,12 +374,36 @@ def topo(hosts: str | None, json_output: bool, **ssh: Any) -> None:
     from dlrun.topo.findings import topo_document
     from dlrun.topo.report import render_topo
 
-    result = probe(hosts, **ssh)
+    if iface and not bench:
+        raise click.UsageError("--iface goes with --bench")
+    console = Console(stderr=True)
+    status = console.status("bench") if bench and console.is_terminal and not json_output else None
+
+    def progress(text: str) -> None:
+        if status is not None:
+            status.update(f"bench: {text}")
+
+    if status is not None:
+        status.start()
+    try:
+        result = probe(hosts, bench=bench, bench_seconds=bench_seconds, iface=iface, progress=progress, **ssh)
+    finally:
+        if status is not None:
+            status.stop()
     if json_output:
-        click.echo(json.dumps(topo_document(result.reports, result.findings, result.env, result.ifaces, result.note),
-                              indent=2))
+        doc = topo_document(result.reports, result.findings, result.env, result.ifaces, result.note)
+        if result.bench is not None:
+            from dlrun.topo.bench import bench_document
+
+            doc["bench"] = bench_document(result.bench)
+        click.echo(json.dumps(doc, indent=2))
     else:
-        Console().print(render_topo(result.reports, result.findings, result.env, result.note))
+        out = Console()
+        out.print(render_topo(result.reports, result.findings, result.env, result.note))
+        if result.bench is not None:
+            from dlrun.topo.bench import render_bench
+
+            out.print(render_bench(result.bench))
     sys.exit(result.exit_code)
 
 
@@ -409,6 +450,36 @@ def push_command(hosts: str, json_output: bool, **settings: Any) -> None:
     _refuse_unused({"--project": "project", "--no-delete": "delete", "--max-push-size": "max_push_size"},
                    settings["code"] is None, "--code DIR")
     summaries = push(hosts, live=False if json_output else None, summary=not json_output, **settings)
+    if json_output:
+        click.echo(json.dumps(summary_json(summaries), indent=2))
+
+
+@main.command("pull", cls=GroupedCommand)
+@click.argument("remote")
+@click.argument("local", default=".", type=click.Path(file_okay=False))
+@option("Hosts", "--hosts", "-H", required=True, help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4'.")
+@option("Push", "--project", help="The project folder under workdir that REMOTE is relative to"
+        " (default: the current folder's name).")
+@option("Push", "--max-size", metavar="SIZE",
+        help="Stop a pull that would write over SIZE (e.g. 500M, 2G; none: no limit). Default 200M and 20000 files.")
+@option("Output", "--dry-run", is_flag=True, help="Show per host what would be received; write nothing.")
+@option("Output", "--json", "json_output", is_flag=True, help="Print the per-host summary as JSON.")
+@ssh_options
+@_reports_errors
+def pull_command(remote: str, local: str, hosts: str, json_output: bool, **settings: Any) -> None:
+    """Copy REMOTE from every host into LOCAL (default .): files the same on every host once,
+    the rest into LOCAL/<host>/; only what changed moves, each file verified by sha256.
+
+    REMOTE is relative to the project folder on each host, or absolute; `out` arrives as
+    LOCAL/out, `out/` as its contents. Local files are never deleted.
+    """
+    import json
+
+    from dlrun.api import pull
+    from dlrun.push.pull import summary_json
+
+    summaries = pull(remote, local, hosts=hosts, live=False if json_output else None, summary=not json_output,
+                     **settings)
     if json_output:
         click.echo(json.dumps(summary_json(summaries), indent=2))
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Smoke-test dlrun on a GPU machine: `dlrun topo`, an NCCL DDP job over every local GPU (also
+# Smoke-test dlrun on a GPU machine: `dlrun topo`, `dlrun topo --bench` (GEMM, HBM, PCIe copies,
+# NCCL all-reduce beside the expected values; its JSON in /tmp/gpu_smoke.bench.json), an NCCL DDP job over every local GPU (also
 # detached) and a Lightning GPU job, each also under torchrun with the same script, with
 # throughput side by side.
 #   scripts/gpu_smoke.sh [python]      (default python3; needs torch, and lightning for its part)
@@ -32,6 +33,26 @@ echo "GPUs visible to torch: $ngpu"
 section "dlrun topo"
 timed topo "$py" -m dlrun topo || status=1
 tail -n 25 /tmp/gpu_smoke.topo.log
+
+section "dlrun topo --bench (bf16 GEMM, HBM copy, H2D/D2H, NCCL all-reduce across the GPUs)"
+# exit 1 here means a finding (a number far below the expectation), which is a result to read,
+# not a broken dlrun: the JSON keeps every number for docs/gpu.md
+timed bench "$py" -m dlrun topo --bench --bench-seconds 40
+tail -n 30 /tmp/gpu_smoke.bench.log
+"$py" -m dlrun topo --bench --bench-seconds 20 --json >/tmp/gpu_smoke.bench.json 2>/tmp/gpu_smoke.bench-json.log
+"$py" - <<'PY' || status=1
+import json
+doc = json.load(open("/tmp/gpu_smoke.bench.json"))["bench"]
+print("bench level:", doc["level_text"])
+for m in doc["measures"]:
+    exp = m["expected"]
+    print(f"  {m['kind']:15} {m['subject']:14} {m['value'] if m['value'] is None else round(m['value'], 1)!s:>8}"
+          f" {m['unit']:8} expected {exp['value'] if exp else '-'} ({exp['basis'] if exp else 'peers'})"
+          f" {m['error'] or ''}")
+failed = [m for m in doc["measures"] if m["error"]]
+assert not failed, f"a bench measurement failed: {failed}"
+assert doc["level"] == "torch-cuda", doc["level"]
+PY
 
 section "DDP on NCCL, $ngpu rank(s), cuda:LOCAL_RANK"
 timed ddp-dlrun "$py" -m dlrun launch --plain --framework torch --np "$ngpu" scripts/gpu_ddp.py || status=1

@@ -18,6 +18,10 @@ started by the bootstrap (``boot_argv``, then ``boot_payload`` on its stdin):
    middle (dlrun killed, Ctrl-C, dropped connection) removes the partial temporary file; the
    next push sends only what is missing or different.
 
+A plan may also name ``sources``: other hosts' helpers serving some of the files
+(``dlrun.push.checkpoint``); the helper then fetches those from there over TLS after the
+stream, with the same checks.
+
 A file counts as pushed (and so may be deleted) only while it is the file the push wrote: the
 same inode, as recorded. Nothing is read, written or deleted through a symlink below the root.
 ``dlrun launch`` asks step 1 of each host's agent instead, with the preflight probe (the agent
@@ -282,9 +286,13 @@ class _HostPush:
 
     def __init__(self, transport: Transport, host: Host, targets: Sequence[PushTarget], *, delete: bool,
                  progress: ProgressHook | None, file_progress: ProgressHook | None,
-                 cancel: threading.Event, dry_run: bool = False, owner_check: bool = True) -> None:
+                 cancel: threading.Event, dry_run: bool = False, sources: Sequence[Mapping[str, Any]] = (),
+                 owner_check: bool = True) -> None:
         self.transport = transport
         self.owner_check = owner_check
+        # other hosts' helpers that send some of target 0's files straight to this one
+        # (``address``, ``port``, ``token``, ``cert``, ``paths``: dlrun.push.checkpoint)
+        self.sources = sources
         self.dry_run = dry_run
         self.host = host
         self.targets = targets
@@ -390,16 +398,25 @@ class _HostPush:
     def _transfer(self, trees: Sequence[RemoteTree], plans: Sequence[TransferPlan],
                   replies: _Replies) -> tuple[int, list[dict[str, Any]], int]:
         assert self.channel is not None
-        items = [(f"{index}/{entry.path}", entry) for index, plan in enumerate(plans) for entry in plan.send]
-        plan_message = {
+        direct = {p for source in self.sources for p in source["paths"]}
+        items = [(f"{index}/{entry.path}", entry) for index, plan in enumerate(plans) for entry in plan.send
+                 if not (index == 0 and entry.path in direct)]
+        plan_message: dict[str, Any] = {
             "files": [[index, e.path, e.sha256, e.mode, e.source.mtime if e.source else 0]
                       for index, plan in enumerate(plans) for e in plan.send],
             "delete": [[index, path] for index, plan in enumerate(plans) for path in plan.delete],
             "keep": [list(plan.unchanged) for plan in plans],
         }
+        if self.sources:
+            needed = {e.path for e in plans[0].send}
+            plan_message["sources"] = [
+                {"address": s["address"], "port": s["port"], "token": s["token"], "cert": s["cert"],
+                 "files": [f"0/{p}" for p in s["paths"] if p in needed]}
+                for s in self.sources if any(p in needed for p in s["paths"])]
         self._send_line(plan_message, replies)
         outcome: dict[str, Any] = {"failures": [], "deleted": 0, "done": None}
-        collector = threading.Thread(target=self._collect, args=(replies, len(items), outcome), daemon=True)
+        total = sum(len(plan.send) for plan in plans)
+        collector = threading.Thread(target=self._collect, args=(replies, total, outcome), daemon=True)
         collector.start()
         sent = self._stream(items, replies)
         self.channel.close_stdin()

@@ -1,5 +1,5 @@
 """Programs that run on the hosts: the agent, the topology probe, the push helper, the
-TensorFlow server entry point, a detached job's keeper and jobs program, and the Horovod
+TensorFlow server entry point, a detached job's keeper and jobs program, the bench, and the Horovod
 rendezvous (a module the leader keeper loads). Standard library only, Python >= 3.8, nothing
 from dlrun: each is shipped as its source, never imported on the host.
 
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from importlib import resources
 
 #: The host programs, by the name the controller ships them under.
-PROGRAMS = ("agent", "probe", "push_helper", "tf_server", "keeper", "jobs")
+PROGRAMS = ("agent", "probe", "push_helper", "tf_server", "keeper", "jobs", "bench")
 #: Modules a host program loads from source it was given (keepers: the rank lines; the leader: the rendezvous).
-MODULES = ("rendezvous", "ranklines")
+MODULES = ("rendezvous", "rankpolicy")
 
 
 def source_of(name: str) -> str:

@@ -373,7 +373,8 @@ class Agent:
     def signal_all(self, sig: int) -> None:
         for rank, proc in self.procs.items():
             if rank not in self.exited:
-                self.signalled.add(rank)  # its EXIT says so: a rank that exits 0 on SIGTERM (Lightning) was stopped
+                if proc.returncode is None and proc.poll() is None:  # an exit not yet reaped is its own
+                    self.signalled.add(rank)  # its EXIT says so: a rank that exits 0 on SIGTERM (Lightning) was stopped
                 try:
                     os.killpg(proc.pid, sig)
                 except OSError:
@@ -652,8 +653,19 @@ def guard() -> None:
     waits for it. Its orphans (the ranks, what they started, ``setsid`` escapes included) are
     re-parented here, and are killed once the agent is gone; then this process exits with the
     agent's status, saying why on stderr if the agent did not end by itself."""
+    guardian = os.getpid()
     child = os.fork()
     if child == 0:
+        # the guardian's end is the agent's: whoever ends the process it started (the keeper, the
+        # local transport, Spark's parent-death signal) ends the agent too, whose handler stops its ranks
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != guardian:  # it died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
         return
     try:  # the guardian takes no part in the protocol: the channel's stdout is the agent's alone
         os.close(1)
@@ -687,9 +699,12 @@ def guard() -> None:
             name = signal.Signals(os.WTERMSIG(status)).name
         except ValueError:
             name = str(os.WTERMSIG(status))
-        sys.stderr.write(f"dlrun-agent (pid {child}) was killed by {name}; {left} process(es) of its job"
-                         " were left and are killed\n")
-        sys.stderr.flush()
+        try:  # stderr may be gone (a closed channel, a full disk): the exit status still says it
+            sys.stderr.write(f"dlrun-agent (pid {child}) was killed by {name}; {left} process(es) of its job"
+                             " were left and are killed\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
     os._exit(code)
 
 
@@ -736,7 +751,7 @@ def kill_descendants() -> int:
 
 def _run_agent(argv: list[str]) -> int:
     in_namespace = "--in-pidns" in argv  # set by PIDNS_WRAPPER
-    if not in_namespace and not os.environ.get("DLRUN_NO_GUARD"):
+    if not in_namespace:
         guard()  # returns in the child, which is the agent
     stdin_fd = sys.stdin.fileno()
     os.set_blocking(stdin_fd, False)

@@ -19,7 +19,6 @@ import shutil
 import signal
 import sys
 import time
-import zlib
 from typing import Any
 
 KEEP_DAYS = 7
@@ -184,15 +183,13 @@ def log_files(job_id: str, offsets: dict[str, int], since: float | None) -> list
     return found
 
 
-def stream_logs(job_id: str, offsets: dict[str, int], since: float | None, whole: bool, out: Any,
-                compress: bool = False) -> None:
+def stream_logs(job_id: str, offsets: dict[str, int], since: float | None, whole: bool, out: Any) -> None:
     """The ``logs`` answer as a stream: first ``R {"jobs"}\n`` (the records: a job that has ended
     there wrote every line before), then every byte of each file to its end, in pieces of at most
     ``CHUNK`` that end at a line's end where one is within reach: ``P {"key", "host", "offset",
     "length"}\n`` and that many raw bytes; last ``J {"ends": {key: offset reached}}\n``. Without
     ``whole`` a file's unfinished last line waits for the next look (``--follow``); with it (the
-    job ended, or a one-off look), it is sent as it is. With ``compress``, each piece travels as
-    zlib level 1 (logs shrink 5-10 times; header ``"zlib"``: the piece's own length)."""
+    job ended, or a one-off look), it is sent as it is."""
     out.write(b"R " + json.dumps({"jobs": job_records(job_id)}).encode() + b"\n")
     ends: dict[str, int] = {}
     for key, path, host, offset in log_files(job_id, offsets, since):
@@ -217,12 +214,8 @@ def stream_logs(job_id: str, offsets: dict[str, int], since: float | None, whole
                     elif last and not whole and len(data) < CHUNK:
                         break  # a line not finished yet: the next look
                 header = {"key": key, "host": host, "offset": pos, "length": len(data)}
-                body = data
-                if compress:
-                    body = zlib.compress(data, 1)
-                    header.update(length=len(body), zlib=len(data))
                 out.write(b"P " + json.dumps(header).encode() + b"\n")
-                out.write(body)
+                out.write(data)
                 pos += len(data)
             ends[key] = pos
     out.write(b"J " + json.dumps({"ends": ends}).encode() + b"\n")
@@ -279,7 +272,7 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
         ago = request.get("since_ago")  # seconds before now on this host's clock (no clock skew)
         stream_logs(job_id, {str(k): int(v) for k, v in (request.get("offsets") or {}).items()},
                     None if ago is None else time.time() - float(ago), bool(request.get("whole")),
-                    sys.stdout.buffer, bool(request.get("zlib")))
+                    sys.stdout.buffer)
         return {}
     if op == "stop":
         return stop(job_id)

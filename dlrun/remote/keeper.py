@@ -51,15 +51,6 @@ RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 Event = Tuple[Any, ...]
 
 
-def rank_state(code: int | None, stopping: bool, signalled: bool = False) -> str:
-    """A rank's state from how it exited (``dlrun.run.result.rank_state``'s rule): one the agent
-    signalled to stop, or that exits non-zero while the job is being stopped, was stopped (its
-    signal's 128 + N, or 0 from a framework that exits cleanly on SIGTERM), not a new failure."""
-    if signalled or (stopping and code != 0):
-        return "stopped"
-    return "succeeded" if code == 0 else "failed"
-
-
 def gpu_rows(when: float, host: str, text: str) -> str:
     """``gpu.csv`` rows from nvidia-smi's ``index, uuid, util, mem used, mem total, power, temp``
     lines; what it could not say (``[N/A]``) is an empty cell."""
@@ -120,15 +111,17 @@ def boot_id() -> str:
         return os.uname().nodename
 
 
-RESERVE = "reserve"  # a file of RESERVE_BYTES in the job's folder, given up when the disk is full
+RESERVE = "reserve"  # a file of RESERVE_BYTES in the job's folder, given up for the final result
 RESERVE_BYTES = 1 << 20
+DISK_RETRY = 5.0  # seconds a keeper only counts log lines after a write failed, before it tries again
 
 
-def write_json(path: str, document: dict[str, Any]) -> bool:
-    """Atomically: a reader (``dlrun ps``) never sees half a file. On a full disk the folder's
-    reserve is given up for it; whether it was written."""
+def write_json(path: str, document: dict[str, Any], use_reserve: bool = False) -> bool:
+    """Atomically: a reader (``dlrun ps``) never sees half a file. On a full disk, with
+    ``use_reserve`` (the final result), the folder's reserve is given up for it; whether it was
+    written."""
     temp = path + ".tmp"
-    for _ in range(2):
+    for _ in range(2 if use_reserve else 1):
         try:
             with open(temp, "w", encoding="utf-8") as fh:
                 json.dump(document, fh)
@@ -148,9 +141,9 @@ def write_json(path: str, document: dict[str, Any]) -> bool:
 
 def make_reserve(folder: str) -> None:
     """Room kept for the records (``result.json``) should the ranks' logs fill the disk."""
-    try:
+    try:  # not zeros: a compressing filesystem (ZFS, btrfs) stores those as holes, reserving nothing
         with open(os.path.join(folder, RESERVE), "wb") as fh:
-            fh.write(b"\0" * RESERVE_BYTES)
+            fh.write(os.urandom(RESERVE_BYTES))
     except OSError:
         pass
 
@@ -364,9 +357,11 @@ class Keeper:
         self.logs: dict[int, Any] = {}
         self.indexes: dict[int, Any] = {}  # rank -> its log's index: when each offset was written
         self.indexed: dict[int, float] = {}  # rank -> when its index last got a line
-        self.lines = load_module(str(config["ranklines_source"]), "ranklines")  # dlrun.remote.ranklines
-        self.outputs: dict[int, Any] = {}  # rank -> its ranklines.RankLines (tail, traceback, splitters)
+        self.lines = load_module(str(config["rankpolicy_source"]), "rankpolicy")  # dlrun.remote.rankpolicy
+        self.outputs: dict[int, Any] = {}  # rank -> its rankpolicy.RankLines (tail, traceback, splitters)
         self.dropped: dict[int, int] = {}  # rank -> log lines not written (the disk is full)
+        self.written: dict[int, int] = {}  # rank -> bytes of its log written whole
+        self.full_until = 0.0  # a log write failed: until then lines are only counted
         self.notes: list[str] = []  # what the job's record says beside the root cause (disk full on h2)
         self.agent: subprocess.Popen[bytes] | None = None
         self.agent_done = False
@@ -389,6 +384,7 @@ class Keeper:
         self.root_cause: str | None = None
         self.root_tail: list[str] = []
         self.leader_gone = False  # a follower that lost its leader: the job is lost (exit 255)
+        self.failed = False  # the job ended by a failure (also when a stop came after it)
         self.root: dict[str, Any] = {}  # the root cause rank's rank, host, exception, error file, hint
         self.exit_code: int | None = None
         self.interrupted_by: int | None = None
@@ -413,8 +409,8 @@ class Keeper:
             document["rendezvous_port"] = self.rendezvous.address[1]
         if final:
             document["ended_at"] = time.time()
-            write_json(os.path.join(self.jobdir, "result.json"), document)
-        write_json(os.path.join(self.jobdir, "state.json"), document)
+            write_json(os.path.join(self.jobdir, "result.json"), document, use_reserve=True)
+        write_json(os.path.join(self.jobdir, "state.json"), document, use_reserve=final)
         return document
 
     def job_state(self) -> str:
@@ -423,7 +419,7 @@ class Keeper:
         if self.exit_code is not None:
             if self.exit_code == 0:
                 return "succeeded"
-            return "stopped" if self.interrupted_by is not None else "failed"
+            return "stopped" if self.interrupted_by is not None and not self.failed else "failed"
         if all(r["state"] != "pending" for r in self.ranks.values()):
             return "stopping" if self.stopping else "running"
         return "starting"
@@ -443,10 +439,15 @@ class Keeper:
         self.generation += 1
         self.agent_done = False
         spec = self.specs[self.attempt]
-        os.makedirs(self.attempt_dir, mode=0o700, exist_ok=True)
+        self.dropped.clear()
+        self.written.clear()
+        try:
+            os.makedirs(self.attempt_dir, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            self.note(f"cannot make {self.attempt_dir} on {self.host} ({exc}): its ranks' lines are not logged")
         for rank in self.own:
-            self.logs[rank] = open(os.path.join(self.attempt_dir, f"rank-{rank}.log"), "wb")  # noqa: SIM115
-            self.indexes[rank] = open(os.path.join(self.attempt_dir, f"rank-{rank}.idx"), "w")  # noqa: SIM115
+            self.logs[rank] = self.open_log(f"rank-{rank}.log", "wb", 0)
+            self.indexes[rank] = self.open_log(f"rank-{rank}.idx", "w", -1)
             self.indexed[rank] = 0.0
             self.outputs[rank] = self.lines.RankLines()
         env = dict(os.environ)
@@ -460,6 +461,14 @@ class Keeper:
             self.agent.stdin.write(json.dumps(spec).encode() + b"\n")
             self.agent.stdin.flush()
         threading.Thread(target=self.read_agent, args=(self.agent, self.generation), daemon=True).start()
+
+    def open_log(self, name: str, mode: str, buffering: int) -> Any:
+        """A file of this attempt's folder, or the null device where it cannot be made (a full disk)."""
+        try:
+            return open(os.path.join(self.attempt_dir, name), mode, buffering)
+        except OSError:
+            self.full_until = time.monotonic() + DISK_RETRY
+            return open(os.devnull, mode, buffering)
 
     def read_agent(self, agent: subprocess.Popen[bytes], generation: int) -> None:
         assert agent.stdout is not None
@@ -502,40 +511,61 @@ class Keeper:
             self.tell_agent({"op": "stop", "grace": self.grace})
 
     def write_log(self, rank: int, lines: list[str]) -> None:
-        """Lines to the rank's log; at most once a second, ``<time> <byte offset>`` to its index
-        (``attach --since`` starts there). A disk that is full (or a log that cannot be written)
-        loses lines, counted, never the job."""
-        log = self.logs[rank]
+        """Lines to the rank's log (unbuffered: what is in the file is whole lines); at most once a
+        second, ``<time> <byte offset>`` to its index (``attach --since`` starts there). A disk that
+        is full (or a log that cannot be written) loses lines, counted, never the job: the lines are
+        only counted until ``DISK_RETRY`` seconds have passed and the disk has room again."""
+        now = time.monotonic()
+        if self.full_until and now < self.full_until:
+            self.dropped[rank] = self.dropped.get(rank, 0) + len(lines)
+            return
+        if self.full_until and not self.has_room():
+            self.full_until = now + DISK_RETRY
+            self.dropped[rank] = self.dropped.get(rank, 0) + len(lines)
+            return
+        self.full_until = 0.0
+        fd = self.logs[rank].fileno()
         data = ("\n".join(lines) + "\n").encode("utf-8", "replace")
+        end = self.written.get(rank, 0)
         try:
-            now = time.time()
-            if now - self.indexed[rank] >= INDEX_EVERY:
-                self.indexed[rank] = now
-                self.indexes[rank].write(f"{now:.3f} {log.tell()}\n")
+            wall = time.time()
+            if wall - self.indexed[rank] >= INDEX_EVERY:
+                self.indexed[rank] = wall
+                self.indexes[rank].write(f"{wall:.3f} {end}\n")
                 self.indexes[rank].flush()
-            log.write(data)
-            log.flush()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            self.written[rank] = end + len(data)
         except (OSError, ValueError) as exc:
             first = not self.dropped
             self.dropped[rank] = self.dropped.get(rank, 0) + len(lines)
-            try:  # what the buffer held is lost too: start the file's next write afresh
-                log.seek(0, os.SEEK_END)
+            self.full_until = now + DISK_RETRY
+            try:  # a line written in part is taken back: the file holds whole lines only
+                os.ftruncate(fd, end)
             except (OSError, ValueError):
                 pass
             if first:
                 why = "disk full" if getattr(exc, "errno", None) == errno.ENOSPC else f"cannot write logs ({exc})"
                 self.note(f"{why} on {self.host}: its ranks' log lines are dropped and counted; the job goes on")
 
+    def has_room(self) -> bool:
+        """Is there room again for logs (beyond what the records need)?"""
+        try:
+            stat = os.statvfs(self.jobdir)
+        except OSError:
+            return False
+        return stat.f_bavail * stat.f_frsize > 2 * RESERVE_BYTES
+
     def note(self, text: str) -> None:
         """A line for the job's record (the leader's, which every host gets at the end)."""
+        if text in self.notes:
+            return
+        self.notes.append(text)  # a follower's own record too (and what it sends once it joins)
         if self.leader:
-            if text not in self.notes:
-                self.notes.append(text)
             self.record()
         elif self.leader_peer is not None:
             self.leader_peer.send({"op": "note", "text": text})
-            if text not in self.notes:
-                self.notes.append(text)
 
     def on_frame(self, kind: int, rank: int, payload: bytes) -> None:
         if kind in (STDOUT, STDERR) and rank in self.logs:
@@ -590,6 +620,8 @@ class Keeper:
         root cause shows: the tail, the exception it raised and its error file."""
         info = info or {}
         evidence: dict[str, Any] = {"stopped": bool(info.get("stopped"))}
+        if what == "lost":
+            evidence["reason"] = str(info.get("reason", ""))
         output = self.outputs.get(rank)
         if code and output is not None:
             evidence["tail"] = [self.lines.cut(t, RECORD_LINE) for t in output.tail]  # records stay small
@@ -599,7 +631,10 @@ class Keeper:
             self.on_rank(self.host, rank, what, code, evidence)  # which writes the record
             return
         entry = self.ranks[rank]  # a follower's own record (state.json) follows its ranks
-        entry["state"] = "running" if what == "running" else rank_state(code, self.stopping, evidence["stopped"])
+        entry["state"] = ("running" if what == "running"
+                          else self.lines.rank_state(code, self.stopping, evidence["stopped"]))
+        if what == "lost":
+            entry["state"] = "lost"
         entry["code"] = code
         if self.leader_peer is not None:
             self.leader_peer.send({"op": "rank", "rank": rank, "what": what, "code": code, **evidence})
@@ -613,10 +648,14 @@ class Keeper:
         if what == "running":
             entry["state"] = "running"
             entry["started"] = time.time()  # when the leader heard it: the summary's durations
+        elif what == "lost":  # its agent is gone (killed): the same state an attached job gives
+            entry.update(state="lost", code=255, ended=time.time())
+            if not self.stopping:
+                self.fail(f"host {host} lost: {evidence.get('reason') or 'its agent ended'}", 255, [])
         else:
             entry["ended"] = time.time()
             entry["code"] = code
-            entry["state"] = rank_state(code, self.stopping, bool(evidence.get("stopped")))
+            entry["state"] = self.lines.rank_state(code, self.stopping, bool(evidence.get("stopped")))
             if entry["state"] == "failed":
                 if self.root_cause is None:
                     self.root = self.root_of(rank, host, evidence)
@@ -662,17 +701,18 @@ class Keeper:
                 and self.attempt + 1 < len(self.specs):
             self.restart(self.attempt + 1)
             return False
+        failed = self.root_cause is not None  # a rank's failure or a lost host: the root cause
         if self.interrupted_by is not None:
-            self.exit_code = 128 + self.interrupted_by
             for entry in self.ranks.values():
                 if entry["state"] == "failed" and entry["code"] in (128 + signal.SIGTERM, 128 + signal.SIGKILL):
                     entry["state"] = "stopped"
             if self.root_cause is None:
                 self.root_cause = f"stopped by signal {self.interrupted_by}"
-        elif self.root_cause is not None:
-            self.exit_code = self.failed_code
-        else:
-            self.exit_code = 0
+        ranks = [self.ranks[r] for r in sorted(self.ranks)]
+        self.exit_code = self.lines.job_exit_code(
+            self.failed_code if failed else None, self.interrupted_by, [e["code"] for e in ranks],
+            [e["code"] for e in ranks if e["rank"] in self.enders] if self.enders else None)
+        self.failed = failed
         self.ended = True
         result = self.record(final=True)
         for peer in self.peers.values():
@@ -744,6 +784,8 @@ class Keeper:
                 time.sleep(0.5)
         self.leader_peer = Peer(sock, "leader")
         threading.Thread(target=self.leader_peer.read_into, args=(self.events, rest), daemon=True).start()
+        for text in self.notes:  # said before it could reach the leader
+            self.leader_peer.send({"op": "note", "text": text})
 
     def beat(self) -> None:
         interval = min(2.0, (self.host_timeout or 8.0) / 4)
@@ -819,9 +861,15 @@ class Keeper:
         elif kind == "agent-closed":
             self.agent_done = True
             self.closed_generation = self.generation
+            if self.agent is not None and any(self.ranks[r]["state"] not in FINAL for r in self.own):
+                try:  # its guardian writes why once it has killed what the agent left
+                    self.agent.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
+            why = self.agent_words() or "the host's agent ended before its ranks did"
             for rank in self.own:  # ranks the agent never reported: it is gone, so are they
                 if self.ranks[rank]["state"] not in FINAL and rank in self.logs and not self.reported_exit(rank):
-                    self.report(rank, "exit", 255)
+                    self.report(rank, "lost", 255, {"reason": why})
         elif kind == "joined":
             peer = event[1]
             old = self.peers.get(peer.name)
@@ -849,6 +897,16 @@ class Keeper:
                         self.lose_host(name, "its keeper's connection closed")
             elif not self.ended:
                 self.leader_lost("its connection closed")
+
+    def agent_words(self) -> str:
+        """The last line the agent (or its guardian) wrote to ``agent.log``: why it ended."""
+        try:
+            with open(os.path.join(self.jobdir, "agent.log"), "rb") as fh:
+                fh.seek(max(0, os.fstat(fh.fileno()).st_size - 4096))
+                lines = fh.read().decode("utf-8", "replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1][:500] if lines else ""
 
     def reported_exit(self, rank: int) -> bool:
         return self.ranks[rank]["state"] in FINAL

@@ -6,6 +6,13 @@ permission problem), then receives the plan and one tar stream, and writes each 
 temporary name, verifies its sha256 and renames it into place. The protocol is described in
 ``dlrun.push.session``; ``dlrun.remote.agent`` runs this module's :func:`survey` in-process
 for a launch's first question.
+
+The same helper runs the other way for ``dlrun pull`` and ``--checkpoint-dir``
+(``dlrun.push.pull``): a request with ``"send"`` gets the listing of a tree (every file's
+size, mode, sha256 and mtime, links as links, and the host's clock), then a list of paths, and
+answers with one tar stream of exactly those files, as they were listed; or, asked to
+``serve``, listens (TLS, a token) and gives those files to other hosts' push helpers, which
+fetch them when their plan names ``sources`` (host-to-host checkpoint copies).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import os
 import signal
 import stat
 import sys
+import time
 from types import FrameType
 from typing import Any, Dict, List, Tuple, cast
 
@@ -300,6 +308,8 @@ class Receiver:
         self.buf = bytearray(1 << 20)
         self.view = memoryview(self.buf)
         self.written = self.deleted = self.failed = 0
+        self.done: set[str] = set()  # names written
+        self.prefix = ""  # prepended to the names of a stream from another host (fetch_from)
 
     def fail(self, name: str, where: str, what: str) -> None:
         self.failed += 1
@@ -388,7 +398,7 @@ class Receiver:
                 if kind == b"x":
                     extra = pax(data)
                 continue
-            name = extra.get("path", raw_name).decode("utf-8", "surrogateescape")
+            name = self.prefix + extra.get("path", raw_name).decode("utf-8", "surrogateescape")
             linkname = extra.get("linkpath", raw_link).decode("utf-8", "surrogateescape")
             extra = {}
             item = self.expect.get(name)
@@ -427,6 +437,7 @@ class Receiver:
             return
         self.records[t][rel] = ["link"]
         self.written += 1
+        self.done.add(name)
         say({"ok": name})
 
     def file(self, name: str, item: PlanItem, size: int) -> None:
@@ -480,6 +491,7 @@ class Receiver:
             self.fail(name, *problem)
             return
         self.written += 1
+        self.done.add(name)
         say({"ok": name})
 
 
@@ -535,11 +547,295 @@ def widen_stdin() -> None:
             pass
 
 
+# =============================================================================== sending
+
+
+HASHES = ".hashes"  # the sender's own stat cache: <parent>/.dlrun-cache/<name>.hashes.json
+
+
+def listed(path: str, st: os.stat_result, cache: Record, fresh: Record, rel: str) -> Entry | None:
+    """``[kind, size, mode, sha256 or link target, mtime_ns]`` of one path (None: not sent)."""
+    if stat.S_ISLNK(st.st_mode):
+        return ["link", 0, 0, os.readlink(path), st.st_mtime_ns]
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    old = cache.get(rel)
+    digest = str(old[4]) if old and len(old) == 5 and old[:4] == stamp(st) else sha256_of(path)
+    # a file modified in the last second may change again within the same mtime: not cached
+    if max(st.st_mtime_ns, st.st_ctime_ns) < time.time_ns() - 1_000_000_000:
+        fresh[rel] = [*stamp(st), digest]
+    return ["file", st.st_size, stat.S_IMODE(st.st_mode), digest, st.st_mtime_ns]
+
+
+def listing(spec: dict[str, Any]) -> dict[str, Any]:
+    """What is at ``spec["root"]``: a directory's tree (paths relative to it), or one file
+    (its name), without the push's caches and temporary files; ``missing`` when absent."""
+    root = resolve(spec["root"])
+    reply: dict[str, Any] = {"root": root, "entries": {}, "missing": False, "dir": True}
+    try:
+        top = os.lstat(root)
+    except FileNotFoundError:
+        reply["missing"] = True
+        return reply
+    except OSError as exc:
+        reply["error"] = exc.strerror or str(exc)
+        return reply
+    entries: dict[str, Entry] = {}
+    fresh: Record = {}
+    if not stat.S_ISDIR(top.st_mode):
+        reply["dir"] = False
+        reply["root"] = os.path.dirname(root)
+        entry = listed(root, top, {}, fresh, "")
+        if entry is not None:
+            entries[os.path.basename(root)] = entry
+        reply["entries"] = entries
+        return reply
+    cache = load_record(root + HASHES)  # <parent>/.dlrun-cache/<name>.hashes.json
+    for record in (load_record(root),):  # what a push wrote is hashed already
+        for rel, value in record.items():
+            cache.setdefault(rel, value)
+    errors: list[str] = []
+    for folder, dirs, files in os.walk(root, onerror=lambda exc: errors.append(str(exc))):
+        rel_folder = os.path.relpath(folder, root)
+        dirs[:] = sorted(d for d in dirs if d != ".dlrun-cache")
+        names = list(files)
+        for name in list(dirs):  # a link to a directory is sent as a link, never followed
+            if os.path.islink(os.path.join(folder, name)):
+                dirs.remove(name)
+                names.append(name)
+        for name in sorted(names):
+            if name.startswith(PART):
+                continue
+            rel = name if rel_folder == "." else f"{rel_folder}/{name}"
+            path = os.path.join(folder, name)
+            try:
+                entry = listed(path, os.lstat(path), cache, fresh, rel)
+            except OSError:
+                continue  # gone since the walk saw it
+            if entry is not None:
+                entries[rel] = entry
+    if errors:
+        reply["error"] = errors[0]
+    if fresh != {rel: v for rel, v in cache.items() if rel in fresh}:
+        save_record(root + HASHES, fresh)
+    reply["entries"] = entries
+    return reply
+
+
+def fd_writer(fd: int) -> tuple[Any, Any]:
+    """``(write, sendfile)`` for a file descriptor (stdout): ``sendfile(src_fd, n)`` returns the
+    bytes sent, or raises OSError where the kernel cannot."""
+
+    def write(data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+
+    def sendfile(src: int, count: int) -> int:
+        return os.sendfile(fd, src, None, count)
+
+    return write, sendfile
+
+
+def send_tree(root: str, entries: dict[str, Entry], paths: list[str], write: Any, sendfile: Any = None) -> None:
+    """One tar stream of ``paths`` through ``write``, each file exactly as listed: one that grew
+    is cut at its listed size and one that shrank or vanished is padded with zeros, so the
+    receiver's sha256 check names it."""
+    import tarfile  # here: a push (and the agent's survey) never pays for it
+
+    zero = bytes(1 << 16)
+    for rel in paths:
+        kind, size, mode, value, mtime_ns = entries[rel]
+        info = tarfile.TarInfo(rel)
+        info.mtime = mtime_ns // 1_000_000_000
+        if kind == "link":
+            info.type, info.linkname, info.mode = tarfile.SYMTYPE, value, 0o777
+            write(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+            continue
+        info.size, info.mode = size, mode
+        write(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+        left = size
+        try:
+            with open(os.path.join(root, rel), "rb", buffering=0) as fh:
+                while left > 0:
+                    n = 0
+                    if sendfile is not None:
+                        try:
+                            n = sendfile(fh.fileno(), min(left, 1 << 22))
+                        except OSError:  # no sendfile to this kind of fd: read and write
+                            sendfile = None
+                    if sendfile is None:
+                        chunk = fh.read(min(left, 1 << 20))
+                        write(chunk)
+                        n = len(chunk)
+                    if n == 0:
+                        break
+                    left -= n
+                    heard()
+        except OSError:
+            pass
+        while left > 0:
+            write(zero[:min(left, len(zero))])
+            left -= min(left, len(zero))
+        write(zero[:-size % 512])
+        heard()
+    write(zero[:1024])
+
+
+# =============================================================================== host to host
+
+
+def server_context(cert_pem: str, key_pem: str) -> Any:
+    """TLS 1.3 with the certificate dlrun made for this copy; the key goes to an anonymous
+    memory file (or a 0600 temporary file, removed at once), as the keeper's does."""
+    import ssl
+    import tempfile
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    with tempfile.TemporaryDirectory(prefix="dlrun-push-") as private:
+        paths = []
+        fds = []
+        for i, text in enumerate((cert_pem, key_pem)):
+            try:
+                fd = os.memfd_create("dlrun-push", os.MFD_CLOEXEC)  # type: ignore[attr-defined,unused-ignore]
+                os.write(fd, text.encode())
+                fds.append(fd)
+                paths.append(f"/proc/self/fd/{fd}")
+            except (AttributeError, OSError):
+                path = os.path.join(private, f"{i}.pem")
+                with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as fh:
+                    fh.write(text)
+                paths.append(path)
+        try:
+            context.load_cert_chain(paths[0], paths[1])
+        finally:
+            for fd in fds:
+                os.close(fd)
+    return context
+
+
+def client_context(cert_pem: str) -> Any:
+    """TLS 1.3 trusting exactly that certificate (pinned)."""
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(cadata=cert_pem)
+    return context
+
+
+def serve(root: str, entries: dict[str, Entry], spec: dict[str, Any]) -> None:
+    """Send files of this listing to the other hosts of a copy: listen on ``spec["bind"]``
+    (TLS with dlrun's certificate), say the port, and give each connection that shows the
+    token the files it names (only those dlrun allowed), until dlrun closes stdin."""
+    import hmac
+    import socket
+    import threading
+
+    allowed = set(spec["files"]) & set(entries)
+    token = str(spec["token"]).encode()
+    try:
+        context = server_context(spec["cert"], spec["key"])
+        family = socket.AF_INET6 if ":" in spec["bind"] else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.bind((spec["bind"], 0))
+        listener.listen(16)
+    except (OSError, ValueError) as exc:
+        say({"error": f"cannot listen on {spec['bind']}: {exc}"})
+        return
+    say({"port": listener.getsockname()[1]})
+
+    def give(conn: Any) -> None:
+        try:
+            conn.settimeout(60)
+            with context.wrap_socket(conn, server_side=True) as tls:
+                reader = tls.makefile("rb")
+                shown = reader.readline(len(token) + 2).rstrip(b"\n")
+                if not hmac.compare_digest(shown, token):
+                    return
+                asked = [str(p) for p in json.loads(reader.readline(1 << 24))]
+                tls.settimeout(IDLE[0] or None)
+                send_tree(root, entries, [p for p in asked if p in allowed], tls.sendall)
+                tls.unwrap()
+        except (OSError, ValueError):
+            pass
+        finally:
+            conn.close()
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=give, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    while IN.read(1 << 16):  # until dlrun closes stdin (each read re-arms nothing: dlrun is quiet)
+        pass
+
+
+def fetch_from(source: dict[str, Any], receiver: Receiver) -> str | None:
+    """Receive ``source["files"]`` (``<target>/<path>`` names) straight from another host's
+    helper (``serve``); None, or why that host could not be reached (its files then failed)."""
+    global IN
+    import socket
+
+    names = [str(n) for n in source["files"]]
+    try:
+        conn = socket.create_connection((source["address"], int(source["port"])), timeout=10)
+        tls = client_context(source["cert"]).wrap_socket(conn)
+        tls.settimeout(IDLE[0] or None)
+        tls.sendall(str(source["token"]).encode() + b"\n" + json.dumps([n.split("/", 1)[1] for n in names]).encode()
+                    + b"\n")
+    except (OSError, ValueError) as exc:
+        return f"cannot reach {source['address']}:{source['port']}: {exc}"
+    stdin = IN
+    IN = cast(io.BufferedReader, tls.makefile("rb"))
+    try:
+        receiver.prefix = names[0].split("/", 1)[0] + "/" if names else ""
+        receiver.run()
+    except (EOFError, OSError) as exc:
+        return f"the transfer from {source['address']} broke off: {exc or 'end of stream'}"
+    finally:
+        IN = stdin
+        receiver.prefix = ""
+        tls.close()
+    return None
+
+
+def sender(request: dict[str, Any]) -> int:
+    """``dlrun pull``'s side: the listing, then the files asked for (the protocol in
+    ``dlrun.push.pull``)."""
+    reply = listing(request["send"])
+    reply["now"] = time.time()
+    say({"listing": reply})
+    line = IN.readline()
+    heard()
+    if not line:
+        return 0
+    asked = json.loads(line)
+    if asked.get("abort"):
+        return 0
+    if "serve" in asked:
+        serve(reply["root"], reply["entries"], asked["serve"])
+        return 0
+    sys.stdout.flush()
+    write, sendfile = fd_writer(sys.stdout.fileno())
+    send_tree(reply["root"], reply["entries"], [str(p) for p in asked["files"]], write, sendfile)
+    return 0
+
+
 def main() -> int:
     widen_stdin()
     request = json.loads(IN.readline())
     IDLE[0] = int(request.get("idle") or 0)
     heard()
+    if "send" in request:
+        return sender(request)
     roots: list[str] = []
     records: list[Record] = []
     freshes: list[Record] = []
@@ -585,6 +881,12 @@ def main() -> int:
         for t, rel in plan["delete"]:
             receiver.delete(t, rel)
         receiver.run()
+        for source in plan.get("sources", ()):  # files another host sends straight here
+            problem = fetch_from(source, receiver)
+            if problem is not None:
+                for name in source["files"]:
+                    if name in receiver.expect and name not in receiver.done:
+                        receiver.fail(name, name, problem)
         for t, root in enumerate(roots):  # folder modes, as pushed (0700 stays 0700)
             set_folder_modes(root, request["targets"][t].get("folders") or [])
     finally:

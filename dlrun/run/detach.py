@@ -16,7 +16,6 @@ import shlex
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -113,7 +112,7 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
             "token": token, "cert_pem": cert_pem, "grace": grace, "host_timeout": host_timeout,
             "script": script, "hosts": names,
             "agent_argv": agent_argv_of(host), "agent_source": pidns_source,
-            "ranklines_source": source_of("ranklines"),
+            "rankpolicy_source": source_of("rankpolicy"),
             "specs": specs[name],
         }
         if name == leader:
@@ -149,25 +148,24 @@ def run_program(transport: Transport, host: Host, name: str, request: Mapping[st
 
 def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
                 on_records: Callable[[list[dict[str, Any]]], None],
-                on_piece: Callable[[str, Mapping[str, Any], bytes], None], timeout: float = 600.0) -> dict[str, Any]:
+                on_piece: Callable[[str, Mapping[str, Any], bytes], None], timeout: float = 120.0) -> dict[str, Any]:
     """``dlrun-jobs``'s streamed ``logs`` answer (``dlrun.remote.jobs.stream_logs``): the host's
     records to ``on_records`` first, then each piece to ``on_piece(key, header, data)`` as it
     arrives, so memory stays bounded whatever the logs hold; the closing document (``jobs``,
-    ``ends``)."""
+    ``ends``). ``timeout``: seconds without a byte from the host (time spent showing what came,
+    a paused pager, does not count; the transport's own silence clock covers a dead host)."""
     channel = transport.open(host, boot_argv(default_python(host), "jobs"))
     try:
-        channel.send(boot_payload("jobs") + json.dumps({**request, "stream": True, "zlib": True}).encode() + b"\n")
+        channel.send(boot_payload("jobs") + json.dumps({**request, "stream": True}).encode() + b"\n")
         channel.close_stdin()
         buf = bytearray()
         header: dict[str, Any] | None = None
         records: dict[str, Any] = {}
-        deadline = time.monotonic() + timeout
         while True:
             if header is not None:
                 need = int(header["length"])
                 if len(buf) >= need:
-                    piece = bytes(buf[:need])
-                    on_piece(str(header["key"]), header, zlib.decompress(piece) if header.get("zlib") else piece)
+                    on_piece(str(header["key"]), header, bytes(buf[:need]))
                     del buf[:need]
                     header = None
                     continue
@@ -187,17 +185,26 @@ def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
                         answer: dict[str, Any] = json.loads(line[2:])
                         return {**answer, **records}
                     raise DlrunError(f"dlrun-jobs answered {line[:200]!r}", host=host.name)
-            data = channel.recv(1 << 20)
+            data = recv_within(channel, timeout)
+            if data is None:
+                raise HostUnreachable(f"dlrun-jobs sent nothing for {timeout:g} s", host=host.name)
             if not data:
                 code = channel.wait(5)
                 detail = " / ".join(channel.stderr_text().strip().splitlines()[-3:])
-                raise DlrunError(f"dlrun-jobs ended (exit {code}) before its answer was whole: {detail}",
-                                 host=host.name)
+                raise HostUnreachable(f"dlrun-jobs ended (exit {code}) before its answer was whole: {detail}",
+                                      host=host.name)
             buf += data
-            if time.monotonic() > deadline:
-                raise HostUnreachable(f"dlrun-jobs did not finish within {timeout:g} s", host=host.name)
     finally:
         channel.close()
+
+
+def recv_within(channel: Any, timeout: float) -> bytes | None:
+    """``channel.recv`` that gives up (None) after ``timeout`` seconds without data."""
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(channel.recv(1 << 20)), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return got[0] if got else None
 
 
 def record_of(document: Mapping[str, Any]) -> JobRecord:

@@ -47,6 +47,7 @@ class Placement:
     ends_job: Callable[[WorkerCommand], bool] | None = None
     watch: Callable[[], AbstractContextManager[None]] = nullcontext
     done: Callable[[RunResult], None] = _nothing
+    notes: tuple[str, ...] = ()  # said on the attempt's line (a restart's checkpoint copies: time and bytes)
 
 
 class Engine(Protocol):

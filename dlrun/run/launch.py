@@ -55,8 +55,8 @@ from dlrun.run.addresses import facing_address, interfaces_at, local_base_port, 
 from dlrun.run.agents import AgentAnswer, HostAgents
 from dlrun.run.engine import Engine, HeldView, Placement
 from dlrun.run.result import Attempt, RunResult
+from dlrun.run.screen import make_view
 from dlrun.run.supervisor import Supervisor, View
-from dlrun.run.view import make_view
 from dlrun.transport.base import Transport, default_python
 from dlrun.transport.local import HostRouter
 
@@ -97,6 +97,7 @@ class LaunchConfig:
     plain: bool = False
     iface: str | None = None
     preflight: bool = True
+    bench: float = 0.0  # --bench: seconds of `dlrun topo --bench` after the preflight (0: none)
     push: bool = True
     data: str | None = None
     shard: str = "files"
@@ -116,6 +117,7 @@ class LaunchConfig:
     insecure_workdir: bool = False  # push and run even where another user owns or may write the folders
     module: bool = False  # -m: script is a Python module, run with each host's python -m in the project
     no_python: bool = False  # --no-python: the command runs exactly as given (no python, Rscript, bash)
+    checkpoint_dirs: tuple[str, ...] = ()  # --checkpoint-dir: the same on every host before each attempt
 
 
 def resolve_framework(config: LaunchConfig) -> LaunchConfig:
@@ -739,6 +741,7 @@ class HostsEngine:
         self.reconnect: tuple[Host, ...] = ()  # hosts lost in the last attempt: reconnected, probed again
         self.dropped: tuple[str, ...] = ()  # hosts lost and left out (--min-hosts)
         self.job_secret = secrets.token_hex(32)  # a detached job's keepers' token (and rendezvous key's root)
+        self.failed_at: float | None = None  # when the last attempt failed (its copies then may be half written)
 
     def prepare(self, config: LaunchConfig) -> LaunchConfig:
         if config.hosts is None and config.np is not None and config.np < 1:
@@ -855,6 +858,10 @@ class HostsEngine:
                     print(f"dlrun: warning: {warning}", file=sys.stderr)
                     warned.append(warning)
                 self.warnings = tuple(warned)
+                if config.bench and config.attempt == 0:  # a restart does not measure again
+                    from dlrun.topo.benchrun import check_bench
+
+                    check_bench(transport, used_hosts, reports, config.bench, config.iface)
             plan = job_plan(config, inventory, job_id, addresses)
             if ports_asked:
                 free = {name: a.free_ports for name, a in answers.items()
@@ -883,6 +890,7 @@ class HostsEngine:
     def regroup(self, config: LaunchConfig, failed: RunResult) -> str | None:
         """After a failed attempt: the hosts it lost are reconnected (and probed) by the next
         ``place``, or with ``--min-hosts`` left out while enough remain. None: go on; else why not."""
+        self.failed_at = failed.stopped_at  # copies modified since then may be half written
         lost = [h for h in self.inventory.hosts if h.name in failed.lost_hosts]
         if not lost:
             return None
@@ -951,6 +959,12 @@ class HostsEngine:
                 agents = self.rejoin(config)
         with ExitStack() as stack:
             plan = job_plan(config, self.inventory, job_id, self.addresses, self.ports)
+            synced: tuple[str, ...] = ()
+            if config.checkpoint_dirs and not (detached and config.attempt):  # keepers restart on their own
+                synced = self.sync_checkpoints(config, plan.hosts)
+                if not config.attempt:  # before anything starts, as the launch's other first lines
+                    for line in synced:
+                        print(f"dlrun: {line}", file=sys.stderr, flush=True)
             rendezvous: Rendezvous | None = None
             if config.framework == "horovod" and detached:
                 from dlrun.remote.rendezvous import rendezvous_key
@@ -965,29 +979,56 @@ class HostsEngine:
                 rendezvous = stack.enter_context(horovod_rendezvous(plan))
             _, commands = self.render(config, job_id, rendezvous)
             yield Placement(self.transport, commands, agents,
-                            ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None)
+                            ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None,
+                            notes=synced)
+
+    def sync_checkpoints(self, config: LaunchConfig, hosts: Sequence[Host]) -> tuple[str, ...]:
+        """Make each ``--checkpoint-dir`` the same on ``hosts`` (``dlrun.push.checkpoint``); a
+        line per folder with what moved and how long it took."""
+        from dlrun.push.checkpoint import sync_folders
+
+        assert self.transport is not None
+        cwd_for = self.cwd_for or {}
+
+        def cwd_of(host: Host) -> str:
+            return cwd_for.get(host.name) or (os.getcwd() if host.is_local else host.workdir or "")
+
+        done = sync_folders(self.transport, hosts, cwd_of, config.checkpoint_dirs,
+                            failed_at=self.failed_at if config.attempt else None,
+                            addresses=self.addresses if len(hosts) > 1 else None)
+        return tuple(d.line() for d in done)
 
 
 RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts' ports settle; keeper's too)
 
 
-def restart_policy(config: LaunchConfig) -> dict[str, int | None]:
-    """The ``--dry-run --json`` document's ``restarts`` field."""
-    return {"max_restarts": config.max_restarts, "min_hosts": config.min_hosts}
+def restart_policy(config: LaunchConfig) -> dict[str, int | list[str] | None]:
+    """The ``--dry-run --json`` document's ``restarts`` field (``checkpoint_dirs`` when given)."""
+    policy: dict[str, int | list[str] | None] = {"max_restarts": config.max_restarts, "min_hosts": config.min_hosts}
+    if config.checkpoint_dirs:
+        policy["checkpoint_dirs"] = list(config.checkpoint_dirs)
+    return policy
 
 
 def restart_policy_text(config: LaunchConfig) -> str:
     """The restart policy, as ``--dry-run`` shows it."""
+    folders = (f"\ncheckpoints: {', '.join(config.checkpoint_dirs)} made the same on every host before every"
+               " attempt (per file, the newest copy written before a failure wins)" if config.checkpoint_dirs else "")
     if not config.max_restarts:
-        return "restarts: none (a failed job ends; --max-restarts N runs it again)"
+        return "restarts: none (a failed job ends; --max-restarts N runs it again)" + folders
     hosts = ("after a lost host, on the hosts left while at least "
              f"{config.min_hosts} remain (--min-hosts)" if config.min_hosts is not None
              else "always on the same hosts (a lost host is reconnected)")
     return (f"restarts: up to {config.max_restarts} after a failed rank or a lost host (not after Ctrl-C or"
-            f" SIGTERM), {hosts}")
+            f" SIGTERM), {hosts}{folders}")
 
 
 def check_restart_options(config: LaunchConfig) -> None:
+    if config.checkpoint_dirs:
+        from dlrun.push.checkpoint import check_folder
+
+        for folder in config.checkpoint_dirs:
+            check_folder(folder)
     if config.max_restarts < 0:
         raise UsageError(f"--max-restarts must be at least 0, not {config.max_restarts}")
     if config.min_hosts is not None:
@@ -1121,8 +1162,10 @@ def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, log_
             warn_replaced_env(config, placement.commands)
         else:
             hosts = len({c.host_name for c in placement.commands})
+            notes = "".join(f"; {note}" for note in placement.notes)
             view.notice(f"attempt {config.attempt + 1} of {config.max_restarts + 1} (restart {config.attempt},"
-                        f" job {job_id}): {len(placement.commands)} ranks on {hosts} host{'s' if hosts != 1 else ''}")
+                        f" job {job_id}): {len(placement.commands)} ranks on {hosts} host{'s' if hosts != 1 else ''}"
+                        f"{notes}")
         supervisor = Supervisor(
             placement.transport,
             placement.commands,

@@ -43,7 +43,7 @@ from typing import IO, Any, Protocol
 from dlrun.errors import DlrunError
 from dlrun.plan import DEFAULT_HOST_TIMEOUT, heartbeat_interval
 from dlrun.remote import agent
-from dlrun.remote.ranklines import (
+from dlrun.remote.rankpolicy import (
     MAX_LINE,
     TAIL_LINES,
     TRACEBACK_START,
@@ -51,6 +51,7 @@ from dlrun.remote.ranklines import (
     TracebackCatcher,
     early_exit_hint,
     error_file_lines,
+    job_exit_code,
 )
 from dlrun.render import WorkerCommand
 from dlrun.run.agents import HostAgents, HostLink, close_aside, encode_message, with_agent_words
@@ -146,6 +147,7 @@ class Supervisor:
         self.stopping = False
         self.stop_deadline: float | None = None
         self.root_cause: int | None = None
+        self.stopped_at: float | None = None  # wall clock when dlrun began stopping the ranks
         self.finished_before: tuple[tuple[int, str], ...] = ()  # ranks that exited 0 before the root cause
         self.lost_host: str | None = None
         self.interrupted_by: int | None = None
@@ -461,6 +463,8 @@ class Supervisor:
 
     def _stop_all(self, grace: float, *, kill: bool = False) -> None:
         self.stopping = True
+        if self.stopped_at is None:
+            self.stopped_at = time.time()
         message = encode_message({"op": "kill"} if kill else {"op": "stop", "grace": grace})
         for link in self.links.values():
             if link.channel is not None and not link.closed:
@@ -501,23 +505,18 @@ class Supervisor:
             root = results[self.root_cause]
             hint = early_exit_hint(root.rank, [*root.exception, *root.error_file, *root.tail], self.finished_before)
             root = results[self.root_cause] = replace(root, hint=tuple(hint))
-        if root is not None:
-            exit_code = root.exit_code if root.exit_code else 1
-        elif self.interrupted_by is not None:
-            exit_code = 128 + self.interrupted_by
-        elif all(r.exit_code == 0 for r in results):
-            exit_code = 0
-        elif self.ends_job is not None:
-            # the job's end was decided by the ranks that end it (tf-ps chief)
-            enders = [r for r, c in zip(results, self.ranks.values(), strict=True) if self.ends_job(c.command)]
-            exit_code = next((r.exit_code or 0 for r in enders), 0)
-        else:
-            exit_code = next((r.exit_code for r in results if r.exit_code), 1) or 1
+        enders = None
+        if self.ends_job is not None:  # tf-ps: the job's end was decided by the ranks that end it
+            enders = [r.exit_code for r, c in zip(results, self.ranks.values(), strict=True)
+                      if self.ends_job(c.command)]
+        exit_code = job_exit_code(None if root is None else root.exit_code, self.interrupted_by,
+                                  [r.exit_code for r in results], enders)
         return RunResult(
             ranks=tuple(results),
             exit_code=exit_code,
             root_cause=root,
             interrupted_by=self.interrupted_by,
+            stopped_at=self.stopped_at,
             log_dir=self.log_dir,
             commands=tuple(r.command for r in self.ranks.values()),
             job_id=self._job_id(),

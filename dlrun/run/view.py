@@ -18,16 +18,13 @@ import shlex
 import sys
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
 from dlrun.render import WorkerCommand, mask_argv, printable
 from dlrun.run.gpus import GpuSample, PlainThrottle, plain_line
 from dlrun.run.gpus import summary_lines as gpu_lines
 from dlrun.run.result import Attempt, RankState, RunResult
 from dlrun.run.rootcause import signal_text
-
-if TYPE_CHECKING:  # rich is imported only for the live view (~40 ms a job otherwise)
-    from dlrun.run.screen import ScreenFeed
 
 
 def duration_text(seconds: float | None) -> str:
@@ -171,24 +168,3 @@ class PlainView:
         for text in [*root_cause_lines(result, self.commands), *summary_lines(result)]:
             self.out.write(text + "\n")
         self.out.flush()
-
-
-
-def make_view(ranks: Collection[int] | None = None, *, force_plain: bool = False,
-              lossless_plain: bool = False) -> ScreenFeed:
-    """A LiveView on a terminal, a PlainView otherwise, each drawn on its own clock
-    (``dlrun.run.screen``): what a rank prints never holds back the supervisor.
-    ``lossless_plain``: plain lines wait for the screen rather than being dropped (``attach``
-    into a pipe: its lines are the record there)."""
-    from dlrun.run.screen import LIVE_RATE, LIVE_WAITING, ScreenFeed
-
-    if force_plain or not sys.stdout.isatty():
-        return ScreenFeed(PlainView(sys.stdout, ranks), lossless=lossless_plain)
-    from rich.console import Console
-
-    from dlrun.run.live import LiveView
-
-    console = Console()
-    if console.is_terminal:
-        return ScreenFeed(LiveView(console, ranks), rate=LIVE_RATE, max_lines=LIVE_WAITING)
-    return ScreenFeed(PlainView(sys.stdout, ranks), lossless=lossless_plain)

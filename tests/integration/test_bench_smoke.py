@@ -50,3 +50,11 @@ def test_push_bench_smoke() -> None:
     for case in ("first push", "no-change re-push"):
         for tool in ("dlrun", "dlrun-cli", "rsync"):
             assert re.search(rf"^\| {case} \| {tool} \| \d+\.\d+ \| \d+\.\d+x \|", out, re.M), out
+
+
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="no rsync here (.ci/run installs it)")
+def test_pull_bench_smoke() -> None:
+    out = bench("pull.py", "--runs", "1", "--files", "4", "--mb", "1")
+    for case in ("first pull", "no-change re-pull"):
+        for tool in ("dlrun", "dlrun-cli", "rsync"):
+            assert re.search(rf"^\| {case} \| {tool} \| \d+\.\d+ \| \d+\.\d+x \|", out, re.M), out

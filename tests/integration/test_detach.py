@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, example, hosts_toml, roles_toml, run_dlrun, shared_script
+from conftest import REPO, dlrun_argv, example, hosts_toml, roles_toml, run_dlrun, shared_script, wait_until
+from support.procs import agents_of
 from support.scripts import TORCH_LABELS
 from support.sshd_cluster import TEST_USER_HOME, wait_job_processes_gone
 
@@ -321,7 +322,8 @@ def test_a_detached_tf_ps_job_ends_with_its_chief_and_stops_the_servers(cluster,
 # rank 1 writes 70,000 numbered lines, then raises
 LONG_LOG = """
 import os, sys, time
-time.sleep(4)  # the launch returns first
+while not os.path.exists(sys.argv[1]):  # the test says go once the launch has returned
+    time.sleep(0.1)
 if os.environ["DLRUN_RANK"] == "1":
     out = sys.stdout
     for i in range(70000):
@@ -352,7 +354,9 @@ def test_a_detached_torch_failure_names_the_exception_behind_the_rank_prefix(  #
 def test_every_line_of_a_long_detached_log_is_shown_and_deleted_only_after(  # type: ignore[no-untyped-def]
         cluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "long_log.py", LONG_LOG)
-    job = detach(cluster, tmp_path, script)
+    go = cluster.scripts / f"go-{tmp_path.name}"
+    job = detach(cluster, tmp_path, script, str(go))
+    go.write_text("")
     attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=180)
     assert attached.returncode == 1, attached.stdout[-3000:] + attached.stderr
     numbers = re.findall(r"^\[1 host1\] line (\d{5}) of rank 1", attached.stdout, re.M)
@@ -375,7 +379,8 @@ def test_a_rank_that_exits_0_on_sigterm_is_stopped_not_succeeded(cluster, tmp_pa
         "print('ready', flush=True)\n"
         "time.sleep(600)\n"))
     job = detach(cluster, tmp_path, script)
-    time.sleep(2)
+    assert wait_until(lambda: run_dlrun("logs", job, *common(cluster, tmp_path), cwd=tmp_path,
+                                        timeout=60).stdout.count("] ready") == 2, timeout=60)  # handlers are set
     stopped = run_dlrun("stop", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
     assert stopped.returncode == 143, stopped.stdout + stopped.stderr
     assert re.search(r"^\s+0\s+host0\s+0\s+stopped$", stopped.stdout, re.M), stopped.stdout
@@ -445,7 +450,7 @@ def test_a_full_disk_drops_log_lines_and_the_job_goes_on(cluster, tmp_path: Path
         script = shared_script(cluster, "chatty.py", (
             "import sys, time\n"
             "time.sleep(3)  # every keeper is up before the disk fills\n"
-            "for i in range(100000):\n"
+            "for i in range(150000):\n"
             "    sys.stdout.write(f'line {i} ' + 'y' * 60 + '\\n')\n"
             "print('done', flush=True)\n"))
         job = detach(cluster, tmp_path, script)
@@ -455,9 +460,31 @@ def test_a_full_disk_drops_log_lines_and_the_job_goes_on(cluster, tmp_path: Path
         assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr + keeper_logs
         listed = run_dlrun("ps", *common(cluster, tmp_path), cwd=tmp_path, timeout=60)
         assert re.search(rf"^{job}\s+succeeded\s", listed.stdout, re.M), listed.stdout
-        result = json.loads((host_folder(job, "host0") / "result.json").read_text())
-        assert any(note.startswith("disk full on host") for note in result["notes"]), result["notes"]
+        for host in ("host0", "host1"):  # the reserve kept room for every host's result
+            result = json.loads((host_folder(job, host) / "result.json").read_text())
+            assert result["state"] == "succeeded"
+            assert any(note.startswith("disk full on host") for note in result["notes"]), result["notes"]
+            assert any("log lines dropped (disk full)" in note for note in result["notes"]), result["notes"]
+        for log in (TEST_USER_HOME / ".dlrun" / "jobs" / job).glob("host-*/attempt-0/rank-*.log"):
+            lines = log.read_bytes().splitlines()  # what was written is whole lines, none garbled
+            assert all(re.fullmatch(rb"line \d+ y{60}|done", line) for line in lines), log
         assert "disk full on host" in attached.stdout, attached.stdout[-2000:]
         nothing_left(job)
     finally:
         subprocess.run(["umount", "-l", str(jobs_dir)], check=False)
+
+
+def test_a_killed_agent_of_a_detached_job_without_a_pid_namespace_is_a_lost_host(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path) -> None:
+    script = shared_script(cluster, "sleeper.py", SLEEPER)
+    out = run_dlrun("launch", "--detach", "--no-pidns", "--framework", "none", "--grace", "2",
+                    *common(cluster, tmp_path), str(script), cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1]
+    assert wait_until(lambda: len(agents_of(job)) == 2, timeout=30), agents_of(job)
+    os.kill(agents_of(job)[0], signal.SIGKILL)
+    attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
+    assert attached.returncode == 255, attached.stdout + attached.stderr
+    assert "was killed by SIGKILL" in attached.stdout, attached.stdout  # the guardian's words, as attached
+    assert re.search(r"^\s+\d\s+host\d\s+255\s+lost\b", attached.stdout, re.M), attached.stdout
+    nothing_left(job)

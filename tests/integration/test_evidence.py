@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script, start_ssh_job
+from support.procs import agents_of
 from support.scripts import TORCH_LABELS
 from support.sshd_cluster import count_job_processes, wait_job_processes_gone
 
@@ -158,23 +159,3 @@ def test_peers_that_left_early_are_named_as_the_likely_cause(tmp_path: Path) -> 
     cause = root_cause(out.stdout)
     assert "hint: rank 0 (localhost) exited 0 while the others still ran, and rank 1 then lost" in cause, cause
     assert "a resume checkpoint that only some hosts have" in cause
-
-
-def agents_of(job_id: str) -> list[int]:
-    """The job's agents: the parents of its ranks, each the child of a ``dlrun-guard``."""
-    parents = {parent(pid) for pid in count_job_processes(job_id)}
-    return sorted(pid for pid in parents if comm(pid) != "dlrun-guard" and comm(parent(pid)) == "dlrun-guard")
-
-
-def comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
-def parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0

@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "dlrun"
 #: Pure modules: functions over frozen dataclasses, no process, network or live terminal.
 PURE = ("inventory.py", "plan.py", "render.py", "command.py",
         "topo/records.py", "topo/parse.py", "topo/findings.py", "topo/report.py",
+        "topo/expect.py", "topo/bench.py",
         "push/tree.py", "push/shard.py", "run/gpus.py", "run/rootcause.py", "run/result.py")
 PURE_MAY_NOT = ("dlrun.transport", "subprocess", "socket", "paramiko", "rich.live", "multiprocessing", "asyncio")
 
@@ -52,7 +53,8 @@ def test_the_listed_pure_modules_exist() -> None:
 
 @pytest.mark.parametrize("path", [p for p in modules() if rel(p).startswith("remote/")], ids=rel)
 def test_remote_programs_use_only_the_standard_library(path: Path) -> None:
-    job_framework = {"tf_server.py": {"tensorflow"}}.get(path.name, set())  # it serves a TF job: TF is there
+    # tf_server serves a TF job: TF is there; the bench measures torch where torch is installed
+    job_framework = {"tf_server.py": {"tensorflow"}, "bench.py": {"torch"}}.get(path.name, set())
     outside = {n.split(".")[0] for n in imports_of(path)} - set(sys.stdlib_module_names) - {"__future__"}
     outside -= job_framework
     assert not outside, f"{rel(path)} imports {outside}: it runs on hosts that have only Python"
