@@ -84,6 +84,7 @@ def launch(
     grace: float = 10.0,
     ranks: Sequence[int] | None = None,
     env: Mapping[str, str] | None = None,
+    env_file: str | Path | Sequence[str | Path] = (),
     iface: str | None = None,
     plain: bool = False,
     pidns: bool = True,
@@ -116,6 +117,7 @@ def launch(
     transport: str = "auto",
     view: View | None = None,
     detach: bool = False,
+    insecure_workdir: bool = False,
     module: bool = False,
     no_python: bool = False,
     checkpoint_dir: Sequence[str] = (),
@@ -139,8 +141,12 @@ def launch(
     preflight, run ``dlrun topo --bench`` for about ``bench_seconds`` and stop on its error findings.
     ``hang_timeout``: when no rank wrote anything and no GPU was busy for that many seconds, take
     every rank's stack, name the odd one as the root cause and stop the job (exit code 124; 0: never).
+    ``insecure_workdir``: push and run even where another user owns, or may write, a host's
+    workdir or project folder. ``env_file``: files of ``NAME=VALUE`` lines that only their owner
+    can read (``--env-file``); ``env`` wins over them.
     """
     from dlrun.run.launch import LaunchConfig, run_job
+    from dlrun.userenv import rank_env
 
     if str(script).startswith("-"):  # an option dlrun lacks would run as the command on every rank
         raise UsageError(f"{script}: a script or command never starts with '-'",
@@ -159,6 +165,7 @@ def launch(
         raise UsageError("--hang-timeout takes seconds, 0 (off) or more")
     if gpu_every < 0 or gpu_idle_after < 0:
         raise UsageError("--gpu-every and --gpu-idle-after take seconds, 0 or more")
+    env = rank_env(env, [env_file] if isinstance(env_file, (str, Path)) else env_file)
     config = LaunchConfig(
         script=str(script), args=tuple(str(a) for a in args), hosts=hosts, np=np, base_port=base_port,
         framework=framework, dry_run=dry_run, json_output=json_output, log_dir=log_dir, grace=grace,
@@ -168,6 +175,7 @@ def launch(
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
         min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
         gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach, module=module, no_python=no_python,
+        insecure_workdir=insecure_workdir,
         checkpoint_dirs=tuple(checkpoint_dir), hang_timeout=hang_timeout,
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
                         connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport),
@@ -272,6 +280,7 @@ def push(
     delete: bool = True,
     max_push_size: str | None = None,
     dry_run: bool = False,
+    insecure_workdir: bool = False,
     live: bool | None = None,
     summary: bool = True,
     ssh_config: str | None = None,
@@ -313,6 +322,7 @@ def push(
                 file_progress=view.files,
                 limit=limit,
                 dry_run=dry_run,
+                insecure_workdir=insecure_workdir,
             )
             if summary:
                 view.finish(summaries)

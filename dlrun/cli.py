@@ -40,7 +40,9 @@ def _reports_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except DlrunError as exc:
-            click.echo(f"dlrun: error: {exc}", err=True)
+            from dlrun.render import printable  # a name from a file or a host cannot drive the terminal
+
+            click.echo(f"dlrun: error: {chr(10).join(printable(line) for line in str(exc).split(chr(10)))}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("dlrun: interrupted", err=True)
@@ -115,6 +117,16 @@ def options(*decorators: Callable[[F], F]) -> Callable[[F], F]:
 
 def _env_option(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
     return _parse_env(value, f"--{param.name}")
+
+
+def _rank_env_option(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
+    """``-e NAME=VALUE`` or ``-e NAME`` (this process's value: no secret on dlrun's command line)."""
+    from dlrun.userenv import parse_env_args
+
+    try:
+        return parse_env_args(value)
+    except DlrunError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _ranks_option(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
@@ -243,7 +255,10 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool],
 @option("Job", "--framework", type=click.Choice((AUTO, *FRAMEWORKS)), default=AUTO, show_default=True,
         help="The rank contract; auto: from the script's imports (never run), both tf and torch when"
         " they name none. tf-ps is never guessed.")
-@option("Job", "--env", "-e", multiple=True, callback=_env_option, help="NAME=VALUE for every rank (repeatable).")
+@option("Job", "--env", "-e", multiple=True, callback=_rank_env_option, metavar="NAME[=VALUE]",
+        help="NAME=VALUE for every rank, or NAME: its value here, kept off the command line (repeatable).")
+@option("Job", "--env-file", multiple=True, type=click.Path(dir_okay=False), metavar="FILE",
+        help="NAME=VALUE lines for every rank (repeatable; -e wins). Only you may read the file (chmod 600).")
 @option("Job", "--base-port", type=click.IntRange(1, 65535),
         help=f"Port of local rank 0 (default {DEFAULT_BASE_PORT}; on this machine alone, the first free run "
         "of ports from there, so that jobs side by side do not collide).")
@@ -295,6 +310,8 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool],
 @option("Push", "--setup", metavar="CMD",
         help="Run `sh -c CMD` on every host in the pushed folder before any rank (overrides the"
         " inventory's setup); again only when CMD or the pushed files changed.")
+@option("Push", "--insecure-workdir", is_flag=True,
+        help="Push and run even where another user owns, or may write, the workdir or project folder on a host.")
 @option("Push", "--setup-always", is_flag=True, help="Run the setup even when nothing changed since its last success.")
 @data_options
 @spark_options
@@ -319,7 +336,8 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
                    "--push (not --no-push)")
     _refuse_unused({"--data": "data", "--shard": "shard", "--split-lines": "split_lines", "--push/--no-push": "push",
                     "--code": "code", "--max-push-size": "max_push_size", "--setup": "setup",
-                    "--setup-always": "setup_always", "--base-port": "base_port", "--no-preflight": "preflight",
+                    "--setup-always": "setup_always", "--insecure-workdir": "insecure_workdir",
+                    "--base-port": "base_port", "--no-preflight": "preflight",
                     "--bench": "bench", "--bench-seconds": "bench_seconds", "--module": "module",
                     "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
@@ -422,6 +440,8 @@ def init(directory: str, framework: str, force: bool) -> None:
 @option("Push", "--no-delete", "delete", is_flag=True, flag_value=False, default=True,
         help="Keep remote code files that were deleted locally (a data shard always drops what left it).")
 @max_push_size_option
+@option("Push", "--insecure-workdir", is_flag=True,
+        help="Push and run even where another user owns, or may write, the workdir or project folder on a host.")
 @option("Output", "--dry-run", is_flag=True, help="Show per host what would be sent and deleted; write nothing.")
 @option("Output", "--json", "json_output", is_flag=True, help="Print the per-host summary as JSON.")
 @ssh_options

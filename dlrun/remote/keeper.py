@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 import types
-from typing import Any, Tuple
+from typing import Any, Callable, Tuple
 
 #: The agent's frames (``dlrun.remote.agent``: each host program is shipped alone, imports none).
 HEADER = struct.Struct(">BiI")
@@ -36,9 +36,11 @@ STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, GPU, STACKS, FILE = 2, 3, 4, 5, 6, 7
 #: ``gpu.csv``'s columns, as the attached supervisor writes them (``dlrun.run.gpus.CSV_COLUMNS``)
 GPU_COLUMNS = "time,host,gpu,util,mem_used_mib,mem_total_mib,power_w,temp_c"
 RECORD_LINE = 4000  # characters of one tail line kept in the job's records
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 10.0  # a follower's wait for the leader's welcome, per try
+AUTH_TIMEOUT = 1.0  # a stranger at the leader's door must be through TLS and the token by then, in all
 CONNECT_TIMEOUT = 30.0  # a follower's tries to reach the leader
-MAX_GREETINGS = 16  # TLS handshakes the leader runs at once (each a thread, HANDSHAKE_TIMEOUT at most)
+MAX_GREETINGS = 64  # unauthenticated connections the leader holds at once (each a thread, AUTH_TIMEOUT at most)
+MAX_GREETINGS_PER_SOURCE = 8  # of them from one address: one flooding neighbour cannot take every slot
 RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts' ports settle)
 STOP_MARGIN = 15.0  # past the grace, an agent that has not reported is killed
 INDEX_EVERY = 1.0  # seconds between two lines of a rank log's time index
@@ -48,6 +50,7 @@ HANG_EXIT = 124  # --hang-timeout stopped the job (dlrun.run.hang.HANG_EXIT)
 HANG_ANSWER = 60.0  # seconds every host has to send its stacks once the job hangs
 DUMP_WAIT = 2.0  # seconds faulthandler's and the flight recorder's dumps get before the stop
 BUSY_UTIL = 5.0  # a GPU at this utilization or above is working (dlrun.run.hang.BUSY_UTIL)
+RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 
 Event = Tuple[Any, ...]
 
@@ -67,12 +70,16 @@ def gpu_rows(when: float, host: str, text: str) -> str:
 
 def fill_rendezvous_port(specs: list[dict[str, Any]], port: int) -> None:
     """Horovod: every attempt's ranks get the port of the leader keeper's rendezvous server
-    (the client rendered them before it was bound)."""
+    (the client rendered them before it was bound), in the port variable and in the address
+    ``host:port/key`` (``dlrun.remote.rendezvous.client_address``)."""
     for spec in specs:
         for rank in spec["ranks"]:
             env = rank.get("env") or {}
             if RENDEZVOUS_PORT in env:
                 env[RENDEZVOUS_PORT] = str(port)
+            host, colon, rest = str(env.get(RENDEZVOUS_ADDR, "")).partition(":")
+            if colon and "/" in rest:
+                env[RENDEZVOUS_ADDR] = f"{host}:{port}/{rest.partition('/')[2]}"
 
 
 def load_module(source: str, name: str) -> Any:
@@ -254,6 +261,79 @@ def read_line(sock: ssl.SSLSocket, limit: int = 65536) -> tuple[bytes, bytes]:
     return line, rest
 
 
+class Door:
+    """The leader's listening socket, against strangers (any local user sees its port in
+    ``/proc/net/tcp``): each connection must finish TLS and show the job's token within
+    ``AUTH_TIMEOUT`` in all, or it is closed; at most ``MAX_GREETINGS`` wait at once, and
+    ``MAX_GREETINGS_PER_SOURCE`` from one address. A keeper it lets in is sent ``welcome``
+    (a follower that is not welcomed tries again)."""
+
+    def __init__(self, token_ok: Callable[[str], bool]) -> None:
+        self.token_ok = token_ok
+        self.lock = threading.Lock()
+        self.waiting: dict[str, int] = {}  # source address -> connections not yet through
+
+    def serve(self, listener: socket.socket, context: ssl.SSLContext,
+              joined: Callable[[ssl.SSLSocket, dict[str, Any], bytes], None]) -> None:
+        while True:
+            try:
+                raw, source = listener.accept()
+            except OSError:
+                return
+            where = str(source[0])
+            with self.lock:
+                full = (sum(self.waiting.values()) >= MAX_GREETINGS
+                        or self.waiting.get(where, 0) >= MAX_GREETINGS_PER_SOURCE)
+                if not full:
+                    self.waiting[where] = self.waiting.get(where, 0) + 1
+            if full:  # a flood: no thread each, closed at once
+                raw.close()
+                continue
+            threading.Thread(target=self.greet, args=(raw, where, context, joined), daemon=True).start()
+
+    def greet(self, raw: socket.socket, where: str, context: ssl.SSLContext,
+              joined: Callable[[ssl.SSLSocket, dict[str, Any], bytes], None]) -> None:
+        try:
+            self.welcome(raw, context, joined)
+        finally:
+            with self.lock:
+                self.waiting[where] -= 1
+                if not self.waiting[where]:
+                    del self.waiting[where]
+
+    def welcome(self, raw: socket.socket, context: ssl.SSLContext,
+                joined: Callable[[ssl.SSLSocket, dict[str, Any], bytes], None]) -> None:
+        """One stranger: TLS, then the token within ``AUTH_TIMEOUT``; ``joined`` if it is in."""
+        through = threading.Event()
+
+        def expire() -> None:  # the whole greeting, not each read: a trickle is no way around it
+            if not through.is_set():
+                try:
+                    raw.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        timer = threading.Timer(AUTH_TIMEOUT, expire)
+        timer.daemon = True
+        timer.start()
+        sock = None
+        try:
+            raw.settimeout(AUTH_TIMEOUT)
+            sock = context.wrap_socket(raw, server_side=True)
+            line, rest = read_line(sock, limit=4096)
+            hello = json.loads(line)
+            if not isinstance(hello, dict) or not self.token_ok(str(hello.get("token", ""))):
+                raise ValueError("a wrong token")
+            through.set()
+            sock.sendall(b'{"op": "welcome"}\n')
+        except (OSError, ValueError, AttributeError):
+            (sock or raw).close()
+            return
+        finally:
+            timer.cancel()
+        joined(sock, hello, rest)
+
+
 class Keeper:
     def __init__(self, config: dict[str, Any], jobdir: str, listener: socket.socket | None,
                  context: ssl.SSLContext | None, rendezvous: Any = None) -> None:
@@ -275,7 +355,7 @@ class Keeper:
         self.enders = {int(r) for r in config.get("enders") or []}  # tf-ps: the chief's rank
         self.events: queue.Queue[Event] = queue.Queue()
         self.signals: list[int] = []
-        self.greeting = threading.BoundedSemaphore(MAX_GREETINGS)  # TLS handshakes in progress
+        self.door = Door(self.token_ok)  # the leader's strangers: TLS and the token, within AUTH_TIMEOUT
         self.peers: dict[str, Peer] = {}
         self.leader_peer: Peer | None = None
         self.logs: dict[int, Any] = {}
@@ -796,40 +876,21 @@ class Keeper:
         self.record()
 
     # ---------------------------------------------------------------- the network
+    def token_ok(self, token: str) -> bool:
+        return hmac.compare_digest(token.encode(), str(self.config["token"]).encode())
+
     def accept(self) -> None:
         listener = self.listener
         assert listener is not None and self.context is not None
-        while True:
-            try:
-                raw, _ = listener.accept()
-            except OSError:
-                return
-            if not self.greeting.acquire(blocking=False):  # a flood of strangers: no thread each
-                raw.close()
-                continue
-            threading.Thread(target=self.greet, args=(raw,), daemon=True).start()
-
-    def greet(self, raw: socket.socket) -> None:
-        try:
-            self.welcome(raw)
-        finally:
-            self.greeting.release()
+        self.door.serve(listener, self.context, self.joined)
 
     def welcome(self, raw: socket.socket) -> None:
+        """One connection at the door (``Door.welcome``): a peer once through."""
         assert self.context is not None
-        try:
-            raw.settimeout(HANDSHAKE_TIMEOUT)
-            sock = self.context.wrap_socket(raw, server_side=True)
-            line, rest = read_line(sock)
-            hello = json.loads(line)
-            token = str(hello.get("token", ""))
-            if not hmac.compare_digest(token.encode(), str(self.config["token"]).encode()):
-                sock.close()
-                return
-            sock.settimeout(self.host_timeout or None)  # a send to a peer that stopped reading fails
-        except (OSError, ValueError, AttributeError):
-            raw.close()
-            return
+        self.door.welcome(raw, self.context, self.joined)
+
+    def joined(self, sock: ssl.SSLSocket, hello: dict[str, Any], rest: bytes) -> None:
+        sock.settimeout(self.host_timeout or None)  # a send to a peer that stopped reading fails
         peer = Peer(sock, str(hello.get("host", "")))
         self.events.put(("joined", peer))
         peer.read_into(self.events, rest)
@@ -843,6 +904,9 @@ class Keeper:
                 raw = socket.create_connection((address, int(port)), timeout=HANDSHAKE_TIMEOUT)
                 sock = context.wrap_socket(raw)
                 sock.sendall(json.dumps({"token": self.config["token"], "host": self.host}).encode() + b"\n")
+                line, rest = read_line(sock)  # in only once welcomed (the door may have closed on us: again)
+                if json.loads(line).get("op") != "welcome":
+                    raise OSError("the leader keeper did not welcome this keeper")
                 sock.settimeout(self.host_timeout or None)  # a leader that stops reading is lost, not a hang
                 break
             except OSError as exc:
@@ -850,7 +914,7 @@ class Keeper:
                     raise OSError(f"cannot reach the leader keeper at {address}:{port}: {exc}") from exc
                 time.sleep(0.5)
         self.leader_peer = Peer(sock, "leader")
-        threading.Thread(target=self.leader_peer.read_into, args=(self.events,), daemon=True).start()
+        threading.Thread(target=self.leader_peer.read_into, args=(self.events, rest), daemon=True).start()
         for text in self.notes:  # said before it could reach the leader
             self.leader_peer.send({"op": "note", "text": text})
 
@@ -1184,6 +1248,26 @@ def stay(jobdir: str, answer: dict[str, Any], port: int) -> None:
     os.close(log)
 
 
+def bindable(address: str) -> str:
+    """``address`` if this host holds it (the one the peers use), else every interface (a NAT
+    or a forwarded port: the peers' address is not the host's own; the token still guards)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+        return address
+    except OSError:
+        return "0.0.0.0"
+
+
+def listen_at(address: str, port: int) -> socket.socket:
+    """The leader's door, on the address the followers reach this host at (not every interface)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((bindable(address), port))
+    listener.listen(64)
+    return listener
+
+
 def main() -> None:
     config = read_config()
     job_id = str(config["job_id"])
@@ -1202,14 +1286,14 @@ def main() -> None:
     if config["leader"]:
         context = server_context(str(config["cert_pem"]), str(config["key_pem"]))
         config["key_pem"] = ""
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("0.0.0.0", int(config.get("port") or 0)))
-        listener.listen(64)
+        listener = listen_at(str(config.get("bind") or "0.0.0.0"), int(config.get("port") or 0))
         port = listener.getsockname()[1]
         if config.get("rendezvous"):  # Horovod: the job's gloo rendezvous, for the job's lifetime
             module = load_rendezvous(str(config["rendezvous"]["source"]))
-            rendezvous = module.RendezvousServer(config["rendezvous"]["scopes"], host="0.0.0.0")
+            # the address the ranks use, with the key of the job's token (every request shows it)
+            rendezvous = module.RendezvousServer(
+                config["rendezvous"]["scopes"], host=bindable(str(config["rendezvous"].get("host") or "0.0.0.0")),
+                key=module.rendezvous_key(str(config["token"])))
             try:
                 answer["rendezvous_port"] = rendezvous.bind()[1]
             except module.RendezvousServerError as exc:

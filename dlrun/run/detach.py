@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import secrets
 import shlex
 import sys
 import threading
@@ -27,7 +26,7 @@ from dlrun.inventory import Host
 from dlrun.plan import RankSpec
 from dlrun.remote import boot_argv, boot_payload, keeper, source_of
 from dlrun.remote.rendezvous import scope_sizes
-from dlrun.render import WorkerCommand
+from dlrun.render import WorkerCommand, mask_argv, mask_text, printable
 from dlrun.run.agents import agent_argv
 from dlrun.run.gpus import GpuStats, IdleWatch, parse_csv
 from dlrun.run.result import RankResult, RankState, RunResult
@@ -124,12 +123,12 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
         if name == leader:
             config["key_pem"] = key_pem
             config["world"] = {str(c.rank): c.host_name for c in commands}
-            config["argv"] = {str(c.rank): list(c.argv) for c in commands}
+            config["argv"] = {str(c.rank): mask_argv(c.argv) for c in commands}  # shown and stored: masked
             config["followers"] = names[1:]
             config["enders"] = [c.rank for c in commands if ends_job is not None and ends_job(c)]
             if rendezvous_source is not None:
-                config["rendezvous"] = {"source": rendezvous_source, "scopes": scope_sizes(
-                    [(c.spec.address, c.spec.local_rank) for c in commands])}
+                config["rendezvous"] = {"source": rendezvous_source, "host": commands[0].spec.address,
+                                        "scopes": scope_sizes([(c.spec.address, c.spec.local_rank) for c in commands])}
         configs[name] = config
     return configs
 
@@ -289,8 +288,8 @@ def ps_lines(records: Sequence[JobRecord], now: float) -> list[str]:
     lines = [f"{'job':<{width}}  {'state':<10}  {'ranks':>5}  {'age':>5}  {'exit':>4}  script"]
     for r in records:
         code = "" if r.exit_code is None else str(r.exit_code)
-        lines.append(f"{r.job_id:<{width}}  {r.state:<10}  {r.ranks:>5}  {age_text(now - r.started_at):>5}"
-                     f"  {code:>4}  {r.script}")
+        lines.append(f"{printable(r.job_id):<{width}}  {printable(r.state):<10}  {r.ranks:>5}"
+                     f"  {age_text(now - r.started_at):>5}  {code:>4}  {printable(mask_text(r.script))}")
     return lines
 
 
@@ -335,9 +334,9 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
     hosts = {c.host_name: c.spec.host for c in placement.commands}
     configs = keeper_configs(
         job_id, attempts, agent_argv_of=lambda h: agent_argv(default_python(h), pidns=config.pidns),
-        token=secrets.token_hex(32), cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
+        token=engine.job_secret, cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
         host_timeout=config.ssh.host_timeout,
-        script=" ".join(["-m"] * config.module + [config.script, *config.args])[:200],
+        script=" ".join(mask_argv(["-m"] * config.module + [config.script, *config.args]))[:200],
         pidns_source=source_of("agent"), gpu_every=config.gpu_every,
         rendezvous_source=source_of("rendezvous") if config.framework == "horovod" else None,
         ends_job=placement.ends_job, hang=hang_config(config, transport, list(
@@ -347,6 +346,7 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
         configs[name]["stay"] = transport.holds_programs(hosts[name])
     leader = hosts[names[0]]
     address = engine.addresses.get(leader.name, leader.address)
+    configs[names[0]]["bind"] = address  # the leader listens where its followers reach it, not everywhere
     try:
         answer = run_program(transport, leader, "keeper", configs[names[0]], job_id, lasting=True)
         for name in names[1:]:

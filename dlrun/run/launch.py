@@ -53,7 +53,7 @@ from dlrun.plan import (
     make_plan,
 )
 from dlrun.remote.tf_server import server_source
-from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
+from dlrun.render import Rendezvous, WorkerCommand, mask_argv, mask_env, plan_to_json, printable, worker_commands
 from dlrun.run.addresses import facing_address, interfaces_at, local_base_port, reachable_addresses, socket_ifaces
 from dlrun.run.agents import AgentAnswer, HostAgents
 from dlrun.run.engine import Engine, HeldView, Placement
@@ -118,6 +118,7 @@ class LaunchConfig:
     gpu_idle_after: float = 60.0  # --gpu-idle-after: an idle GPU beside a busy one is named after this long
     detected: Detected | None = None  # what --framework auto found in the script (resolve_framework)
     detach: bool = False  # --detach: the hosts' keepers run the job (dlrun.run.detach)
+    insecure_workdir: bool = False  # push and run even where another user owns or may write the folders
     module: bool = False  # -m: script is a Python module, run with each host's python -m in the project
     no_python: bool = False  # --no-python: the command runs exactly as given (no python, Rscript, bash)
     checkpoint_dirs: tuple[str, ...] = ()  # --checkpoint-dir: the same on every host before each attempt
@@ -153,7 +154,7 @@ def say_framework(config: LaunchConfig) -> None:
     """dlrun's first line, for ``--framework auto``: the contract the script's imports chose.
     Said after the usage checks, so that a usage error is the only thing printed."""
     if config.detected is not None:
-        print(f"dlrun: framework {config.detected.framework} ({config.detected.reason})", file=sys.stderr)
+        print(f"dlrun: framework {config.detected.framework} ({printable(config.detected.reason)})", file=sys.stderr)
 
 
 def project_root(config: LaunchConfig) -> Path:
@@ -278,7 +279,7 @@ def render_commands(
     job_id: str,
     addresses: Mapping[str, str] | None = None,
     cwd_for: Mapping[str, str | None] | None = None,
-    rendezvous: tuple[str, int] | None = None,
+    rendezvous: Rendezvous | None = None,
     gpus_for: Mapping[str, Sequence[str]] | None = None,
     found_ifaces: Mapping[str, str] | None = None,
     ports: Mapping[int, int] | None = None,
@@ -476,7 +477,7 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
         with PushView([h.name for h in hosts], live=live) as view:
             summaries = push(transport, hosts, code_dir=None, data_dir=Path(config.data), shard=config.shard,
                              split_lines=config.split_lines, progress=view.progress, file_progress=view.files,
-                             dry_run=dry_run)
+                             dry_run=dry_run, insecure_workdir=config.insecure_workdir)
             view.finish(summaries)
             shown += summaries
         for index, (host, summary) in enumerate(zip(hosts, summaries, strict=True)):
@@ -491,7 +492,8 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
         if pending:
             fresh = push(transport, pending, code_dir=code_dir, progress=view.progress, file_progress=view.files,
                          leave_out=Path(config.data) if config.data else None,  # the data went as shards
-                         log_dir=config.log_dir or DEFAULT_LOG_DIR, limit=push_limit(config), dry_run=dry_run)
+                         log_dir=config.log_dir or DEFAULT_LOG_DIR, limit=push_limit(config), dry_run=dry_run,
+                         insecure_workdir=config.insecure_workdir)
             done.update((s.host, s) for s in fresh)
         view.finish([done[h.name] for h in remote])
     shown += [done[h.name] for h in remote]
@@ -614,34 +616,40 @@ def sharing_hosts(targets: Mapping[str, PushTarget], answers: Mapping[str, Agent
 
 
 @contextmanager
-def horovod_rendezvous(plan: Plan) -> Iterator[tuple[str, int]]:
-    """dlrun's Horovod rendezvous server for this plan, stopped when the job ends."""
+def horovod_rendezvous(plan: Plan) -> Iterator[tuple[str, int, str]]:
+    """dlrun's Horovod rendezvous server for this plan, stopped when the attempt ends; every
+    request must carry a key of this attempt's own (``dlrun.remote.rendezvous``)."""
+    from dlrun.remote.rendezvous import rendezvous_key
     from dlrun.run.rendezvous import RendezvousServer, scope_sizes
 
+    key = rendezvous_key(secrets.token_hex(32))
     server = RendezvousServer(
         scope_sizes([(r.address, r.local_rank) for r in plan.ranks]),
-        host=facing_address([r.address for r in plan.ranks]),
+        host=facing_address([r.address for r in plan.ranks]), key=key,
     )
     with server:
         address = server.address
         assert address is not None
-        yield address
+        yield address[0], address[1], key
 
 
 def dry_run_text(commands: Sequence[WorkerCommand]) -> str:
+    """``--dry-run``'s text: secrets masked (env and the script's arguments), control characters
+    escaped (the argv is JSON, which escapes them itself)."""
     lines = []
     for c in commands:
         s = c.spec
         lines.append(
-            f"rank {s.rank}: host {s.host.name} ({s.address}) local_rank {s.local_rank}/{s.local_size} "
-            f"cross_rank {s.cross_rank}/{s.cross_size} task {s.task_type}:{s.task_index} port {s.port}"
+            f"rank {s.rank}: host {printable(s.host.name)} ({printable(s.address)}) local_rank"
+            f" {s.local_rank}/{s.local_size} cross_rank {s.cross_rank}/{s.cross_size}"
+            f" task {s.task_type}:{s.task_index} port {s.port}"
         )
-        shown = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in c.argv]
+        shown = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in mask_argv(c.argv)]
         lines.append(f"  argv: {json.dumps(shown)}")
         if c.cwd:
-            lines.append(f"  cwd:  {c.cwd}")
+            lines.append(f"  cwd:  {printable(c.cwd)}")
         for name, value in sorted(mask_env(c.env).items()):
-            lines.append(f"  env:  {name}={value}")
+            lines.append(f"  env:  {printable(name)}={printable(value)}")
     return "\n".join(lines)
 
 
@@ -685,6 +693,26 @@ def default_ranks_for_gpus(inventory: Inventory, reports: Sequence[HostReport]) 
     return localhost_inventory(gpus)
 
 
+#: Linux's limits on a path and on each of its names (bytes): a longer script name is a usage error
+PATH_MAX, NAME_MAX = 4095, 255
+
+
+def check_script(config: LaunchConfig) -> None:
+    """The script names a program: not too long a path, not a folder, no NUL byte. Checked first,
+    for every engine (a dry run too): the hosts would fail each rank with 126 or 127 instead."""
+    raw = os.fsencode(config.script)
+    if not raw.strip() or b"\0" in raw:
+        raise UsageError("the script is empty or holds a NUL byte")
+    if len(raw) > PATH_MAX or any(len(part) > NAME_MAX for part in raw.split(b"/")):
+        raise UsageError(f"the script's name is too long ({len(raw)} bytes; a path may have {PATH_MAX},"
+                         f" each name in it {NAME_MAX})")
+    here = config.push or (config.hosts is None)
+    if here and not config.module and Path(config.script).is_dir():
+        raise UsageError(f"{printable(config.script)} is a folder, not a script",
+                         hint=f"name the program in it (dlrun launch {printable(config.script).rstrip('/')}/train.py);"
+                         " --code DIR pushes a folder that holds the script")
+
+
 def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
     """Before any connection: a ``.py`` script that must be here (a local rank runs it, or its
     directory is pushed) exists, its push root is a project (not the home folder), and the log
@@ -699,7 +727,7 @@ def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
     here = config.push or any(h.is_local for h in inventory.hosts)
     if (here and not config.module and (config.script.endswith(".py") or interpreter_for(config.script))
             and not Path(config.script).is_file()):
-        raise UsageError(f"script not found: {config.script}",
+        raise UsageError(f"script not found: {printable(config.script)}",
                          hint="with --no-push, a path on the hosts is not checked here")
     log_root = Path(config.log_dir or DEFAULT_LOG_DIR)
     try:
@@ -778,6 +806,7 @@ class HostsEngine:
         self.ports_chosen = False  # dlrun chose the base port (no --base-port): a restart chooses again
         self.reconnect: tuple[Host, ...] = ()  # hosts lost in the last attempt: reconnected, probed again
         self.dropped: tuple[str, ...] = ()  # hosts lost and left out (--min-hosts)
+        self.job_secret = secrets.token_hex(32)  # a detached job's keepers' token (and rendezvous key's root)
         self.failed_at: float | None = None  # when the last attempt failed (its copies then may be half written)
 
     def prepare(self, config: LaunchConfig) -> LaunchConfig:
@@ -863,8 +892,10 @@ class HostsEngine:
             if targets:
                 from dlrun.push.session import survey_request
 
-                surveys = {name: survey_request([target]) if config.dry_run  # a dry run writes nothing
-                           else claiming(survey_request([target]), job_id, name) for name, target in targets.items()}
+                checked = not config.insecure_workdir  # a dry run writes nothing, so claims nothing
+                surveys = {name: survey_request([target], owner_check=checked) if config.dry_run
+                           else claiming(survey_request([target], owner_check=checked), job_id, name)
+                           for name, target in targets.items()}
             # the agents start while we plan; each runs the probe, answers the push survey and
             # says which ports are free first
             ports_asked = ports_to_ask(config, inventory, used_hosts, given=self.base_port_given)
@@ -977,7 +1008,7 @@ class HostsEngine:
         return agents
 
     def render(self, config: LaunchConfig, job_id: str,
-               rendezvous: tuple[str, int] | None = None) -> tuple[Plan, tuple[WorkerCommand, ...]]:
+               rendezvous: Rendezvous | None = None) -> tuple[Plan, tuple[WorkerCommand, ...]]:
         """Every rank's command from what the session found: addresses, run folders, GPUs,
         interfaces and ports (``place`` and ``--dry-run`` alike)."""
         return render_commands(config, self.inventory, job_id, addresses=self.addresses, cwd_for=self.cwd_for,
@@ -1004,9 +1035,11 @@ class HostsEngine:
                 if not config.attempt:  # before anything starts, as the launch's other first lines
                     for line in synced:
                         print(f"dlrun: {line}", file=sys.stderr, flush=True)
-            rendezvous = None
+            rendezvous: Rendezvous | None = None
             if config.framework == "horovod" and detached:
-                rendezvous = (plan.ranks[0].address, 0)
+                from dlrun.remote.rendezvous import rendezvous_key
+
+                rendezvous = (plan.ranks[0].address, 0, rendezvous_key(self.job_secret))
                 if ":" in rendezvous[0]:
                     raise RendezvousError(
                         f"host {plan.ranks[0].host.name}'s address {rendezvous[0]} is IPv6; Horovod's rendezvous"
@@ -1086,6 +1119,7 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
     terminal's (tests, API).
     """
     engine = engine or HostsEngine()
+    check_script(config)
     check_restart_options(config)
     config = engine.prepare(resolve_framework(config))
     if isinstance(engine, HostsEngine) and config.min_hosts is not None and config.min_hosts > len(engine.used_hosts):
@@ -1137,6 +1171,8 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
 
             return start_detached(config, engine, job_id, shown)
         warnings = (warning,) if warning else getattr(engine, "warnings", ())
+        logs.mkdir(parents=True, exist_ok=True)
+        logs.chmod(0o700)  # private, as the hosts' job folders are: the ranks' lines may hold secrets
         attempt = 0
         dropped: tuple[str, ...] = ()
         while True:

@@ -20,7 +20,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TextIO
 
-from dlrun.render import WorkerCommand
+from dlrun.render import WorkerCommand, mask_argv, printable
 from dlrun.run.gpus import GpuSample, PlainThrottle, plain_line
 from dlrun.run.gpus import summary_lines as gpu_lines
 from dlrun.run.result import Attempt, RankState, RunResult
@@ -54,8 +54,8 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
         lines.append(f"  error: {root.error}")
     lines.extend(f"  {text}" for text in result.flight_recorder)  # which rank the dumps say is behind
     if root.rank in by_rank:
-        argv = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in by_rank[root.rank].argv]
-        lines.append(f"  command: {shlex.join(argv)}")
+        argv = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in mask_argv(by_rank[root.rank].argv)]
+        lines.append(f"  command: {printable(shlex.join(argv))}")
     recorded_line = root.error_file[-1] if root.error_file else None
     if root.error_file:  # what the rank itself recorded comes first
         lines.append(f"  error file (TORCHELASTIC_ERROR_FILE of rank {root.rank}):")
