@@ -1219,15 +1219,8 @@ def detach(jobdir: str) -> int | None:
     os.setsid()
     if os.fork():
         os._exit(0)
-    null = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(os.path.join(jobdir, "keeper.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(null)
-    os.close(log)
-    with open(os.path.join(jobdir, "keeper.pid"), "w") as fh:
-        fh.write(f"{os.getpid()} {boot_id()}")
+    to_keeper_log(jobdir)
+    write_pid(jobdir)
     os.write(write_end, str(os.getpid()).encode())
     os.close(write_end)
     return None
@@ -1236,9 +1229,19 @@ def detach(jobdir: str) -> int | None:
 def stay(jobdir: str, answer: dict[str, Any], port: int) -> None:
     """The keeper stays the process it was started as (a Slurm step's task: the step, and so
     the allocation, holds it): the answer goes out now, then its stdio moves to ``keeper.log``."""
+    write_pid(jobdir)
+    print(json.dumps({"pid": os.getpid(), "port": port, "jobdir": jobdir, **answer}), flush=True)
+    to_keeper_log(jobdir)
+
+
+def write_pid(jobdir: str) -> None:
+    """``keeper.pid``: this process and this machine's boot (``dlrun-jobs`` checks both)."""
     with open(os.path.join(jobdir, "keeper.pid"), "w") as fh:
         fh.write(f"{os.getpid()} {boot_id()}")
-    print(json.dumps({"pid": os.getpid(), "port": port, "jobdir": jobdir, **answer}), flush=True)
+
+
+def to_keeper_log(jobdir: str) -> None:
+    """stdin from the null device, stdout and stderr to ``keeper.log``."""
     null = os.open(os.devnull, os.O_RDONLY)
     log = os.open(os.path.join(jobdir, "keeper.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(null, 0)
