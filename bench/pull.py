@@ -33,6 +33,8 @@ from types import ModuleType
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from push import print_tables  # noqa: E402 - bench/push.py, beside this file
+
 from dlrun.inventory import Host  # noqa: E402
 from dlrun.push.pull import pull  # noqa: E402
 from dlrun.transport.local import HostRouter  # noqa: E402
@@ -118,7 +120,9 @@ def main() -> None:
             out = subprocess.run([sys.executable, "-m", "dlrun", "pull", "--json", "--hosts", str(inventory),
                                   "--ssh-config", str(cluster.ssh_config), "--project", PROJECT,
                                   "--max-size", "none", "out", str(local / "cli")],
-                                 capture_output=True, text=True, check=True)
+                                 capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"dlrun pull exited {out.returncode}: {out.stderr[-2000:]}")
             got = [h["files_received"] for h in json.loads(out.stdout)["hosts"]]
             assert got == [expect] * len(hosts), out.stdout
 
@@ -157,32 +161,11 @@ def main() -> None:
         host_cpu.close()
         shutil.rmtree(base, ignore_errors=True)
 
-    med = {k: statistics.median(v) for k, v in results.items()}
     print(f"## dlrun pull vs rsync -a: {per_host * 4} files, {args.mb} MB in all, from 4 loopback sshd hosts\n")
     print(f"{os.cpu_count()} CPUs, load average before: {load_before:.2f}, after: {load_after:.2f}; median of "
           f"{args.runs} runs, interleaved; each pull opens its own SSH connections (dlrun: in-process; "
           "dlrun-cli: the `dlrun pull` command)\n")
-    print("| case | tool | seconds | / rsync | runs |")
-    print("|---|---|---:|---:|---|")
-    for case in ("first", "again"):
-        label = "first pull" if case == "first" else "no-change re-pull"
-        for tool in tools:
-            runs = results[f"{tool} {case}"]
-            print(f"| {label} | {tool} | {med[f'{tool} {case}']:.2f} | "
-                  f"{med[f'{tool} {case}'] / med[f'rsync {case}']:.2f}x | {', '.join(f'{x:.2f}' for x in runs)} |")
-
-    def cpu_median(key: str, which: int) -> str:
-        values = [v[which] for v in cpu[key]]
-        known = [v for v in values if v is not None]
-        return f"{statistics.median(known):.2f}" if len(known) == len(values) else "n/a"
-
-    print("\nCPU seconds, median (client: this process and its children; hosts: sshd and what it starts)\n")
-    print("| case | tool | client | hosts |")
-    print("|---|---|---:|---:|")
-    for case in ("first", "again"):
-        label = "first pull" if case == "first" else "no-change re-pull"
-        for tool in tools:
-            print(f"| {label} | {tool} | {cpu_median(f'{tool} {case}', 0)} | {cpu_median(f'{tool} {case}', 1)} |")
+    print_tables(results, cpu, tools, ("first pull", "no-change re-pull"))
 
 
 def checkpoint_copy(args: argparse.Namespace) -> None:

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -206,15 +206,22 @@ def main() -> None:
         host_cpu.close()
         shutil.rmtree(base, ignore_errors=True)
 
-    med = {k: statistics.median(v) for k, v in results.items()}
     print(f"## dlrun push vs rsync -a: {args.files} files, {args.mb} MB, to 4 loopback sshd hosts\n")
     print(f"{os.cpu_count()} CPUs, load average before: {load_before:.2f}, after: {load_after:.2f}; median of "
           f"{args.runs} runs, interleaved; each dlrun push opens its own SSH connections (dlrun: in-process, "
           "no interpreter start; dlrun-cli: the `dlrun push` command)\n")
+    print_tables(results, cpu, tools, ("first push", "no-change re-push"))
+    print(f"\n`python -c 'import dlrun.push.session, dlrun.transport.ssh'` (a CLI would pay it once): {import_s:.2f} s")
+
+
+def print_tables(results: dict[str, list[float]], cpu: dict[str, list[tuple[float, float | None]]],
+                 tools: Sequence[str], labels: tuple[str, str]) -> None:
+    """The seconds table (each tool against rsync, every run) and the CPU table of a push or pull
+    bench; ``labels``: what the first and the no-change case are called."""
+    med = {k: statistics.median(v) for k, v in results.items()}
     print("| case | tool | seconds | / rsync | runs |")
     print("|---|---|---:|---:|---|")
-    for case in ("first", "again"):
-        label = "first push" if case == "first" else "no-change re-push"
+    for case, label in zip(("first", "again"), labels, strict=True):
         for tool in tools:
             runs = results[f"{tool} {case}"]
             print(f"| {label} | {tool} | {med[f'{tool} {case}']:.2f} | "
@@ -228,12 +235,11 @@ def main() -> None:
     print("\nCPU seconds, median (client: this process and its children; hosts: sshd and what it starts)\n")
     print("| case | tool | client | hosts |")
     print("|---|---|---:|---:|")
-    for case in ("first", "again"):
-        label = "first push" if case == "first" else "no-change re-push"
+    for case, label in zip(("first", "again"), labels, strict=True):
         for tool in tools:
             print(f"| {label} | {tool} | {cpu_median(f'{tool} {case}', 0)} | {cpu_median(f'{tool} {case}', 1)} |")
-    print(f"\n`python -c 'import dlrun.push.session, dlrun.transport.ssh'` (a CLI would pay it once): {import_s:.2f} s")
 
 
 if __name__ == "__main__":
     main()
+

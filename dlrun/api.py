@@ -346,6 +346,7 @@ def pull(
     accept_new_host_keys: bool = False,
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
+    transport: str = "auto",
 ) -> tuple[HostPullSummary, ...]:
     """Copy ``remote`` from every host into ``local``, as ``dlrun pull`` does; one summary per
     host. ``remote``: relative to the project folder on each host (``<workdir>/<project>``,
@@ -356,32 +357,31 @@ def pull(
     200M and 20000 files); ``dry_run``: list the hosts and say what would be written."""
     import sys
 
-    from dlrun.inventory import load_inventory
     from dlrun.push.pull import pull as pull_from
     from dlrun.push.pull import summary_line
     from dlrun.push.tree import PushLimit, parse_size
     from dlrun.push.view import PushView
-    from dlrun.run.launch import make_transport
+    from dlrun.run.launch import make_transport, resolve_inventory
 
     limit = parse_size(max_size) if max_size is not None else PushLimit()
-    inventory = load_inventory(hosts)
-    transport = make_transport(inventory, ssh_options(
+    inventory = resolve_inventory(hosts, None)  # a hosts file, a list, or the Slurm allocation
+    reach = make_transport(inventory, ssh_options(
         ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
-        connect_timeout=connect_timeout, host_timeout=host_timeout))
+        connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport))
 
     def notice(text: str) -> None:
         print(f"dlrun: {text}", file=sys.stderr, flush=True)
 
     try:
         with PushView([h.name for h in inventory.hosts], live=False if dry_run else live) as view:
-            summaries = pull_from(transport, inventory.hosts, remote, Path(local), project=project, limit=limit,
+            summaries = pull_from(reach, inventory.hosts, remote, Path(local), project=project, limit=limit,
                                   dry_run=dry_run, progress=view.progress, file_progress=view.files, notice=notice)
             view.stop()
         if summary:
             for line in map(summary_line, summaries):
                 print(line, file=sys.stderr, flush=True)
     finally:
-        transport.close()
+        reach.close()
     return summaries
 
 
