@@ -72,8 +72,13 @@ class ScreenFeed:
 
     # ------------------------------------------------------------------ the supervisor's side
     def start(self, commands: Sequence[WorkerCommand], log_dir: Path | None) -> None:
-        """Start (again: every attempt of ``--max-restarts`` starts the view anew)."""
+        """Start, or start again: every attempt of ``--max-restarts`` starts the view anew, after
+        a ``finish`` or (the pipeline holds the summary back) while the drawing thread still runs,
+        in which case the new start takes its turn behind what waits."""
         self.log_dir = log_dir
+        if self._drawing():
+            self._event("start", commands, log_dir)
+            return
         self.inner.start(commands, log_dir)
         with self.cond:
             self.closing = False

@@ -126,3 +126,16 @@ def test_a_lossless_feed_waits_and_loses_nothing() -> None:
         feed.lines(0, [f"{chunk}-{i}" for i in range(70)], "stdout")
     feed.finish(RunResult(ranks=(), exit_code=0))
     assert len(view.texts("line")) == 7000
+
+
+def test_a_restart_while_the_summary_is_held_back_keeps_one_drawing_thread() -> None:
+    # the pipeline's HeldView swallows each attempt's finish: start comes again while drawing
+    view = Recorder()
+    feed = ScreenFeed(view)
+    feed.start([], None)
+    feed.lines(0, ["attempt 0"], "stdout")
+    feed.start([], None)
+    feed.lines(0, ["attempt 1"], "stdout")
+    assert sum(t.name == "dlrun-screen" for t in threading.enumerate()) == 1
+    feed.finish(RunResult(ranks=(), exit_code=0))
+    assert [k for k, _ in view.said] == ["start", "line", "start", "line", "finish"]
