@@ -20,7 +20,10 @@ import struct
 import subprocess
 import sys
 import time
-from typing import IO, Any
+
+TYPE_CHECKING = False  # typing costs milliseconds on every host: annotations only
+if TYPE_CHECKING:
+    from typing import IO, Any
 
 HEADER = struct.Struct(">BiI")
 HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE, SURVEY, PONG, GPU, PORTS = range(1, 13)
@@ -427,7 +430,7 @@ class Agent:
         namespace = {"__name__": "__dlrun_probe__"}
         saved, sys.stdout = sys.stdout, captured
         try:
-            exec(compile(str(message.get("source", "")), "<dlrun-probe>", "exec"), namespace)
+            exec(compiled(str(message.get("source", "")), "<dlrun-probe>"), namespace)
         except BaseException as exc:  # the controller must get an answer, whatever the probe did
             captured.write(f"\nprobe failed in the agent: {type(exc).__name__}: {exc}\n")
         finally:
@@ -621,6 +624,15 @@ def read_error_file(path: str) -> Any:
         return json.loads(data)
     except ValueError:
         return data.decode("utf-8", "replace")
+
+
+def compiled(source: str, name: str) -> Any:
+    """``source`` compiled, through the bootstrap loader's code cache when this program was started
+    by it (``dlrun.remote.LOADER`` defines ``_dlrun_code`` in these globals)."""
+    cached = globals().get("_dlrun_code")
+    if cached is not None:
+        return cached(source.encode("utf-8"), name)
+    return compile(source, name, "exec")
 
 
 def become_subreaper() -> bool:

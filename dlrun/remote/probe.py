@@ -27,7 +27,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+
+TYPE_CHECKING = False  # typing costs milliseconds on every host: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 VERSION = 1
 #: The --query-gpu fields (dlrun.topo.parse.QUERY_GPU_FIELDS) and the basic retry's subset.
