@@ -761,6 +761,10 @@ def kill_descendants() -> int:
     return killed
 
 
+#: The main loop's tick before the ranks start (seconds); 0.05 once they run.
+IDLE_TICK = 0.5
+
+
 def _run_agent(argv: list[str]) -> int:
     in_namespace = "--in-pidns" in argv  # set by PIDNS_WRAPPER
     if not in_namespace:
@@ -845,6 +849,10 @@ def _run_agent(argv: list[str]) -> int:
             agent.signal_all(signal.SIGKILL)
         wait = agent.flush_due(now)
         timeout = 0.05 if wait is None else min(wait, 0.05)
+        if not started and wait is None and agent.kill_at is None:
+            # before the spec only the silence check (seconds) runs on a clock; messages, EOF and
+            # signals wake the select: no 20 wake-ups a second while the client starts other hosts
+            timeout = IDLE_TICK
         if started and agent.all_exited():
             agent.gpus.stop(agent.sel)
             agent.flush()
