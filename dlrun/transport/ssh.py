@@ -52,6 +52,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from dlrun.transport import ssh_paramiko  # noqa: F401  # first: paramiko without invoke
+
+# isort: split
 import paramiko
 
 from dlrun.errors import AuthenticationFailed, HostKeyError, HostUnreachable, TransportError, UsageError
