@@ -33,9 +33,9 @@ def source_of(name: str) -> str:
 #: Where a host keeps the compiled host programs: ``$XDG_CACHE_HOME/dlrun/code`` or ``~/.cache/dlrun/code``.
 CODE_CACHE = ("dlrun", "code")
 
-#: Runs on the host (Python >= 3.8): read the program from fd 0, run it as __main__. Its compiled
-#: code comes from the login user's cache when a valid entry for this source and interpreter is
-#: there (docs/architecture.md, "The code cache"); anything wrong with the cache means compile.
+#: Runs on the host (Python >= 3.8): read the program from fd 0, run it as __main__. What comes
+#: first may be a stage (a ``+`` and 9 digits of length instead of 10 digits): the code cache,
+#: ``CACHE_STAGE``, which defines ``_dlrun_code``; without it the program is compiled.
 LOADER = """import linecache, os, sys
 def _dlrun_read(n):
     b = b""
@@ -45,7 +45,22 @@ def _dlrun_read(n):
             sys.exit("dlrun: the program did not arrive on stdin")
         b += c
     return b
-def _dlrun_code(raw, name):
+_dlrun_n = _dlrun_read(10)
+if _dlrun_n[:1] == b"+":
+    exec(compile(_dlrun_read(int(_dlrun_n[1:])), "<dlrun-loader>", "exec"))
+    _dlrun_n = _dlrun_read(10)
+_dlrun_raw = _dlrun_read(int(_dlrun_n))
+_dlrun_src = _dlrun_raw.decode("utf-8")
+sys.argv = sys.argv[1:]
+_dlrun_name = "<" + sys.argv[0] + ">"
+linecache.cache[_dlrun_name] = (len(_dlrun_src), None, _dlrun_src.splitlines(True), _dlrun_name)
+exec(_dlrun_code(_dlrun_raw, _dlrun_name) if "_dlrun_code" in globals() else compile(_dlrun_src, _dlrun_name, "exec"))
+"""
+
+#: The loader's stage: ``_dlrun_code(source bytes, name)``, the program's compiled code from the
+#: login user's cache when a valid entry for this source and interpreter is there, else compiled
+#: (and written there). docs/architecture.md, "The code cache"; anything wrong means compile.
+CACHE_STAGE = """def _dlrun_code(raw, name):
     import marshal
     from hashlib import sha256
     uid, key = os.geteuid(), "%s-%s-%s" % (name[1:-1], sha256(raw).hexdigest()[:40], sys.implementation.cache_tag)
@@ -87,11 +102,6 @@ def _dlrun_code(raw, name):
                 pass
         os.close(d)
     return code
-_dlrun_raw = _dlrun_read(int(_dlrun_read(10)))
-_dlrun_src = _dlrun_raw.decode("utf-8")
-sys.argv = sys.argv[1:]
-linecache.cache["<" + sys.argv[0] + ">"] = (len(_dlrun_src), None, _dlrun_src.splitlines(True), "<" + sys.argv[0] + ">")
-exec(_dlrun_code(_dlrun_raw, "<" + sys.argv[0] + ">"))
 """
 
 
@@ -111,6 +121,8 @@ def boot_argv(python: Sequence[str], name: str, *args: str) -> list[str]:
 
 
 def boot_payload(name: str) -> bytes:
-    """What the loader reads from stdin before the program runs: length, then source."""
+    """What the loader reads from stdin before the program runs: the code cache's stage (``+``
+    and 9 digits of length, then ``CACHE_STAGE``), then the program (10 digits, its source)."""
+    stage = CACHE_STAGE.encode("utf-8")
     source = source_of(name).encode("utf-8")
-    return b"%010d" % len(source) + source
+    return b"+%09d" % len(stage) + stage + b"%010d" % len(source) + source

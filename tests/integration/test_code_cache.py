@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dlrun.remote import boot_argv, cache_entry, source_of
+from dlrun.remote import CACHE_STAGE, boot_argv, boot_payload, cache_entry, source_of
 
 from conftest import hosts_toml, run_dlrun
 from support.sshd_cluster import find_sshd, start_cluster
@@ -27,14 +27,15 @@ PROGRAM = "print('from the source')\n"
 FORGED = "print('from the cache')\n"
 
 
-def payload(source: str) -> bytes:
-    raw = source.encode()
-    return b"%010d" % len(raw) + raw
+def payload(source: str, stage: bool = True) -> bytes:
+    """What ``boot_payload`` sends, with ``source`` as the program (``stage`` False: no code cache)."""
+    raw, cache = source.encode(), CACHE_STAGE.encode()
+    return (b"+%09d" % len(cache) + cache if stage else b"") + b"%010d" % len(raw) + raw
 
 
-def run_loader(cache: Path, source: str = PROGRAM) -> str:
+def run_loader(cache: Path, source: str = PROGRAM, stage: bool = True) -> str:
     """Start the loader as every transport does (``python -c LOADER dlrun-probe``), ``source`` on stdin."""
-    out = subprocess.run(boot_argv([sys.executable], "probe"), input=payload(source), capture_output=True,
+    out = subprocess.run(boot_argv([sys.executable], "probe"), input=payload(source, stage), capture_output=True,
                          env={**os.environ, "XDG_CACHE_HOME": str(cache)}, timeout=60)
     assert out.returncode == 0, out.stderr.decode()
     return out.stdout.decode().strip()
@@ -115,6 +116,12 @@ def test_an_entry_owned_by_another_user_is_ignored(tmp_path: Path) -> None:
     assert run_loader(tmp_path) == "from the cache"
     os.chown(path.parent, nobody.pw_uid, nobody.pw_gid)  # a folder of another user's
     assert run_loader(tmp_path) == "from the source"
+
+
+def test_the_payload_is_the_stage_then_the_program_and_a_plain_program_runs_without_the_cache(tmp_path: Path) -> None:
+    assert boot_payload("probe") == payload(source_of("probe"))
+    assert run_loader(tmp_path, stage=False) == "from the source"  # as a keeper starts its agent
+    assert not (tmp_path / "dlrun").exists()
 
 
 def test_no_usable_cache_still_runs(tmp_path: Path) -> None:
