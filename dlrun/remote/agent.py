@@ -447,7 +447,7 @@ class Agent:
         """Answer a push survey with the push helper's own code; an error is answered too."""
         namespace: dict[str, Any] = {"__name__": "__dlrun_push_survey__"}
         try:
-            exec(compile(str(message.get("source", "")), "<dlrun push helper>", "exec"), namespace)
+            exec(compiled(str(message.get("source", "")), "<dlrun-push_helper>"), namespace)
             replies = [namespace["survey"](spec)[0] for spec in message["request"]["targets"]]
             answer: dict[str, Any] = {"targets": replies}
         except Exception as exc:  # the controller then runs the helper, which reports properly
