@@ -8,7 +8,7 @@ modules are imported inside the functions, so ``import dlrun`` stays cheap.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from dlrun.run.detach import JobHosts, JobRecord
     from dlrun.run.launch import SSHOptions
     from dlrun.run.supervisor import View
+    from dlrun.topo.bench import BenchResult
     from dlrun.topo.findings import Finding
     from dlrun.topo.records import HostReport
     from dlrun.transport.base import Transport
@@ -33,9 +34,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class TopoResult:
     """What ``topo`` found: each host's report, the findings across hosts, the env dlrun
-    suggests, the exit code (1 when a finding is an error), the socket interface ``launch``
-    gives each host (``ifaces``; empty without ``hosts``) and what launch does about them
-    (``note``)."""
+    suggests, the exit code (1 when a finding, the bench's too, is an error), the socket
+    interface ``launch`` gives each host (``ifaces``; empty without ``hosts``), what launch
+    does about them (``note``) and the bench's measurements where asked (``bench``)."""
 
     reports: tuple[HostReport, ...]
     findings: tuple[Finding, ...]
@@ -43,6 +44,7 @@ class TopoResult:
     exit_code: int
     ifaces: Mapping[str, str] = field(default_factory=dict)
     note: str = ""
+    bench: BenchResult | None = None
 
 
 def ssh_options(
@@ -52,15 +54,20 @@ def ssh_options(
     accept_new_host_keys: bool = False,
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
+    transport: str = "auto",
 ) -> SSHOptions:
     """The SSH settings every command shares; a timeout left None follows each host's ssh config
-    (``ConnectTimeout``, ``ServerAliveInterval`` × ``ServerAliveCountMax``), else 10 s and 30 s."""
-    from dlrun.run.launch import SSHOptions
+    (``ConnectTimeout``, ``ServerAliveInterval`` × ``ServerAliveCountMax``), else 10 s and 30 s.
+    ``transport``: ``ssh``, ``srun`` (Slurm steps, inside an allocation) or ``auto`` (srun for
+    the allocation's own nodes, else ssh)."""
+    from dlrun.run.launch import TRANSPORTS, SSHOptions
 
+    if transport not in TRANSPORTS:
+        raise UsageError(f"--transport {transport}: expected one of {', '.join(TRANSPORTS)}")
     return SSHOptions(config_file=ssh_config, accept_new_host_keys=accept_new_host_keys,
                       connect_timeout=connect_timeout, known_hosts=known_hosts,
                       host_timeout=DEFAULT_HOST_TIMEOUT if host_timeout is None else host_timeout,
-                      host_timeout_given=host_timeout is not None)
+                      host_timeout_given=host_timeout is not None, transport=transport)
 
 
 def launch(
@@ -77,10 +84,13 @@ def launch(
     grace: float = 10.0,
     ranks: Sequence[int] | None = None,
     env: Mapping[str, str] | None = None,
+    env_file: str | Path | Sequence[str | Path] = (),
     iface: str | None = None,
     plain: bool = False,
     pidns: bool = True,
     preflight: bool = True,
+    bench: bool = False,
+    bench_seconds: float = 60.0,
     push: bool = True,
     data: str | None = None,
     shard: str = "files",
@@ -104,11 +114,14 @@ def launch(
     accept_new_host_keys: bool = False,
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
+    transport: str = "auto",
     view: View | None = None,
     detach: bool = False,
+    insecure_workdir: bool = False,
     module: bool = False,
     no_python: bool = False,
     checkpoint_dir: Sequence[str] = (),
+    hang_timeout: float = 0.0,
 ) -> RunResult:
     """Run ``script`` on every rank, as ``dlrun launch`` does; how the job ended.
 
@@ -124,9 +137,16 @@ def launch(
     folder or ``code``); ``no_python``: the command runs exactly as given (``python``, ``.py``,
     ``.R`` and ``.sh`` get no interpreter from dlrun). ``checkpoint_dir``: folders
     (relative to each host's working folder) made the same on every host before every attempt,
-    the newest complete copy of each file winning (``docs/checkpoints.md``).
+    the newest complete copy of each file winning (``docs/checkpoints.md``). ``bench``: after the
+    preflight, run ``dlrun topo --bench`` for about ``bench_seconds`` and stop on its error findings.
+    ``hang_timeout``: when no rank wrote anything and no GPU was busy for that many seconds, take
+    every rank's stack, name the odd one as the root cause and stop the job (exit code 124; 0: never).
+    ``insecure_workdir``: push and run even where another user owns, or may write, a host's
+    workdir or project folder. ``env_file``: files of ``NAME=VALUE`` lines that only their owner
+    can read (``--env-file``); ``env`` wins over them.
     """
     from dlrun.run.launch import LaunchConfig, run_job
+    from dlrun.userenv import rank_env
 
     if str(script).startswith("-"):  # an option dlrun lacks would run as the command on every rank
         raise UsageError(f"{script}: a script or command never starts with '-'",
@@ -137,19 +157,28 @@ def launch(
         raise UsageError("-m and --no-python exclude each other: -m runs the module with each host's python")
     if backend not in ("ssh", "spark"):
         raise UsageError(f"--backend {backend}: expected ssh or spark")
+    if bench and (not preflight or dry_run or backend != "ssh"):
+        raise UsageError("--bench runs after the preflight: not with --no-preflight, --dry-run or --backend spark")
+    if bench_seconds <= 0:
+        raise UsageError("--bench-seconds takes a positive number of seconds")
+    if hang_timeout < 0:
+        raise UsageError("--hang-timeout takes seconds, 0 (off) or more")
     if gpu_every < 0 or gpu_idle_after < 0:
         raise UsageError("--gpu-every and --gpu-idle-after take seconds, 0 or more")
+    env = rank_env(env, [env_file] if isinstance(env_file, (str, Path)) else env_file)
     config = LaunchConfig(
         script=str(script), args=tuple(str(a) for a in args), hosts=hosts, np=np, base_port=base_port,
         framework=framework, dry_run=dry_run, json_output=json_output, log_dir=log_dir, grace=grace,
-        ranks_shown=None if ranks is None else tuple(ranks), env=dict(env or {}), iface=iface, plain=plain,
-        pidns=pidns, preflight=preflight, push=push, data=None if data is None else str(data), shard=shard,
+        ranks_shown=None if ranks is None else tuple(ranks), env=hang_env(env, hang_timeout), iface=iface,
+        plain=plain, pidns=pidns, preflight=preflight, bench=bench_seconds if bench else 0.0, push=push,
+        data=None if data is None else str(data), shard=shard,
         split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
         min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
         gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach, module=module, no_python=no_python,
-        checkpoint_dirs=tuple(checkpoint_dir),
+        insecure_workdir=insecure_workdir,
+        checkpoint_dirs=tuple(checkpoint_dir), hang_timeout=hang_timeout,
         ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
-                        connect_timeout=connect_timeout, host_timeout=host_timeout),
+                        connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport),
     )
     if backend != "spark":
         return run_job(config, view=view)
@@ -172,6 +201,16 @@ def launch(
     return run_job(config, SparkEngine(spark), view=view)
 
 
+def hang_env(env: Mapping[str, str] | None, hang_timeout: float) -> dict[str, str]:
+    """``--hang-timeout`` turns Python's faulthandler on in every rank (unless the job set it):
+    a rank whose stack py-spy cannot take dumps its threads on SIGABRT when the hang stops it
+    (``docs/stacks.md``)."""
+    found = dict(env or {})
+    if hang_timeout:
+        found.setdefault("PYTHONFAULTHANDLER", "1")
+    return found
+
+
 def topo(
     hosts: str | None = None,
     *,
@@ -180,37 +219,54 @@ def topo(
     accept_new_host_keys: bool = False,
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
+    transport: str = "auto",
+    bench: bool = False,
+    bench_seconds: float = 60.0,
+    iface: str | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> TopoResult:
-    """Probe every host (this machine without ``hosts``), as ``dlrun topo`` does."""
+    """Probe every host (this machine without ``hosts``, or the allocation's nodes inside a Slurm
+    allocation), as ``dlrun topo`` does; with ``bench``, then measure them for about
+    ``bench_seconds`` (``dlrun topo --bench``; ``progress`` hears what it is doing)."""
     from dlrun.inventory import load_inventory
     from dlrun.run.addresses import host_ifaces, interfaces_at, reachable_addresses
-    from dlrun.run.launch import make_transport
+    from dlrun.run.launch import default_hosts, make_transport, resolve_inventory
     from dlrun.topo.findings import analyse, exit_code, socket_note, suggested_env
     from dlrun.topo.preflight import probe_hosts
     from dlrun.topo.probe import probe_local
 
+    if bench_seconds <= 0:
+        raise UsageError("--bench-seconds takes a positive number of seconds")
     reports: tuple[HostReport, ...]
+    hosts = default_hosts(hosts)
     ifaces = None
-    if hosts is None:
+    measured = None
+    if hosts is None and not bench:
         reports = (probe_local(),)
         slots = None
     else:
-        inventory = load_inventory(hosts)
-        transport = make_transport(inventory, ssh_options(
+        inventory = resolve_inventory(hosts, None) if hosts is not None else load_inventory("localhost")
+        reach = make_transport(inventory, ssh_options(
             ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
-            connect_timeout=connect_timeout, host_timeout=host_timeout))
+            connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport))
         try:
-            reports = probe_hosts(transport, inventory.hosts)
+            reports = probe_hosts(reach, inventory.hosts)
             reached = [h for h, r in zip(inventory.hosts, reports, strict=True) if r.reachable]
             # where launch reaches each host (connected already: no new connection), and so launch's interfaces
-            addresses = reachable_addresses(reached, transport.connect(reached)) if reached else {}
+            addresses = reachable_addresses(reached, reach.connect(reached)) if reached else {}
+            if bench:
+                from dlrun.topo.benchrun import bench_hosts
+
+                measured = bench_hosts(reach, inventory.hosts, reports, bench_seconds, iface, progress)
         finally:
-            transport.close()
-        ifaces = host_ifaces(reached, addresses, None, interfaces_at(reports, addresses))
+            reach.close()
+        if hosts is not None:  # this machine alone (--bench without hosts) suggests as plain `dlrun topo`
+            ifaces = host_ifaces(reached, addresses, None, interfaces_at(reports, addresses))
         slots = {h.name: h.slots for h in inventory.hosts if h.slots is not None}
     findings = tuple(analyse(reports, slots))
-    return TopoResult(reports, findings, suggested_env(reports, ifaces), exit_code(findings),
-                      {name: i.name for name, i in (ifaces or {}).items()}, socket_note(reports, ifaces))
+    code = max(exit_code(findings), measured.exit_code if measured else 0)
+    return TopoResult(reports, findings, suggested_env(reports, ifaces), code,
+                      {name: i.name for name, i in (ifaces or {}).items()}, socket_note(reports, ifaces), measured)
 
 
 def push(
@@ -224,6 +280,7 @@ def push(
     delete: bool = True,
     max_push_size: str | None = None,
     dry_run: bool = False,
+    insecure_workdir: bool = False,
     live: bool | None = None,
     summary: bool = True,
     ssh_config: str | None = None,
@@ -231,29 +288,29 @@ def push(
     accept_new_host_keys: bool = False,
     connect_timeout: float | None = None,
     host_timeout: float | None = None,
+    transport: str = "auto",
 ) -> tuple[HostPushSummary, ...]:
     """Push ``code`` and each host's shard of ``data``, as ``dlrun push`` does; one summary per
     host. ``live``: progress bars (default: on a terminal); ``summary``: print the closing table.
     ``max_push_size``: the code push's limit (``500M``, ``none``); ``dry_run``: survey the hosts and
     say what would be sent and deleted, writing nothing."""
-    from dlrun.inventory import load_inventory
     from dlrun.push.session import push as push_to
     from dlrun.push.tree import PushLimit, parse_size
     from dlrun.push.view import PushView
-    from dlrun.run.launch import make_transport
+    from dlrun.run.launch import make_transport, resolve_inventory
 
     limit = parse_size(max_push_size) if max_push_size is not None else PushLimit()
     if code is None and data is None:
         raise UsageError("nothing to push: give --code DIR and/or --data DIR")
-    inventory = load_inventory(hosts)
-    transport = make_transport(inventory, ssh_options(
+    inventory = resolve_inventory(hosts, None)
+    reach = make_transport(inventory, ssh_options(
         ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
-        connect_timeout=connect_timeout, host_timeout=host_timeout))
+        connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport))
     try:
-        transport.connect(inventory.hosts)
+        reach.connect(inventory.hosts)
         with PushView([h.name for h in inventory.hosts], live=False if dry_run else live) as view:
             summaries = push_to(
-                transport,
+                reach,
                 inventory.hosts,
                 code_dir=Path(code) if code else None,
                 data_dir=Path(data) if data else None,
@@ -265,11 +322,12 @@ def push(
                 file_progress=view.files,
                 limit=limit,
                 dry_run=dry_run,
+                insecure_workdir=insecure_workdir,
             )
             if summary:
                 view.finish(summaries)
     finally:
-        transport.close()
+        reach.close()
     return summaries
 
 
@@ -333,9 +391,9 @@ def pull(
 @contextmanager
 def _job_hosts(hosts: str | None, ssh: Mapping[str, Any]) -> Iterator[JobHosts]:
     from dlrun.run.detach import JobHosts
-    from dlrun.run.launch import make_transport, resolve_inventory
+    from dlrun.run.launch import default_hosts, make_transport, resolve_inventory
 
-    inventory = resolve_inventory(hosts, 1)
+    inventory = resolve_inventory(default_hosts(hosts), 1)
     transport = make_transport(inventory, ssh_options(**ssh))
     try:
         yield JobHosts(transport, inventory.hosts, unreachable=connect_reachable(transport, inventory.hosts))
@@ -420,8 +478,8 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
     import sys
 
     from dlrun.run.detach import LogFollower
-    from dlrun.run.screen import ScreenFeed
-    from dlrun.run.view import PlainView, make_view
+    from dlrun.run.screen import ScreenFeed, make_view
+    from dlrun.run.view import PlainView
 
     stream = out or sys.stdout
     shown = PlainView(out) if out is not None else make_view()
@@ -446,6 +504,19 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
         code = 1 if record.exit_code is None else record.exit_code
         stream.write(f"dlrun: job {job} {record.state}; exit code {code}\n")
         return code
+
+
+def stack(job: str, hosts: str | None = None, **ssh: Any) -> dict[str, Any]:
+    """Where every rank of running job ``job`` is (``dlrun stack``): an attached job on this
+    machine answers through its control socket, else the detached job on ``hosts`` is asked.
+    ``{"summary": lines, "cause", "folder" | "folders", "notes", "methods"}``; the job goes on."""
+    from dlrun.run.stackcmd import attached_stacks, detached_stacks
+
+    answer = attached_stacks(job)
+    if answer is not None:
+        return answer
+    with _job_hosts(hosts, ssh) as job_hosts:
+        return detached_stacks(job_hosts, job)
 
 
 def stop(job: str, hosts: str | None = None, *, timeout: float = 60.0, **ssh: Any) -> JobRecord:

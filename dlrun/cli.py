@@ -40,7 +40,9 @@ def _reports_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except DlrunError as exc:
-            click.echo(f"dlrun: error: {exc}", err=True)
+            from dlrun.render import printable  # a name from a file or a host cannot drive the terminal
+
+            click.echo(f"dlrun: error: {chr(10).join(printable(line) for line in str(exc).split(chr(10)))}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("dlrun: interrupted", err=True)
@@ -80,7 +82,7 @@ class GroupedOption(click.Option):
 
 
 #: The sections of ``--help``, in order; an option of no group goes last, under "Other".
-SECTIONS = ("Job", "Hosts", "Output", "SSH", "Push", "Spark")
+SECTIONS = ("Job", "Hosts", "Bench", "Output", "SSH", "Push", "Spark")
 
 
 class GroupedCommand(click.Command):
@@ -117,6 +119,16 @@ def _env_option(ctx: click.Context, param: click.Parameter, value: tuple[str, ..
     return _parse_env(value, f"--{param.name}")
 
 
+def _rank_env_option(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
+    """``-e NAME=VALUE`` or ``-e NAME`` (this process's value: no secret on dlrun's command line)."""
+    from dlrun.userenv import parse_env_args
+
+    try:
+        return parse_env_args(value)
+    except DlrunError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 def _ranks_option(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
     return _parse_ranks(value)
 
@@ -135,6 +147,9 @@ ssh_options = options(
            " asked for a reply every few seconds. A job's agents stop their ranks after the same"
            f" silence. 0: never. Default: the ssh config's ServerAliveInterval x ServerAliveCountMax,"
            f" else {DEFAULT_HOST_TIMEOUT:g}."),
+    option("SSH", "--transport", type=click.Choice(["auto", "ssh", "srun"]), default="auto", show_default=True,
+           help="How hosts are reached: ssh; srun (each host's commands as steps of the Slurm job dlrun"
+           " runs in); auto: srun for the allocation's own nodes, else ssh."),
 )
 
 #: The dataset each host gets its shard of (``dlrun launch`` and ``dlrun push``).
@@ -234,12 +249,16 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool],
 @option("Job", "--no-python", is_flag=True,
         help="Run SCRIPT [ARGS] exactly as given: no host python for python or .py, no Rscript for .R, no bash"
         " for .sh (torchrun's --no-python). Before SCRIPT only.")
-@option("Job", "--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: localhost).")
+@option("Job", "--hosts", "-H", help="hosts.toml, an MPI hostfile, 'h1:2,h2:4', or slurm: the allocation's nodes"
+        " (default: those inside a Slurm allocation, else localhost).")
 @option("Job", "--np", "-n", "np", type=int, help="Number of ranks (default: every slot; 2 on localhost).")
 @option("Job", "--framework", type=click.Choice((AUTO, *FRAMEWORKS)), default=AUTO, show_default=True,
         help="The rank contract; auto: from the script's imports (never run), both tf and torch when"
         " they name none. tf-ps is never guessed.")
-@option("Job", "--env", "-e", multiple=True, callback=_env_option, help="NAME=VALUE for every rank (repeatable).")
+@option("Job", "--env", "-e", multiple=True, callback=_rank_env_option, metavar="NAME[=VALUE]",
+        help="NAME=VALUE for every rank, or NAME: its value here, kept off the command line (repeatable).")
+@option("Job", "--env-file", multiple=True, type=click.Path(dir_okay=False), metavar="FILE",
+        help="NAME=VALUE lines for every rank (repeatable; -e wins). Only you may read the file (chmod 600).")
 @option("Job", "--base-port", type=click.IntRange(1, 65535),
         help=f"Port of local rank 0 (default {DEFAULT_BASE_PORT}; on this machine alone, the first free run "
         "of ports from there, so that jobs side by side do not collide).")
@@ -261,6 +280,10 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool],
         help="Do not run each host's ranks in a PID namespace.")
 @option("Job", "--no-preflight", "preflight", is_flag=True, flag_value=False, default=True,
         help="Skip the topology probe (slots, GPUs, error findings).")
+@option("Job", "--bench", is_flag=True,
+        help="After the preflight, measure the hosts as `dlrun topo --bench` does; stop on a host or link far below.")
+@option("Job", "--bench-seconds", type=click.FloatRange(min=1), default=60.0, show_default=True, metavar="SECONDS",
+        help="With --bench: about how long it takes.")
 @option("Job", "--backend", type=click.Choice(["ssh", "spark"]), default="ssh", show_default=True,
         help="ssh: the inventory's hosts (or localhost); spark: a barrier stage of --np tasks.")
 @option("Output", "--dry-run", is_flag=True,
@@ -275,6 +298,9 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool],
         help="Sample every host's GPUs (nvidia-smi) this often while the job runs; 0: never.")
 @option("Output", "--gpu-idle-after", type=click.FloatRange(min=0), default=60.0, show_default=True,
         metavar="SECONDS", help="Warn when a GPU the ranks can see is idle this long while another is busy.")
+@option("Job", "--hang-timeout", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
+        help="When no rank writes anything and no GPU is busy this long: print where every rank is"
+        " stuck (its stack), stop the job, exit 124. Default 0: off.")
 @ssh_options
 @option("Push", "--push/--no-push", default=True, show_default=True,
         help="Push the script's directory to <workdir>/<dir name> on remote hosts and run there.")
@@ -284,6 +310,8 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool],
 @option("Push", "--setup", metavar="CMD",
         help="Run `sh -c CMD` on every host in the pushed folder before any rank (overrides the"
         " inventory's setup); again only when CMD or the pushed files changed.")
+@option("Push", "--insecure-workdir", is_flag=True,
+        help="Push and run even where another user owns, or may write, the workdir or project folder on a host.")
 @option("Push", "--setup-always", is_flag=True, help="Run the setup even when nothing changed since its last success.")
 @data_options
 @spark_options
@@ -308,12 +336,13 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
                    "--push (not --no-push)")
     _refuse_unused({"--data": "data", "--shard": "shard", "--split-lines": "split_lines", "--push/--no-push": "push",
                     "--code": "code", "--max-push-size": "max_push_size", "--setup": "setup",
-                    "--setup-always": "setup_always", "--base-port": "base_port", "--no-preflight": "preflight",
-                    "--module": "module",
+                    "--setup-always": "setup_always", "--insecure-workdir": "insecure_workdir",
+                    "--base-port": "base_port", "--no-preflight": "preflight",
+                    "--bench": "bench", "--bench-seconds": "bench_seconds", "--module": "module",
                     "--ssh-config": "ssh_config",
                     "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
                     "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach",
-                    "--checkpoint-dir": "checkpoint_dir"},
+                    "--checkpoint-dir": "checkpoint_dir", "--transport": "transport"},
                    spark, "the SSH backend, not --backend spark (Spark places tasks and ships the code)")
     sys.exit(run(script, args, **settings).exit_code)
 
@@ -331,10 +360,18 @@ def _refuse_unused(options: dict[str, str], unused: bool, needs: str) -> None:
 
 @main.command(cls=GroupedCommand)
 @option("Hosts", "--hosts", "-H", help="hosts.toml, an MPI hostfile, or 'h1:2,h2:4' (default: this machine).")
+@option("Bench", "--bench", is_flag=True,
+        help="Then measure the hosts: TCP between them, CPU or GPU compute, all-reduce (gloo/NCCL) where"
+        " torch is installed; each number beside what the topology promises; exit 1 on a host or link far below.")
+@option("Bench", "--bench-seconds", type=click.FloatRange(min=1), default=60.0, show_default=True, metavar="SECONDS",
+        help="About how long the bench takes in all.")
+@option("Bench", "--iface", help="Network interface the bench's TCP and all-reduce use on every host"
+        " (default: launch's rule, see README).")
 @option("Output", "--json", "json_output", is_flag=True, help="Print the report as JSON.")
 @ssh_options
 @_reports_errors
-def topo(hosts: str | None, json_output: bool, **ssh: Any) -> None:
+def topo(hosts: str | None, json_output: bool, bench: bool, bench_seconds: float, iface: str | None,
+         **ssh: Any) -> None:
     """Probe GPUs, NVLink/PCIe links and InfiniBand/RoCE NICs on every host; exit 1 on errors."""
     import json
 
@@ -344,12 +381,36 @@ def topo(hosts: str | None, json_output: bool, **ssh: Any) -> None:
     from dlrun.topo.findings import topo_document
     from dlrun.topo.report import render_topo
 
-    result = probe(hosts, **ssh)
+    if iface and not bench:
+        raise click.UsageError("--iface goes with --bench")
+    console = Console(stderr=True)
+    status = console.status("bench") if bench and console.is_terminal and not json_output else None
+
+    def progress(text: str) -> None:
+        if status is not None:
+            status.update(f"bench: {text}")
+
+    if status is not None:
+        status.start()
+    try:
+        result = probe(hosts, bench=bench, bench_seconds=bench_seconds, iface=iface, progress=progress, **ssh)
+    finally:
+        if status is not None:
+            status.stop()
     if json_output:
-        click.echo(json.dumps(topo_document(result.reports, result.findings, result.env, result.ifaces, result.note),
-                              indent=2))
+        doc = topo_document(result.reports, result.findings, result.env, result.ifaces, result.note)
+        if result.bench is not None:
+            from dlrun.topo.bench import bench_document
+
+            doc["bench"] = bench_document(result.bench)
+        click.echo(json.dumps(doc, indent=2))
     else:
-        Console().print(render_topo(result.reports, result.findings, result.env, result.note))
+        out = Console()
+        out.print(render_topo(result.reports, result.findings, result.env, result.note))
+        if result.bench is not None:
+            from dlrun.topo.bench import render_bench
+
+            out.print(render_bench(result.bench))
     sys.exit(result.exit_code)
 
 
@@ -379,6 +440,8 @@ def init(directory: str, framework: str, force: bool) -> None:
 @option("Push", "--no-delete", "delete", is_flag=True, flag_value=False, default=True,
         help="Keep remote code files that were deleted locally (a data shard always drops what left it).")
 @max_push_size_option
+@option("Push", "--insecure-workdir", is_flag=True,
+        help="Push and run even where another user owns, or may write, the workdir or project folder on a host.")
 @option("Output", "--dry-run", is_flag=True, help="Show per host what would be sent and deleted; write nothing.")
 @option("Output", "--json", "json_output", is_flag=True, help="Print the per-host summary as JSON.")
 @ssh_options
@@ -498,3 +561,29 @@ def stop(job: str, hosts: str | None, **ssh: Any) -> None:
     for line in summary_lines(record):
         click.echo(line)
     sys.exit(1 if record.exit_code is None else record.exit_code)
+
+
+@main.command(cls=GroupedCommand)
+@click.argument("job")
+@job_hosts_option
+@ssh_options
+@_reports_errors
+def stack(job: str, hosts: str | None, **ssh: Any) -> None:
+    """Print where every rank of running JOB is: ranks grouped by their Python stacks (two
+    samples a few seconds apart), the odd group first. Full stacks go to the job's log folder;
+    the job goes on. JOB: an attached job on this machine, or a detached one on --hosts."""
+    from dlrun.api import stack as take
+
+    answer = take(job, hosts, **ssh)
+    for line in answer.get("summary") or []:
+        click.echo(line)
+    for host, note in (answer.get("notes") or {}).items():
+        click.echo(f"dlrun: {host}: {note}", err=True)
+    if answer.get("methods"):
+        click.echo(f"dlrun: taken by {', '.join(answer['methods'])}")
+    if answer.get("folder"):
+        click.echo(f"dlrun: full stacks in {answer['folder']}/")
+    for folder in answer.get("folders") or []:
+        click.echo(f"dlrun: full stacks in {folder}/")
+    if not answer.get("summary"):
+        sys.exit(1)

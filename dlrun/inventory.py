@@ -283,14 +283,14 @@ def _check_table(
                     problem = f"must be a string, not {_type_name(val)} (quote it)"
                 elif "\0" in val:
                     problem = "contains a NUL byte, which no environment can hold"
-                elif not _ENV_NAME.fullmatch(name):
+                elif not ENV_NAME.fullmatch(name):
                     problem = "is not a valid environment variable name"
                 else:
                     continue
                 raise InventoryError(problem, source=source, line=line_of(f"env.{name}"), key=f"{where}.env.{name}")
 
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _type_name(value: object) -> str:

@@ -28,6 +28,14 @@ SECRET_NAME = re.compile(r"TOKEN|SECRET|PASS|PWD|CREDENTIAL|AUTH|KEY|COOKIE|PRIV
 # (it may hold '@' or '/'), the host to the first '/', '?', '#' or space
 URL_PASSWORD = re.compile(r"(://[^/:@\s]*):\S*@(?=[^@\s/]*(?:[/?#\s]|$))")
 MASK = "****"
+# HOROVOD_GLOO_RENDEZVOUS_ADDR=host:port/<key>: the key is the rendezvous credential
+RENDEZVOUS_KEY = re.compile(r"^([^/]*/).+$", re.DOTALL)
+# an option of the script that names a secret: --password, --api-key (its value follows, or after '=')
+SECRET_OPTION = re.compile(r"-{1,2}[A-Za-z][\w.-]*")
+# NAME=VALUE or --name=value among the script's arguments
+ASSIGNMENT = re.compile(r"(-{0,2}[A-Za-z_][\w.-]*)=(.*)", re.DOTALL)
+# C0 and C1 control characters and DEL: a terminal obeys them (colors, cursor moves, titles)
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 @dataclass(frozen=True)
@@ -103,8 +111,17 @@ def socket_env(framework: str, iface: SocketIface | None) -> dict[str, str]:
     return env
 
 
-def horovod_env(plan: Plan, spec: RankSpec, *, rendezvous: tuple[str, int]) -> dict[str, str]:
+#: Where the ranks meet: (address, port), or (address, port, key) for a server that wants the
+#: job's rendezvous key in every request (``dlrun.remote.rendezvous.client_address``)
+Rendezvous = tuple[str, int] | tuple[str, int, str]
+
+
+def horovod_env(plan: Plan, spec: RankSpec, *, rendezvous: Rendezvous) -> dict[str, str]:
     """Horovod's gloo rank environment, pointing at dlrun's rendezvous server."""
+    key = rendezvous[2] if len(rendezvous) > 2 else None
+    # with a key: host:port/key, which Horovod's client puts into every request's path
+    # (dlrun.remote.rendezvous.client_address, the keeper's copy)
+    address = f"{rendezvous[0]}:{rendezvous[1]}/{key}" if key else rendezvous[0]
     env = {
         "HOROVOD_RANK": str(spec.rank),
         "HOROVOD_SIZE": str(plan.world_size),
@@ -114,7 +131,7 @@ def horovod_env(plan: Plan, spec: RankSpec, *, rendezvous: tuple[str, int]) -> d
         "HOROVOD_CROSS_SIZE": str(spec.cross_size),
         # the rank's network address: gloo resolves it when no interface is named
         "HOROVOD_HOSTNAME": spec.address,
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous[0],
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": address,
         "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous[1]),
         "HOROVOD_CONTROLLER": "gloo",
         "HOROVOD_CPU_OPERATIONS": "gloo",
@@ -126,6 +143,22 @@ def error_file(plan: Plan, spec: RankSpec) -> str:
     """Where a rank's ``@record`` writes its exception: per job, attempt and rank, as torchrun's
     ``…/attempt_N/<rank>/error.json``. The host's agent makes the folder and sends the file back."""
     return f"/tmp/dlrun-{plan.job_id}/attempt_{plan.restart_count}/{spec.rank}/error.json"
+
+
+def flight_recorder_env(plan: Plan) -> dict[str, str]:
+    """PyTorch's flight recorder, on for every torch job (``docs/stacks.md``): the last 2000
+    collectives per rank in a ring buffer, dumped on a watchdog timeout (``dump_on_timeout``) or
+    when ``<pipe stem><rank>.pipe`` is written to, into the job's folder on the host, which the
+    agent makes. Each is set only where the job did not set it."""
+    folder = f"/tmp/dlrun-{plan.job_id}/flight-recorder"
+    return {
+        # torch >= 2.9's names: the older ones (TORCH_NCCL_TRACE_BUFFER_SIZE, …) make torch print
+        # a deprecation warning in every rank
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": f"{folder}/trace_rank_",
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": f"{folder}/pipe_rank_",
+    }
 
 
 def torch_env(plan: Plan, spec: RankSpec, *, master_port: int | None = None) -> dict[str, str]:
@@ -173,7 +206,7 @@ def framework_env(
     plan: Plan,
     spec: RankSpec,
     *,
-    rendezvous: tuple[str, int] | None = None,
+    rendezvous: Rendezvous | None = None,
 ) -> dict[str, str]:
     """The framework part of a rank's env (``plan.framework`` picks which)."""
     if plan.framework == TF_AND_TORCH:  # --framework auto found no framework: both contracts
@@ -205,7 +238,7 @@ def worker_commands(
     python_for: Mapping[str, Sequence[str]],
     cwd_for: Mapping[str, str | None] | None = None,
     extra_env: Mapping[str, str] | None = None,
-    rendezvous: tuple[str, int] | None = None,
+    rendezvous: Rendezvous | None = None,
     ifaces: Mapping[str, SocketIface] | None = None,
     server_argv: Sequence[str] | None = None,
     gpus_for: Mapping[str, Sequence[str]] | None = None,
@@ -240,6 +273,8 @@ def worker_commands(
             if spec.local_size > 1:
                 env.setdefault("OMP_NUM_THREADS", "1")
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # an NCCL error fails, not hangs
+            for name, value in flight_recorder_env(plan).items():
+                env.setdefault(name, value)
         python = python_for[spec.host.name]
         if len(python) == 1 and python[0].startswith("/") and runs_r(script, args, no_python=no_python):
             env.setdefault("RETICULATE_PYTHON", python[0])  # reticulate loads the inventory's python
@@ -260,8 +295,44 @@ def worker_commands(
 def mask_env(env: Mapping[str, str]) -> dict[str, str]:
     """Hide the values of variables whose names say they hold a secret (``SECRET_NAME``), and
     the password of a URL in any other value (``DATABASE_URL=postgres://u:****@db/x``)."""
-    return {name: (MASK if SECRET_NAME.search(name) else URL_PASSWORD.sub(rf"\1:{MASK}@", value))
-            for name, value in env.items()}
+    return {name: (MASK if SECRET_NAME.search(name) else RENDEZVOUS_KEY.sub(rf"\1{MASK}", value)
+                   if name == "HOROVOD_GLOO_RENDEZVOUS_ADDR" else mask_text(value)) for name, value in env.items()}
+
+
+def mask_text(value: str) -> str:
+    """The password of every URL in ``value`` masked (``postgres://u:****@db``)."""
+    return URL_PASSWORD.sub(rf"\1:{MASK}@", value)
+
+
+def mask_argv(argv: Sequence[str]) -> list[str]:
+    """The script's arguments as dlrun shows or stores them: URL passwords masked, and the value
+    of an argument named for a secret (``--password X``, ``--api-key=X``, ``DB_PASS=X``; names
+    as ``SECRET_NAME``). It may hide a value that is no secret (``--max-tokens 8``): masking
+    too much in a printout is the cheaper mistake."""
+    shown: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next and not arg.startswith("-"):
+            shown.append(MASK)
+            hide_next = False
+            continue
+        hide_next = False
+        assignment = ASSIGNMENT.fullmatch(arg)
+        if assignment and SECRET_NAME.search(assignment.group(1)):
+            shown.append(f"{assignment.group(1)}={MASK}")
+        elif SECRET_OPTION.fullmatch(arg) and SECRET_NAME.search(arg):
+            shown.append(arg)
+            hide_next = True
+        else:
+            shown.append(mask_text(arg))
+    return shown
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped (``\\x1b``, ``\\n``), for anything dlrun prints
+    that came from a user or a host: a name or argument cannot move the cursor, recolor the
+    terminal or forge a line of dlrun's own."""
+    return CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def plan_to_json(commands: Sequence[WorkerCommand]) -> dict[str, Any]:
@@ -280,7 +351,7 @@ def plan_to_json(commands: Sequence[WorkerCommand]) -> dict[str, Any]:
                 "cross_size": c.spec.cross_size,
                 "task": {"type": c.spec.task_type, "index": c.spec.task_index},
                 "port": c.spec.port,
-                "argv": list(c.argv),
+                "argv": mask_argv(c.argv),
                 "cwd": c.cwd,
                 "env": mask_env(c.env),
             }

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Smoke-test dlrun on a GPU machine: `dlrun topo`, an NCCL DDP job over every local GPU (also
+# Smoke-test dlrun on a GPU machine: `dlrun topo`, `dlrun topo --bench` (GEMM, HBM, PCIe copies,
+# NCCL all-reduce beside the expected values; its JSON in /tmp/gpu_smoke.bench.json), an NCCL DDP job over every local GPU (also
 # detached) and a Lightning GPU job, each also under torchrun with the same script, with
-# throughput side by side; and the launch cost: a no-op NCCL job (launch, init, barrier, exit)
-# timed under dlrun, torchrun and bare python, interleaved, NOOP_ROUNDS times (default 3).
+# throughput side by side; then a rank stuck in a CUDA op that `dlrun stack` must find (as this
+# user and, when run as root, as a plain login user, where Yama's ptrace_scope applies) and an
+# idle-GPU hang that `--hang-timeout` must stop (exit 124); and, after topo, the launch cost: a
+# no-op NCCL job (launch, init, barrier, exit) timed under dlrun, torchrun and bare python,
+# interleaved, NOOP_ROUNDS times (default 3).
 #   scripts/gpu_smoke.sh [python]      (default python3; needs torch, and lightning for its part)
 # Prints what each one did; exits non-zero when a dlrun job fails. docs/gpu.md records its runs.
 set -uo pipefail
@@ -61,6 +65,26 @@ d=$(noop_median dlrun) b=$(noop_median bare)
 [ -n "$d" ] && [ -n "$b" ] && awk -v d="$d" -v b="$b" \
   'BEGIN { printf "noop dlrun - bare: %+.2f s (goal <= +0.50 s): %s\n", d - b, (d - b <= 0.5 ? "met" : "NOT met") }'
 
+section "dlrun topo --bench (bf16 GEMM, HBM copy, H2D/D2H, NCCL all-reduce across the GPUs)"
+# exit 1 here means a finding (a number far below the expectation), which is a result to read,
+# not a broken dlrun: the JSON keeps every number for docs/gpu.md
+timed bench "$py" -m dlrun topo --bench --bench-seconds 40
+tail -n 30 /tmp/gpu_smoke.bench.log
+"$py" -m dlrun topo --bench --bench-seconds 20 --json >/tmp/gpu_smoke.bench.json 2>/tmp/gpu_smoke.bench-json.log
+"$py" - <<'PY' || status=1
+import json
+doc = json.load(open("/tmp/gpu_smoke.bench.json"))["bench"]
+print("bench level:", doc["level_text"])
+for m in doc["measures"]:
+    exp = m["expected"]
+    print(f"  {m['kind']:15} {m['subject']:14} {m['value'] if m['value'] is None else round(m['value'], 1)!s:>8}"
+          f" {m['unit']:8} expected {exp['value'] if exp else '-'} ({exp['basis'] if exp else 'peers'})"
+          f" {m['error'] or ''}")
+failed = [m for m in doc["measures"] if m["error"]]
+assert not failed, f"a bench measurement failed: {failed}"
+assert doc["level"] == "torch-cuda", doc["level"]
+PY
+
 section "DDP on NCCL, $ngpu rank(s), cuda:LOCAL_RANK"
 timed ddp-dlrun "$py" -m dlrun launch --plain --framework torch --np "$ngpu" scripts/gpu_ddp.py || status=1
 timed ddp-torchrun "$py" -m torch.distributed.run --standalone --nproc-per-node "$ngpu" scripts/gpu_ddp.py
@@ -82,6 +106,53 @@ if "$py" -c 'import lightning' 2>/dev/null || "$py" -c 'import pytorch_lightning
 else
   echo "lightning is not installed: skipped"
 fi
+
+section "stuck ranks: dlrun stack and --hang-timeout (docs/stacks.md)"
+echo "kernel.yama.ptrace_scope = $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo 'absent (no Yama)')"
+# dlrun ships the client's py-spy to the hosts; an offline machine needs one brought along:
+# DLRUN_PY_SPY=<path>, or a py-spy beside $py or on PATH (a copy at ./py-spy in the tree is used)
+if [ -z "${DLRUN_PY_SPY:-}" ] && [ -x ./py-spy ]; then export DLRUN_PY_SPY=$PWD/py-spy; fi
+"$py" -c 'import os, shutil, sys; p = os.environ.get("DLRUN_PY_SPY") or shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy"); print("py-spy:", p); sys.exit(p is None)' \
+  || echo "py-spy: none (the stack steps fail: copy a py-spy binary to ./py-spy)"
+stuck_stack() {  # stuck_stack [RUNNER...]: a rank stuck in a CUDA op, `dlrun stack` from a second process
+  local log job pid code
+  log=$(mktemp /tmp/gpu_smoke.stuck-job.XXXXXX)
+  chmod 666 "$log"
+  "$@" "$py" -m dlrun launch --plain --framework torch --np 1 scripts/gpu_stuck.py cuda >"$log" 2>&1 &
+  pid=$!  # the runner words exec one another: this is dlrun's pid
+  for _ in $(seq 120); do grep -q '] ready' "$log" && break; sleep 1; done
+  job=$(sed -n 's#.*logs in dlrun-logs/\([^/]*\)/.*#\1#p' "$log" | head -n 1)
+  "$@" "$py" -m dlrun stack "$job" | tee /tmp/gpu_smoke.stack.out
+  grep -q 'stuck_in_cuda_op' /tmp/gpu_smoke.stack.out && grep -q 'taken by py-spy' /tmp/gpu_smoke.stack.out
+  code=$?
+  kill -TERM "$pid"; wait "$pid"
+  return "$code"
+}
+timed stack-as-$(id -un) stuck_stack || status=1
+cat /tmp/gpu_smoke.stack.out
+if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null && command -v useradd >/dev/null; then
+  # Yama's scope 1 binds only a tracer without CAP_SYS_PTRACE: prove it as a plain login user
+  id dlrun-smoke >/dev/null 2>&1 || useradd -m -s /bin/sh dlrun-smoke
+  work=/tmp/dlrun-smoke-repo
+  rm -rf "$work" && mkdir -p "$work" && cp -r dlrun scripts "$work"/ && chown -R dlrun-smoke: "$work"
+  if [ -n "${DLRUN_PY_SPY:-}" ]; then cp "$DLRUN_PY_SPY" "$work/py-spy" && chmod 755 "$work/py-spy"; fi
+  as_user=(setpriv --reuid dlrun-smoke --regid dlrun-smoke --init-groups env HOME=/home/dlrun-smoke PYTHONPATH="$work")
+  [ -n "${DLRUN_PY_SPY:-}" ] && as_user+=(DLRUN_PY_SPY="$work/py-spy")
+  if "${as_user[@]}" "$py" -c 'import torch' 2>/dev/null; then
+    (cd "$work" && timed stack-as-login-user stuck_stack "${as_user[@]}") || status=1
+    cat /tmp/gpu_smoke.stack.out
+  else
+    echo "stack as a login user: skipped ($py cannot import torch as dlrun-smoke)"
+  fi
+fi
+hang_timeout() {  # an idle GPU and a rank in stuck_in_data_loading: --hang-timeout 15 must stop it, exit 124
+  "$py" -m dlrun launch --plain --framework torch --np 1 --hang-timeout 15 scripts/gpu_stuck.py cpu \
+    >/tmp/gpu_smoke.hang.out 2>&1
+  local code=$?
+  grep -E 'root cause|no output for|stuck_in' /tmp/gpu_smoke.hang.out
+  [ "$code" = 124 ] && grep -q 'root cause: job hung: .*stuck_in_data_loading' /tmp/gpu_smoke.hang.out
+}
+timed hang-timeout hang_timeout || status=1
 
 section result
 [ "$status" -eq 0 ] && echo "gpu smoke: every dlrun job passed" || echo "gpu smoke: a dlrun job FAILED (logs in /tmp/gpu_smoke.*.log)"

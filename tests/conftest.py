@@ -78,6 +78,17 @@ def example(cluster, name: str) -> Path:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A real Slurm cluster for the session: nodes host0..host2, named as the sshd cluster's hosts
+    (tests/support/slurm_cluster.py). Skipped where Slurm is missing, except on CI."""
+    from support.slurm_cluster import require_slurm, start_slurm
+
+    require_slurm()
+    with start_slurm(["host0", "host1", "host2"], tmp_path_factory.mktemp("slurm")) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
 def horovod() -> None:
     """Horovod 0.28.1 built by scripts/build_horovod.sh (cached wheel). A failed build fails loudly."""
     probe = subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True, text=True)

@@ -70,6 +70,7 @@ from dlrun.push.tree import (
     scan_tree,
 )
 from dlrun.remote import boot_argv, boot_payload, source_of
+from dlrun.render import printable
 from dlrun.transport.base import Channel, Transport, default_python
 
 # Kept importable from here, where dlrun.run and older callers import them.
@@ -188,6 +189,7 @@ def _parse_tree(raw: Mapping[str, Any]) -> RemoteTree:
         device=int(raw["device"]),
         error=raw.get("error"),
         error_path=raw.get("path"),
+        unsafe=tuple((str(a), str(b), str(c)) for a, b, c in raw.get("unsafe") or ()),
     )
 
 
@@ -284,8 +286,10 @@ class _HostPush:
 
     def __init__(self, transport: Transport, host: Host, targets: Sequence[PushTarget], *, delete: bool,
                  progress: ProgressHook | None, file_progress: ProgressHook | None,
-                 cancel: threading.Event, dry_run: bool = False, sources: Sequence[Mapping[str, Any]] = ()) -> None:
+                 cancel: threading.Event, dry_run: bool = False, sources: Sequence[Mapping[str, Any]] = (),
+                 owner_check: bool = True) -> None:
         self.transport = transport
+        self.owner_check = owner_check
         # other hosts' helpers that send some of target 0's files straight to this one
         # (``address``, ``port``, ``token``, ``cert``, ``paths``: dlrun.push.checkpoint)
         self.sources = sources
@@ -306,7 +310,7 @@ class _HostPush:
         try:
             replies = _Replies(channel)
             self._send(boot_payload("push_helper"), replies)  # the program, before its protocol
-            self._send_line(survey_request(self.targets), replies)
+            self._send_line(survey_request(self.targets, owner_check=self.owner_check), replies)
             first = replies.get()
             if first is None or "targets" not in first:
                 raise self._helper_failed("the push helper did not report the host's files", replies)
@@ -383,6 +387,7 @@ class _HostPush:
             raise
 
     def _check(self, trees: Sequence[RemoteTree], plans: Sequence[TransferPlan]) -> None:
+        check_owners(self.host.name, trees)
         for tree in trees:
             if tree.error:
                 raise SyncError(f"{tree.error}: {tree.error_path or tree.root}", host=self.host.name,
@@ -524,6 +529,7 @@ def push(
     log_dir: str | Path | None = DEFAULT_LOG_DIR,
     limit: PushLimit | None = DEFAULT_LIMIT,
     dry_run: bool = False,
+    insecure_workdir: bool = False,
 ) -> tuple[HostPushSummary, ...]:
     """Bring ``code_dir`` (to ``remote_code_dir``) and each host's shard of ``data_dir`` (to
     ``remote_data_dir``) up to date on every host, in parallel; one summary per host, in order.
@@ -536,7 +542,8 @@ def push(
     out of the code wherever it is (relative: from the current directory). ``limit``: a code
     push over it stops before anything is hashed or sent (data shards are not limited).
     ``dry_run``: survey each host and return what a push would send and delete
-    (``HostPushSummary.dry_run``), writing nothing anywhere. Raises ``SyncError`` (space, permissions, verification),
+    (``HostPushSummary.dry_run``), writing nothing anywhere. ``insecure_workdir``: push even into
+    folders another user owns or may write (``check_owners``). Raises ``SyncError`` (space, permissions, verification),
     ``TransportError`` (unreachable, helper failed) or ``UsageError``; with several hosts
     failing, one ``SyncError`` lists them all. Hosts that succeeded keep what they received.
     """
@@ -582,7 +589,8 @@ def push(
 
     cancel = threading.Event()
     jobs = [_HostPush(transport, host, targets, delete=delete, progress=progress, file_progress=file_progress,
-                      cancel=cancel, dry_run=dry_run) for host, targets in zip(hosts, host_targets, strict=True)]
+                      cancel=cancel, dry_run=dry_run, owner_check=not insecure_workdir)
+            for host, targets in zip(hosts, host_targets, strict=True)]
     pool = ThreadPoolExecutor(max_workers=min(32, len(jobs)), thread_name_prefix="dlrun-push")
     futures: list[Future[HostPushSummary]] = [pool.submit(job.run) for job in jobs]
     try:
@@ -640,14 +648,26 @@ def _plan_local(code_root: Path | None, data_root: Path | None, count: int, shar
 # =============================================================================== a push with nothing to do
 
 
-def survey_request(targets: Sequence[PushTarget]) -> dict[str, Any]:
+def check_owners(host: str, trees: Sequence[RemoteTree]) -> None:
+    """Refuse a push (and so a launch) into folders another user could write or owns
+    (``dlrun.remote.push_helper.unsafe_folders``): a SyncError naming each folder and its fix."""
+    unsafe = list(dict.fromkeys(problem for tree in trees for problem in tree.unsafe))
+    if not unsafe:
+        return
+    lines = "\n".join(f"  {printable(folder)} {what}: {printable(fix)}" for folder, what, fix in unsafe)
+    raise SyncError(f"another user could plant code that the job runs; nothing was pushed or started:\n{lines}",
+                    host=host, hint="fix the folders above, or pass --insecure-workdir to accept the risk")
+
+
+def survey_request(targets: Sequence[PushTarget], *, owner_check: bool = True) -> dict[str, Any]:
     """The survey message of the protocol: per target its remote root and the local paths.
 
     The helper reads it first; ``dlrun.remote.agent`` answers it too (op ``survey``, running
     ``helper_source()``'s ``survey`` in-process), so that a launch learns whether its code is
     already on a host without a second session and interpreter there.
     """
-    return {"targets": [{"root": t.root, "paths": list(t.manifest.paths())} for t in targets],
+    return {"targets": [{"root": t.root, "paths": list(t.manifest.paths()), "owner_check": owner_check,
+                         "folders": [list(f) for f in t.manifest.folders]} for t in targets],
             "idle": HELPER_IDLE_S}
 
 
@@ -694,7 +714,8 @@ def settled_push(host: str, targets: Sequence[PushTarget], answer: Mapping[str, 
 def _summary_if_settled(host: str, targets: Sequence[PushTarget], trees: Sequence[RemoteTree],
                         plans: Sequence[TransferPlan], settled: bool) -> HostPushSummary | None:
     """The summary of a push with nothing to send, delete or record; None when there is work."""
-    if not settled or any(tree.error for tree in trees) or any(plan.send or plan.delete for plan in plans):
+    if (not settled or any(tree.error or tree.unsafe for tree in trees)
+            or any(plan.send or plan.delete for plan in plans)):
         return None
     roots = {t.label: tree.root for t, tree in zip(targets, trees, strict=True)}
     return HostPushSummary(host=host, files_sent=0, bytes_sent=0,

@@ -43,7 +43,7 @@ echo "dlrun-setup: running in $PWD"
 sh -c "$5"
 code=$?
 if [ "$code" -eq 0 ]; then
-  mkdir -p "$(dirname "$stamp")" && printf '%s\n' "$3" > "$stamp.$$" && mv -f "$stamp.$$" "$stamp"
+  (umask 077 && mkdir -p "$(dirname "$stamp")" && printf '%s\n' "$3" > "$stamp.$$" && mv -f "$stamp.$$" "$stamp")
 fi
 exit "$code"
 """
@@ -128,6 +128,7 @@ def run_setup(
     if not chosen:
         return ()
     log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir.chmod(0o700)  # the job's log folder is private, as the hosts' job folders are
 
     channels: list[Channel] = []
 

@@ -46,7 +46,8 @@ HASH_THREADS = 8  # hashing threads at most, whatever the number of cores
 #: Left out of a code push unless a ``!pattern`` in ``.dlrunignore`` brings them back; so is
 #: any folder holding ``pyvenv.cfg`` or ``conda-meta/`` (an environment), and the job's logs.
 DEFAULT_LEFT_OUT = ("node_modules/", ".tox/", ".nox/", ".mypy_cache/", ".pytest_cache/", ".ruff_cache/",
-                    ".ipynb_checkpoints/", "wandb/", "mlruns/", "lightning_logs/", "/dlrun-logs/")
+                    ".ipynb_checkpoints/", "wandb/", "mlruns/", "lightning_logs/", "/dlrun-logs/",
+                    ".dlrun-claim-*")  # a launch's claim of a shared folder (dlrun.remote.push_helper.claim)
 DEFAULT_LOG_DIR = "dlrun-logs"  # at the root: earlier runs' logs, even when this job's go elsewhere
 DEFAULT_MAX_PUSH_BYTES = 200 * 1024 * 1024
 DEFAULT_MAX_PUSH_FILES = 20_000
@@ -238,6 +239,8 @@ class Manifest:
 
     entries: tuple[FileEntry, ...] = ()
     left_out: tuple[str, ...] = field(default=(), compare=False)  # folders the defaults left out
+    # (relative path, mode) of every folder walked, "" for the root: pushed as ``folder_mode`` says
+    folders: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -271,6 +274,7 @@ class RemoteTree:
     device: int = 0
     error: str | None = None
     error_path: str | None = None
+    unsafe: tuple[tuple[str, str, str], ...] = ()  # (folder, what is wrong, fix): others could plant code
 
 
 @dataclass(frozen=True)
@@ -403,10 +407,12 @@ class HashCache:
     def save(self) -> None:
         if self.path is None or self._new == self._old:
             return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:  # private: the sha256 of a short secret (.env) lets a reader test guesses offline
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            temp.write_text(json.dumps(self._new), encoding="utf-8")
+            with os.fdopen(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w",
+                           encoding="utf-8") as fh:
+                fh.write(json.dumps(self._new))
             os.replace(temp, self.path)
         except OSError:
             pass
@@ -521,9 +527,14 @@ def scan_tree(
     always = default_rules()
     defaults = left_out_rules(left_out_folders) if leave_out_defaults else ()
     stack: list[tuple[str, IgnoreRules]] = [("", IgnoreRules(defaults))]
+    folders: list[tuple[str, int]] = []
     while stack:
         rel_dir, inherited = stack.pop()
         folder = os.path.join(root, rel_dir) if rel_dir else str(root)
+        try:
+            folders.append((rel_dir, folder_mode(os.stat(folder).st_mode)))
+        except OSError as exc:
+            raise SyncError(f"cannot read directory {folder}: {exc.strerror or exc}") from exc
         rules = inherited
         for name in ignore_files:
             text = _read_text(os.path.join(folder, name))
@@ -588,7 +599,14 @@ def scan_tree(
                for (rel, path, st), value in zip(files, hash_all(digest, files), strict=True)]
     entries += [FileEntry(rel, 0, 0o777, "", link=link, source=Source(mtime=int(st.st_mtime)))
                 for rel, _, st, link in found if link is not None]
-    return Manifest(tuple(sorted(entries, key=lambda e: e.path)), left_out=tuple(sorted(left_out)))
+    return Manifest(tuple(sorted(entries, key=lambda e: e.path)), left_out=tuple(sorted(left_out)),
+                    folders=tuple(sorted(folders)))
+
+
+def folder_mode(mode: int) -> int:
+    """A pushed folder's mode on the host: the local one, but the owner may always write (the
+    next push must) and no one else may (they could plant code the job runs)."""
+    return (stat.S_IMODE(mode) & 0o755) | 0o700
 
 
 def hash_all(digest: Callable[[T], str], items: Sequence[T]) -> list[str]:

@@ -1,5 +1,5 @@
 """Programs that run on the hosts: the agent, the topology probe, the push helper, the
-TensorFlow server entry point, a detached job's keeper and jobs program, and the Horovod
+TensorFlow server entry point, a detached job's keeper and jobs program, the bench, and the Horovod
 rendezvous (a module the leader keeper loads). Standard library only, Python >= 3.8, nothing
 from dlrun: each is shipped as its source, never imported on the host.
 
@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from importlib import resources
 
 #: The host programs, by the name the controller ships them under.
-PROGRAMS = ("agent", "probe", "push_helper", "tf_server", "keeper", "jobs")
-#: Modules a host program loads from source it was given (keepers: the rank lines; the leader: the rendezvous).
-MODULES = ("rendezvous", "ranklines")
+PROGRAMS = ("agent", "probe", "push_helper", "tf_server", "keeper", "jobs", "bench", "stacks")
+#: Modules a host program loads from source it was given (keepers: the rank policy; the leader: the
+#: rendezvous, and the stack grouping for a detached --hang-timeout).
+MODULES = ("rendezvous", "rankpolicy", "stack_groups")
 
 
 def source_of(name: str) -> str:

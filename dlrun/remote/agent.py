@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from typing import IO, Any
 
 HEADER = struct.Struct(">BiI")
-HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE, SURVEY, PONG, GPU, PORTS = range(1, 13)
+HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE, SURVEY, PONG, GPU, PORTS, STACKS, FILE = range(1, 15)
+FILE_LIMIT = 16 << 20  # bytes of flight recorder dumps one host sends back
 CHUNK = 65536
 COALESCE_S = 0.005  # output frames wait at most this long for more output
 SMALL_READ = 4096  # a read this small means a trickle: let it pile up for a moment
@@ -204,6 +205,107 @@ class GpuSampler:
         self.path = None
 
 
+# ----------------------------------------------------------------------------- stacks
+
+PR_SET_PTRACER = 0x59616D61  # Yama: name the process (and its descendants) that may ptrace us
+STACKS_TIMEOUT = 120.0  # seconds a stack request may take before it is killed and answered
+
+
+def ptracer_hook(tracer: int) -> Any:
+    """A ``preexec_fn`` that names ``tracer`` (the agent) as the rank's tracer, so that under
+    Yama's ``ptrace_scope=1`` the py-spy the agent starts may read the rank's stack. libc is
+    loaded here, before the fork; a failure (no Yama, no prctl) changes nothing."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def hook() -> None:
+        prctl(PR_SET_PTRACER, tracer, 0, 0, 0)
+
+    return hook
+
+
+class StackTaker:
+    """Runs ``dlrun.remote.stacks`` as the agent's child (``{"op": "stacks"}``), reads its
+    answer through the agent's selector and hands it over as one STACKS frame."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.request_id = ""
+        self.output = bytearray()
+        self.started = 0.0
+        self.queued: list[dict[str, Any]] = []
+
+    def start(self, sel: selectors.BaseSelector, message: dict[str, Any],
+              pids: dict[int, int]) -> dict[str, Any] | None:
+        """Start one request (or queue it behind the running one); an answer if it cannot start."""
+        if self.proc is not None:
+            self.queued.append(message)
+            return None
+        self.request_id = str(message.get("id", ""))
+        request = dict(message.get("request") or {})
+        request["op"] = "take"
+        request["pids"] = {str(rank): pid for rank, pid in pids.items()}
+        source = str(message.get("source", "")).encode("utf-8")
+        self.output.clear()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", str(message.get("loader", "")), "dlrun-stacks"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(b"%010d" % len(source) + source + json.dumps(request).encode() + b"\n")
+            self.proc.stdin.close()
+        except OSError as exc:
+            self.proc = None
+            return {"id": self.request_id, "error": f"cannot take stacks: {exc}"}
+        self.started = time.monotonic()
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        sel.register(self.proc.stdout, selectors.EVENT_READ, "stacks")
+        return None
+
+    def read(self, sel: selectors.BaseSelector) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        try:
+            data = os.read(self.proc.stdout.fileno(), CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.output += data
+            return
+        sel.unregister(self.proc.stdout)
+        self.proc.stdout.close()
+
+    def finish(self, sel: selectors.BaseSelector, now: float) -> dict[str, Any] | None:
+        """The finished (or overdue) request's answer; None while it runs."""
+        proc = self.proc
+        if proc is None or proc.stdout is None:
+            return None
+        overdue = now - self.started > STACKS_TIMEOUT
+        if not proc.stdout.closed and not overdue:
+            return None
+        if not proc.stdout.closed:
+            sel.unregister(proc.stdout)
+            proc.stdout.close()
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.proc = None
+        text = self.output.decode("utf-8", "replace").strip()
+        try:
+            answer: dict[str, Any] = json.loads(text.splitlines()[-1])
+        except (ValueError, IndexError):
+            answer = {"error": f"the stack taker failed: {text[-500:] or 'no output'}"}
+        answer["id"] = self.request_id
+        return answer
+
+
 # ----------------------------------------------------------------------------- agent side
 
 
@@ -225,7 +327,10 @@ class Agent:
         self.exited: dict[int, int] = {}
         self.error_files: dict[int, str] = {}  # rank -> its TORCHELASTIC_ERROR_FILE
         self.signalled: set[int] = set()  # ranks the agent signalled to stop while they ran
+        self.recorders: dict[int, str] = {}  # rank -> its flight recorder dump prefix (TORCH_FR_DUMP_TEMP_FILE)
+        self.pipes: dict[int, str] = {}  # rank -> its TORCH_NCCL_DEBUG_INFO_PIPE_FILE stem
         self.gpus = GpuSampler(0)
+        self.stacks = StackTaker()
         self.kill_at: float | None = None
         self.job_id = ""
         self.tag = ""
@@ -326,10 +431,55 @@ class Agent:
         if self.gpus.due(now):
             self.gpus.start(self.sel, now)
 
+    def dump(self, message: dict[str, Any]) -> None:
+        """SIGABRT to the named ranks' processes: with faulthandler on, each prints every thread's
+        stack to its stderr (its log) and ends."""
+        for rank in message.get("ranks") or []:
+            proc = self.procs.get(int(rank))
+            if proc is not None and int(rank) not in self.exited:
+                try:
+                    os.kill(proc.pid, signal.SIGABRT)
+                except OSError:
+                    pass
+
+    def record(self) -> None:
+        """Ask every rank's flight recorder for a dump: one byte to ``<pipe stem><rank>.pipe``
+        (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``; NCCL process groups make the pipe). A pipe nobody
+        reads, or none, is skipped."""
+        for rank, proc in self.procs.items():
+            stem = self.pipes.get(rank)
+            if not stem or rank in self.exited or proc.returncode is not None:
+                continue
+            try:
+                fd = os.open(f"{stem}{rank}.pipe", os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                continue
+            try:
+                os.write(fd, b"1")
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    def take_stacks(self, message: dict[str, Any]) -> None:
+        """Start a stack request for the ranks still running (``StackTaker``)."""
+        pids = {rank: proc.pid for rank, proc in self.procs.items() if rank not in self.exited}
+        answer = self.stacks.start(self.sel, message, pids)
+        if answer is not None:
+            self.emit(STACKS, AGENT_RANK, json.dumps(answer).encode())
+
+    def stacks_done(self, now: float) -> None:
+        answer = self.stacks.finish(self.sel, now)
+        if answer is not None:
+            self.emit(STACKS, AGENT_RANK, json.dumps(answer).encode())
+            if self.stacks.queued:
+                self.take_stacks(self.stacks.queued.pop(0))
+
     def start(self, spec: dict[str, Any]) -> None:
         self.job_id = str(spec.get("job_id", ""))
         self.gpus = GpuSampler(float(spec.get("gpu_every", 0) or 0))
         self.tag = str(spec.get("tag") or self.job_id)
+        ptracer = ptracer_hook(os.getpid())
         for item in spec["ranks"]:
             rank = int(item["rank"])
             env = dict(os.environ)
@@ -338,6 +488,15 @@ class Agent:
             env["DLRUN_AGENT_TAG"] = self.tag
             argv = [str(a) for a in item["argv"]]
             cwd = os.path.expanduser(item["cwd"]) if item.get("cwd") else None
+            recorder = env.get("TORCH_FR_DUMP_TEMP_FILE")  # torch's flight recorder dumps there: a folder
+            if env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE"):
+                self.pipes[rank] = env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]
+            if recorder:
+                self.recorders[rank] = recorder
+                try:
+                    os.makedirs(os.path.dirname(recorder), mode=0o700, exist_ok=True)
+                except OSError:
+                    pass
             error_file = env.get("TORCHELASTIC_ERROR_FILE")
             if error_file:
                 self.error_files[rank] = error_file
@@ -351,6 +510,7 @@ class Agent:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     start_new_session=True,
+                    preexec_fn=ptracer,
                 )
             except FileNotFoundError as exc:
                 missing = cwd if cwd and not os.path.isdir(cwd) else argv[0]
@@ -396,6 +556,9 @@ class Agent:
                 continue
             if key.data == "gpu":
                 self.gpus.read(self.sel)
+                continue
+            if key.data == "stacks":
+                self.stacks.read(self.sel)
                 continue
             if key.data == "wake":  # SIGCHLD: the caller reaps next
                 try:
@@ -463,7 +626,7 @@ class Agent:
         """
         if not (self.in_namespace or self.subreaper):
             return
-        children = [*self.procs.values(), *([self.gpus.proc] if self.gpus.proc is not None else [])]
+        children = [*self.procs.values(), *(p for p in (self.gpus.proc, self.stacks.proc) if p is not None)]
         ranks = {proc.pid: proc for proc in children if proc.returncode is None}
         while True:
             try:
@@ -560,13 +723,43 @@ class Agent:
     def done(self) -> int:
         """Every rank has exited: sweep what they left, tidy up, say DONE; the exit status."""
         self.sweep()
+        self.send_recordings()
         self.remove_error_files()
         self.emit(DONE, AGENT_RANK, b"")
         self.flush()
         return 0
 
+    def send_recordings(self) -> None:
+        """The flight recorder dumps this host's ranks left (``<prefix><rank>``, written by torch on
+        a timeout or on demand): each as a FILE frame (name, NUL, bytes), then removed; what
+        exceeds ``FILE_LIMIT`` stays. Only its own ranks': hosts of one machine share the folder."""
+        budget = FILE_LIMIT
+        for rank, prefix in sorted(self.recorders.items()):
+            path = prefix + str(rank)
+            try:
+                if not os.path.isfile(path) or os.path.getsize(path) > budget:
+                    continue
+                with open(path, "rb") as fh:
+                    data = fh.read(budget)
+                os.unlink(path)
+            except OSError:
+                continue
+            budget -= len(data)
+            self.emit(FILE, AGENT_RANK, os.path.basename(path).encode("utf-8", "replace") + b"\0" + data)
+
     def remove_error_files(self) -> None:
-        """Take the ranks' error files and their folders away (read already, at each exit)."""
+        """Take the ranks' error files and their folders away (read already, at each exit), and
+        the flight recorder's pipes; its folder goes too where it holds no dump."""
+        for rank, stem in self.pipes.items():
+            try:
+                os.unlink(f"{stem}{rank}.pipe")
+            except OSError:
+                pass
+        for prefix in set(self.recorders.values()):
+            try:
+                os.removedirs(os.path.dirname(prefix))  # once no host of this machine has a file there
+            except OSError:
+                pass
         for path in self.error_files.values():
             try:
                 os.unlink(path)
@@ -822,6 +1015,12 @@ def _run_agent(argv: list[str]) -> int:
                 agent.ports(message)
             elif op == "watch":
                 agent.watch(message)
+            elif op == "stacks":
+                agent.take_stacks(message)
+            elif op == "dump":  # faulthandler's dump (PYTHONFAULTHANDLER) of ranks py-spy could not read
+                agent.dump(message)
+            elif op == "record":  # torch's flight recorder: dump now, through its pipe
+                agent.record()
             elif op == "start" and not started:
                 started = True
                 eof_grace = float(message.get("eof_grace", eof_grace))
@@ -843,6 +1042,7 @@ def _run_agent(argv: list[str]) -> int:
             agent.stop(eof_grace)
             return _finish(agent)
         agent.reap()
+        agent.stacks_done(now)
         if started:
             agent.sample_gpus(now)
         if agent.kill_at is not None and now >= agent.kill_at:

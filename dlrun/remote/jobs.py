@@ -6,8 +6,11 @@ answer on stdout. Standard library only, Python >= 3.8. A job's folder has one f
 that wrote it. Requests: ``{"op": "ps"}``, ``{"op": "state", "job"}``, ``{"op": "logs", "job",
 "offsets": {file: byte offset}, "whole"}`` (every byte from each offset, streamed in pieces:
 ``--follow`` polls cheaply and nothing is capped), ``{"op": "stop", "job"}`` (SIGTERM to the
-job's keepers here, found by their pid files and checked in ``/proc/<pid>/cmdline``) and
-``{"op": "delete", "job", "read"}`` (only files read to their end). Every run
+job's keepers here, found by their pid files and checked in ``/proc/<pid>/cmdline``),
+``{"op": "delete", "job", "read"}`` (only files read to their end) and ``{"op": "stacks", "job",
+"message", "host"}`` (``dlrun stack``: the message goes to the keeper of ``host`` (hosts may share
+a home) through ``stack-request.json`` and SIGUSR1; its agent takes the stacks, the keeper writes
+them to ``stacks-<id>/``; the answer comes back). Every run
 first removes job folders older than ``KEEP_DAYS`` that no keeper here runs.
 """
 
@@ -23,6 +26,7 @@ from typing import Any
 
 KEEP_DAYS = 7
 CHUNK = 1 << 20  # bytes of one piece of the streamed ``logs`` answer
+STACKS_TIMEOUT = 45.0  # seconds the keepers here have to answer a stack request
 
 
 def jobs_root() -> str:
@@ -236,6 +240,59 @@ def stop(job_id: str) -> dict[str, Any]:
     return {"signalled": signalled, "jobs": job_records(job_id)}
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Does process ``pid`` handle ``signum`` (``SigCgt`` in its status)? A keeper of an older
+    dlrun does not handle SIGUSR1, which would kill it."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def stacks(job_id: str, message: dict[str, Any], host_name: str) -> dict[str, Any]:
+    """Ask host ``host_name``'s live keeper of the job for its ranks' stacks; its answer."""
+    request_id = str(message.get("id", ""))
+    if not request_id or "/" in request_id or request_id.startswith("."):
+        return {"error": f"bad request id {request_id!r}"}
+    asked: dict[str, str] = {}
+    answers: list[dict[str, Any]] = []
+    for hostdir in host_dirs(job_id):
+        pid = keeper_pid(hostdir, job_id)
+        if pid is None:
+            continue
+        host = (read_json(os.path.join(hostdir, "state.json")) or {}).get("host", "?")
+        if host != host_name:
+            continue
+        if not catches(pid, signal.SIGUSR1):
+            answers.append({"host": host, "error": "the job's keeper is from an older dlrun: it takes no stacks"})
+            continue
+        path = os.path.join(hostdir, "stack-request.json")
+        with open(path + ".tmp", "w") as fh:
+            json.dump(message, fh)
+        os.replace(path + ".tmp", path)
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError as exc:
+            answers.append({"host": host, "error": f"cannot reach the keeper: {exc}"})
+            continue
+        asked[hostdir] = host
+    deadline = time.monotonic() + STACKS_TIMEOUT
+    while asked and time.monotonic() < deadline:
+        for hostdir, host in list(asked.items()):
+            folder = os.path.join(hostdir, "stacks-" + request_id)
+            answer = read_json(os.path.join(folder, "answer.json"))
+            if answer is not None:
+                answers.append({"host": host, "answer": answer, "folder": folder})
+                del asked[hostdir]
+        time.sleep(0.2)
+    answers += [{"host": host, "error": f"no answer within {STACKS_TIMEOUT:g} s"} for host in asked.values()]
+    return {"hosts": answers, "jobs": job_records(job_id)}
+
+
 def delete(job_id: str, read: dict[str, int] | None = None) -> dict[str, Any]:
     """Remove the job's folders here. ``read``: how far the client read each file; a file
     that holds more than that is not deleted (its end was not read out)."""
@@ -279,6 +336,8 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
     if op == "delete":
         read = request.get("read")
         return delete(job_id, None if read is None else {str(k): int(v) for k, v in read.items()})
+    if op == "stacks":
+        return stacks(job_id, dict(request.get("message") or {}), str(request.get("host", "")))
     return {"error": f"unknown op {op!r}"}
 
 

@@ -28,33 +28,31 @@ import tempfile
 import threading
 import time
 import types
-from typing import Any, Tuple
+from typing import Any, Callable, Tuple
 
 #: The agent's frames (``dlrun.remote.agent``: each host program is shipped alone, imports none).
 HEADER = struct.Struct(">BiI")
-STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, GPU = 2, 3, 4, 5, 6, 7, 11
+STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, GPU, STACKS, FILE = 2, 3, 4, 5, 6, 7, 11, 13, 14
 #: ``gpu.csv``'s columns, as the attached supervisor writes them (``dlrun.run.gpus.CSV_COLUMNS``)
 GPU_COLUMNS = "time,host,gpu,util,mem_used_mib,mem_total_mib,power_w,temp_c"
 RECORD_LINE = 4000  # characters of one tail line kept in the job's records
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 10.0  # a follower's wait for the leader's welcome, per try
+AUTH_TIMEOUT = 1.0  # a stranger at the leader's door must be through TLS and the token by then, in all
 CONNECT_TIMEOUT = 30.0  # a follower's tries to reach the leader
-MAX_GREETINGS = 16  # TLS handshakes the leader runs at once (each a thread, HANDSHAKE_TIMEOUT at most)
+MAX_GREETINGS = 64  # unauthenticated connections the leader holds at once (each a thread, AUTH_TIMEOUT at most)
+MAX_GREETINGS_PER_SOURCE = 8  # of them from one address: one flooding neighbour cannot take every slot
 RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts' ports settle)
 STOP_MARGIN = 15.0  # past the grace, an agent that has not reported is killed
 INDEX_EVERY = 1.0  # seconds between two lines of a rank log's time index
 FINAL = ("succeeded", "failed", "stopped", "lost")
 RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
+HANG_EXIT = 124  # --hang-timeout stopped the job (dlrun.run.hang.HANG_EXIT)
+HANG_ANSWER = 60.0  # seconds every host has to send its stacks once the job hangs
+DUMP_WAIT = 2.0  # seconds faulthandler's and the flight recorder's dumps get before the stop
+BUSY_UTIL = 5.0  # a GPU at this utilization or above is working (dlrun.run.hang.BUSY_UTIL)
+RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 
 Event = Tuple[Any, ...]
-
-
-def rank_state(code: int | None, stopping: bool, signalled: bool = False) -> str:
-    """A rank's state from how it exited (``dlrun.run.result.rank_state``'s rule): one the agent
-    signalled to stop, or that exits non-zero while the job is being stopped, was stopped (its
-    signal's 128 + N, or 0 from a framework that exits cleanly on SIGTERM), not a new failure."""
-    if signalled or (stopping and code != 0):
-        return "stopped"
-    return "succeeded" if code == 0 else "failed"
 
 
 def gpu_rows(when: float, host: str, text: str) -> str:
@@ -72,12 +70,16 @@ def gpu_rows(when: float, host: str, text: str) -> str:
 
 def fill_rendezvous_port(specs: list[dict[str, Any]], port: int) -> None:
     """Horovod: every attempt's ranks get the port of the leader keeper's rendezvous server
-    (the client rendered them before it was bound)."""
+    (the client rendered them before it was bound), in the port variable and in the address
+    ``host:port/key`` (``dlrun.remote.rendezvous.client_address``)."""
     for spec in specs:
         for rank in spec["ranks"]:
             env = rank.get("env") or {}
             if RENDEZVOUS_PORT in env:
                 env[RENDEZVOUS_PORT] = str(port)
+            host, colon, rest = str(env.get(RENDEZVOUS_ADDR, "")).partition(":")
+            if colon and "/" in rest:
+                env[RENDEZVOUS_ADDR] = f"{host}:{port}/{rest.partition('/')[2]}"
 
 
 def load_module(source: str, name: str) -> Any:
@@ -261,6 +263,79 @@ def read_line(sock: ssl.SSLSocket, limit: int = 65536) -> tuple[bytes, bytes]:
     return line, rest
 
 
+class Door:
+    """The leader's listening socket, against strangers (any local user sees its port in
+    ``/proc/net/tcp``): each connection must finish TLS and show the job's token within
+    ``AUTH_TIMEOUT`` in all, or it is closed; at most ``MAX_GREETINGS`` wait at once, and
+    ``MAX_GREETINGS_PER_SOURCE`` from one address. A keeper it lets in is sent ``welcome``
+    (a follower that is not welcomed tries again)."""
+
+    def __init__(self, token_ok: Callable[[str], bool]) -> None:
+        self.token_ok = token_ok
+        self.lock = threading.Lock()
+        self.waiting: dict[str, int] = {}  # source address -> connections not yet through
+
+    def serve(self, listener: socket.socket, context: ssl.SSLContext,
+              joined: Callable[[ssl.SSLSocket, dict[str, Any], bytes], None]) -> None:
+        while True:
+            try:
+                raw, source = listener.accept()
+            except OSError:
+                return
+            where = str(source[0])
+            with self.lock:
+                full = (sum(self.waiting.values()) >= MAX_GREETINGS
+                        or self.waiting.get(where, 0) >= MAX_GREETINGS_PER_SOURCE)
+                if not full:
+                    self.waiting[where] = self.waiting.get(where, 0) + 1
+            if full:  # a flood: no thread each, closed at once
+                raw.close()
+                continue
+            threading.Thread(target=self.greet, args=(raw, where, context, joined), daemon=True).start()
+
+    def greet(self, raw: socket.socket, where: str, context: ssl.SSLContext,
+              joined: Callable[[ssl.SSLSocket, dict[str, Any], bytes], None]) -> None:
+        try:
+            self.welcome(raw, context, joined)
+        finally:
+            with self.lock:
+                self.waiting[where] -= 1
+                if not self.waiting[where]:
+                    del self.waiting[where]
+
+    def welcome(self, raw: socket.socket, context: ssl.SSLContext,
+                joined: Callable[[ssl.SSLSocket, dict[str, Any], bytes], None]) -> None:
+        """One stranger: TLS, then the token within ``AUTH_TIMEOUT``; ``joined`` if it is in."""
+        through = threading.Event()
+
+        def expire() -> None:  # the whole greeting, not each read: a trickle is no way around it
+            if not through.is_set():
+                try:
+                    raw.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        timer = threading.Timer(AUTH_TIMEOUT, expire)
+        timer.daemon = True
+        timer.start()
+        sock = None
+        try:
+            raw.settimeout(AUTH_TIMEOUT)
+            sock = context.wrap_socket(raw, server_side=True)
+            line, rest = read_line(sock, limit=4096)
+            hello = json.loads(line)
+            if not isinstance(hello, dict) or not self.token_ok(str(hello.get("token", ""))):
+                raise ValueError("a wrong token")
+            through.set()
+            sock.sendall(b'{"op": "welcome"}\n')
+        except (OSError, ValueError, AttributeError):
+            (sock or raw).close()
+            return
+        finally:
+            timer.cancel()
+        joined(sock, hello, rest)
+
+
 class Keeper:
     def __init__(self, config: dict[str, Any], jobdir: str, listener: socket.socket | None,
                  context: ssl.SSLContext | None, rendezvous: Any = None) -> None:
@@ -282,14 +357,14 @@ class Keeper:
         self.enders = {int(r) for r in config.get("enders") or []}  # tf-ps: the chief's rank
         self.events: queue.Queue[Event] = queue.Queue()
         self.signals: list[int] = []
-        self.greeting = threading.BoundedSemaphore(MAX_GREETINGS)  # TLS handshakes in progress
+        self.door = Door(self.token_ok)  # the leader's strangers: TLS and the token, within AUTH_TIMEOUT
         self.peers: dict[str, Peer] = {}
         self.leader_peer: Peer | None = None
         self.logs: dict[int, Any] = {}
         self.indexes: dict[int, Any] = {}  # rank -> its log's index: when each offset was written
         self.indexed: dict[int, float] = {}  # rank -> when its index last got a line
-        self.lines = load_module(str(config["ranklines_source"]), "ranklines")  # dlrun.remote.ranklines
-        self.outputs: dict[int, Any] = {}  # rank -> its ranklines.RankLines (tail, traceback, splitters)
+        self.lines = load_module(str(config["rankpolicy_source"]), "rankpolicy")  # dlrun.remote.rankpolicy
+        self.outputs: dict[int, Any] = {}  # rank -> its rankpolicy.RankLines (tail, traceback, splitters)
         self.dropped: dict[int, int] = {}  # rank -> log lines not written (the disk is full)
         self.written: dict[int, int] = {}  # rank -> bytes of its log written whole
         self.full_until = 0.0  # a log write failed: until then lines are only counted
@@ -315,6 +390,7 @@ class Keeper:
         self.root_cause: str | None = None
         self.root_tail: list[str] = []
         self.leader_gone = False  # a follower that lost its leader: the job is lost (exit 255)
+        self.failed = False  # the job ended by a failure (also when a stop came after it)
         self.root: dict[str, Any] = {}  # the root cause rank's rank, host, exception, error file, hint
         self.exit_code: int | None = None
         self.interrupted_by: int | None = None
@@ -322,6 +398,16 @@ class Keeper:
         self.closed_generation = 0  # the last agent whose end was handled
         self.agent_lock = threading.Lock()
         self.held: list[Event] = []  # events wait_agent took that are not the agent's
+        self.stacks_asked = False  # SIGUSR1 from ``dlrun-jobs``: stack-request.json waits (dlrun stack)
+        # --hang-timeout (docs/stacks.md): own silence and GPU use; the leader also the followers'
+        self.hang = dict(config.get("hang") or {})
+        self.last_output = time.monotonic()
+        self.last_busy = float("-inf")
+        self.quiet_of: dict[str, tuple[float, float, float]] = {}  # follower -> (quiet, idle, when told)
+        self.hang_id: str | None = None
+        self.hang_deadline = 0.0
+        self.hang_answers: dict[str, Any] = {}
+        self.hang_stop_at: float | None = None  # the dumps asked for: the stop follows then
 
     # ---------------------------------------------------------------- records
     def record(self, final: bool = False) -> dict[str, Any]:
@@ -349,7 +435,7 @@ class Keeper:
         if self.exit_code is not None:
             if self.exit_code == 0:
                 return "succeeded"
-            return "stopped" if self.interrupted_by is not None else "failed"
+            return "stopped" if self.interrupted_by is not None and not self.failed else "failed"
         if all(r["state"] != "pending" for r in self.ranks.values()):
             return "stopping" if self.stopping else "running"
         return "starting"
@@ -498,6 +584,8 @@ class Keeper:
             self.leader_peer.send({"op": "note", "text": text})
 
     def on_frame(self, kind: int, rank: int, payload: bytes) -> None:
+        if kind in (STDOUT, STDERR):
+            self.last_output = time.monotonic()
         if kind in (STDOUT, STDERR) and rank in self.logs:
             lines = self.outputs[rank].feed(kind, payload)
             if lines:
@@ -526,6 +614,41 @@ class Keeper:
             self.agent_done = True
         elif kind == GPU:
             self.gpu_sample(payload)
+        elif kind == FILE:  # a flight recorder dump: kept with the attempt's logs
+            raw, _, data = payload.partition(b"\0")
+            folder = os.path.join(self.attempt_dir, "flight-recorder")
+            name = os.path.basename(raw.decode("utf-8", "replace")).strip(".") or "dump"
+            try:
+                os.makedirs(folder, mode=0o700, exist_ok=True)
+                with open(os.path.join(folder, name), "wb") as fh:
+                    fh.write(data)
+            except OSError as exc:  # a full disk loses the dump, not the job
+                self.note(f"flight recorder dump {name} on {self.host} not written ({exc})")
+        elif kind == STACKS:  # dlrun-jobs waits for this file
+            try:
+                answer = dict(json.loads(payload))
+            except (ValueError, TypeError):
+                return
+            folder = os.path.join(self.jobdir, "stacks-" + str(answer.get("id", "")))
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            write_json(os.path.join(folder, "answer.json"), answer)
+            if self.hang_id is not None and answer.get("id") == self.hang_id:
+                self.hang_answer(self.host, answer)
+            elif not self.leader and str(answer.get("id", "")).startswith("hang-") and self.leader_peer is not None:
+                self.leader_peer.send({"op": "stacks-answer", "answer": answer})
+
+    def ask_stacks(self) -> None:
+        """``dlrun stack``: hand the request ``dlrun-jobs`` left to the agent, which takes the stacks."""
+        try:
+            with open(os.path.join(self.jobdir, "stack-request.json")) as fh:
+                message = json.load(fh)
+            request_id = str(message["id"])
+        except (OSError, ValueError, KeyError):
+            return
+        if "/" in request_id or request_id.startswith("."):
+            return
+        message.setdefault("request", {})["outdir"] = os.path.join(self.jobdir, "stacks-" + request_id)
+        self.tell_agent(message)
 
     def gpu_sample(self, payload: bytes) -> None:
         """One nvidia-smi sample to ``attempt-K/gpu.csv`` (a failed one to ``keeper.log``)."""
@@ -537,6 +660,13 @@ class Keeper:
             if "csv" not in sample:
                 print(f"dlrun-keeper: GPU sample: {sample.get('error')}", flush=True)
                 return
+            for row in str(sample["csv"]).splitlines():  # index, uuid, utilization, …
+                fields = [f.strip() for f in row.split(",")]
+                try:
+                    if len(fields) > 2 and float(fields[2]) >= BUSY_UTIL:
+                        self.last_busy = time.monotonic()
+                except ValueError:
+                    pass
             rows = gpu_rows(float(sample.get("time") or 0), self.host, str(sample["csv"]))
             path = os.path.join(self.attempt_dir, "gpu.csv")
             new = not os.path.exists(path)
@@ -561,7 +691,8 @@ class Keeper:
             self.on_rank(self.host, rank, what, code, evidence)  # which writes the record
             return
         entry = self.ranks[rank]  # a follower's own record (state.json) follows its ranks
-        entry["state"] = "running" if what == "running" else rank_state(code, self.stopping, evidence["stopped"])
+        entry["state"] = ("running" if what == "running"
+                          else self.lines.rank_state(code, self.stopping, evidence["stopped"]))
         if what == "lost":
             entry["state"] = "lost"
         entry["code"] = code
@@ -584,7 +715,7 @@ class Keeper:
         else:
             entry["ended"] = time.time()
             entry["code"] = code
-            entry["state"] = rank_state(code, self.stopping, bool(evidence.get("stopped")))
+            entry["state"] = self.lines.rank_state(code, self.stopping, bool(evidence.get("stopped")))
             if entry["state"] == "failed":
                 if self.root_cause is None:
                     self.root = self.root_of(rank, host, evidence)
@@ -630,17 +761,18 @@ class Keeper:
                 and self.attempt + 1 < len(self.specs):
             self.restart(self.attempt + 1)
             return False
+        failed = self.root_cause is not None  # a rank's failure or a lost host: the root cause
         if self.interrupted_by is not None:
-            self.exit_code = 128 + self.interrupted_by
             for entry in self.ranks.values():
                 if entry["state"] == "failed" and entry["code"] in (128 + signal.SIGTERM, 128 + signal.SIGKILL):
                     entry["state"] = "stopped"
             if self.root_cause is None:
                 self.root_cause = f"stopped by signal {self.interrupted_by}"
-        elif self.root_cause is not None:
-            self.exit_code = self.failed_code
-        else:
-            self.exit_code = 0
+        ranks = [self.ranks[r] for r in sorted(self.ranks)]
+        self.exit_code = self.lines.job_exit_code(
+            self.failed_code if failed else None, self.interrupted_by, [e["code"] for e in ranks],
+            [e["code"] for e in ranks if e["rank"] in self.enders] if self.enders else None)
+        self.failed = failed
         self.ended = True
         result = self.record(final=True)
         for peer in self.peers.values():
@@ -672,41 +804,95 @@ class Keeper:
         self.start_agent()
         self.record()
 
+    # ---------------------------------------------------------------- --hang-timeout
+    def take_stacks(self, request_id: str) -> None:
+        """Have the agent take its ranks' stacks into ``stacks-<id>/`` (the config's message)."""
+        if not self.hang.get("stacks") or "/" in request_id or request_id.startswith("."):
+            return
+        message = json.loads(json.dumps(self.hang["stacks"]))
+        message["id"] = request_id
+        message.setdefault("request", {})["outdir"] = os.path.join(self.jobdir, "stacks-" + request_id)
+        self.tell_agent(message)
+
+    def watch_hang(self, now: float) -> None:
+        """The leader: no output on any host and no busy GPU for the limit: take every host's stacks."""
+        if self.hang_stop_at is not None and now >= self.hang_stop_at:
+            self.hang_stop_at = None
+            self.stopping = False  # held only while the dumps were written: now the stop goes out
+            self.stop_all()
+        limit = float(self.hang.get("timeout") or 0)
+        if not limit or self.stopping or self.ended:
+            return
+        if self.hang_id is not None:
+            if now > self.hang_deadline:
+                self.hung()
+            return
+        quiet, idle = now - self.last_output, now - self.last_busy
+        for name in self.followers:
+            told = self.quiet_of.get(name)
+            if told is None:
+                return  # not heard from yet: its silence is unknown
+            quiet = min(quiet, told[0] + now - told[2])
+            idle = min(idle, told[1] + now - told[2])
+        if quiet >= limit and idle >= limit:
+            self.hang_id = time.strftime("hang-%Y%m%d-%H%M%S")
+            self.hang_deadline = now + HANG_ANSWER
+            print(f"dlrun-keeper: no output for {quiet:.0f} s and no busy GPU: taking every rank's stack", flush=True)
+            self.take_stacks(self.hang_id)
+            for peer in self.peers.values():
+                peer.send({"op": "stacks", "id": self.hang_id})
+
+    def hang_answer(self, host: str, answer: dict[str, Any]) -> None:
+        self.hang_answers[host] = answer
+        if set(self.hang_answers) >= {self.host, *self.followers}:
+            self.hung()
+
+    def hung(self) -> None:
+        """The stacks are in (or overdue): the odd group is the root cause; stop the job."""
+        if self.stopping or self.ended:
+            return
+        groups_of = load_module(str(self.hang["groups_source"]), "stack_groups")
+        stacks = [s for host, answer in sorted(self.hang_answers.items()) for s in groups_of.rank_stacks(host, answer)]
+        groups = groups_of.group_ranks(sorted(stacks, key=lambda s: s.rank))
+        cause = groups_of.hang_cause(groups) if stacks else "no host sent its ranks' stacks"
+        lines = list(groups_of.summary_lines(groups))
+        missing = sorted({self.host, *self.followers} - set(self.hang_answers))
+        if missing:
+            lines.append(f"no stacks from {', '.join(missing)} within {HANG_ANSWER:g} s")
+        lines.append(f"full stacks: ~/.dlrun/jobs/{self.job_id}/host-<host>/stacks-{self.hang_id}/ on each host")
+        unread = [s.rank for s in stacks if not s.taken]
+        if unread:  # faulthandler (PYTHONFAULTHANDLER) prints those ranks' stacks to their logs
+            lines.append(f"no stack by py-spy for ranks {unread}: SIGABRT, faulthandler's dump is in their logs")
+        if self.root_cause is None:
+            self.root_cause = f"hung (no output for {float(self.hang['timeout']):g} s): {cause}"
+            self.root_tail, self.failed_code = lines[-self.lines.TAIL_LINES:], HANG_EXIT
+        # the dumps first (a SIGTERM would cut them short); what ends meanwhile is stopped, not failed
+        self.stopping = True
+        for target in [None, *self.peers.values()]:
+            for message in ({"op": "record"}, {"op": "dump", "ranks": unread}):
+                if target is None:
+                    self.tell_agent(message)
+                else:
+                    target.send({"op": "agent", "message": message})
+        self.hang_stop_at = time.monotonic() + DUMP_WAIT
+        self.record()
+
     # ---------------------------------------------------------------- the network
+    def token_ok(self, token: str) -> bool:
+        return hmac.compare_digest(token.encode(), str(self.config["token"]).encode())
+
     def accept(self) -> None:
         listener = self.listener
         assert listener is not None and self.context is not None
-        while True:
-            try:
-                raw, _ = listener.accept()
-            except OSError:
-                return
-            if not self.greeting.acquire(blocking=False):  # a flood of strangers: no thread each
-                raw.close()
-                continue
-            threading.Thread(target=self.greet, args=(raw,), daemon=True).start()
-
-    def greet(self, raw: socket.socket) -> None:
-        try:
-            self.welcome(raw)
-        finally:
-            self.greeting.release()
+        self.door.serve(listener, self.context, self.joined)
 
     def welcome(self, raw: socket.socket) -> None:
+        """One connection at the door (``Door.welcome``): a peer once through."""
         assert self.context is not None
-        try:
-            raw.settimeout(HANDSHAKE_TIMEOUT)
-            sock = self.context.wrap_socket(raw, server_side=True)
-            line, rest = read_line(sock)
-            hello = json.loads(line)
-            token = str(hello.get("token", ""))
-            if not hmac.compare_digest(token.encode(), str(self.config["token"]).encode()):
-                sock.close()
-                return
-            sock.settimeout(self.host_timeout or None)  # a send to a peer that stopped reading fails
-        except (OSError, ValueError, AttributeError):
-            raw.close()
-            return
+        self.door.welcome(raw, self.context, self.joined)
+
+    def joined(self, sock: ssl.SSLSocket, hello: dict[str, Any], rest: bytes) -> None:
+        sock.settimeout(self.host_timeout or None)  # a send to a peer that stopped reading fails
         peer = Peer(sock, str(hello.get("host", "")))
         self.events.put(("joined", peer))
         peer.read_into(self.events, rest)
@@ -720,6 +906,9 @@ class Keeper:
                 raw = socket.create_connection((address, int(port)), timeout=HANDSHAKE_TIMEOUT)
                 sock = context.wrap_socket(raw)
                 sock.sendall(json.dumps({"token": self.config["token"], "host": self.host}).encode() + b"\n")
+                line, rest = read_line(sock)  # in only once welcomed (the door may have closed on us: again)
+                if json.loads(line).get("op") != "welcome":
+                    raise OSError("the leader keeper did not welcome this keeper")
                 sock.settimeout(self.host_timeout or None)  # a leader that stops reading is lost, not a hang
                 break
             except OSError as exc:
@@ -727,7 +916,7 @@ class Keeper:
                     raise OSError(f"cannot reach the leader keeper at {address}:{port}: {exc}") from exc
                 time.sleep(0.5)
         self.leader_peer = Peer(sock, "leader")
-        threading.Thread(target=self.leader_peer.read_into, args=(self.events,), daemon=True).start()
+        threading.Thread(target=self.leader_peer.read_into, args=(self.events, rest), daemon=True).start()
         for text in self.notes:  # said before it could reach the leader
             self.leader_peer.send({"op": "note", "text": text})
 
@@ -736,8 +925,12 @@ class Keeper:
         while not self.ended:
             time.sleep(interval)
             targets = list(self.peers.values()) if self.leader else [p for p in (self.leader_peer,) if p]
+            beat: dict[str, Any] = {"op": "beat"}
+            if self.hang and not self.leader:  # the leader's hang watch needs every host's silence
+                now = time.monotonic()
+                beat.update(quiet=now - self.last_output, idle=min(now - self.last_busy, 1e9))
             for peer in targets:
-                peer.send({"op": "beat"})
+                peer.send(beat)
             # the agent's silence clock (the spec's host_timeout): a frozen keeper's ranks stop too
             self.tell_agent({"op": "ping"})
 
@@ -746,6 +939,7 @@ class Keeper:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: self.signals.append(signum))
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, lambda _signum, _frame: setattr(self, "stacks_asked", True))
         self.record()
         if self.leader:
             threading.Thread(target=self.accept, daemon=True).start()
@@ -775,6 +969,9 @@ class Keeper:
                         self.leader_peer.send({"op": "interrupt", "signal": signum})
                     self.stop_own()
                 self.record()
+            if self.stacks_asked:
+                self.stacks_asked = False
+                self.ask_stacks()
             try:
                 event = self.events.get(timeout=0.25)
             except queue.Empty:
@@ -786,6 +983,7 @@ class Keeper:
                 self.kill_at = None
             if self.leader:
                 self.watch_followers(now, joined_by)
+                self.watch_hang(now)
                 if not self.ended:
                     self.decide()
             elif self.leader_peer is not None and not self.ended and self.host_timeout is not None \
@@ -862,6 +1060,12 @@ class Keeper:
                 self.on_rank(name, int(message["rank"]), str(message["what"]), message.get("code"), message)
             elif op == "note":
                 self.note(str(message.get("text", ""))[:500])
+            elif op == "beat" and "quiet" in message:
+                self.quiet_of[name] = (float(message["quiet"]), float(message["idle"]), time.monotonic())
+            elif op == "stacks-answer" and self.hang_id is not None:
+                answer = message.get("answer") or {}
+                if answer.get("id") == self.hang_id:
+                    self.hang_answer(name, answer)
             elif op == "interrupt":
                 if self.interrupted_by is None:
                     self.interrupted_by = int(message.get("signal") or signal.SIGTERM)
@@ -870,6 +1074,10 @@ class Keeper:
         elif op == "stop":
             self.stop_own()
             self.record()
+        elif op == "stacks":  # the leader's hang watch fired
+            self.take_stacks(str(message.get("id", "")))
+        elif op == "agent" and message.get("message", {}).get("op") in ("record", "dump"):
+            self.tell_agent(dict(message["message"]))  # the hang's dumps, before the leader's stop
         elif op == "restart":
             self.restart(int(message["attempt"]))
         elif op == "end":
@@ -1013,6 +1221,29 @@ def detach(jobdir: str) -> int | None:
     os.setsid()
     if os.fork():
         os._exit(0)
+    to_keeper_log(jobdir)
+    write_pid(jobdir)
+    os.write(write_end, str(os.getpid()).encode())
+    os.close(write_end)
+    return None
+
+
+def stay(jobdir: str, answer: dict[str, Any], port: int) -> None:
+    """The keeper stays the process it was started as (a Slurm step's task: the step, and so
+    the allocation, holds it): the answer goes out now, then its stdio moves to ``keeper.log``."""
+    write_pid(jobdir)
+    print(json.dumps({"pid": os.getpid(), "port": port, "jobdir": jobdir, **answer}), flush=True)
+    to_keeper_log(jobdir)
+
+
+def write_pid(jobdir: str) -> None:
+    """``keeper.pid``: this process and this machine's boot (``dlrun-jobs`` checks both)."""
+    with open(os.path.join(jobdir, "keeper.pid"), "w") as fh:
+        fh.write(f"{os.getpid()} {boot_id()}")
+
+
+def to_keeper_log(jobdir: str) -> None:
+    """stdin from the null device, stdout and stderr to ``keeper.log``."""
     null = os.open(os.devnull, os.O_RDONLY)
     log = os.open(os.path.join(jobdir, "keeper.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(null, 0)
@@ -1020,11 +1251,26 @@ def detach(jobdir: str) -> int | None:
     os.dup2(log, 2)
     os.close(null)
     os.close(log)
-    with open(os.path.join(jobdir, "keeper.pid"), "w") as fh:
-        fh.write(f"{os.getpid()} {boot_id()}")
-    os.write(write_end, str(os.getpid()).encode())
-    os.close(write_end)
-    return None
+
+
+def bindable(address: str) -> str:
+    """``address`` if this host holds it (the one the peers use), else every interface (a NAT
+    or a forwarded port: the peers' address is not the host's own; the token still guards)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+        return address
+    except OSError:
+        return "0.0.0.0"
+
+
+def listen_at(address: str, port: int) -> socket.socket:
+    """The leader's door, on the address the followers reach this host at (not every interface)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((bindable(address), port))
+    listener.listen(64)
+    return listener
 
 
 def main() -> None:
@@ -1045,14 +1291,14 @@ def main() -> None:
     if config["leader"]:
         context = server_context(str(config["cert_pem"]), str(config["key_pem"]))
         config["key_pem"] = ""
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("0.0.0.0", int(config.get("port") or 0)))
-        listener.listen(64)
+        listener = listen_at(str(config.get("bind") or "0.0.0.0"), int(config.get("port") or 0))
         port = listener.getsockname()[1]
         if config.get("rendezvous"):  # Horovod: the job's gloo rendezvous, for the job's lifetime
             module = load_rendezvous(str(config["rendezvous"]["source"]))
-            rendezvous = module.RendezvousServer(config["rendezvous"]["scopes"], host="0.0.0.0")
+            # the address the ranks use, with the key of the job's token (every request shows it)
+            rendezvous = module.RendezvousServer(
+                config["rendezvous"]["scopes"], host=bindable(str(config["rendezvous"].get("host") or "0.0.0.0")),
+                key=module.rendezvous_key(str(config["token"])))
             try:
                 answer["rendezvous_port"] = rendezvous.bind()[1]
             except module.RendezvousServerError as exc:
@@ -1063,7 +1309,11 @@ def main() -> None:
     if "rendezvous_port" in answer:
         fill_rendezvous_port(config.get("specs") or [config["spec"]], int(answer["rendezvous_port"]))
     sys.stdout.flush()
-    pid = detach(jobdir)
+    if config.get("stay"):
+        stay(jobdir, answer, port)
+        pid = None
+    else:
+        pid = detach(jobdir)
     if pid is not None:
         if not pid:
             sys.exit(f"dlrun-keeper: the keeper did not start (see {jobdir}/keeper.log)")

@@ -107,6 +107,91 @@ def under_link(root: str, rel: str, seen: dict[str, bool]) -> bool:
     return seen[folder]
 
 
+def user_name(uid: int) -> str:
+    try:
+        import pwd
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def own_group(st: os.stat_result, uid: int) -> bool:
+    # a group only this user is in (a user private group, umask 002): its write bit lets no one else in
+    try:
+        import grp
+        import pwd
+        me = pwd.getpwuid(uid)
+        group = grp.getgrgid(st.st_gid)
+    except (ImportError, KeyError):
+        return False
+    return st.st_gid == me.pw_gid and group.gr_name == me.pw_name and set(group.gr_mem) <= {me.pw_name}
+
+
+def user_namespace_overflow() -> int | None:
+    # in a user namespace (the agent's, for its PID namespace) a file of an unmapped user, root
+    # included, shows as the overflow uid: that owner is unknown. None outside one.
+    try:
+        with open("/proc/self/uid_map") as fh:
+            fields = fh.read().split()
+        if fields[:3] == ["0", "0", "4294967295"]:
+            return None
+        with open("/proc/sys/fs/overflowuid") as fh:
+            return int(fh.read())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def unsafe_folders(root: str) -> tuple[list[list[str]], bool]:
+    # As OpenSSH's StrictModes asks of ~/.ssh: the pushed folder and every folder above it (as
+    # resolved: links followed) belong to this user or root, and no one else may write there, except
+    # in a sticky folder above the pushed one (/tmp). Else another user could plant code the job
+    # runs (<workdir>/<project>/json.py) or swap a folder for theirs. [path, what is wrong, fix]
+    # each; and whether an owner could not be seen (a user namespace): the push helper, outside
+    # one, must look again.
+    uid = os.geteuid()
+    overflow = user_namespace_overflow()
+    path = nearest_existing(root)
+    leaf = path == root
+    near = 2  # the pushed folder and the workdir: their owner must be known
+    problems = []
+    unsure = False
+    current = os.path.realpath(path)
+    while True:
+        try:
+            st = os.stat(current)
+        except OSError:
+            break
+        mode = stat.S_IMODE(st.st_mode)
+        sticky_ok = bool(mode & stat.S_ISVTX) and not leaf
+        owner_ok = st.st_uid in (uid, 0)
+        if not owner_ok and st.st_uid == overflow:  # root or another user: the mode must say enough
+            owner_ok = True
+            unsure = unsure or near > 0
+        if not owner_ok:
+            problems.append([current, f"is owned by {user_name(st.st_uid)}, not by {user_name(uid)}",
+                             "use a workdir of your own (workdir in the inventory), or remove it"])
+        elif mode & 0o002 and not sticky_ok:
+            problems.append([current, f"is writable by every user (mode {mode:04o})", "chmod o-w " + current])
+        elif mode & 0o020 and not sticky_ok and not own_group(st, uid):
+            problems.append([current, f"is writable by group {group_name(st.st_gid)} (mode {mode:04o})",
+                             "chmod g-w " + current])
+        leaf = False
+        near -= 1
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    return problems, unsure
+
+
+def group_name(gid: int) -> str:
+    try:
+        import grp
+        return grp.getgrgid(gid).gr_name
+    except (ImportError, KeyError):
+        return f"gid {gid}"
+
+
 def load_record(root: str) -> Record:
     try:
         with open(record_file(root)) as fh:
@@ -114,6 +199,59 @@ def load_record(root: str) -> Record:
     except (OSError, ValueError):
         return {}
     return loaded if isinstance(loaded, dict) else {}
+
+
+CLAIM_PREFIX = ".dlrun-claim-"
+CLAIM_MAX_AGE = 600.0  # seconds: an older claim file is an earlier launch's, removed by the next claim
+
+
+def claim(root: str, token: str, claimant: str) -> str | None:
+    """Which host of this launch (``token``) claimed the folder ``root`` first, itself or another:
+    hosts that see one folder (an NFS home) get the same answer. The claim is a file in ``root``,
+    or its nearest folder that exists, made with ``link`` (atomic, on NFS too) and holding the
+    claimant's name. None when no claim could be made or read."""
+    base = nearest_existing(root)
+    rest = os.path.relpath(root, base)
+    marker = os.path.join(base, CLAIM_PREFIX + token
+                          + ("" if rest == "." else "-" + hashlib.sha256(rest.encode()).hexdigest()[:12]))
+    mine = f"{marker}.{os.getpid()}.{hashlib.sha256(claimant.encode()).hexdigest()[:12]}"
+    try:
+        now = time.time()
+        for name in os.listdir(base):  # earlier launches' claims (another host's may come and go now)
+            path = os.path.join(base, name)
+            try:
+                if name.startswith(CLAIM_PREFIX) and now - os.lstat(path).st_mtime > CLAIM_MAX_AGE:
+                    os.unlink(path)
+            except OSError:
+                pass
+        with open(mine, "w") as fh:
+            fh.write(claimant)
+        try:
+            os.link(mine, marker)
+            return claimant
+        except FileExistsError:
+            with open(marker) as fh:
+                return fh.read() or None
+        finally:
+            os.unlink(mine)
+    except OSError:
+        return None
+
+
+def unclaim(root: str) -> None:
+    """Remove the claim files in ``root`` and its nearest folder that exists. A concurrent
+    launch's claim may go too: its hosts then each push, as without claims."""
+    for folder in {nearest_existing(root), root}:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith(CLAIM_PREFIX):
+                try:
+                    os.unlink(os.path.join(folder, name))
+                except OSError:
+                    pass
 
 
 def survey(spec: dict[str, Any]) -> tuple[dict[str, Any], Record, Record]:
@@ -168,9 +306,14 @@ def survey(spec: dict[str, Any]) -> tuple[dict[str, Any], Record, Record]:
     # (and a root that exists: an empty tree's push still makes its directory)
     settled = (os.path.isdir(root)
                and all(record.get(rel) == value for rel, value in fresh.items() if rel in wanted)
-               and all(rel in entries and entries[rel][4] for rel in record))
+               and all(rel in entries and entries[rel][4] for rel in record)
+               and not folder_modes(root, spec.get("folders") or []))
+    unsafe, unsure = unsafe_folders(root) if spec.get("owner_check") else ([], False)
     reply = {"root": root, "entries": entries, "free": free, "block": block, "device": device,
-             "error": error, "path": base if error else None, "settled": settled}
+             "error": error, "path": base if error else None, "settled": settled and not unsafe and not unsure,
+             "unsafe": unsafe}
+    if spec.get("claim") and not error and not unsafe:  # a launch asks which of its hosts share this folder
+        reply["claimed_by"] = claim(root, str(spec["claim"]["token"]), str(spec["claim"]["host"]))
     return reply, record, fresh
 
 
@@ -408,15 +551,44 @@ class Receiver:
 
 
 def save_record(root: str, record: Record) -> None:
+    # private (0600 in a 0700 folder): it lists the sha256 of every pushed file, and that of a
+    # short secret (.env) lets anyone who reads it test guesses offline
     path = record_file(root)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        os.chmod(os.path.dirname(path), 0o700)
         temp = f"{path}.{os.getpid()}.tmp"
-        with open(temp, "w") as fh:
+        with os.fdopen(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w") as fh:
             json.dump(record, fh)
         os.replace(temp, path)
     except OSError:
         pass
+
+
+def folder_modes(root: str, folders: list[list[Any]]) -> list[tuple[str, int]]:
+    # the pushed folders that exist here (not through a link) whose mode differs from the pushed one
+    wrong = []
+    seen: dict[str, bool] = {}
+    for rel, mode in folders:
+        path = os.path.join(root, rel) if rel else root
+        if rel and under_link(root, rel + "/x", seen):
+            continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) != int(mode):
+            wrong.append((str(rel), int(mode)))
+    return wrong
+
+
+def set_folder_modes(root: str, folders: list[list[Any]]) -> None:
+    # after every file is written (a folder the owner may not write would refuse them)
+    for rel, mode in folder_modes(root, folders):
+        try:
+            os.chmod(os.path.join(root, rel) if rel else root, mode)
+        except OSError:
+            pass
 
 
 def widen_stdin() -> None:
@@ -737,6 +909,8 @@ def main() -> int:
     plan = json.loads(line)
     if plan.get("abort"):
         return 0
+    for root in roots:  # a push: every host of the launch has claimed its folder by now
+        unclaim(root)
     before = [dict(r) for r in records]
     new: list[Record] = []
     ours: list[set[str]] = []
@@ -756,6 +930,11 @@ def main() -> int:
                 receiver.makedirs(t, "")
             except OSError as exc:
                 receiver.fail(f"{t}/", *os_problem(exc, root))
+            if request["targets"][t].get("folders"):  # a private project is never open, not even at first
+                try:
+                    os.chmod(root, 0o700)
+                except OSError:
+                    pass  # not ours (--insecure-workdir): its owner's mode stays
         for t, rel in plan["delete"]:
             receiver.delete(t, rel)
         receiver.run()
@@ -765,6 +944,8 @@ def main() -> int:
                 for name in source["files"]:
                     if name in receiver.expect and name not in receiver.done:
                         receiver.fail(name, name, problem)
+        for t, root in enumerate(roots):  # folder modes, as pushed (0700 stays 0700)
+            set_folder_modes(root, request["targets"][t].get("folders") or [])
     finally:
         deleted = {(t, rel) for t, rel in plan["delete"]}
         for t, root in enumerate(roots):

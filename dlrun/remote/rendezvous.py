@@ -36,6 +36,18 @@ The protocol, as Horovod 0.28.1's C++ client speaks it (``horovod/common/gloo/ht
 Gloo itself stores, per scope, the key ``<rank>`` (that rank's pair addresses) and
 ``rank_<rank>`` (its host name); every rank waits for every other rank's ``<rank>`` key.
 
+**Authentication.** Horovod's server (and its C++ client) has none: any local user could read
+and write ``/global/0`` and redirect the ranks' gloo connections. Horovod's client cannot sign a
+request, but it puts ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` into every URL as is
+(``http://<ADDR>:<PORT>/<scope>/<key>``), so dlrun's ranks get ``ADDR = <ip>:<port>/<key>``
+(``client_address``), where ``<key>`` is an HMAC-SHA256 of the job's secret
+(``rendezvous_key``). Every request's path then starts with ``/<key>:<port>/``; a server made with
+a key answers ``403`` and closes for any other path. The key lives only in the ranks'
+environment (never a command line). A connection whose request line has not arrived within
+``AUTH_TIMEOUT_S`` is closed; each source address may hold ``MAX_PER_SOURCE`` connections at once
+(``MAX_CONNECTIONS`` in all); a value may be ``MAX_VALUE_BYTES`` (``413``) and all values
+``MAX_STORE_BYTES`` together (``507``).
+
 Deliberate differences from Horovod's server, none visible to a correct client: a finished rank
 is counted once even if its DELETE is retried (Horovod counts a list), completing one scope does
 not reset the finished counts of the other scopes (Horovod clears all of them, so a fast rank's
@@ -45,6 +57,8 @@ cleared), a malformed request gets a 4xx instead of a dropped connection, and no
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import socket
 import socketserver
@@ -54,7 +68,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any, Mapping, Sequence
 
-__all__ = ["RendezvousServer", "RendezvousServerError", "scope_sizes"]
+__all__ = ["RendezvousServer", "RendezvousServerError", "client_address", "rendezvous_key", "scope_sizes"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +76,22 @@ log = logging.getLogger(__name__)
 REQUEST_TIMEOUT_S = 3.0
 # Every rank connects at once during hvd.init(); socketserver's default backlog (5) drops SYNs.
 LISTEN_BACKLOG = 1024
+AUTH_TIMEOUT_S = 1.0  # a connection's request line (with the key) must arrive within this
+MAX_PER_SOURCE = 256  # connections at once from one address (a host's ranks poll every 10 ms)
+MAX_CONNECTIONS = 4096  # connections at once in all (each is a thread)
+MAX_VALUE_BYTES = 16 << 20  # one PUT's body (a rank's gloo addresses: ~100 bytes per peer)
+MAX_STORE_BYTES = 512 << 20  # every value together
+
+
+def rendezvous_key(secret: str) -> str:
+    """The rendezvous credential of a job: HMAC-SHA256 of the job's secret (hex, URL-safe)."""
+    return hmac.new(secret.encode(), b"dlrun horovod rendezvous", hashlib.sha256).hexdigest()
+
+
+def client_address(host: str, port: int, key: str | None) -> str:
+    """``HOROVOD_GLOO_RENDEZVOUS_ADDR`` for the ranks: the host, or with a key ``host:port/key``
+    (Horovod's client then sends ``/<key>:<port>/<scope>/<key>`` paths, see the docstring)."""
+    return f"{host}:{port}/{key}" if key else host
 
 
 class RendezvousServerError(Exception):
@@ -109,9 +139,15 @@ class _Store:
         self.values: dict[str, dict[str, bytes]] = {}
         self.finished: dict[str, set[str]] = {}
 
-    def put(self, scope: str, key: str, value: bytes) -> None:
+    def put(self, scope: str, key: str, value: bytes) -> bool:
+        """Store ``value``; False (nothing stored) when the store would exceed ``MAX_STORE_BYTES``."""
         with self.lock:
+            old = len(self.values.get(scope, {}).get(key, b""))
+            total = sum(len(v) for kv in self.values.values() for v in kv.values())
+            if total - old + len(value) > MAX_STORE_BYTES:
+                return False
             self.values.setdefault(scope, {})[key] = value
+            return True
 
     def get(self, scope: str, key: str) -> bytes | None:
         with self.lock:
@@ -147,9 +183,32 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = LISTEN_BACKLOG
 
-    def __init__(self, address: tuple[str, int], store: _Store) -> None:
+    def __init__(self, address: tuple[str, int], store: _Store, key: str | None = None) -> None:
         self.store = store
+        self.key = key
+        self.open: Counter[str] = Counter()  # source address -> connections being served
+        self.open_lock = threading.Lock()
         super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        source = str(client_address[0])
+        with self.open_lock:
+            full = self.open[source] >= MAX_PER_SOURCE or sum(self.open.values()) >= MAX_CONNECTIONS
+            if not full:
+                self.open[source] += 1
+        if full:  # no thread for a flood: its connections are closed at once
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.open_lock:
+                self.open[str(client_address[0])] -= 1
+                if self.open[str(client_address[0])] <= 0:
+                    del self.open[str(client_address[0])]
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind() calls socket.getfqdn(), a reverse DNS lookup that can hang.
@@ -167,8 +226,37 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = REQUEST_TIMEOUT_S
     protocol_version = "HTTP/1.0"
 
+    def setup(self) -> None:
+        super().setup()
+        # the request line (which holds the key) must come within AUTH_TIMEOUT_S in all, not per
+        # byte: a connection that sends nothing, or drips, is closed
+        self.authenticated = False
+        self.watchdog = threading.Timer(AUTH_TIMEOUT_S, self._expire)
+        self.watchdog.daemon = True
+        self.watchdog.start()
+
+    def _expire(self) -> None:
+        if not self.authenticated:
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def finish(self) -> None:
+        self.watchdog.cancel()
+        super().finish()
+
     def _split(self) -> tuple[str, str] | None:
         parts = self.path.split("/")
+        key = self.server.key
+        if key is not None:  # /<key>:<port>/<scope>/<key>
+            given = parts[1].partition(":")[0] if len(parts) > 1 else ""
+            if len(parts) != 4 or parts[0] != "" or not hmac.compare_digest(given.encode(), key.encode()):
+                self.close_connection = True
+                self._reply(403)
+                return None
+            parts = ["", *parts[2:]]
+        self.authenticated = True
         if len(parts) != 3 or parts[0] != "" or not parts[1]:
             self._reply(400)
             return None
@@ -206,6 +294,10 @@ class _Handler(BaseHTTPRequestHandler):
         if length < 0:
             self._reply(400)
             return
+        if length > MAX_VALUE_BYTES:
+            self.close_connection = True
+            self._reply(413)
+            return
         try:
             value = self.rfile.read(length)
         except socket.timeout:  # TimeoutError from Python 3.10 on
@@ -214,8 +306,7 @@ class _Handler(BaseHTTPRequestHandler):
         if len(value) != length:  # the client went away mid-body
             self.close_connection = True
             return
-        self.server.store.put(*where, value)
-        self._reply(200)
+        self._reply(200 if self.server.store.put(*where, value) else 507)
 
     def do_DELETE(self) -> None:
         where = self._split()
@@ -233,11 +324,13 @@ class RendezvousServer:
 
     ``scope_sizes`` maps each fixed scope to its number of ranks (see :func:`scope_sizes`).
     ``host`` must be an IPv4 address or name (Horovod's client connects over IPv4 only);
-    ``port=0`` picks a free port. Use as a context manager, or ``start()`` / ``stop()``.
+    ``port=0`` picks a free port. ``key`` (:func:`rendezvous_key`): every request must carry it
+    (the ranks' ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` is :func:`client_address`); None: none needed.
+    Use as a context manager, or ``start()`` / ``stop()``.
     """
 
     def __init__(
-        self, scope_sizes: Mapping[str, int], host: str = "127.0.0.1", port: int = 0
+        self, scope_sizes: Mapping[str, int], host: str = "127.0.0.1", port: int = 0, key: str | None = None
     ) -> None:
         for scope, size in scope_sizes.items():
             if not scope or "/" in scope:
@@ -250,6 +343,7 @@ class RendezvousServer:
                 hint="bind to the IPv4 address of the interface facing the hosts",
             )
         self._sizes = dict(scope_sizes)
+        self._key = key
         self._host = host
         self._port = port
         self._httpd: _HTTPServer | None = None
@@ -298,7 +392,7 @@ class RendezvousServer:
     def _bind(self) -> _HTTPServer:
         if self._httpd is None:
             try:
-                self._httpd = _HTTPServer((self._host, self._port), _Store(self._sizes))
+                self._httpd = _HTTPServer((self._host, self._port), _Store(self._sizes), self._key)
             except OSError as exc:
                 raise RendezvousServerError(
                     f"cannot bind the Horovod rendezvous server to {self._host}:{self._port}:"

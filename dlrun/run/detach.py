@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import secrets
 import shlex
 import sys
 import threading
@@ -27,7 +26,7 @@ from dlrun.inventory import Host
 from dlrun.plan import RankSpec
 from dlrun.remote import boot_argv, boot_payload, keeper, source_of
 from dlrun.remote.rendezvous import scope_sizes
-from dlrun.render import WorkerCommand
+from dlrun.render import WorkerCommand, mask_argv, mask_text, printable
 from dlrun.run.agents import agent_argv
 from dlrun.run.gpus import GpuStats, IdleWatch, parse_csv
 from dlrun.run.result import RankResult, RankState, RunResult
@@ -85,12 +84,15 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
                    agent_argv_of: Callable[[Host], list[str]], token: str, cert_pem: str, key_pem: str,
                    grace: float, host_timeout: float, script: str, pidns_source: str,
                    gpu_every: float = 0.0, rendezvous_source: str | None = None,
-                   ends_job: Callable[[WorkerCommand], bool] | None = None) -> dict[str, dict[str, Any]]:
+                   ends_job: Callable[[WorkerCommand], bool] | None = None,
+                   hang: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Each host's keeper config, host 0 (the leader) first; followers lack the leader's port
     (and, for Horovod, its rendezvous port). ``attempts``: each attempt's job id and ranks
     (``--max-restarts``: rendered ahead, each with its restart count), on the same hosts.
     ``rendezvous_source``: Horovod, the leader runs ``dlrun.remote.rendezvous``. ``ends_job``:
-    the ranks whose end ends the job (tf-ps: the chief), the leader's ``enders``."""
+    the ranks whose end ends the job (tf-ps: the chief), the leader's ``enders``. ``hang``:
+    ``--hang-timeout``'s ``{"timeout", "stacks", "groups_source"}`` (the leader alone gets the
+    grouping's source)."""
     commands = attempts[0][1]
     by_host: dict[str, list[WorkerCommand]] = {}
     for command in commands:
@@ -113,27 +115,31 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
             "token": token, "cert_pem": cert_pem, "grace": grace, "host_timeout": host_timeout,
             "script": script, "hosts": names,
             "agent_argv": agent_argv_of(host), "agent_source": pidns_source,
-            "ranklines_source": source_of("ranklines"),
+            "rankpolicy_source": source_of("rankpolicy"),
             "specs": specs[name],
         }
+        if hang is not None:
+            config["hang"] = {k: v for k, v in hang.items() if k != "groups_source" or name == leader}
         if name == leader:
             config["key_pem"] = key_pem
             config["world"] = {str(c.rank): c.host_name for c in commands}
-            config["argv"] = {str(c.rank): list(c.argv) for c in commands}
+            config["argv"] = {str(c.rank): mask_argv(c.argv) for c in commands}  # shown and stored: masked
             config["followers"] = names[1:]
             config["enders"] = [c.rank for c in commands if ends_job is not None and ends_job(c)]
             if rendezvous_source is not None:
-                config["rendezvous"] = {"source": rendezvous_source, "scopes": scope_sizes(
-                    [(c.spec.address, c.spec.local_rank) for c in commands])}
+                config["rendezvous"] = {"source": rendezvous_source, "host": commands[0].spec.address,
+                                        "scopes": scope_sizes([(c.spec.address, c.spec.local_rank) for c in commands])}
         configs[name] = config
     return configs
 
 
 def run_program(transport: Transport, host: Host, name: str, request: Mapping[str, Any], *args: str,
-                timeout: float = 60.0) -> dict[str, Any]:
-    """Run host program ``name`` with one JSON request; its one JSON answer."""
-    result = transport.run(host, boot_argv(default_python(host), name, *args),
-                           stdin=boot_payload(name) + json.dumps(request).encode() + b"\n", timeout=timeout)
+                timeout: float = 60.0, lasting: bool = False) -> dict[str, Any]:
+    """Run host program ``name`` with one JSON request; its one JSON answer. ``lasting``: the
+    program outlives dlrun (a keeper: ``Transport.start``)."""
+    run = transport.start if lasting else transport.run
+    result = run(host, boot_argv(default_python(host), name, *args),
+                 stdin=boot_payload(name) + json.dumps(request).encode() + b"\n", timeout=timeout)
     if result.exit_code != 0:
         detail = " / ".join(result.stderr.decode("utf-8", "replace").strip().splitlines()[-3:])
         error = JobStartError if name == "keeper" else DlrunError
@@ -282,8 +288,8 @@ def ps_lines(records: Sequence[JobRecord], now: float) -> list[str]:
     lines = [f"{'job':<{width}}  {'state':<10}  {'ranks':>5}  {'age':>5}  {'exit':>4}  script"]
     for r in records:
         code = "" if r.exit_code is None else str(r.exit_code)
-        lines.append(f"{r.job_id:<{width}}  {r.state:<10}  {r.ranks:>5}  {age_text(now - r.started_at):>5}"
-                     f"  {code:>4}  {r.script}")
+        lines.append(f"{printable(r.job_id):<{width}}  {printable(r.state):<10}  {r.ranks:>5}"
+                     f"  {age_text(now - r.started_at):>5}  {code:>4}  {printable(mask_text(r.script))}")
     return lines
 
 
@@ -328,23 +334,28 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
     hosts = {c.host_name: c.spec.host for c in placement.commands}
     configs = keeper_configs(
         job_id, attempts, agent_argv_of=lambda h: agent_argv(default_python(h), pidns=config.pidns),
-        token=secrets.token_hex(32), cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
+        token=engine.job_secret, cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
         host_timeout=config.ssh.host_timeout,
-        script=" ".join(["-m"] * config.module + [config.script, *config.args])[:200],
+        script=" ".join(mask_argv(["-m"] * config.module + [config.script, *config.args]))[:200],
         pidns_source=source_of("agent"), gpu_every=config.gpu_every,
         rendezvous_source=source_of("rendezvous") if config.framework == "horovod" else None,
-        ends_job=placement.ends_job)
+        ends_job=placement.ends_job, hang=hang_config(config, transport, list(
+            {c.host_name: c.spec.host for c in placement.commands}.values())))
     names = list(configs)
+    for name in names:  # a Slurm step holds its keeper: one that detached would leave the job
+        configs[name]["stay"] = transport.holds_programs(hosts[name])
     leader = hosts[names[0]]
     address = engine.addresses.get(leader.name, leader.address)
+    configs[names[0]]["bind"] = address  # the leader listens where its followers reach it, not everywhere
     try:
-        answer = run_program(transport, leader, "keeper", configs[names[0]], job_id)
+        answer = run_program(transport, leader, "keeper", configs[names[0]], job_id, lasting=True)
         for name in names[1:]:
             configs[name]["leader_address"] = [address, int(answer["port"])]
             if "rendezvous_port" in answer:
                 configs[name]["rendezvous_port"] = int(answer["rendezvous_port"])
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(names) - 1))) as pool:
-            list(pool.map(lambda n: run_program(transport, hosts[n], "keeper", configs[n], job_id), names[1:]))
+            list(pool.map(lambda n: run_program(transport, hosts[n], "keeper", configs[n], job_id, lasting=True),
+                          names[1:]))
         record = wait_started(transport, leader, job_id)
     except BaseException:  # an interrupt, a keeper that did not start, ranks that never started:
         # the keepers that started stop the job (else the leader would end it as lost, later)
@@ -360,6 +371,19 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
           f" dlrun attach|logs|stop {job_id}{hosts_option}")
     print(f"dlrun: detached job {job_id}", flush=True)
     return RunResult(ranks=(), exit_code=0, job_id=job_id)
+
+
+def hang_config(config: LaunchConfig, transport: Transport, hosts: Sequence[Host]) -> dict[str, Any] | None:
+    """``--hang-timeout`` for the keepers: py-spy shipped to the hosts now, the agents' stack
+    message, and the grouping the leader loads (``docs/stacks.md``)."""
+    if not config.hang_timeout:
+        return None
+    from dlrun.run.hang import stacks_message
+    from dlrun.run.tools import ship_pyspy
+
+    sha256, _notes = ship_pyspy(transport, hosts)  # a host without it: its ranks say so in the stacks
+    return {"timeout": config.hang_timeout, "stacks": stacks_message("", sha256),
+            "groups_source": source_of("stack_groups")}
 
 
 def wait_started(transport: Transport, leader: Host, job_id: str) -> JobRecord:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import sys
 import threading
@@ -30,8 +31,10 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from dlrun.allocation import SLURM_HOSTS, allocation_inventory, in_allocation
+from dlrun.allocation import SOURCE as ALLOCATION_SOURCE
 from dlrun.command import SOURCE_SUFFIXES, entry_point, interpreter_for, module_paths, runs_directly
 from dlrun.errors import DlrunError, RendezvousError, UsageError
 from dlrun.inventory import Host, Inventory, load_inventory, localhost_inventory
@@ -50,13 +53,13 @@ from dlrun.plan import (
     make_plan,
 )
 from dlrun.remote.tf_server import server_source
-from dlrun.render import WorkerCommand, mask_env, plan_to_json, worker_commands
+from dlrun.render import Rendezvous, WorkerCommand, mask_argv, mask_env, plan_to_json, printable, worker_commands
 from dlrun.run.addresses import facing_address, interfaces_at, local_base_port, reachable_addresses, socket_ifaces
 from dlrun.run.agents import AgentAnswer, HostAgents
 from dlrun.run.engine import Engine, HeldView, Placement
 from dlrun.run.result import Attempt, RunResult
+from dlrun.run.screen import make_view
 from dlrun.run.supervisor import Supervisor, View
-from dlrun.run.view import make_view
 from dlrun.transport.base import Transport, default_python
 from dlrun.transport.local import HostRouter
 
@@ -76,6 +79,7 @@ class SSHOptions:
     known_hosts: str | None = None
     host_timeout: float = DEFAULT_HOST_TIMEOUT  # seconds of silence before a host is lost (0: never)
     host_timeout_given: bool = False  # on dlrun's command line: else SSH liveness follows the ssh config
+    transport: str = "auto"  # ssh, srun (Slurm steps) or auto: srun for the allocation's own nodes (make_transport)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ class LaunchConfig:
     plain: bool = False
     iface: str | None = None
     preflight: bool = True
+    bench: float = 0.0  # --bench: seconds of `dlrun topo --bench` after the preflight (0: none)
     push: bool = True
     data: str | None = None
     shard: str = "files"
@@ -113,9 +118,11 @@ class LaunchConfig:
     gpu_idle_after: float = 60.0  # --gpu-idle-after: an idle GPU beside a busy one is named after this long
     detected: Detected | None = None  # what --framework auto found in the script (resolve_framework)
     detach: bool = False  # --detach: the hosts' keepers run the job (dlrun.run.detach)
+    insecure_workdir: bool = False  # push and run even where another user owns or may write the folders
     module: bool = False  # -m: script is a Python module, run with each host's python -m in the project
     no_python: bool = False  # --no-python: the command runs exactly as given (no python, Rscript, bash)
     checkpoint_dirs: tuple[str, ...] = ()  # --checkpoint-dir: the same on every host before each attempt
+    hang_timeout: float = 0.0  # --hang-timeout: no output and no busy GPU this long: stacks, then stop (0: off)
 
 
 def resolve_framework(config: LaunchConfig) -> LaunchConfig:
@@ -147,7 +154,7 @@ def say_framework(config: LaunchConfig) -> None:
     """dlrun's first line, for ``--framework auto``: the contract the script's imports chose.
     Said after the usage checks, so that a usage error is the only thing printed."""
     if config.detected is not None:
-        print(f"dlrun: framework {config.detected.framework} ({config.detected.reason})", file=sys.stderr)
+        print(f"dlrun: framework {config.detected.framework} ({printable(config.detected.reason)})", file=sys.stderr)
 
 
 def project_root(config: LaunchConfig) -> Path:
@@ -203,14 +210,45 @@ def new_job_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
+def default_hosts(hosts: str | None) -> str | None:
+    """``--hosts`` as given; when not given, ``slurm`` inside a Slurm allocation (its nodes are
+    the inventory), else None (this machine)."""
+    if hosts is None and in_allocation(os.environ):
+        return SLURM_HOSTS
+    return hosts
+
+
 def resolve_inventory(hosts: str | None, np: int | None) -> Inventory:
     if hosts is None:
         return localhost_inventory(2 if np is None else np)
+    if hosts == SLURM_HOSTS:
+        allocation = allocation_inventory(os.environ)
+        print(f"dlrun: {allocation.describe()}", file=sys.stderr)
+        return allocation.inventory
     return load_inventory(hosts)
 
 
+TRANSPORTS = ("auto", "ssh", "srun")
+
+
+def transport_kind(inventory: Inventory, ssh: SSHOptions) -> str:
+    """``ssh`` or ``srun``: ``auto`` is srun for the allocation's own nodes where ``srun`` is on
+    PATH (docs/slurm.md says why), else ssh."""
+    if ssh.transport != "auto":
+        return ssh.transport
+    return "srun" if inventory.source == ALLOCATION_SOURCE and shutil.which("srun") else "ssh"
+
+
 def make_transport(inventory: Inventory, ssh: SSHOptions) -> Transport:
-    """Local hosts need no SSH (and dlrun does not import paramiko for them)."""
+    """Local hosts need no SSH (and dlrun does not import paramiko for them); ``srun`` runs
+    every other host's commands as steps of the Slurm job dlrun runs in."""
+    if transport_kind(inventory, ssh) == "srun":
+        from dlrun.transport.srun import SrunTransport
+
+        environ = os.environ
+        groups = allocation_inventory(environ).het_groups if in_allocation(environ) else {}
+        job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID", "")
+        return HostRouter(remote=SrunTransport(job_id, environ, het_groups=groups))
     if inventory.all_local:
         return HostRouter(remote=None)
     from dlrun.transport.ssh import SSHTransport
@@ -241,7 +279,7 @@ def render_commands(
     job_id: str,
     addresses: Mapping[str, str] | None = None,
     cwd_for: Mapping[str, str | None] | None = None,
-    rendezvous: tuple[str, int] | None = None,
+    rendezvous: Rendezvous | None = None,
     gpus_for: Mapping[str, Sequence[str]] | None = None,
     found_ifaces: Mapping[str, str] | None = None,
     ports: Mapping[int, int] | None = None,
@@ -439,7 +477,7 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
         with PushView([h.name for h in hosts], live=live) as view:
             summaries = push(transport, hosts, code_dir=None, data_dir=Path(config.data), shard=config.shard,
                              split_lines=config.split_lines, progress=view.progress, file_progress=view.files,
-                             dry_run=dry_run)
+                             dry_run=dry_run, insecure_workdir=config.insecure_workdir)
             view.finish(summaries)
             shown += summaries
         for index, (host, summary) in enumerate(zip(hosts, summaries, strict=True)):
@@ -454,7 +492,8 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
         if pending:
             fresh = push(transport, pending, code_dir=code_dir, progress=view.progress, file_progress=view.files,
                          leave_out=Path(config.data) if config.data else None,  # the data went as shards
-                         log_dir=config.log_dir or DEFAULT_LOG_DIR, limit=push_limit(config), dry_run=dry_run)
+                         log_dir=config.log_dir or DEFAULT_LOG_DIR, limit=push_limit(config), dry_run=dry_run,
+                         insecure_workdir=config.insecure_workdir)
             done.update((s.host, s) for s in fresh)
         view.finish([done[h.name] for h in remote])
     shown += [done[h.name] for h in remote]
@@ -546,35 +585,71 @@ def settled_hosts(targets: Mapping[str, PushTarget], answers: Mapping[str, Agent
     return settled
 
 
+def claiming(request: dict[str, Any], token: str, host: str) -> dict[str, Any]:
+    """A survey request that also asks the host to claim its code folder for this launch
+    (``dlrun.remote.push_helper.claim``): hosts that share the folder name the same claimant."""
+    return {**request, "targets": [{**t, "claim": {"token": token, "host": host}} for t in request["targets"]]}
+
+
+def sharing_hosts(targets: Mapping[str, PushTarget], answers: Mapping[str, AgentAnswer],
+                  settled: Mapping[str, HostPushSummary], planned: Sequence[str]) -> dict[str, HostPushSummary]:
+    """Hosts whose code folder another planned host claimed (one folder, e.g. an NFS home):
+    that host's push fills it, so they get none of their own. Said in one line per folder."""
+    from dlrun.push.session import HostPushSummary
+
+    shared: dict[str, HostPushSummary] = {}
+    by_owner: dict[str, list[str]] = {}
+    for name, target in targets.items():
+        reply = ((answers.get(name) or AgentAnswer(name, None)).survey or {}).get("targets") or [{}]
+        owner, root = reply[0].get("claimed_by"), reply[0].get("root")
+        if name in settled or owner in (None, name) or owner not in planned or owner not in targets \
+                or not isinstance(root, str) or name not in planned:
+            continue
+        shared[name] = HostPushSummary(host=name, files_sent=0, bytes_sent=0,
+                                       files_unchanged=len(target.manifest.paths()), files_deleted=0, seconds=0.0,
+                                       code_dir=root)
+        by_owner.setdefault(str(owner), []).append(name)
+    for owner, names in by_owner.items():
+        print(f"dlrun: {', '.join(names)} share{'s' if len(names) == 1 else ''} {owner}'s code folder"
+              f" ({targets[owner].root}): pushed once, by {owner}", file=sys.stderr)
+    return shared
+
+
 @contextmanager
-def horovod_rendezvous(plan: Plan) -> Iterator[tuple[str, int]]:
-    """dlrun's Horovod rendezvous server for this plan, stopped when the job ends."""
+def horovod_rendezvous(plan: Plan) -> Iterator[tuple[str, int, str]]:
+    """dlrun's Horovod rendezvous server for this plan, stopped when the attempt ends; every
+    request must carry a key of this attempt's own (``dlrun.remote.rendezvous``)."""
+    from dlrun.remote.rendezvous import rendezvous_key
     from dlrun.run.rendezvous import RendezvousServer, scope_sizes
 
+    key = rendezvous_key(secrets.token_hex(32))
     server = RendezvousServer(
         scope_sizes([(r.address, r.local_rank) for r in plan.ranks]),
-        host=facing_address([r.address for r in plan.ranks]),
+        host=facing_address([r.address for r in plan.ranks]), key=key,
     )
     with server:
         address = server.address
         assert address is not None
-        yield address
+        yield address[0], address[1], key
 
 
 def dry_run_text(commands: Sequence[WorkerCommand]) -> str:
+    """``--dry-run``'s text: secrets masked (env and the script's arguments), control characters
+    escaped (the argv is JSON, which escapes them itself)."""
     lines = []
     for c in commands:
         s = c.spec
         lines.append(
-            f"rank {s.rank}: host {s.host.name} ({s.address}) local_rank {s.local_rank}/{s.local_size} "
-            f"cross_rank {s.cross_rank}/{s.cross_size} task {s.task_type}:{s.task_index} port {s.port}"
+            f"rank {s.rank}: host {printable(s.host.name)} ({printable(s.address)}) local_rank"
+            f" {s.local_rank}/{s.local_size} cross_rank {s.cross_rank}/{s.cross_size}"
+            f" task {s.task_type}:{s.task_index} port {s.port}"
         )
-        shown = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in c.argv]
+        shown = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in mask_argv(c.argv)]
         lines.append(f"  argv: {json.dumps(shown)}")
         if c.cwd:
-            lines.append(f"  cwd:  {c.cwd}")
+            lines.append(f"  cwd:  {printable(c.cwd)}")
         for name, value in sorted(mask_env(c.env).items()):
-            lines.append(f"  env:  {name}={value}")
+            lines.append(f"  env:  {printable(name)}={printable(value)}")
     return "\n".join(lines)
 
 
@@ -618,6 +693,26 @@ def default_ranks_for_gpus(inventory: Inventory, reports: Sequence[HostReport]) 
     return localhost_inventory(gpus)
 
 
+#: Linux's limits on a path and on each of its names (bytes): a longer script name is a usage error
+PATH_MAX, NAME_MAX = 4095, 255
+
+
+def check_script(config: LaunchConfig) -> None:
+    """The script names a program: not too long a path, not a folder, no NUL byte. Checked first,
+    for every engine (a dry run too): the hosts would fail each rank with 126 or 127 instead."""
+    raw = os.fsencode(config.script)
+    if not raw.strip() or b"\0" in raw:
+        raise UsageError("the script is empty or holds a NUL byte")
+    if len(raw) > PATH_MAX or any(len(part) > NAME_MAX for part in raw.split(b"/")):
+        raise UsageError(f"the script's name is too long ({len(raw)} bytes; a path may have {PATH_MAX},"
+                         f" each name in it {NAME_MAX})")
+    here = config.push or (config.hosts is None)
+    if here and not config.module and Path(config.script).is_dir():
+        raise UsageError(f"{printable(config.script)} is a folder, not a script",
+                         hint=f"name the program in it (dlrun launch {printable(config.script).rstrip('/')}/train.py);"
+                         " --code DIR pushes a folder that holds the script")
+
+
 def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
     """Before any connection: a ``.py`` script that must be here (a local rank runs it, or its
     directory is pushed) exists, its push root is a project (not the home folder), and the log
@@ -632,7 +727,7 @@ def check_local_inputs(config: LaunchConfig, inventory: Inventory) -> None:
     here = config.push or any(h.is_local for h in inventory.hosts)
     if (here and not config.module and (config.script.endswith(".py") or interpreter_for(config.script))
             and not Path(config.script).is_file()):
-        raise UsageError(f"script not found: {config.script}",
+        raise UsageError(f"script not found: {printable(config.script)}",
                          hint="with --no-push, a path on the hosts is not checked here")
     log_root = Path(config.log_dir or DEFAULT_LOG_DIR)
     try:
@@ -711,9 +806,11 @@ class HostsEngine:
         self.ports_chosen = False  # dlrun chose the base port (no --base-port): a restart chooses again
         self.reconnect: tuple[Host, ...] = ()  # hosts lost in the last attempt: reconnected, probed again
         self.dropped: tuple[str, ...] = ()  # hosts lost and left out (--min-hosts)
+        self.job_secret = secrets.token_hex(32)  # a detached job's keepers' token (and rendezvous key's root)
         self.failed_at: float | None = None  # when the last attempt failed (its copies then may be half written)
 
     def prepare(self, config: LaunchConfig) -> LaunchConfig:
+        config = replace(config, hosts=default_hosts(config.hosts))
         if config.hosts is None and config.np is not None and config.np < 1:
             raise UsageError("--np must be at least 1")
         self.inventory = resolve_inventory(config.hosts, config.np)
@@ -795,7 +892,10 @@ class HostsEngine:
             if targets:
                 from dlrun.push.session import survey_request
 
-                surveys = {name: survey_request([target]) for name, target in targets.items()}
+                checked = not config.insecure_workdir  # a dry run writes nothing, so claims nothing
+                surveys = {name: survey_request([target], owner_check=checked) if config.dry_run
+                           else claiming(survey_request([target], owner_check=checked), job_id, name)
+                           for name, target in targets.items()}
             # the agents start while we plan; each runs the probe, answers the push survey and
             # says which ports are free first
             ports_asked = ports_to_ask(config, inventory, used_hosts, given=self.base_port_given)
@@ -827,6 +927,10 @@ class HostsEngine:
                     print(f"dlrun: warning: {warning}", file=sys.stderr)
                     warned.append(warning)
                 self.warnings = tuple(warned)
+                if config.bench and config.attempt == 0:  # a restart does not measure again
+                    from dlrun.topo.benchrun import check_bench
+
+                    check_bench(transport, used_hosts, reports, config.bench, config.iface)
             plan = job_plan(config, inventory, job_id, addresses)
             if ports_asked:
                 free = {name: a.free_ports for name, a in answers.items()
@@ -837,6 +941,7 @@ class HostsEngine:
                 else:
                     check_ports_free(plan, free)
             settled = settled_hosts(targets, answers)
+            settled.update(sharing_hosts(targets, answers, settled, [h.name for h in plan.hosts]))
             if config.dry_run:  # what a push would do: survey only, nothing written
                 settled = {name: replace(summary, dry_run=True) for name, summary in settled.items()}
             pushed = push_for_launch(config, transport, plan.hosts, settled, dry_run=config.dry_run)
@@ -903,7 +1008,7 @@ class HostsEngine:
         return agents
 
     def render(self, config: LaunchConfig, job_id: str,
-               rendezvous: tuple[str, int] | None = None) -> tuple[Plan, tuple[WorkerCommand, ...]]:
+               rendezvous: Rendezvous | None = None) -> tuple[Plan, tuple[WorkerCommand, ...]]:
         """Every rank's command from what the session found: addresses, run folders, GPUs,
         interfaces and ports (``place`` and ``--dry-run`` alike)."""
         return render_commands(config, self.inventory, job_id, addresses=self.addresses, cwd_for=self.cwd_for,
@@ -930,9 +1035,11 @@ class HostsEngine:
                 if not config.attempt:  # before anything starts, as the launch's other first lines
                     for line in synced:
                         print(f"dlrun: {line}", file=sys.stderr, flush=True)
-            rendezvous = None
+            rendezvous: Rendezvous | None = None
             if config.framework == "horovod" and detached:
-                rendezvous = (plan.ranks[0].address, 0)
+                from dlrun.remote.rendezvous import rendezvous_key
+
+                rendezvous = (plan.ranks[0].address, 0, rendezvous_key(self.job_secret))
                 if ":" in rendezvous[0]:
                     raise RendezvousError(
                         f"host {plan.ranks[0].host.name}'s address {rendezvous[0]} is IPv6; Horovod's rendezvous"
@@ -1012,6 +1119,7 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
     terminal's (tests, API).
     """
     engine = engine or HostsEngine()
+    check_script(config)
     check_restart_options(config)
     config = engine.prepare(resolve_framework(config))
     if isinstance(engine, HostsEngine) and config.min_hosts is not None and config.min_hosts > len(engine.used_hosts):
@@ -1063,6 +1171,8 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
 
             return start_detached(config, engine, job_id, shown)
         warnings = (warning,) if warning else getattr(engine, "warnings", ())
+        logs.mkdir(parents=True, exist_ok=True)
+        logs.chmod(0o700)  # private, as the hosts' job folders are: the ranks' lines may hold secrets
         attempt = 0
         dropped: tuple[str, ...] = ()
         while True:
@@ -1138,6 +1248,8 @@ def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, log_
             agents=placement.agents,
             gpu_every=config.gpu_every,
             gpu_idle_after=config.gpu_idle_after,
+            hang_timeout=config.hang_timeout,
+            control_id=config.run_id or job_id,
         )
         with forward_signals(supervisor), placement.watch():
             result = supervisor.run()

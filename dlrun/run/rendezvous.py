@@ -16,9 +16,10 @@ __all__ = ["RendezvousServer", "scope_sizes"]
 class RendezvousServer(_remote.RendezvousServer):
     """:class:`dlrun.remote.rendezvous.RendezvousServer`, raising :class:`RendezvousError`."""
 
-    def __init__(self, scope_sizes: Mapping[str, int], host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, scope_sizes: Mapping[str, int], host: str = "127.0.0.1", port: int = 0,
+                 key: str | None = None) -> None:
         try:
-            super().__init__(scope_sizes, host=host, port=port)
+            super().__init__(scope_sizes, host=host, port=port, key=key)
         except RendezvousServerError as exc:
             raise RendezvousError(str(exc), hint=exc.hint or None) from exc
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlrun.remote import rankpolicy
 from dlrun.render import WorkerCommand
 
 
@@ -39,12 +40,9 @@ class RankResult:
 
 
 def rank_state(code: int | None, *, stopping: bool, signalled: bool = False) -> RankState:
-    """A rank's state from how it exited, for attached and detached jobs alike: ended by dlrun's
-    stop (signalled while it ran, or non-zero while the job was stopping) is STOPPED whatever its
-    exit code (Lightning exits 0 on SIGTERM)."""
-    if signalled or (stopping and code != 0):
-        return RankState.STOPPED
-    return RankState.SUCCEEDED if code == 0 else RankState.FAILED
+    """A rank's state from how it exited (``dlrun.remote.rankpolicy.rank_state``, the keeper's rule
+    too): ended by dlrun's stop is STOPPED whatever its exit code (Lightning exits 0 on SIGTERM)."""
+    return RankState(rankpolicy.rank_state(code, stopping, signalled))
 
 
 @dataclass(frozen=True)
@@ -85,6 +83,8 @@ class RunResult:
     warnings: tuple[str, ...] = ()  # what dlrun warned before the start (repeated in a failure's root cause)
     history: tuple[Attempt, ...] = ()
     stopped_at: float | None = None  # wall clock (time.time) when dlrun began stopping the ranks: a failure's time
+    hang: tuple[str, ...] = ()  # --hang-timeout stopped the job: the cause, then the ranks' groups (dlrun.run.hang)
+    flight_recorder: tuple[str, ...] = ()  # who the ranks' flight recorder dumps say is behind (dlrun.run.flight)
 
     @property
     def ok(self) -> bool:

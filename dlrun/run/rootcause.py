@@ -1,13 +1,13 @@
 """What a failed rank's root cause shows beside its last lines: the Python exception it raised
 (even when its last lines are a tensor dump, and behind torch's ``[rank0]: `` prefix), what
 torch's ``@record`` wrote to ``TORCHELASTIC_ERROR_FILE``, the signal behind an exit code, and the
-hint for peers that left early. The rules live in ``dlrun.remote.ranklines``, which the detached
+hint for peers that left early. The rules live in ``dlrun.remote.rankpolicy``, which the detached
 keeper loads on the hosts too, so attached and detached jobs find the same root cause. Pure.
 """
 
 from __future__ import annotations
 
-from dlrun.remote.ranklines import (
+from dlrun.remote.rankpolicy import (
     EXCEPTION_CHARS,
     FRAMES_SHOWN,
     TRACEBACK_START,

@@ -15,10 +15,11 @@ numbers: ``docs/architecture.md`` (The screen).
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from dlrun.render import WorkerCommand
 from dlrun.run.gpus import GpuSample
 from dlrun.run.result import RankState, RunResult
 from dlrun.run.supervisor import View
+from dlrun.run.view import PlainView
 
 MAX_LINES = 20_000  # lines waiting for the screen before the oldest are dropped
 MAX_CHARS = 16 << 20  # characters waiting (a few very long lines count as many)
@@ -257,3 +259,23 @@ class ScreenFeed:
         counts = ", ".join(f"{n} lines of rank {r}" for r, n in sorted(dropped.items()))
         where = f"{self.log_dir}/" if self.log_dir is not None else "the log files"
         self.inner.notice(f"the screen fell behind: {counts} not shown; every line is in {where}")
+
+
+def make_view(ranks: Collection[int] | None = None, *, force_plain: bool = False) -> ScreenFeed:
+    """A LiveView on a terminal, a PlainView otherwise, each drawn on its own clock
+    (``dlrun.run.screen``). On a terminal (live or ``--plain``) lines a screen cannot keep up with
+    are dropped (counted; the log files keep them), so output never holds back the job's control.
+    Into a pipe or a file (CI logs, ``| less``, ``attach > out``) every line is the record: the
+    feed waits for its reader instead."""
+    if not sys.stdout.isatty():
+        return ScreenFeed(PlainView(sys.stdout, ranks), lossless=True)
+    if force_plain:
+        return ScreenFeed(PlainView(sys.stdout, ranks))
+    from rich.console import Console
+
+    from dlrun.run.live import LiveView
+
+    console = Console()
+    if console.is_terminal:
+        return ScreenFeed(LiveView(console, ranks), rate=LIVE_RATE, max_lines=LIVE_WAITING)
+    return ScreenFeed(PlainView(sys.stdout, ranks), lossless=True)

@@ -23,14 +23,20 @@ Mechanism sits below (``dlrun.remote.agent`` starts and kills processes on each 
 * **GPUs**: with ``gpu_every``, each agent samples its host's GPUs (``dlrun.run.gpus``); the
   samples go to ``<log_dir>/gpu.csv``, the view, an idle-GPU watch and the summary (hosts
   that share an address and port, such as Spark tasks on one machine, sample once). A host whose
-  sampling fails is named once; nothing about GPUs changes the exit code.
+  sampling fails is named once; nothing about GPUs changes the exit code;
+* **stacks and hangs** (``dlrun.run.hang``): ``dlrun stack JOB`` from another terminal asks
+  through ``dlrun.run.control``'s socket; with ``hang_timeout``, no output and no busy GPU for
+  that long takes every rank's stack, names the odd group as the root cause and stops the job
+  (exit ``HANG_EXIT``).
 
 Rank lifecycle: ``dlrun.run.result.RankState``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import queue
 import threading
 import time
@@ -43,7 +49,7 @@ from typing import IO, Any, Protocol
 from dlrun.errors import DlrunError
 from dlrun.plan import DEFAULT_HOST_TIMEOUT, heartbeat_interval
 from dlrun.remote import agent
-from dlrun.remote.ranklines import (
+from dlrun.remote.rankpolicy import (
     MAX_LINE,
     TAIL_LINES,
     TRACEBACK_START,
@@ -51,10 +57,14 @@ from dlrun.remote.ranklines import (
     TracebackCatcher,
     early_exit_hint,
     error_file_lines,
+    job_exit_code,
 )
 from dlrun.render import WorkerCommand
 from dlrun.run.agents import HostAgents, HostLink, close_aside, encode_message, with_agent_words
+from dlrun.run.control import ControlServer
+from dlrun.run.flight import lagging_lines, rank_of, read_dump
 from dlrun.run.gpus import CSV_COLUMNS, GpuSample, GpuStats, IdleWatch, csv_rows, parse_sample, visible_gpus
+from dlrun.run.hang import DUMP_WAIT, HANG_EXIT, HangWatch, StackAnswer, StackRequests, answer_json, hang_lines
 from dlrun.run.result import RankResult, RankState, RunResult, rank_state
 from dlrun.transport.base import Transport
 
@@ -122,6 +132,8 @@ class Supervisor:
         host_timeout: float | None = DEFAULT_HOST_TIMEOUT,
         gpu_every: float = 0.0,
         gpu_idle_after: float = 60.0,
+        hang_timeout: float = 0.0,
+        control_id: str | None = None,
     ) -> None:
         self.view = view
         self.log_dir = log_dir
@@ -165,6 +177,12 @@ class Supervisor:
             for names in machines.values()})
         self.gpu_failed: set[str] = set()  # hosts whose sampling failure was reported
         self.gpu_csv: IO[str] | None = None
+        self.stack_requests = StackRequests(transport, self.events, log_dir, clock)
+        self.hang = HangWatch(hang_timeout, clock)
+        self.hang_lines: tuple[str, ...] = ()  # the hang's root cause and groups, once it stopped the job
+        self.hang_stop_at: float | None = None  # faulthandler dumps asked for: the stop waits for them
+        self.recordings: dict[int, dict[str, Any]] = {}  # rank -> its flight recorder dump (dlrun.run.flight)
+        self.control = ControlServer(control_id or self._job_id(), self._control)  # dlrun stack JOB
 
     # --------------------------------------------------------------------- public
     def interrupt(self, signum: int) -> None:
@@ -184,6 +202,7 @@ class Supervisor:
                 rank.log = open(self.log_dir / f"rank-{number}.log", "w", encoding="utf-8")  # noqa: SIM115
         self.view.start([r.command for r in self.ranks.values()], self.log_dir)
         stop_beating = threading.Event()
+        self.control.start()
         try:
             self._start_all()
             if self.host_timeout is not None:
@@ -191,6 +210,7 @@ class Supervisor:
                                  name="dlrun-heartbeat", daemon=True).start()
             self._loop()
         finally:
+            self.control.close()
             stop_beating.set()
             self.agents.quiet.set()
             for link in self.links.values():
@@ -269,6 +289,7 @@ class Supervisor:
                 if rank.log is not None:
                     rank.log.flush()
             self.view.flush()
+            self._watch()
             if self.stop_deadline is not None and self.clock() > self.stop_deadline:
                 # agents did not finish in time: drop the channels, their watchdogs kill all
                 for link in self.links.values():
@@ -296,6 +317,17 @@ class Supervisor:
             self._silent(str(event[1]), float(event[2]))  # type: ignore[arg-type]
         elif kind == "notice":
             self.view.notice(str(event[1]))
+        elif kind == "stacks":  # dlrun stack JOB, through the control socket
+            self._ask_stacks(event[1], event[2])  # type: ignore[arg-type]
+        elif kind == "stacks-ready":  # py-spy is on the hosts
+            for name, message in self.stack_requests.ready(str(event[1]), str(event[2]), event[3]):  # type: ignore[arg-type]
+                channel = self.links[name].channel
+                try:
+                    if channel is None:
+                        raise DlrunError("it never started", host=name)
+                    channel.send(encode_message(message))
+                except DlrunError as exc:
+                    self.stack_requests.unreachable(str(event[1]), name, f"cannot ask the agent: {exc}")
         elif kind == "interrupt":
             signum = int(event[1])  # type: ignore[call-overload]
             if self.interrupted_by is None:
@@ -315,10 +347,18 @@ class Supervisor:
         if kind == agent.GPU:
             self._gpu(host, payload)
             return
+        if kind == agent.FILE:
+            self._recording(payload)
+            return
+        if kind == agent.STACKS:
+            with contextlib.suppress(ValueError, AttributeError):
+                self.stack_requests.answer(host, json.loads(payload))
+            return
         rank = self.ranks.get(rank_no)
         if rank is None:
             return
         if kind in (agent.STDOUT, agent.STDERR):
+            self.hang.output()
             stream = "stdout" if kind == agent.STDOUT else "stderr"
             splitter = rank.splitters.setdefault(kind, LineSplitter())
             texts = splitter.feed(payload)
@@ -372,6 +412,7 @@ class Supervisor:
             self.gpu_csv.write(csv_rows(samples))
             self.gpu_csv.flush()
         self.gpu_stats.add(samples)
+        self.hang.gpu([s.util for s in samples])
         warning = self.gpu_idle.update(samples)
         if not self.hurry:
             self.view.gpus(host, samples)
@@ -460,6 +501,78 @@ class Supervisor:
         if not self.stopping:
             self._stop_all(self.grace)
 
+    def _recording(self, payload: bytes) -> None:
+        """A flight recorder dump a host sent back: to ``<log_dir>/flight-recorder/``, and read."""
+        raw, _, data = payload.partition(b"\0")
+        name = os.path.basename(raw.decode("utf-8", "replace")).strip(".") or "dump"
+        if self.log_dir is not None:
+            folder = self.log_dir / "flight-recorder"
+            folder.mkdir(exist_ok=True)
+            (folder / name).write_bytes(data)
+        rank, dump = rank_of(name), read_dump(data)
+        if rank is not None and dump is not None:
+            self.recordings[rank] = dump
+
+    # --------------------------------------------------------------------- stacks and hangs
+    def _control(self, request: Any) -> dict[str, Any]:
+        """The control socket's thread: a request, answered once the loop gathered the stacks."""
+        if request.get("op") != "stacks":
+            return {"error": f"unknown op {request.get('op')!r}"}
+        answers: queue.Queue[StackAnswer] = queue.Queue(maxsize=1)
+        self.events.put(("stacks", request.get("hosts"), answers.put))
+        try:
+            return answer_json(answers.get(timeout=240))
+        except queue.Empty:
+            return {"error": "the job's client gathered no stacks in time"}
+
+    def _ask_stacks(self, only: Sequence[str] | None, reply: Callable[[StackAnswer], None]) -> None:
+        running = {name: link for name, link in self.links.items()
+                   if link.channel is not None and not link.closed and not link.done and (not only or name in only)}
+        if not running:
+            reply(StackAnswer((), None, {"*": "no host of the job runs ranks now"}))
+            return
+        self.stack_requests.ask({n: link.host for n, link in running.items()},
+                                {n: link.ranks for n, link in running.items()}, reply)
+
+    def _watch(self) -> None:
+        """Each turn of the loop: overdue stack requests, and the hang watch."""
+        self.stack_requests.tick()
+        if self.hang_stop_at is not None and self.clock() >= self.hang_stop_at:
+            self.hang_stop_at = None
+            self._stop_all(self.grace)
+        if self.stopping:
+            return
+        text = self.hang.notice()
+        if text is not None:
+            self.view.notice(text)
+        if self.hang.hung():
+            self.view.notice(f"no rank wrote anything for {self.hang.silence():.0f} s and no GPU was busy"
+                             f" (--hang-timeout {self.hang.limit:g}): taking every rank's stack")
+            self._ask_stacks(None, self._hung)
+
+    def _hung(self, answer: StackAnswer) -> None:
+        if self.stopping:
+            return
+        self.hang_lines = tuple(hang_lines(answer))
+        for text in self.hang_lines:
+            self.view.notice(text)
+        unread = {r.rank for r in answer.stacks if not r.taken}
+        for link in self.links.values():  # torch's flight recorder (NCCL) dumps through its pipe too
+            if link.channel is not None and not link.closed:
+                with contextlib.suppress(DlrunError):
+                    link.channel.send(encode_message({"op": "record"}))
+        for name, link in self.links.items():  # faulthandler's dump instead (docs/stacks.md)
+            mine = [r for r in link.ranks if r in unread and self.ranks[r].command.env.get("PYTHONFAULTHANDLER")]
+            if mine and link.channel is not None and not link.closed:
+                self.view.notice(f"{name}: SIGABRT to rank{'s' if len(mine) > 1 else ''} {mine}: faulthandler"
+                                 " prints their stacks to their logs")
+                with contextlib.suppress(DlrunError):
+                    link.channel.send(encode_message({"op": "dump", "ranks": mine}))
+        self.view.notice("stopping every rank (--hang-timeout)")
+        # a SIGTERM would cut the dumps short: stop once they are written
+        self.stopping = True  # what ends now is stopped, not failed
+        self.hang_stop_at = self.clock() + DUMP_WAIT
+
     def _stop_all(self, grace: float, *, kill: bool = False) -> None:
         self.stopping = True
         if self.stopped_at is None:
@@ -504,18 +617,14 @@ class Supervisor:
             root = results[self.root_cause]
             hint = early_exit_hint(root.rank, [*root.exception, *root.error_file, *root.tail], self.finished_before)
             root = results[self.root_cause] = replace(root, hint=tuple(hint))
-        if root is not None:
-            exit_code = root.exit_code if root.exit_code else 1
-        elif self.interrupted_by is not None:
-            exit_code = 128 + self.interrupted_by
-        elif all(r.exit_code == 0 for r in results):
-            exit_code = 0
-        elif self.ends_job is not None:
-            # the job's end was decided by the ranks that end it (tf-ps chief)
-            enders = [r for r, c in zip(results, self.ranks.values(), strict=True) if self.ends_job(c.command)]
-            exit_code = next((r.exit_code or 0 for r in enders), 0)
-        else:
-            exit_code = next((r.exit_code for r in results if r.exit_code), 1) or 1
+        enders = None
+        if self.ends_job is not None:  # tf-ps: the job's end was decided by the ranks that end it
+            enders = [r.exit_code for r, c in zip(results, self.ranks.values(), strict=True)
+                      if self.ends_job(c.command)]
+        exit_code = job_exit_code(None if root is None else root.exit_code, self.interrupted_by,
+                                  [r.exit_code for r in results], enders)
+        if root is None and self.hang_lines:  # --hang-timeout stopped it: its own exit code
+            exit_code = HANG_EXIT
         return RunResult(
             ranks=tuple(results),
             exit_code=exit_code,
@@ -527,4 +636,6 @@ class Supervisor:
             job_id=self._job_id(),
             gpu_summary=tuple(self.gpu_stats.summary()),
             gpu_warnings=tuple(self.gpu_idle.warned.values()),
+            hang=self.hang_lines,
+            flight_recorder=tuple(lagging_lines(self.recordings)) if exit_code else (),
         )

@@ -18,16 +18,13 @@ import shlex
 import sys
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
-from dlrun.render import WorkerCommand
+from dlrun.render import WorkerCommand, mask_argv, printable
 from dlrun.run.gpus import GpuSample, PlainThrottle, plain_line
 from dlrun.run.gpus import summary_lines as gpu_lines
 from dlrun.run.result import Attempt, RankState, RunResult
 from dlrun.run.rootcause import signal_text
-
-if TYPE_CHECKING:  # rich is imported only for the live view (~40 ms a job otherwise)
-    from dlrun.run.screen import ScreenFeed
 
 
 def duration_text(seconds: float | None) -> str:
@@ -45,16 +42,20 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
     dlrun gave before the start, and its last lines."""
     root = result.root_cause
     if root is None:
-        return []
+        if not result.hang:
+            return []
+        return [f"dlrun: root cause: job {result.hang[0]}", *result.hang[1:],
+                *(f"  {text}" for text in result.flight_recorder)]
     by_rank = {c.rank: c for c in commands}
     lines = [f"dlrun: root cause: rank {root.rank} on host {root.host} exited with code {root.exit_code}"]
     if root.state == RankState.LOST:
         lines[0] = f"dlrun: root cause: host {root.host} (rank {root.rank}): {root.error}"
     elif root.error:
         lines.append(f"  error: {root.error}")
+    lines.extend(f"  {text}" for text in result.flight_recorder)  # which rank the dumps say is behind
     if root.rank in by_rank:
-        argv = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in by_rank[root.rank].argv]
-        lines.append(f"  command: {shlex.join(argv)}")
+        argv = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in mask_argv(by_rank[root.rank].argv)]
+        lines.append(f"  command: {printable(shlex.join(argv))}")
     recorded_line = root.error_file[-1] if root.error_file else None
     if root.error_file:  # what the rank itself recorded comes first
         lines.append(f"  error file (TORCHELASTIC_ERROR_FILE of rank {root.rank}):")
@@ -111,6 +112,8 @@ def summary_lines(result: RunResult) -> list[str]:
         verdict = f"dlrun: job succeeded ({ok} ranks finished, {stopped} servers stopped by dlrun)"
     elif result.ok:
         verdict = f"dlrun: all {len(result.ranks)} ranks succeeded"
+    elif result.hang and result.root_cause is None:
+        verdict = "dlrun: job hung; every rank stopped (--hang-timeout)"
     elif result.interrupted_by is not None and result.root_cause is None:
         verdict = f"dlrun: interrupted by signal {result.interrupted_by}; every rank stopped"
     else:
@@ -171,26 +174,3 @@ class PlainView:
         for text in [*root_cause_lines(result, self.commands), *summary_lines(result)]:
             self.out.write(text + "\n")
         self.out.flush()
-
-
-
-def make_view(ranks: Collection[int] | None = None, *, force_plain: bool = False) -> ScreenFeed:
-    """A LiveView on a terminal, a PlainView otherwise, each drawn on its own clock
-    (``dlrun.run.screen``). On a terminal (live or ``--plain``) lines a screen cannot keep up with
-    are dropped (counted; the log files keep them), so output never holds back the job's control.
-    Into a pipe or a file (CI logs, ``| less``, ``attach > out``) every line is the record: the
-    feed waits for its reader instead."""
-    from dlrun.run.screen import LIVE_RATE, LIVE_WAITING, ScreenFeed
-
-    if not sys.stdout.isatty():
-        return ScreenFeed(PlainView(sys.stdout, ranks), lossless=True)
-    if force_plain:
-        return ScreenFeed(PlainView(sys.stdout, ranks))
-    from rich.console import Console
-
-    from dlrun.run.live import LiveView
-
-    console = Console()
-    if console.is_terminal:
-        return ScreenFeed(LiveView(console, ranks), rate=LIVE_RATE, max_lines=LIVE_WAITING)
-    return ScreenFeed(PlainView(sys.stdout, ranks), lossless=True)

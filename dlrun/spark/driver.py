@@ -76,7 +76,7 @@ from dlrun.errors import BackendError, BackendUnavailable, HostUnreachable, Usag
 from dlrun.inventory import Host, Inventory
 from dlrun.plan import Plan, make_plan
 from dlrun.remote import agent
-from dlrun.render import WorkerCommand, worker_argv, worker_commands
+from dlrun.render import Rendezvous, WorkerCommand, worker_argv, worker_commands
 from dlrun.run.addresses import socket_ifaces
 from dlrun.run.agents import agent_argv
 from dlrun.run.engine import Placement
@@ -819,7 +819,7 @@ def task_commands(
     hellos: Sequence[TaskHello],
     job_id: str,
     *,
-    rendezvous: tuple[str, int] | None = None,
+    rendezvous: Rendezvous | None = None,
 ) -> tuple[Plan, tuple[WorkerCommand, ...]]:
     """One host per task (rank = partition id), the ports the tasks picked, the SSH path's env.
 
@@ -992,8 +992,11 @@ def _watch_stage(job: _StageJob, transport: SparkTransport, grace: float = 3.0) 
 
 
 @contextmanager
-def _horovod_rendezvous(hellos: Sequence[TaskHello], driver_host: str, bind: str) -> Iterator[tuple[str, int]]:
-    """dlrun's gloo rendezvous on the driver, its scopes sized as ``horovod_topology`` counts."""
+def _horovod_rendezvous(hellos: Sequence[TaskHello], driver_host: str,
+                        bind: str) -> Iterator[tuple[str, int, str]]:
+    """dlrun's gloo rendezvous on the driver, its scopes sized as ``horovod_topology`` counts;
+    every request must carry the stage's own key (``dlrun.remote.rendezvous``)."""
+    from dlrun.remote.rendezvous import rendezvous_key
     from dlrun.run.rendezvous import RendezvousServer, scope_sizes
 
     try:
@@ -1002,10 +1005,11 @@ def _horovod_rendezvous(hellos: Sequence[TaskHello], driver_host: str, bind: str
         address = driver_host
     topology = horovod_topology(hellos)
     ranks = [(h.host, topology[h.partition][0]) for h in sorted(hellos, key=lambda h: h.partition)]
-    with RendezvousServer(scope_sizes(ranks), host=bind) as server:
+    key = rendezvous_key(secrets.token_hex(32))
+    with RendezvousServer(scope_sizes(ranks), host=bind, key=key) as server:
         bound = server.address
         assert bound is not None
-        yield address, bound[1]
+        yield address, bound[1], key
 
 
 def spark_error_text(exc: BaseException | None) -> str:

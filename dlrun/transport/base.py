@@ -127,6 +127,17 @@ class Transport(ABC):
         channel.close()
         return result
 
+    def start(self, host: Host, argv: Sequence[str], stdin: bytes = b"", timeout: float = 60.0) -> CommandResult:
+        """Start a program that outlives dlrun (a detached job's keeper) and collect what it
+        printed before it let go of its output. Here the program detaches itself (``run``);
+        where ``holds_programs`` is true, the transport keeps it running instead."""
+        return self.run(host, argv, stdin, timeout)
+
+    def holds_programs(self, host: Host) -> bool:
+        """Whether ``start`` keeps the program running itself, so that it must not detach (a
+        Slurm step holds its task: a process that leaves it leaves the job)."""
+        return False
+
     def close(self) -> None:  # noqa: B027 - optional hook; local subprocesses need nothing
         """Close every connection."""
 

@@ -14,8 +14,13 @@ from dlrun.transport.base import Channel, CommandResult, Transport
 
 
 class LocalChannel(Channel):
-    def __init__(self, host: str, argv: Sequence[str]) -> None:
+    """A subprocess of dlrun: the command itself, or what reaches the host (``srun``).
+    ``env``: its environment (None: dlrun's); ``what``: how errors name it."""
+
+    def __init__(self, host: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+                 what: str = "the local agent") -> None:
         self.host = host
+        self.what = what
         self._stderr = bytearray()
         try:
             self.proc = subprocess.Popen(
@@ -24,6 +29,7 @@ class LocalChannel(Channel):
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # Ctrl-C reaches dlrun only; dlrun decides
+                env=None if env is None else dict(env),
             )
         except OSError as exc:
             raise HostUnreachable(f"cannot start {argv[0]}: {exc}", host=host) from exc
@@ -47,7 +53,7 @@ class LocalChannel(Channel):
                 self.proc.stdin.write(data)
                 self.proc.stdin.flush()
             except (BrokenPipeError, ValueError, OSError) as exc:
-                raise HostUnreachable("the local agent is gone", host=self.host) from exc
+                raise HostUnreachable(f"{self.what} is gone", host=self.host) from exc
 
     def recv(self, max_bytes: int = 65536) -> bytes:
         assert self.proc.stdout is not None
@@ -132,6 +138,12 @@ class HostRouter(Transport):
 
     def run(self, host: Host, argv: Sequence[str], stdin: bytes = b"", timeout: float = 60.0) -> CommandResult:
         return self._for(host).run(host, argv, stdin, timeout)
+
+    def start(self, host: Host, argv: Sequence[str], stdin: bytes = b"", timeout: float = 60.0) -> CommandResult:
+        return self._for(host).start(host, argv, stdin, timeout)
+
+    def holds_programs(self, host: Host) -> bool:
+        return self._for(host).holds_programs(host)
 
     def close(self) -> None:
         self.local.close()

@@ -8,9 +8,10 @@ socket layer's exceptions into dlrun's own (``HostUnreachable``, ``Authenticatio
   read for every host first, then the hosts are reached in parallel, each within its connect
   timeout, on a socket with TCP_NODELAY, through ``ProxyJump`` hops (one connection per hop,
   shared with its failure by the hosts behind it; a hop's own ProxyJump followed) or a
-  ``ProxyCommand``. Every host is reached before any rank starts; all failures are reported
-  together, each with its host and the SSH error in words. Keys: IdentityFile (OpenSSH's list),
-  CertificateFile, ssh-agent unless IdentitiesOnly.
+  ``ProxyCommand``. Every host is reached before any rank starts; the failures are reported
+  together, each with its host and the SSH error in words. Many hosts get progress lines, and
+  once most of those that answered failed the rest are not tried (``FAIL_FAST_AFTER``). Keys:
+  IdentityFile (OpenSSH's list), CertificateFile, ssh-agent unless IdentitiesOnly.
 * **Host keys**, as OpenSSH checks them (``load_known_hosts``, ``_CheckHostKey``): known_hosts
   entries for the HostKeyAlias or ``host``/``[host]:port``, patterns and hashed names included;
   ``@revoked`` keys refused; a changed key always refused; an unknown one refused unless
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import re
 import shlex
 import shutil
@@ -46,7 +48,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -82,6 +83,9 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 # one call to OpenSSL, where aes128-ctr adds a separate HMAC per packet (push of 200 MB to 4
 # loopback hosts: client CPU 5.8 -> 4.2 s, docs/benchmarks.md "Push after AES-GCM ..."). EtM MACs only
 # matter for a server without GCM.
+PROGRESS_FROM = 32  # hosts: a connect to this many says how far it got
+FAIL_FAST_AFTER = 8  # unreachable hosts, more than half of those that answered: the rest are not tried
+FAILURES_LISTED = 20  # unreachable hosts named in the error; the rest are counted
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "aes128-ctr")
 PREFERRED_MACS = ("hmac-sha2-256-etm@openssh.com", "hmac-sha2-512-etm@openssh.com")
 
@@ -579,23 +583,70 @@ class SSHTransport(Transport):
     # ------------------------------------------------------------------ connect
     def connect(self, hosts: Sequence[Host]) -> Mapping[str, str]:
         todo = [h for h in hosts if h.name not in self.clients]
+        if len(todo) >= PROGRESS_FROM:
+            print(f"dlrun: reading the ssh config for {len(todo)} hosts", file=sys.stderr, flush=True)
         # every host's config first: a config OpenSSH rejects stops dlrun before any connection
         configs = self.reader.lookup_all([_request(h) for h in todo])
         for host, config in zip(todo, configs, strict=True):
             self.targets[host.name] = self._target(host.name, config)
-        errors: list[TransportError] = []
-        if todo:
-            with ThreadPoolExecutor(max_workers=min(64, len(todo))) as pool:
-                errors = [e for e in pool.map(self._connect_one, todo) if e is not None]
+        errors, untried = self._connect_all(todo) if todo else ([], 0)
         if errors:
-            if len(errors) == 1:
+            if len(errors) == 1 and not untried:
                 raise errors[0]
             first = errors[0]
-            message = f"{len(errors)} hosts cannot be reached; no rank was started:\n" + "\n".join(
-                f"  {e}" for e in errors  # each with its own hint
-            )
+            shown = errors[:FAILURES_LISTED]
+            more = f"\n  … and {len(errors) - len(shown)} more" if len(errors) > len(shown) else ""
+            stopped = (f" (stopped after {len(errors)} failures; {untried} of {len(todo)} hosts not tried)"
+                       if untried else "")
+            message = f"{len(errors)} hosts cannot be reached{stopped}; no rank was started:\n" + "\n".join(
+                f"  {e}" for e in shown  # each with its own hint
+            ) + more
             raise type(first)(message)
         return {h.name: self.targets[h.name].hostname for h in hosts}
+
+    def _connect_all(self, todo: Sequence[Host]) -> tuple[list[TransportError], int]:
+        """Reach ``todo`` in parallel: the errors, and how many hosts were never tried. Many hosts
+        get progress lines (every tenth of them); once most of those that answered failed (at
+        least ``FAIL_FAST_AFTER``), the rest are not tried: the launch has failed already, and a
+        resolver flooded with bad names answers each in seconds."""
+        errors: list[TransportError] = []
+        abandoned = threading.Event()  # this round's: its threads take no more hosts, close late clients
+        noisy = len(todo) >= PROGRESS_FROM
+        if noisy:
+            print(f"dlrun: connecting to {len(todo)} hosts", file=sys.stderr, flush=True)
+        step = max(1, len(todo) // 10)
+        waiting: queue.SimpleQueue[Host] = queue.SimpleQueue()
+        for host in todo:
+            waiting.put(host)
+        answers: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+
+        def work() -> None:  # daemon threads: a lookup still hanging after a fail-fast holds nothing up
+            while not abandoned.is_set():
+                try:
+                    host = waiting.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    answers.put(self._connect_one(host, abandoned))
+                except BaseException as exc:  # not a host's failure (a ProxyJump loop): raised below
+                    answers.put(exc)
+
+        for i in range(min(64, len(todo))):
+            threading.Thread(target=work, name=f"dlrun-connect-{i}", daemon=True).start()
+        for done in range(1, len(todo) + 1):
+            error = answers.get()
+            if error is not None and not isinstance(error, TransportError):
+                abandoned.set()
+                raise error
+            if error is not None:
+                errors.append(error)
+            if noisy and done % step == 0 and done < len(todo):
+                print(f"dlrun: connecting: {done - len(errors)} of {len(todo)} hosts reached,"
+                      f" {len(errors)} unreachable", file=sys.stderr, flush=True)
+            if len(errors) >= FAIL_FAST_AFTER and 2 * len(errors) > done and done < len(todo):
+                abandoned.set()  # the threads take no more hosts; those under way close theirs
+                return errors, waiting.qsize()
+        return errors, 0
 
     def reconnect(self, hosts: Sequence[Host]) -> Mapping[str, str]:
         for host in hosts:
@@ -605,11 +656,15 @@ class SSHTransport(Transport):
                 threading.Thread(target=old.close, name=f"dlrun-drop-{host.name}", daemon=True).start()
         return self.connect(hosts)
 
-    def _connect_one(self, host: Host) -> TransportError | None:
+    def _connect_one(self, host: Host, abandoned: threading.Event | None = None) -> TransportError | None:
         try:
-            self.clients[host.name] = self._client(self.targets[host.name])
+            client = self._client(self.targets[host.name])
         except TransportError as exc:
             return exc
+        if abandoned is not None and abandoned.is_set():  # connect gave up while this one was under way
+            client.close()
+            return None
+        self.clients[host.name] = client
         return None
 
     def _socket(self, target: Target) -> _Sock:

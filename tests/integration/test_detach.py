@@ -322,7 +322,8 @@ def test_a_detached_tf_ps_job_ends_with_its_chief_and_stops_the_servers(cluster,
 # rank 1 writes 70,000 numbered lines, then raises
 LONG_LOG = """
 import os, sys, time
-time.sleep(4)  # the launch returns first
+while not os.path.exists(sys.argv[1]):  # the test says go once the launch has returned
+    time.sleep(0.1)
 if os.environ["DLRUN_RANK"] == "1":
     out = sys.stdout
     for i in range(70000):
@@ -353,7 +354,9 @@ def test_a_detached_torch_failure_names_the_exception_behind_the_rank_prefix(  #
 def test_every_line_of_a_long_detached_log_is_shown_and_deleted_only_after(  # type: ignore[no-untyped-def]
         cluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "long_log.py", LONG_LOG)
-    job = detach(cluster, tmp_path, script)
+    go = cluster.scripts / f"go-{tmp_path.name}"
+    job = detach(cluster, tmp_path, script, str(go))
+    go.write_text("")
     attached = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=180)
     assert attached.returncode == 1, attached.stdout[-3000:] + attached.stderr
     numbers = re.findall(r"^\[1 host1\] line (\d{5}) of rank 1", attached.stdout, re.M)

@@ -24,7 +24,8 @@ print("ENV " + json.dumps(dict(os.environ)), flush=True)
 #: Differ by design: the rendezvous port is each launcher's free port, and HOROVOD_HOSTNAME only
 #: names a host's local scope (``local_<it>``), so it must be one value per host, which both are:
 #: horovodrun's is the -H name, dlrun's the address the ranks use.
-OWN_VALUES = {"HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_HOSTNAME"}
+# the rendezvous address is dlrun's host:port/key (its server wants the job's key in every request)
+OWN_VALUES = {"HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_HOSTNAME", "HOROVOD_GLOO_RENDEZVOUS_ADDR"}
 
 
 def dumps(text: str) -> dict[str, dict[str, str]]:
@@ -53,3 +54,6 @@ def test_dlrun_sets_what_horovodrun_sets(tmp_path: Path, horovod: None) -> None:
         differ = {k: (v, dlrun[rank][k]) for k, v in contract.items() if k not in OWN_VALUES and dlrun[rank][k] != v}
         assert not differ, f"rank {rank}: (horovodrun, dlrun): {differ}"
     assert len({d["HOROVOD_HOSTNAME"] for d in dlrun.values()}) == 1  # one local scope, as horovodrun's
+    for rank in ("0", "1"):  # horovodrun's address, then the port and the key Horovod's client puts in each path
+        address, port = reference[rank]["HOROVOD_GLOO_RENDEZVOUS_ADDR"], dlrun[rank]["HOROVOD_GLOO_RENDEZVOUS_PORT"]
+        assert re.fullmatch(rf"{re.escape(address)}:{port}/[0-9a-f]{{64}}", dlrun[rank]["HOROVOD_GLOO_RENDEZVOUS_ADDR"])

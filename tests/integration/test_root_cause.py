@@ -119,12 +119,12 @@ def test_the_root_cause_block_in_order() -> None:
     lines = root_cause_lines(RunResult(ranks=(root,), exit_code=134, root_cause=root, warnings=("Keras 3",)), ())
     assert lines == [
         "dlrun: root cause: rank 1 on host h1 exited with code 134",
+        "  error file (TORCHELASTIC_ERROR_FILE of rank 1):",  # what the rank recorded comes first
+        '    |   File "t.py", line 3, in f',
+        "    | RuntimeError: recorded",
         "  exception (last frames of rank 1's traceback):",
         '    |   File "t.py", line 3, in f',
         "    | ValueError: x",
-        "  error file (TORCHELASTIC_ERROR_FILE of rank 1):",
-        '    |   File "t.py", line 3, in f',
-        "    | RuntimeError: recorded",
         "  killed by SIGABRT (134)",
         "  warning before the start: Keras 3",
         "  last 1 line of rank 1:",

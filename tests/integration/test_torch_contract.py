@@ -55,6 +55,13 @@ def test_dlrun_sets_what_torchrun_sets(tmp_path: Path) -> None:
         for name in SAME_VALUES:
             assert dlrun[rank]["env"].get(name) == reference[rank]["env"].get(name), name
         assert dlrun[rank]["elastic"] is True  # torch.distributed.is_torchelastic_launched()
+        # added on purpose (docs/stacks.md): the flight recorder, dumped into the job's folder
+        recorder = {k: v for k, v in dlrun[rank]["env"].items() if k not in reference[rank]["env"]
+                    and k.startswith("TORCH")}
+        assert recorder == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                            "TORCH_FR_DUMP_TEMP_FILE": recorder["TORCH_FR_DUMP_TEMP_FILE"],
+                            "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": recorder["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]}
+        assert recorder["TORCH_FR_DUMP_TEMP_FILE"].endswith("/flight-recorder/trace_rank_")
         error_file = dlrun[rank]["env"]["TORCHELASTIC_ERROR_FILE"]
         assert error_file.endswith(f"/attempt_0/{rank}/error.json")
         assert not Path(error_file).exists()  # the agent took it away with its folder

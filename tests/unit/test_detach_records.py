@@ -16,7 +16,7 @@ import pytest
 
 from dlrun.errors import UsageError
 from dlrun.inventory import load_inventory
-from dlrun.remote import agent, jobs, keeper, source_of
+from dlrun.remote import agent, jobs, keeper, rankpolicy, source_of
 from dlrun.run.detach import (
     check_detach,
     keeper_configs,
@@ -163,10 +163,10 @@ def test_the_keeper_reads_the_agents_frames() -> None:
     assert keeper.HEADER.format == agent.HEADER.format
     assert (keeper.STARTED, keeper.STDOUT, keeper.STDERR, keeper.EXIT, keeper.ERROR, keeper.DONE) == (
         agent.STARTED, agent.STDOUT, agent.STDERR, agent.EXIT, agent.ERROR, agent.DONE)
-    assert keeper.rank_state(0, stopping=True) == "succeeded"
-    assert keeper.rank_state(143, stopping=True) == "stopped"
-    assert keeper.rank_state(3, stopping=False) == "failed"
-    assert keeper.rank_state(0, stopping=True, signalled=True) == "stopped"  # Lightning exits 0 on SIGTERM
+    assert rankpolicy.rank_state(0, stopping=True) == "succeeded"
+    assert rankpolicy.rank_state(143, stopping=True) == "stopped"
+    assert rankpolicy.rank_state(3, stopping=False) == "failed"
+    assert rankpolicy.rank_state(0, stopping=True, signalled=True) == "stopped"  # Lightning exits 0 on SIGTERM
     assert keeper.host_folder("user@h:22") == "host-user_h_22"
 
 
@@ -355,7 +355,7 @@ def test_the_leader_greets_only_a_peer_with_the_job_token() -> None:
 
     job = make_job_tls("j")
     config = {"job_id": "j", "host": "a", "leader": True, "hosts": ["a", "b"], "token": "right",
-              "ranklines_source": source_of("ranklines"),
+              "rankpolicy_source": source_of("rankpolicy"),
               "specs": [{"job_id": "j", "ranks": []}]}
     leader = keeper.Keeper(config, "/nonexistent", None, keeper.server_context(job.cert_pem, job.key_pem))
 
@@ -395,7 +395,7 @@ def test_the_leader_greets_only_a_peer_with_the_job_token() -> None:
 def tf_ps_leader(tmp_path: Path) -> keeper.Keeper:
     """A leader keeper of a chief (rank 0, its own), a worker and a ps; no agent is started."""
     config = {"job_id": "j", "host": "a", "leader": True, "world": {"0": "a", "1": "b", "2": "c"}, "enders": [0],
-              "ranklines_source": source_of("ranklines"),
+              "rankpolicy_source": source_of("rankpolicy"),
               "specs": [{"job_id": "j", "ranks": [{"rank": 0}]}], "followers": ["b", "c"]}
     leader = keeper.Keeper(config, str(tmp_path), None, None)
     for rank, host in ((0, "a"), (1, "b"), (2, "c")):

@@ -11,9 +11,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "dlrun"
 
 #: Pure modules: functions over frozen dataclasses, no process, network or live terminal.
-PURE = ("inventory.py", "plan.py", "render.py", "command.py",
+PURE = ("inventory.py", "allocation.py", "plan.py", "render.py", "command.py",
         "topo/records.py", "topo/parse.py", "topo/findings.py", "topo/report.py",
-        "push/tree.py", "push/shard.py", "run/gpus.py", "run/rootcause.py", "run/result.py")
+        "topo/expect.py", "topo/bench.py",
+        "push/tree.py", "push/shard.py", "run/gpus.py", "run/rootcause.py", "run/result.py",
+        "remote/stack_groups.py", "run/flight.py")
 PURE_MAY_NOT = ("dlrun.transport", "subprocess", "socket", "paramiko", "rich.live", "multiprocessing", "asyncio")
 
 
@@ -52,7 +54,8 @@ def test_the_listed_pure_modules_exist() -> None:
 
 @pytest.mark.parametrize("path", [p for p in modules() if rel(p).startswith("remote/")], ids=rel)
 def test_remote_programs_use_only_the_standard_library(path: Path) -> None:
-    job_framework = {"tf_server.py": {"tensorflow"}}.get(path.name, set())  # it serves a TF job: TF is there
+    # tf_server serves a TF job: TF is there; the bench measures torch where torch is installed
+    job_framework = {"tf_server.py": {"tensorflow"}, "bench.py": {"torch"}}.get(path.name, set())
     outside = {n.split(".")[0] for n in imports_of(path)} - set(sys.stdlib_module_names) - {"__future__"}
     outside -= job_framework
     assert not outside, f"{rel(path)} imports {outside}: it runs on hosts that have only Python"
@@ -78,3 +81,11 @@ def test_transport_imports_nothing_from_the_stages_above_it() -> None:
         if rel(path).startswith("transport/"):
             bad = {n for n in imports_of(path) if under(n, "dlrun.topo", "dlrun.push", "dlrun.run", "dlrun.spark")}
             assert not bad, f"{rel(path)} imports {bad}"
+
+
+def test_test_modules_have_unique_names() -> None:
+    """pytest imports test modules by basename (rootdir-relative, no packages): two
+    ``test_x.py`` in different folders stop the whole run at collection."""
+    tests = Path(__file__).resolve().parents[1]
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []

@@ -68,7 +68,7 @@ def test_a_line_that_only_mentions_a_traceback_late_is_no_start() -> None:
 
 
 def test_an_endless_line_comes_out_in_capped_pieces() -> None:
-    from dlrun.remote.ranklines import LineSplitter
+    from dlrun.remote.rankpolicy import LineSplitter
 
     splitter = LineSplitter(max_line=10)
     assert splitter.feed(b"a" * 25) == ["a" * 10, "a" * 10]

@@ -1,8 +1,9 @@
-"""What a rank's output means, written once for the attached supervisor and the detached keeper:
-lines (split on ``\\n``, ``\\r\\n`` and ``\\r``, one line capped at ``MAX_LINE`` bytes), the tail a
-root cause shows, the Python exception a rank raised (also behind a prefix such as torch's
-``[rank0]: ``), what torch's ``@record`` wrote to ``TORCHELASTIC_ERROR_FILE``, the signal behind an
-exit code, and the hint for peers that left early.
+"""The rank policy, written once for the attached supervisor and the detached keeper: a rank's
+state from how it exited, the job's exit code, and what a rank's output means: lines (split on
+``\n``, ``\r\n`` and ``\r``, one line capped at ``MAX_LINE`` bytes), the tail a root cause
+shows, the Python exception a rank raised (also behind a prefix such as torch's ``[rank0]: ``),
+what torch's ``@record`` wrote to ``TORCHELASTIC_ERROR_FILE``, the signal behind an exit code, and
+the hint for peers that left early.
 
 Standard library only, Python >= 3.8: the supervisor imports it, the keeper on a host loads it from
 the source it was shipped (as it loads the Horovod rendezvous). Pure.
@@ -211,6 +212,31 @@ class RankLines:
                 self.seen([text])
                 out.append((stream, text))
         return out
+
+
+def rank_state(code: int | None, stopping: bool, signalled: bool = False) -> str:
+    """A rank's state from how it exited: one the agent signalled to stop, or that exits non-zero
+    while the job is being stopped, was stopped (its signal's 128 + N, or 0 from a framework that
+    exits cleanly on SIGTERM, as Lightning does), not a new failure."""
+    if signalled or (stopping and code != 0):
+        return "stopped"
+    return "succeeded" if code == 0 else "failed"
+
+
+def job_exit_code(root_code: int | None, interrupted_by: int | None, codes: Sequence[int | None],
+                  ender_codes: Sequence[int | None] | None = None) -> int:
+    """The job's exit code: the root cause's (the first failure, or 255 for a lost host), else
+    128 + the signal that stopped it, else 0 when every rank succeeded, else (tf-ps) the code of
+    the ranks whose end ends the job, else the first non-zero code."""
+    if root_code is not None:
+        return root_code or 1
+    if interrupted_by is not None:
+        return 128 + interrupted_by
+    if all(code == 0 for code in codes):
+        return 0
+    if ender_codes is not None:
+        return int(next((code or 0 for code in ender_codes), 0))
+    return next((code for code in codes if code), 1) or 1
 
 
 #: What a rank prints when a peer went away under it (gloo, NCCL, TF's gRPC, Horovod).

@@ -1,0 +1,233 @@
+"""An attached job's stacks and hang watch: what the supervisor does for ``dlrun stack`` (asked
+through ``dlrun.run.control``) and for ``--hang-timeout``.
+
+``StackRequests`` ships py-spy to the hosts (a thread: the supervisor's loop never waits on
+SSH), then has the supervisor send ``{"op": "stacks"}`` to each host's agent and gathers the
+STACKS frames; a host that does not answer within ``ANSWER_TIMEOUT`` is named in the answer.
+Each request's stacks go to ``<log_dir>/stacks-<time>/`` (``rank-N.txt``, ``summary.txt``).
+``HangWatch`` says when no rank has written for ``--hang-timeout`` seconds while no sampled GPU
+was busy. Mechanism and numbers: ``docs/stacks.md``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dlrun.inventory import Host
+from dlrun.remote import LOADER, source_of
+from dlrun.remote.stack_groups import RankStacks, full_text, group_ranks, hang_cause, rank_stacks, summary_lines
+from dlrun.run.tools import ship_pyspy
+from dlrun.transport.base import Transport
+
+SAMPLES = 2
+INTERVAL = 3.0  # seconds between a request's two samples: "hung" (same place) or "slow" (moved)
+ANSWER_TIMEOUT = 90.0  # seconds for every host's answer, shipping py-spy included
+BUSY_UTIL = 5.0  # a GPU at this utilization or above is working: the job is not hung
+HANG_EXIT = 124  # the exit code of a job --hang-timeout stopped (as timeout(1))
+DUMP_WAIT = 2.0  # seconds faulthandler's SIGABRT dumps get before the stop's SIGTERM
+
+
+@dataclass(frozen=True)
+class StackAnswer:
+    """Every rank's stacks (host answers parsed), the folder they went to, notes per host."""
+
+    stacks: tuple[RankStacks, ...]
+    folder: Path | None
+    notes: Mapping[str, str] = field(default_factory=dict)
+
+    def summary(self) -> list[str]:
+        return summary_lines(group_ranks(self.stacks))
+
+
+def stacks_message(request_id: str, sha256: str, *, samples: int = SAMPLES,
+                   interval: float = INTERVAL, outdir: str | None = None) -> dict[str, Any]:
+    """What an agent is sent to take its ranks' stacks (``dlrun.remote.agent``'s ``stacks`` op)."""
+    request: dict[str, Any] = {"sha256": sha256, "samples": samples, "interval": interval, "native": True}
+    if outdir is not None:
+        request["outdir"] = outdir
+    return {"op": "stacks", "id": request_id, "loader": LOADER, "source": source_of("stacks"), "request": request}
+
+
+def write_stacks(folder: Path, stacks: Sequence[RankStacks], notes: Mapping[str, str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank in stacks:
+        (folder / f"rank-{rank.rank}.txt").write_text(full_text(rank), encoding="utf-8")
+    lines = summary_lines(group_ranks(stacks)) + [f"{host}: {note}" for host, note in notes.items()]
+    (folder / "summary.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+@dataclass
+class _Pending:
+    hosts: dict[str, Host]
+    ranks: dict[str, list[int]]  # host -> its ranks (a host that never answers: they say so)
+    reply: Callable[[StackAnswer], None]
+    deadline: float
+    answers: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+    waiting: set[str] = field(default_factory=set)
+
+
+class StackRequests:
+    """Stack requests of one attached job, driven by the supervisor's loop (not thread-safe
+    but for ``ask``'s shipping thread, which only puts an event)."""
+
+    def __init__(self, transport: Transport, events: queue.Queue[tuple[object, ...]], log_dir: Path | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.transport = transport
+        self.events = events
+        self.log_dir = log_dir
+        self.clock = clock
+        self.pending: dict[str, _Pending] = {}
+        self.ids = itertools.count(1)
+
+    def ask(self, hosts: Mapping[str, Host], ranks: Mapping[str, Sequence[int]],
+            reply: Callable[[StackAnswer], None]) -> None:
+        """Ship py-spy (a thread), then ``("stacks-ready", id, sha256, notes)`` comes back as an event."""
+        request_id = f"s{next(self.ids)}"
+        self.pending[request_id] = _Pending(dict(hosts), {h: list(r) for h, r in ranks.items()}, reply,
+                                            self.clock() + ANSWER_TIMEOUT)
+
+        def ship() -> None:
+            try:
+                sha256, notes = ship_pyspy(self.transport, list(hosts.values()))
+            except Exception as exc:  # the stacks are taken all the same, with a py-spy on the host's PATH
+                sha256, notes = "", {name: f"py-spy not shipped: {exc}" for name in hosts}
+            self.events.put(("stacks-ready", request_id, sha256, notes))
+
+        threading.Thread(target=ship, name="dlrun-ship-py-spy", daemon=True).start()
+
+    def ready(self, request_id: str, sha256: str, notes: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
+        """py-spy is on the hosts: the (host, message) pairs to send."""
+        pending = self.pending.get(request_id)
+        if pending is None:
+            return []
+        pending.notes.update(notes)
+        pending.waiting = set(pending.hosts)
+        message = stacks_message(request_id, sha256)
+        return [(name, message) for name in pending.hosts]
+
+    def unreachable(self, request_id: str, host: str, why: str) -> None:
+        pending = self.pending.get(request_id)
+        if pending is not None:
+            pending.notes[host] = why
+            pending.waiting.discard(host)
+            self._maybe_done(request_id)
+
+    def answer(self, host: str, answer: Mapping[str, Any]) -> None:
+        """A host's STACKS frame."""
+        request_id = str(answer.get("id", ""))
+        pending = self.pending.get(request_id)
+        if pending is None or host not in pending.waiting:
+            return
+        pending.waiting.discard(host)
+        pending.answers[host] = answer
+        if answer.get("error"):
+            pending.notes[host] = str(answer["error"])
+        self._maybe_done(request_id)
+
+    def tick(self) -> None:
+        now = self.clock()
+        for request_id, pending in list(self.pending.items()):
+            if now > pending.deadline:
+                for host in pending.waiting:
+                    pending.notes[host] = f"no answer within {ANSWER_TIMEOUT:g} s"
+                pending.waiting.clear()
+                self._maybe_done(request_id)
+
+    def _maybe_done(self, request_id: str) -> None:
+        pending = self.pending[request_id]
+        if pending.waiting or (not pending.answers and not pending.notes):
+            return
+        del self.pending[request_id]
+        stacks: list[RankStacks] = []
+        for host in pending.hosts:
+            found = rank_stacks(host, pending.answers.get(host) or {})
+            seen = {r.rank for r in found}
+            why = pending.notes.get(host, "the host's agent had no such rank running")
+            found += [RankStacks(rank, host, None, "none", (), error=why) for rank in pending.ranks.get(host, ())
+                      if rank not in seen]
+            stacks += found
+        stacks.sort(key=lambda r: r.rank)
+        folder = None
+        if self.log_dir is not None:
+            folder = self.log_dir / time.strftime("stacks-%Y%m%d-%H%M%S")
+            folder = folder.with_name(f"{folder.name}-{request_id}")
+            write_stacks(folder, stacks, pending.notes)
+        pending.reply(StackAnswer(tuple(stacks), folder, dict(pending.notes)))
+
+
+class HangWatch:
+    """No rank output and no busy GPU for ``limit`` seconds: the job hangs. ``notice_after``:
+    when the live view starts saying "no output for N s"."""
+
+    def __init__(self, limit: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit = limit
+        self.clock = clock
+        self.last_output = clock()
+        self.last_busy = float("-inf")
+        self.noticed = 0.0  # the silence last announced, in seconds (0: none yet)
+        self.fired = False
+
+    @property
+    def on(self) -> bool:
+        return self.limit > 0
+
+    def output(self) -> None:
+        self.last_output = self.clock()
+        self.noticed = 0.0
+
+    def gpu(self, utils: Sequence[float | None]) -> None:
+        if any(u is not None and u >= BUSY_UTIL for u in utils):
+            self.last_busy = self.clock()
+
+    def silence(self) -> float:
+        return self.clock() - self.last_output
+
+    def notice(self) -> str | None:
+        """A line for the view each time the silence passes another half of the limit (and 10 s)."""
+        if not self.on or self.fired:
+            return None
+        quiet = self.silence()
+        step = max(10.0, self.limit / 2)
+        if quiet >= step and quiet - self.noticed >= step:
+            self.noticed = quiet
+            busy = " (a GPU is busy)" if self.clock() - self.last_busy < self.limit else ""
+            return (f"no output for {quiet:.0f} s{busy}; --hang-timeout {self.limit:g} s takes every rank's "
+                    "stack and stops the job")
+        return None
+
+    def hung(self) -> bool:
+        """Once: the job has hung now."""
+        if not self.on or self.fired:
+            return False
+        now = self.clock()
+        if now - self.last_output >= self.limit and now - self.last_busy >= self.limit:
+            self.fired = True
+            return True
+        return False
+
+
+def hang_lines(answer: StackAnswer) -> list[str]:
+    """A hang's root cause in a sentence, the groups, and where the full stacks are."""
+    groups = group_ranks(answer.stacks)
+    lines = [f"hung: {hang_cause(groups)}", *("  " + line for line in summary_lines(groups))]
+    lines += [f"  {host}: {note}" for host, note in answer.notes.items()]
+    if answer.folder is not None:
+        lines.append(f"  full stacks: {answer.folder}")
+    return lines
+
+
+def answer_json(answer: StackAnswer) -> dict[str, Any]:
+    """What the control socket sends back to ``dlrun stack``."""
+    groups = group_ranks(answer.stacks)
+    return {"summary": summary_lines(groups), "cause": hang_cause(groups) if answer.stacks else None,
+            # absolute: dlrun stack runs in another terminal, maybe in another folder
+            "folder": str(answer.folder.resolve()) if answer.folder is not None else None, "notes": dict(answer.notes),
+            "methods": sorted({r.method for r in answer.stacks if r.taken})}

@@ -1,0 +1,66 @@
+"""``dlrun stack JOB``: where every rank of a running job is, from any terminal.
+
+An attached job running on this machine answers through its control socket
+(``dlrun.run.control``); otherwise the job is a detached one on ``--hosts``: py-spy is shipped
+to them (``dlrun.run.tools``), and each host's ``dlrun-jobs`` hands the request to the job's
+keeper, whose agent takes the stacks (``docs/stacks.md``). The job keeps running.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from dlrun.errors import DlrunError, UsageError
+from dlrun.inventory import Host
+from dlrun.remote.stack_groups import RankStacks, rank_stacks
+from dlrun.run import control
+from dlrun.run.detach import JobHosts, run_program
+from dlrun.run.hang import answer_json, stacks_message
+from dlrun.run.tools import ship_pyspy
+
+
+def attached_stacks(job_id: str, hosts: list[str] | None = None) -> dict[str, Any] | None:
+    """The answer of an attached job on this machine, or None when there is none."""
+    answer = control.ask(job_id, {"op": "stacks", "hosts": hosts})
+    if answer is not None and answer.get("error"):
+        raise DlrunError(f"job {job_id}: {answer['error']}")
+    return answer
+
+
+def detached_stacks(job_hosts: JobHosts, job_id: str) -> dict[str, Any]:
+    """Every rank's stacks of detached job ``job_id`` (summary, cause, folders, notes)."""
+    record = job_hosts.record(job_id)
+    if record.ended:
+        raise UsageError(f"job {job_id} is {record.state}: no rank runs (dlrun logs {job_id} shows its end)")
+    sha256, notes = ship_pyspy(job_hosts.transport, job_hosts.hosts)
+    message = stacks_message(time.strftime("%Y%m%d-%H%M%S"), sha256)
+    stacks: list[RankStacks] = []
+    folders: list[str] = []
+
+    def ask(host: Host) -> dict[str, Any] | DlrunError:
+        try:
+            return run_program(job_hosts.transport, host, "jobs",
+                               {"op": "stacks", "job": job_id, "message": message, "host": host.name}, timeout=120)
+        except DlrunError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=min(32, len(job_hosts.hosts))) as pool:
+        answers = list(pool.map(ask, job_hosts.hosts))
+    for host, answer in zip(job_hosts.hosts, answers, strict=True):
+        if isinstance(answer, DlrunError):
+            notes[host.name] = str(answer)
+            continue
+        for item in answer.get("hosts") or []:
+            if item.get("error") or (item.get("answer") or {}).get("error"):
+                notes[str(item.get("host"))] = str(item.get("error") or item["answer"]["error"])
+            if item.get("answer"):
+                stacks += rank_stacks(str(item.get("host")), item["answer"])
+                folders.append(f"{host.name}:{item.get('folder')}")
+    from dlrun.run.hang import StackAnswer
+
+    stacks.sort(key=lambda r: r.rank)
+    document = answer_json(StackAnswer(tuple(stacks), None, notes))
+    document["folders"] = folders
+    return document

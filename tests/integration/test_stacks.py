@@ -1,0 +1,383 @@
+"""``dlrun stack`` and ``--hang-timeout`` on a real gloo deadlock: rank 0 waits in
+``all_reduce`` while rank 1 sleeps in ``stuck_in_data_loading``; over two sshd hosts (attached
+and detached) and on localhost. The stacks are py-spy's, taken by each host's agent."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+from support.sshd_cluster import wait_job_processes_gone
+
+DEADLOCK = """
+import datetime, os, sys, threading, time
+
+starting = True
+
+
+def say_starting():  # quiet only once in place: a loaded machine's slow import is not the hang
+    while starting:
+        print("starting", flush=True)
+        time.sleep(1)
+
+
+threading.Thread(target=say_starting, daemon=True).start()
+import torch
+import torch.distributed as dist
+
+
+def stuck_in_data_loading():
+    while True:
+        time.sleep(1)
+
+
+def train_step(t):
+    dist.all_reduce(t)
+
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+starting = False
+time.sleep(1.5)  # the thread has ended
+print("ready", flush=True)
+t = torch.ones(4)
+if dist.get_rank() == 1:
+    stuck_in_data_loading()
+train_step(t)
+"""
+
+# prints every second for 25 s: quiet for less than --hang-timeout at every moment
+CHATTY = """
+import os, time
+for i in range(25):
+    print("rank", os.environ["DLRUN_RANK"], "step", i, flush=True)
+    time.sleep(1)
+"""
+
+STACK_LINES = (r"^rank 1 \(\S+\): .*stuck_in_data_loading \(deadlock\.py:\d+\)\s+\[same in both samples\]$",
+               r"^rank 0 \(\S+\): all_reduce ← train_step \(deadlock\.py:\d+\)\s+\[same in both samples\]$")
+
+
+def start(argv: list[str], cwd: Path) -> tuple[subprocess.Popen[str], str, list[str]]:
+    """A ``dlrun launch`` left running once both ranks printed ``ready``: the process, its
+    job id (from its log folder) and its lines so far."""
+    proc = subprocess.Popen(argv, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    while sum("] ready" in line for line in lines) < 2 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+    assert sum("] ready" in line for line in lines) == 2, "".join(lines)
+    match = re.search(r"logs in dlrun-logs/([\w-]+)/", "".join(lines))
+    assert match, "".join(lines)
+    return proc, match.group(1), lines
+
+
+def assert_stacks(text: str) -> None:
+    for pattern in STACK_LINES:
+        assert re.search(pattern, text, re.M), text
+    assert "taken by py-spy" in text, text
+
+
+def stack_from_another_process(job: str, cwd: Path, *args: str) -> str:
+    out = run_dlrun("stack", job, *args, cwd=cwd, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert_stacks(out.stdout)
+    return out.stdout
+
+
+def stop(proc: subprocess.Popen[str], job: str) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert wait_job_processes_gone(job, timeout=30) == []
+
+
+def files_of(folder: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in folder.iterdir()}
+
+
+# --------------------------------------------------------------------------- localhost
+
+
+def test_stack_of_a_local_attached_job_from_another_process(tmp_path: Path) -> None:
+    (tmp_path / "deadlock.py").write_text(DEADLOCK)
+    proc, job, _ = start(dlrun_argv("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch",
+                                    "deadlock.py"), tmp_path)
+    try:
+        out = stack_from_another_process(job, tmp_path)
+        folder = tmp_path / re.search(r"full stacks in (\S+)/$", out, re.M).group(1)  # type: ignore[union-attr]
+        files = files_of(folder)
+        assert "stuck_in_data_loading (deadlock.py:" in files["rank-1.txt"], files
+        assert "all_reduce (torch/distributed/" in files["rank-0.txt"], files
+        assert proc.poll() is None, "dlrun stack must leave the job running"
+        time.sleep(1)
+        assert proc.poll() is None
+    finally:
+        stop(proc, job)
+
+
+def test_hang_timeout_stops_a_local_deadlock_and_names_the_odd_rank(tmp_path: Path) -> None:
+    (tmp_path / "deadlock.py").write_text(DEADLOCK)
+    out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch", "--hang-timeout", "15",
+                    "deadlock.py", cwd=tmp_path, timeout=240)
+    assert out.returncode == 124, out.stdout + out.stderr
+    assert re.search(r"^dlrun: root cause: job hung: rank 1 on localhost is in stuck_in_data_loading "
+                     r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce$", out.stdout, re.M), out.stdout
+    assert re.search(r"^dlrun: no output for \d+ s; --hang-timeout 15 s", out.stdout, re.M), out.stdout
+    assert "dlrun: job hung; every rank stopped (--hang-timeout); exit code 124" in out.stdout, out.stdout
+    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    assert wait_job_processes_gone(job, timeout=30) == []
+
+
+def test_a_rank_that_prints_regularly_is_never_taken_for_hung(tmp_path: Path) -> None:
+    (tmp_path / "chatty.py").write_text(CHATTY)
+    out = run_dlrun("launch", "--plain", "--np", "2", "--framework", "none", "--hang-timeout", "6", "chatty.py",
+                    cwd=tmp_path, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "rank 0 step 24" in out.stdout and "rank 1 step 24" in out.stdout, out.stdout
+    assert "hung" not in out.stdout and "no output for" not in out.stdout, out.stdout
+
+
+def test_stack_of_a_job_that_is_not_there_says_so(tmp_path: Path) -> None:
+    out = run_dlrun("stack", "no-such-job", cwd=tmp_path, timeout=120)
+    assert out.returncode != 0
+    assert "no job no-such-job" in out.stderr, out.stdout + out.stderr
+
+
+# --------------------------------------------------------------------------- two sshd hosts
+
+
+@pytest.mark.ssh
+def test_stack_of_a_two_host_deadlock_from_another_process(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "deadlock.py", DEADLOCK)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    proc, job, _ = start(dlrun_argv("launch", "--plain", "--grace", "2", "--hosts", str(hosts), "--ssh-config",
+                                    str(cluster.ssh_config), "--framework", "torch", str(script)), tmp_path)
+    try:
+        began = time.monotonic()
+        out = stack_from_another_process(job, tmp_path)
+        assert time.monotonic() - began < 60, out  # generous: the issue asks for 30 s on a quiet machine
+        assert re.search(r"^rank 1 \(host1\): ", out, re.M) and re.search(r"^rank 0 \(host0\): ", out, re.M), out
+        assert proc.poll() is None, "dlrun stack must leave the job running"
+    finally:
+        stop(proc, job)
+
+
+@pytest.mark.ssh
+def test_hang_timeout_ends_a_two_host_deadlock_by_itself(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "deadlock.py", DEADLOCK)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    out = run_dlrun("launch", "--plain", "--grace", "2", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
+                    "--framework", "torch", "--hang-timeout", "15", str(script), cwd=tmp_path, timeout=240)
+    assert out.returncode == 124, out.stdout + out.stderr
+    assert re.search(r"^dlrun: root cause: job hung: rank 1 on host1 is in stuck_in_data_loading "
+                     r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce$", out.stdout, re.M), out.stdout
+    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    assert wait_job_processes_gone(job, timeout=30) == []
+    folders = list((tmp_path / "dlrun-logs" / job).glob("stacks-*"))
+    assert len(folders) == 1 and {"rank-0.txt", "rank-1.txt", "summary.txt"} <= set(files_of(folders[0]))
+
+
+@pytest.mark.ssh
+def test_stack_of_a_detached_two_host_deadlock(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "deadlock.py", DEADLOCK)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
+    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", *common, str(script),
+                    cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # both ranks past init_process_group
+            logs = run_dlrun("logs", job, *common, cwd=tmp_path, timeout=60).stdout
+            if logs.count("] ready") == 2:
+                break
+            time.sleep(1)
+        stacks = stack_from_another_process(job, tmp_path, *common)
+        assert re.search(r"^rank 1 \(host1\): ", stacks, re.M), stacks
+        assert re.search(r"^dlrun: full stacks in host1:\S+/stacks-\S+/$", stacks, re.M), stacks
+        ps = run_dlrun("ps", *common, cwd=tmp_path, timeout=60)
+        assert re.search(rf"^{job}\s+running\s", ps.stdout, re.M), ps.stdout
+    finally:
+        run_dlrun("stop", job, *common, cwd=tmp_path, timeout=120)
+    assert wait_job_processes_gone(job, timeout=30) == []
+
+
+# --------------------------------------------------------------------------- py-spy to the hosts
+
+
+def test_py_spy_is_shipped_once_into_the_hosts_cache_by_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dlrun.inventory import Host
+    from dlrun.run import tools
+    from dlrun.transport.local import LocalTransport
+
+    tool = tools.pyspy()
+    assert tool is not None, "py-spy is a dependency of dlrun"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the host program's user cache
+    monkeypatch.setattr(tools, "_ready", set())
+    host = Host(address="localhost", name="localhost")
+    sha256, notes = tools.ship_pyspy(LocalTransport(), [host])
+    assert (sha256, notes) == (tool.sha256, {})
+    shipped = tmp_path / "cache" / "dlrun" / "tools" / f"py-spy-{tool.sha256}"
+    assert shipped.read_bytes() == tool.path.read_bytes()
+    assert shipped.stat().st_mode & 0o777 == 0o700
+    shipped.unlink()
+    assert tools.ship_pyspy(LocalTransport(), [host]) == (tool.sha256, {})  # known to be there: not asked again
+    assert not shipped.exists()
+
+
+def test_a_host_without_py_spy_says_so_for_each_rank(tmp_path: Path) -> None:
+    import json
+    import sys
+
+    from dlrun.remote import boot_argv, boot_payload
+
+    request = {"op": "take", "pids": {"0": os.getpid()}, "sha256": "0" * 64, "samples": 1}
+    env = {"PATH": str(tmp_path), "HOME": str(tmp_path)}  # no py-spy on PATH, none cached
+    out = subprocess.run(boot_argv([sys.executable], "stacks"), input=boot_payload("stacks") + json.dumps(request)
+                         .encode() + b"\n", capture_output=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    assert answer["ranks"]["0"]["error"] == "no py-spy on this host (none shipped for its machine, none on PATH)"
+
+
+@pytest.mark.ssh
+def test_hang_timeout_ends_a_detached_two_host_deadlock_by_itself(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "deadlock.py", DEADLOCK)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
+    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", "--hang-timeout", "15", *common,
+                    str(script), cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    # no client: the keepers find the hang, take the stacks and stop the job
+    attached = run_dlrun("attach", job, *common, cwd=tmp_path, timeout=240)
+    assert attached.returncode == 124, attached.stdout + attached.stderr
+    assert re.search(r"root cause: hung \(no output for 15 s\): rank 1 on host1 is in stuck_in_data_loading "
+                     r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce", attached.stdout), attached.stdout
+    assert wait_job_processes_gone(job, timeout=30) == []
+
+
+def test_without_py_spy_the_hang_stop_takes_faulthandler_dumps_into_the_logs(tmp_path: Path) -> None:
+    (tmp_path / "deadlock.py").write_text(DEADLOCK)
+    env = {"DLRUN_PY_SPY": "", "PATH": "/usr/bin:/bin"}  # none shipped, none on the host's PATH
+    out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch", "--hang-timeout", "10",
+                    "deadlock.py", cwd=tmp_path, timeout=240, env=env)
+    assert out.returncode == 124, out.stdout + out.stderr
+    assert "ranks 0-1 (localhost): no stack: no py-spy on this host" in out.stdout, out.stdout
+    assert "dlrun: localhost: SIGABRT to ranks [0, 1]: faulthandler prints their stacks to their logs" in out.stdout
+    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    logs = tmp_path / "dlrun-logs" / job
+    assert re.search(r'File ".*deadlock\.py", line \d+ in stuck_in_data_loading', (logs / "rank-1.log").read_text())
+    assert re.search(r'File ".*deadlock\.py", line \d+ in train_step', (logs / "rank-0.log").read_text())
+    assert wait_job_processes_gone(job, timeout=30) == []
+
+
+def test_the_control_socket_is_the_users_alone_and_stale_ones_go(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import stat
+
+    from dlrun.run.control import ControlServer, ask, socket_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    socket_path("old").parent.mkdir(parents=True)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(socket_path("old")))  # a client killed with SIGKILL leaves its socket behind
+    stale.close()
+    assert ask("old", {"op": "stacks"}) is None
+    server = ControlServer("job-1", lambda request: {"echo": request["op"]})
+    assert server.start()
+    try:
+        assert not socket_path("old").exists()
+        assert ask("job-1", {"op": "stacks"}) == {"echo": "stacks"}
+        assert ask("job-2", {"op": "stacks"}) is None
+        assert stat.S_IMODE(socket_path("job-1").stat().st_mode) == 0o700  # the owner alone may connect
+        assert stat.S_IMODE(socket_path("job-1").parent.stat().st_mode) == 0o700
+    finally:
+        server.close()
+    assert ask("job-1", {"op": "stacks"}) is None
+    assert not ControlServer("", lambda request: {}).start()  # no job id: no door
+
+
+# every rank writes its flight recorder dump where torch's NCCL watchdog writes it on a timeout
+# (TORCH_FR_DUMP_TEMP_FILE<rank>); rank 1 never entered the third collective and then fails
+RECORDED = """
+import datetime, os, sys, time
+import torch
+import torch._C._distributed_c10d as c10d
+import torch.distributed as dist
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+t = torch.ones(4)
+dist.all_reduce(t)
+dist.all_reduce(t)
+if rank != 1:
+    dist.broadcast(t, 0, async_op=True)
+with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "wb") as fh:
+    fh.write(c10d._dump_fr_trace())
+print("dumped", flush=True)
+time.sleep(3 if rank == 1 else 60)
+sys.exit(3)
+"""
+
+
+def test_flight_recorder_dumps_come_back_and_name_the_rank_behind(tmp_path: Path) -> None:
+    (tmp_path / "recorded.py").write_text(RECORDED)
+    out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "3", "--framework", "torch", "recorded.py",
+                    cwd=tmp_path, timeout=240)
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert ("  flight recorder: rank 1 is behind in process group 0: last collective #2 gloo:all_reduce, while ranks"
+            " 0,2 entered #3 gloo:broadcast\n") in out.stdout, out.stdout
+    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    folder = tmp_path / "dlrun-logs" / job / "flight-recorder"
+    assert sorted(p.name for p in folder.iterdir()) == ["trace_rank_0", "trace_rank_1", "trace_rank_2"]
+    assert not Path(f"/tmp/dlrun-{job}").exists()  # the host's copies went with the job
+
+
+@pytest.mark.ssh
+def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from support.sshd_cluster import TEST_USER_HOME
+
+    script = shared_script(cluster, "recorded.py", RECORDED)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
+    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", *common, str(script),
+                    cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    attached = run_dlrun("attach", job, *common, cwd=tmp_path, timeout=240)
+    assert attached.returncode == 3, attached.stdout + attached.stderr
+    for rank, host in ((0, "host0"), (1, "host1")):
+        dump = TEST_USER_HOME / ".dlrun" / "jobs" / job / f"host-{host}" / "attempt-0" / "flight-recorder"
+        assert (dump / f"trace_rank_{rank}").stat().st_size > 0
+    assert wait_job_processes_gone(job, timeout=30) == []
+
+
+@pytest.mark.ssh
+def test_a_detached_hang_without_py_spy_leaves_faulthandler_dumps(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    script = shared_script(cluster, "deadlock.py", DEADLOCK)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
+    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", "--hang-timeout", "10", *common,
+                    str(script), cwd=tmp_path, timeout=180, env={"DLRUN_PY_SPY": ""})  # none shipped
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    attached = run_dlrun("attach", job, *common, cwd=tmp_path, timeout=240)
+    assert attached.returncode == 124, attached.stdout + attached.stderr
+    assert "root cause: hung (no output for 10 s): no rank's stack could be taken" in attached.stdout, attached.stdout
+    assert re.search(r"\[1 host1\]   File \".*deadlock\.py\", line \d+ in stuck_in_data_loading", attached.stdout)
+    assert re.search(r"\[0 host0\]   File \".*deadlock\.py\", line \d+ in train_step", attached.stdout)
+    assert wait_job_processes_gone(job, timeout=30) == []
