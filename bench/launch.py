@@ -418,6 +418,12 @@ cli.main()
 """
 
 
+def traceable(bench: Bench, tool: str) -> bool:
+    """Can TRACE_CHILD trace this dlrun (a copy older than the dlrun/run/ layout cannot)?"""
+    variant = bench.dlrun_variant(tool)
+    return variant is not None and (Path(variant[0]) / "dlrun" / "run" / "launch.py").exists()
+
+
 def run_trace(bench: Bench, tool: str, n: int) -> dict[str, Any]:
     variant = bench.dlrun_variant(tool)
     assert variant is not None
@@ -700,7 +706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         traces = []
         if args.trace:
             print("\n## dlrun phases (one traced run each, ms since spawn or durations)\n")
-            traces = [run_trace(bench, t, n) for t in tools if bench.dlrun_variant(t) for n in host_counts]
+            traces = [run_trace(bench, t, n) for t in tools if traceable(bench, t) for n in host_counts]
             print("| phase | " + " | ".join(f"{t['tool']} {t['hosts']}" for t in traces) + " |")
             print("|---|" + "---|" * len(traces))
             summaries = [summarize_trace(t) for t in traces]

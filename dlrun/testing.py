@@ -37,7 +37,7 @@ class FakeRank:
 
 class FakeChannel(Channel):
     """Reads what a real agent's stdin gets: the bootstrap's payload (``dlrun.remote.boot_payload``:
-    10 digits of length, then the program, kept in ``program``), then JSON lines."""
+    the loader's stage, skipped, then 10 digits of length and the program, kept in ``program``), then JSON lines."""
 
     def __init__(self, host: str, ranks: Mapping[int, FakeRank], drop_after: float | None = None,
                  silent_after: float | None = None, start_after: float = 0.0) -> None:
@@ -62,10 +62,16 @@ class FakeChannel(Channel):
         if self._ended.is_set() and self.drop_after is not None:
             raise HostUnreachable("connection lost", host=self.host)
         self._inbox += data
-        if self._program_size is None:
+        while self._program_size is None:
             if len(self._inbox) < 10:
                 return
-            self._program_size, self._inbox = int(self._inbox[:10]), self._inbox[10:]
+            size, rest = int(self._inbox[1:10] if self._inbox[:1] == b"+" else self._inbox[:10]), self._inbox[10:]
+            if self._inbox[:1] != b"+":
+                self._program_size, self._inbox = size, rest
+            elif len(rest) >= size:  # the loader's stage (the code cache), not the program
+                self._inbox = rest[size:]
+            else:
+                return
         if len(self.program) < self._program_size:
             take = self._program_size - len(self.program)
             self.program, self._inbox = self.program + self._inbox[:take], self._inbox[take:]

@@ -4,7 +4,9 @@
 # detached) and a Lightning GPU job, each also under torchrun with the same script, with
 # throughput side by side; then a rank stuck in a CUDA op that `dlrun stack` must find (as this
 # user and, when run as root, as a plain login user, where Yama's ptrace_scope applies) and an
-# idle-GPU hang that `--hang-timeout` must stop (exit 124).
+# idle-GPU hang that `--hang-timeout` must stop (exit 124); and, after topo, the launch cost: a
+# no-op NCCL job (launch, init, barrier, exit) timed under dlrun, torchrun and bare python,
+# interleaved, NOOP_ROUNDS times (default 3).
 #   scripts/gpu_smoke.sh [python]      (default python3; needs torch, and lightning for its part)
 # Prints what each one did; exits non-zero when a dlrun job fails. docs/gpu.md records its runs.
 set -uo pipefail
@@ -19,8 +21,9 @@ timed() {  # timed LABEL CMD...: run, show the last lines, record wall time and 
   start=$EPOCHREALTIME
   "$@" >"/tmp/gpu_smoke.$label.log" 2>&1; code=$?
   end=$EPOCHREALTIME
-  grep -E 'facts |img/s|lightning global rank|Error|error' "/tmp/gpu_smoke.$label.log" | tail -n 12
+  grep -E 'facts |img/s|lightning global rank|noop: |Error|error' "/tmp/gpu_smoke.$label.log" | tail -n 12
   awk -v l="$label" -v c="$code" -v s="$start" -v e="$end" 'BEGIN { printf "%s: exit %s, %.1f s\n", l, c, e - s }'
+  awk -v l="$label" -v c="$code" -v s="$start" -v e="$end" 'BEGIN { printf "%s %s %.3f\n", l, c, e - s }' >>/tmp/gpu_smoke.times
   return "$code"
 }
 
@@ -35,6 +38,32 @@ echo "GPUs visible to torch: $ngpu"
 section "dlrun topo"
 timed topo "$py" -m dlrun topo || status=1
 tail -n 25 /tmp/gpu_smoke.topo.log
+
+section "launch cost: a no-op NCCL job (init, barrier, exit), $ngpu rank(s); goal: dlrun <= bare + 0.5 s"
+bare() {  # every rank started by hand, as torchrun would set them up; fails if any rank fails
+  local port pids=() code=0 r
+  port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  for ((r = 0; r < ngpu; r++)); do
+    RANK=$r LOCAL_RANK=$r WORLD_SIZE=$ngpu LOCAL_WORLD_SIZE=$ngpu MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      "$py" scripts/gpu_noop.py & pids+=($!)
+  done
+  for r in "${pids[@]}"; do wait "$r" || code=1; done
+  return "$code"
+}
+rm -f /tmp/gpu_smoke.times
+for ((round = 1; round <= ${NOOP_ROUNDS:-3}; round++)); do  # interleaved: load hits all three alike
+  timed "noop-dlrun-$round" "$py" -m dlrun launch --plain --framework torch --np "$ngpu" scripts/gpu_noop.py || status=1
+  timed "noop-torchrun-$round" "$py" -m torch.distributed.run --standalone --nproc-per-node "$ngpu" scripts/gpu_noop.py
+  timed "noop-bare-$round" bare
+done
+noop_median() {  # the median seconds of the runs of one tool that exited 0 (empty: none did)
+  awk -v t="noop-$1-" 'index($1, t) == 1 && $2 == 0 { print $3 }' /tmp/gpu_smoke.times | sort -n |
+    awk '{ v[NR] = $1 } END { if (NR) printf "%.2f", v[int((NR + 1) / 2)] }'
+}
+for tool in dlrun torchrun bare; do echo "noop $tool: median $(noop_median "$tool") s"; done
+d=$(noop_median dlrun) b=$(noop_median bare)
+[ -n "$d" ] && [ -n "$b" ] && awk -v d="$d" -v b="$b" \
+  'BEGIN { printf "noop dlrun - bare: %+.2f s (goal <= +0.50 s): %s\n", d - b, (d - b <= 0.5 ? "met" : "NOT met") }'
 
 section "dlrun topo --bench (bf16 GEMM, HBM copy, H2D/D2H, NCCL all-reduce across the GPUs)"
 # exit 1 here means a finding (a number far below the expectation), which is a result to read,

@@ -13,6 +13,7 @@ is untouched, and runs it as ``__main__`` with ``sys.argv = ["dlrun-<name>", arg
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from importlib import resources
 
@@ -30,7 +31,12 @@ def source_of(name: str) -> str:
     return resources.files(__name__).joinpath(f"{name}.py").read_text(encoding="utf-8")
 
 
-#: Runs on the host (Python >= 3.8): read the program from fd 0, run it as __main__.
+#: Where a host keeps the compiled host programs: ``$XDG_CACHE_HOME/dlrun/code`` or ``~/.cache/dlrun/code``.
+CODE_CACHE = ("dlrun", "code")
+
+#: Runs on the host (Python >= 3.8): read the program from fd 0, run it as __main__. What comes
+#: first may be a stage (a ``+`` and 9 digits of length instead of 10 digits): the code cache,
+#: ``CACHE_STAGE``, which defines ``_dlrun_code``; without it the program is compiled.
 LOADER = """import linecache, os, sys
 def _dlrun_read(n):
     b = b""
@@ -40,11 +46,72 @@ def _dlrun_read(n):
             sys.exit("dlrun: the program did not arrive on stdin")
         b += c
     return b
-_dlrun_src = _dlrun_read(int(_dlrun_read(10))).decode("utf-8")
+_dlrun_n = _dlrun_read(10)
+if _dlrun_n[:1] == b"+":
+    exec(compile(_dlrun_read(int(_dlrun_n[1:])), "<dlrun-loader>", "exec"))
+    _dlrun_n = _dlrun_read(10)
+_dlrun_raw = _dlrun_read(int(_dlrun_n))
+_dlrun_src = _dlrun_raw.decode("utf-8")
 sys.argv = sys.argv[1:]
-linecache.cache["<" + sys.argv[0] + ">"] = (len(_dlrun_src), None, _dlrun_src.splitlines(True), "<" + sys.argv[0] + ">")
-exec(compile(_dlrun_src, "<" + sys.argv[0] + ">", "exec"))
+_dlrun_name = "<" + sys.argv[0] + ">"
+linecache.cache[_dlrun_name] = (len(_dlrun_src), None, _dlrun_src.splitlines(True), _dlrun_name)
+exec(_dlrun_code(_dlrun_raw, _dlrun_name) if "_dlrun_code" in globals() else compile(_dlrun_src, _dlrun_name, "exec"))
 """
+
+#: The loader's stage: ``_dlrun_code(source bytes, name)``, the program's compiled code from the
+#: login user's cache when a valid entry for this source and interpreter is there, else compiled
+#: (and written there). docs/architecture.md, "The code cache"; anything wrong means compile.
+CACHE_STAGE = """def _dlrun_code(raw, name):
+    import marshal
+    from hashlib import sha256
+    uid, key = os.geteuid(), "%s-%s-%s" % (name[1:-1], sha256(raw).hexdigest()[:40], sys.implementation.cache_tag)
+    head, d = ("dlrun-code 1 " + key + "\\n").encode(), -1
+    try:
+        top = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dlrun", "code")
+        os.makedirs(top, 0o700, exist_ok=True)
+        d = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        st = os.fstat(d)
+        if st.st_uid != uid or st.st_mode & 0o022:
+            os.close(d)
+            d = -1
+        else:
+            f = os.open(key, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=d)
+            with os.fdopen(f, "rb") as fh:
+                st, data = os.fstat(f), fh.read(1 << 24)
+            body = data[len(head) + 32:]
+            if (st.st_uid == uid and not st.st_mode & 0o022 and (st.st_mode & 0o170000) == 0o100000
+                    and data.startswith(head) and sha256(body).digest() == data[len(head):len(head) + 32]):
+                code = marshal.loads(body)
+                if type(code) is type(_dlrun_code.__code__):
+                    os.close(d)
+                    return code
+    except (OSError, ValueError, EOFError, TypeError):
+        pass
+    code = compile(raw.decode("utf-8"), name, "exec")
+    if d >= 0:
+        tmp = "%s.%d.tmp" % (key, os.getpid())
+        try:
+            body = marshal.dumps(code)
+            f = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=d)
+            with os.fdopen(f, "wb") as fh:
+                fh.write(head + sha256(body).digest() + body)
+            os.replace(tmp, key, src_dir_fd=d, dst_dir_fd=d)
+        except (OSError, ValueError):
+            try:
+                os.unlink(tmp, dir_fd=d)
+            except OSError:
+                pass
+        os.close(d)
+    return code
+"""
+
+
+def cache_entry(name: str, source: bytes, cache_tag: str) -> tuple[str, bytes]:
+    """(file name, header) of program ``dlrun-<name>``'s entry in the code cache, as the loader
+    makes them for a host whose ``sys.implementation.cache_tag`` is ``cache_tag``; the entry is
+    the header, the SHA-256 of the marshalled code, then that code."""
+    key = f"dlrun-{name}-{hashlib.sha256(source).hexdigest()[:40]}-{cache_tag}"
+    return key, f"dlrun-code 1 {key}\n".encode()
 
 
 def boot_argv(python: Sequence[str], name: str, *args: str) -> list[str]:
@@ -55,6 +122,8 @@ def boot_argv(python: Sequence[str], name: str, *args: str) -> list[str]:
 
 
 def boot_payload(name: str) -> bytes:
-    """What the loader reads from stdin before the program runs: length, then source."""
+    """What the loader reads from stdin before the program runs: the code cache's stage (``+``
+    and 9 digits of length, then ``CACHE_STAGE``), then the program (10 digits, its source)."""
+    stage = CACHE_STAGE.encode("utf-8")
     source = source_of(name).encode("utf-8")
-    return b"%010d" % len(source) + source
+    return b"+%09d" % len(stage) + stage + b"%010d" % len(source) + source

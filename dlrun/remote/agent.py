@@ -20,7 +20,10 @@ import struct
 import subprocess
 import sys
 import time
-from typing import IO, Any
+
+TYPE_CHECKING = False  # typing costs milliseconds on every host: annotations only
+if TYPE_CHECKING:
+    from typing import IO, Any
 
 HEADER = struct.Struct(">BiI")
 HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE, SURVEY, PONG, GPU, PORTS, STACKS, FILE = range(1, 15)
@@ -590,7 +593,7 @@ class Agent:
         namespace = {"__name__": "__dlrun_probe__"}
         saved, sys.stdout = sys.stdout, captured
         try:
-            exec(compile(str(message.get("source", "")), "<dlrun-probe>", "exec"), namespace)
+            exec(compiled(str(message.get("source", "")), "<dlrun-probe>"), namespace)
         except BaseException as exc:  # the controller must get an answer, whatever the probe did
             captured.write(f"\nprobe failed in the agent: {type(exc).__name__}: {exc}\n")
         finally:
@@ -607,7 +610,7 @@ class Agent:
         """Answer a push survey with the push helper's own code; an error is answered too."""
         namespace: dict[str, Any] = {"__name__": "__dlrun_push_survey__"}
         try:
-            exec(compile(str(message.get("source", "")), "<dlrun push helper>", "exec"), namespace)
+            exec(compiled(str(message.get("source", "")), "<dlrun-push_helper>"), namespace)
             replies = [namespace["survey"](spec)[0] for spec in message["request"]["targets"]]
             answer: dict[str, Any] = {"targets": replies}
         except Exception as exc:  # the controller then runs the helper, which reports properly
@@ -816,6 +819,15 @@ def read_error_file(path: str) -> Any:
         return data.decode("utf-8", "replace")
 
 
+def compiled(source: str, name: str) -> Any:
+    """``source`` compiled, through the bootstrap loader's code cache when this program was started
+    by it (``dlrun.remote.LOADER`` defines ``_dlrun_code`` in these globals)."""
+    cached = globals().get("_dlrun_code")
+    if cached is not None:
+        return cached(source.encode("utf-8"), name)
+    return compile(source, name, "exec")
+
+
 def become_subreaper() -> bool:
     """``prctl(PR_SET_CHILD_SUBREAPER)``: orphaned descendants come to this process, not init."""
     try:
@@ -942,6 +954,10 @@ def kill_descendants() -> int:
     return killed
 
 
+#: The main loop's tick before the ranks start (seconds); 0.05 once they run.
+IDLE_TICK = 0.5
+
+
 def _run_agent(argv: list[str]) -> int:
     in_namespace = "--in-pidns" in argv  # set by PIDNS_WRAPPER
     if not in_namespace:
@@ -1033,6 +1049,10 @@ def _run_agent(argv: list[str]) -> int:
             agent.signal_all(signal.SIGKILL)
         wait = agent.flush_due(now)
         timeout = 0.05 if wait is None else min(wait, 0.05)
+        if not started and wait is None and agent.kill_at is None:
+            # before the spec only the silence check (seconds) runs on a clock; messages, EOF and
+            # signals wake the select: no 20 wake-ups a second while the client starts other hosts
+            timeout = IDLE_TICK
         if started and agent.all_exited():
             agent.gpus.stop(agent.sel)
             agent.flush()

@@ -87,7 +87,9 @@ def load_module(source: str, name: str) -> Any:
     lines): a module of this keeper's own, dlrun is not imported."""
     module = types.ModuleType("dlrun_" + name)
     sys.modules[module.__name__] = module  # what its classes' __module__ names
-    exec(compile(source, "<dlrun-" + name + ">", "exec"), module.__dict__)
+    cached = globals().get("_dlrun_code")  # the bootstrap loader's code cache (dlrun.remote.LOADER)
+    where = "<dlrun-" + name + ">"
+    exec(cached(source.encode("utf-8"), where) if cached else compile(source, where, "exec"), module.__dict__)
     return module
 
 

@@ -53,6 +53,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from dlrun.transport import ssh_paramiko  # noqa: F401  # first: paramiko without invoke
+
+# isort: split
 import paramiko
 
 from dlrun.errors import AuthenticationFailed, HostKeyError, HostUnreachable, TransportError, UsageError
@@ -853,15 +856,17 @@ class SSHTransport(Transport):
 
         sender: threading.Thread | None = None
         while transport.is_active():
-            if sender is None or not sender.is_alive():
-                sender = threading.Thread(target=ask, name=f"dlrun-ask-{name}", daemon=True)
-                sender.start()
+            # the handshake has just answered: the first question waits one interval (a short
+            # launch asks nothing), and the clock still runs from the connection's start
             time.sleep(interval)
             quiet = time.monotonic() - answered[0]
             if quiet > limit:
                 self.silent[name] = quiet
                 transport.close()  # every recv, send and wait on this connection ends now
                 return
+            if sender is None or not sender.is_alive():
+                sender = threading.Thread(target=ask, name=f"dlrun-ask-{name}", daemon=True)
+                sender.start()
 
     def _why(self, name: str) -> str:
         quiet = self.silent.get(name)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dlrun.inventory import parse_inline
 from dlrun.plan import make_plan
-from dlrun.remote import boot_payload
+from dlrun.remote import source_of
 from dlrun.render import worker_commands
 from dlrun.run.result import RankState
 from dlrun.run.supervisor import LineSplitter, Supervisor
@@ -187,7 +187,7 @@ def test_agents_started_early_are_watched_and_pinged_before_the_spec() -> None:
                                  for h in hosts), 10)
         for h in hosts:
             # the bootstrap's payload first (the agent's source), then the messages
-            assert transport.channels[h.name].program == boot_payload("agent")[10:]
+            assert transport.channels[h.name].program == source_of("agent").encode()  # after the stage
             assert transport.channels[h.name].sent[0] == {"op": "watch", "host_timeout": 0.6}
     finally:
         agents.close()

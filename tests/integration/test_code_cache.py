@@ -1,0 +1,176 @@
+"""The host programs' code cache (``dlrun.remote.LOADER``), with real interpreters: the second
+start runs the cached code, and an entry that was tampered with, is writable by others, is owned
+by another user or is a link is ignored (the source is compiled and run); over real sshd, a launch
+fills the login user's cache and the next launch uses it.
+
+The sshd test logs in as a user of its own (``dlrun-codecache``), never ``dlrun-test``: it reads
+and changes that user's cache."""
+
+from __future__ import annotations
+
+import hashlib
+import marshal
+import os
+import pwd
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dlrun.remote import CACHE_STAGE, boot_argv, boot_payload, cache_entry, source_of
+
+from conftest import hosts_toml, run_dlrun
+from support.sshd_cluster import find_sshd, start_cluster
+
+PROGRAM = "print('from the source')\n"
+FORGED = "print('from the cache')\n"
+
+
+def payload(source: str, stage: bool = True) -> bytes:
+    """What ``boot_payload`` sends, with ``source`` as the program (``stage`` False: no code cache)."""
+    raw, cache = source.encode(), CACHE_STAGE.encode()
+    return (b"+%09d" % len(cache) + cache if stage else b"") + b"%010d" % len(raw) + raw
+
+
+def run_loader(cache: Path, source: str = PROGRAM, stage: bool = True) -> str:
+    """Start the loader as every transport does (``python -c LOADER dlrun-probe``), ``source`` on stdin."""
+    out = subprocess.run(boot_argv([sys.executable], "probe"), input=payload(source, stage), capture_output=True,
+                         env={**os.environ, "XDG_CACHE_HOME": str(cache)}, timeout=60)
+    assert out.returncode == 0, out.stderr.decode()
+    return out.stdout.decode().strip()
+
+
+def entry(cache: Path, source: str = PROGRAM) -> Path:
+    name, _head = cache_entry("probe", source.encode(), str(sys.implementation.cache_tag))
+    return cache / "dlrun" / "code" / name
+
+
+def forge(path: Path, code_source: str = FORGED, source: str = PROGRAM) -> None:
+    """A valid entry (header, digest, code) for ``source`` whose code is ``code_source``'s."""
+    _name, head = cache_entry("probe", source.encode(), str(sys.implementation.cache_tag))
+    body = marshal.dumps(compile(code_source, "<dlrun-probe>", "exec"))
+    path.write_bytes(head + hashlib.sha256(body).digest() + body)
+    path.chmod(0o600)
+
+
+def test_the_second_start_runs_the_cached_code(tmp_path: Path) -> None:
+    assert run_loader(tmp_path) == "from the source"
+    path = entry(tmp_path)
+    assert path.is_file(), list((tmp_path / "dlrun" / "code").iterdir())
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    before = path.stat()
+    assert run_loader(tmp_path) == "from the source"
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # read, not rewritten
+    forge(path)
+    assert run_loader(tmp_path) == "from the cache"  # the proof that the entry is what runs
+    assert run_loader(tmp_path, "print('another source')\n") == "another source"  # another key
+
+
+def test_a_tampered_entry_is_ignored_and_replaced(tmp_path: Path) -> None:
+    run_loader(tmp_path)
+    path = entry(tmp_path)
+    forge(path)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # the code, not its digest
+    path.write_bytes(bytes(data))
+    assert run_loader(tmp_path) == "from the source"
+    assert run_loader(tmp_path) == "from the source"  # rewritten valid
+    forge(path)
+    path.write_bytes(path.read_bytes()[:-10])  # cut short
+    assert run_loader(tmp_path) == "from the source"
+    path.write_bytes(b"garbage")
+    assert run_loader(tmp_path) == "from the source"
+
+
+def test_an_entry_others_could_write_is_ignored(tmp_path: Path) -> None:
+    run_loader(tmp_path)
+    path = entry(tmp_path)
+    forge(path)
+    path.chmod(0o620)  # group-writable
+    assert run_loader(tmp_path) == "from the source"
+    forge(path)
+    path.parent.chmod(0o777)  # a folder others may write into: not used, not written
+    assert run_loader(tmp_path) == "from the source"
+    assert path.read_bytes().startswith(cache_entry("probe", PROGRAM.encode(), str(sys.implementation.cache_tag))[1])
+    path.parent.chmod(0o700)
+    forged_elsewhere = tmp_path / "elsewhere"
+    forge(forged_elsewhere)
+    path.unlink()
+    path.symlink_to(forged_elsewhere)  # a link is never followed
+    assert run_loader(tmp_path) == "from the source"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another owner needs root")
+def test_an_entry_owned_by_another_user_is_ignored(tmp_path: Path) -> None:
+    run_loader(tmp_path)
+    path = entry(tmp_path)
+    forge(path)
+    nobody = pwd.getpwnam("nobody")
+    os.chown(path, nobody.pw_uid, nobody.pw_gid)
+    assert run_loader(tmp_path) == "from the source"
+    forge(path)
+    os.chown(path, os.geteuid(), os.getegid())
+    assert run_loader(tmp_path) == "from the cache"
+    os.chown(path.parent, nobody.pw_uid, nobody.pw_gid)  # a folder of another user's
+    assert run_loader(tmp_path) == "from the source"
+
+
+def test_the_payload_is_the_stage_then_the_program_and_a_plain_program_runs_without_the_cache(tmp_path: Path) -> None:
+    assert boot_payload("probe") == payload(source_of("probe"))
+    assert run_loader(tmp_path, stage=False) == "from the source"  # as a keeper starts its agent
+    assert not (tmp_path / "dlrun").exists()
+
+
+def test_no_usable_cache_still_runs(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert run_loader(blocker) == "from the source"  # the cache folder cannot be made
+
+
+@pytest.mark.ssh
+def test_a_launch_fills_the_login_users_cache_and_the_next_uses_it(tmp_path: Path) -> None:
+    if find_sshd() is None:
+        pytest.skip("no sshd on this machine (install openssh-server; .ci/run does)")
+    if os.geteuid() != 0:
+        pytest.skip("another login user needs root")
+    python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+    cluster = start_cluster(2, tmp_path / "cluster", login_user="dlrun-codecache", python=python)
+    try:
+        assert cluster.user == "dlrun-codecache", cluster.notes
+        code = tmp_path / "proj"
+        code.mkdir()
+        (code / "train.py").write_text("import os\nprint('rank', os.environ['DLRUN_RANK'], flush=True)\n")
+        for p in (tmp_path, code):
+            p.chmod(0o755)
+        ssh = ("--hosts", str(hosts_toml(cluster, tmp_path / "hosts.toml", 2)), "--ssh-config", str(cluster.ssh_config))
+
+        def launch() -> None:
+            out = run_dlrun("launch", "--plain", "--framework", "none", *ssh, "train.py", cwd=code, timeout=180)
+            assert out.returncode == 0, out.stdout + out.stderr
+            assert "rank 0" in out.stdout and "rank 1" in out.stdout, out.stdout
+
+        launch()
+        tag = subprocess.run([python, "-c", "import sys; print(sys.implementation.cache_tag)"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        folder = Path(pwd.getpwnam(cluster.user).pw_dir) / ".cache" / "dlrun" / "code"
+        agent = folder / cache_entry("agent", source_of("agent").encode(), tag)[0]
+        probe = folder / cache_entry("probe", source_of("probe").encode(), tag)[0]
+        assert agent.is_file() and probe.is_file(), sorted(p.name for p in folder.iterdir())
+        uid = pwd.getpwnam(cluster.user).pw_uid
+        for p, mode in ((folder, 0o700), (agent, 0o600), (probe, 0o600)):
+            assert (p.stat().st_uid, p.stat().st_mode & 0o777) == (uid, mode), p
+        before = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (agent, probe)}
+        launch()
+        assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (agent, probe)} == before  # read, not rewritten
+        agent.write_bytes(agent.read_bytes()[:-100])  # broken: the agent compiles its source again
+        os.chown(agent, uid, uid)
+        launch()
+        head = cache_entry("agent", source_of("agent").encode(), tag)[1]
+        data = agent.read_bytes()  # replaced by a valid entry (two hosts' agents may both write it)
+        digest, body = data[len(head):len(head) + 32], data[len(head) + 32:]
+        assert data.startswith(head) and hashlib.sha256(body).digest() == digest
+    finally:
+        cluster.stop(remove=True)
