@@ -38,6 +38,22 @@ def frame(kind: int, rank: int, payload: bytes) -> bytes:
     return HEADER.pack(kind, rank, len(payload)) + payload
 
 
+
+def read_child(proc: subprocess.Popen[bytes], sel: selectors.BaseSelector) -> bytes:
+    """What a helper process (nvidia-smi, py-spy) wrote since the last look (b"" for none yet);
+    at its end, its stdout leaves the selector and is closed."""
+    assert proc.stdout is not None
+    try:
+        data = os.read(proc.stdout.fileno(), CHUNK)
+    except BlockingIOError:
+        return b""
+    except OSError:
+        data = b""
+    if not data:
+        sel.unregister(proc.stdout)
+        proc.stdout.close()
+    return data
+
 class FrameDecoder:
     """Incremental decoder of the agent's output (used by the controller)."""
 
@@ -152,18 +168,8 @@ class GpuSampler:
         sel.register(self.proc.stdout, selectors.EVENT_READ, "gpu")
 
     def read(self, sel: selectors.BaseSelector) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        try:
-            data = os.read(self.proc.stdout.fileno(), CHUNK)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if data:
-            self.output += data[: max(0, (1 << 20) - len(self.output))]
-            return
-        sel.unregister(self.proc.stdout)
-        self.proc.stdout.close()
+        assert self.proc is not None
+        self.output += read_child(self.proc, sel)[: max(0, (1 << 20) - len(self.output))]
 
     def finish(self, sel: selectors.BaseSelector, now: float) -> dict[str, Any] | None:
         """A finished (or overdue) sample's frame payload; None while it runs."""
@@ -266,18 +272,8 @@ class StackTaker:
         return None
 
     def read(self, sel: selectors.BaseSelector) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        try:
-            data = os.read(self.proc.stdout.fileno(), CHUNK)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if data:
-            self.output += data
-            return
-        sel.unregister(self.proc.stdout)
-        self.proc.stdout.close()
+        assert self.proc is not None
+        self.output += read_child(self.proc, sel)
 
     def finish(self, sel: selectors.BaseSelector, now: float) -> dict[str, Any] | None:
         """The finished (or overdue) request's answer; None while it runs."""
