@@ -57,7 +57,7 @@ def test_dlrun_sets_what_torchrun_sets(tmp_path: Path) -> None:
         assert dlrun[rank]["elastic"] is True  # torch.distributed.is_torchelastic_launched()
         # added on purpose (docs/stacks.md): the flight recorder, dumped into the job's folder
         recorder = {k: v for k, v in dlrun[rank]["env"].items() if k not in reference[rank]["env"]
-                    and k.startswith("TORCH")}
+                    and k.startswith("TORCH") and k not in os.environ}  # not this process's own (inductor's)
         assert recorder == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                             "TORCH_FR_DUMP_TEMP_FILE": recorder["TORCH_FR_DUMP_TEMP_FILE"],
                             "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": recorder["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]}
