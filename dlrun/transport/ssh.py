@@ -895,7 +895,13 @@ class SSHTransport(Transport):
             raise HostUnreachable(f"cannot start a command over SSH: {why}", host=host.name) from exc
         started = SSHChannel(host.name, channel, lambda: self._why(host.name))
         try:
-            started.send(shell.boot_script(argv, token))
+            try:
+                started.send(shell.boot_script(argv, token))
+            except HostUnreachable:
+                if self._why(host.name):
+                    raise
+                # the login shell may have ended already (a startup file's exit): what it printed
+                # and its exit code say why, as await_start reports them
             # nothing more is sent until the marker: an sh that reads its script in blocks
             # would swallow bytes meant for the program
             stdout, stderr = started.await_start(shell.marker(token), timeout)
