@@ -53,8 +53,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dlrun.transport import ssh_paramiko  # noqa: F401  # first: paramiko without invoke
-
 # isort: split
 import paramiko
 

@@ -26,8 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dlrun.transport import ssh_paramiko  # first: paramiko without invoke
-
 # isort: split
 import paramiko
 
@@ -354,7 +352,6 @@ class SSHConfigReader:
         self.ssh = ssh
         self.fallback: paramiko.SSHConfig | None = None
         if ssh is None:
-            ssh_paramiko.match_exec()  # paramiko's parser reads the config: its Match exec needs invoke
             path = self.config_file or os.path.expanduser("~/.ssh/config")
             self.fallback = paramiko.SSHConfig()
             if os.path.isfile(path):
