@@ -118,18 +118,24 @@ stuck_stack() {  # stuck_stack [RUNNER...]: a rank stuck in a CUDA op, `dlrun st
   local log job pid code
   log=$(mktemp /tmp/gpu_smoke.stuck-job.XXXXXX)
   chmod 666 "$log"
-  "$@" "$py" -m dlrun launch --plain --framework torch --np 1 scripts/gpu_stuck.py cuda >"$log" 2>&1 &
+  "$@" "$py" -m dlrun launch --plain --framework torch --np 1 scripts/gpu_stuck.py "${STUCK_MODE:-cuda}" >"$log" 2>&1 &
   pid=$!  # the runner words exec one another: this is dlrun's pid
   for _ in $(seq 120); do grep -q '] ready' "$log" && break; sleep 1; done
   job=$(sed -n 's#.*logs in dlrun-logs/\([^/]*\)/.*#\1#p' "$log" | head -n 1)
   "$@" "$py" -m dlrun stack "$job" | tee /tmp/gpu_smoke.stack.out
-  grep -q 'stuck_in_cuda_op' /tmp/gpu_smoke.stack.out && grep -q 'taken by py-spy' /tmp/gpu_smoke.stack.out
+  grep -q "${STUCK_WHERE:-stuck_in_cuda_op}" /tmp/gpu_smoke.stack.out && grep -q 'taken by py-spy' /tmp/gpu_smoke.stack.out \
+    && grep -q "${STUCK_ALSO:-taken by}" /tmp/gpu_smoke.stack.out
   code=$?
   kill -TERM "$pid"; wait "$pid"
   return "$code"
 }
 timed stack-as-$(id -un) stuck_stack || status=1
 cat /tmp/gpu_smoke.stack.out
+# NCCL's RAS (NCCL >= 2.24) at the job's own NCCL_RAS_ADDR: one more line, and nccl-ras.txt beside the stacks
+echo "NCCL: $("$py" -c 'import torch; print(".".join(map(str, torch.cuda.nccl.version())))' 2>&1)"
+STUCK_MODE=nccl STUCK_WHERE=stuck_in_data_loading STUCK_ALSO='^NCCL RAS (' timed stack-nccl-ras stuck_stack || status=1
+cat /tmp/gpu_smoke.stack.out
+cat "$(sed -n 's#^dlrun: full stacks in \(.*\)/$#\1#p' /tmp/gpu_smoke.stack.out | head -n 1)/nccl-ras.txt" 2>&1 | head -n 40
 if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null && command -v useradd >/dev/null; then
   # Yama's scope 1 binds only a tracer without CAP_SYS_PTRACE: prove it as a plain login user
   id dlrun-smoke >/dev/null 2>&1 || useradd -m -s /bin/sh dlrun-smoke

@@ -217,6 +217,20 @@ PR_SET_PTRACER = 0x59616D61  # Yama: name the process (and its descendants) that
 STACKS_TIMEOUT = 120.0  # seconds a stack request may take before it is killed and answered
 
 
+def ras_address() -> str | None:
+    """A loopback address for NCCL's RAS socket (``NCCL_RAS_ADDR``) that no one listens on now:
+    one per job on a host, so that ``dlrun stack`` asks this job's ranks and no other's (NCCL's
+    default, ``localhost:28028``, is shared by every job of a user through ``SO_REUSEPORT``)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            return f"127.0.0.1:{probe.getsockname()[1]}"
+    except OSError:
+        return None
+
+
 def ptracer_hook(tracer: int) -> Any:
     """A ``preexec_fn`` that names ``tracer`` (the agent) as the rank's tracer, so that under
     Yama's ``ptrace_scope=1`` the py-spy the agent starts may read the rank's stack. libc is
@@ -246,7 +260,7 @@ class StackTaker:
         self.queued: list[dict[str, Any]] = []
 
     def start(self, sel: selectors.BaseSelector, message: dict[str, Any],
-              pids: dict[int, int]) -> dict[str, Any] | None:
+              pids: dict[int, int], ras: str | None = None) -> dict[str, Any] | None:
         """Start one request (or queue it behind the running one); an answer if it cannot start."""
         if self.proc is not None:
             self.queued.append(message)
@@ -255,6 +269,8 @@ class StackTaker:
         request = dict(message.get("request") or {})
         request["op"] = "take"
         request["pids"] = {str(rank): pid for rank, pid in pids.items()}
+        if ras:
+            request["ras"] = ras
         source = str(message.get("source", "")).encode("utf-8")
         self.output.clear()
         try:
@@ -325,6 +341,7 @@ class Agent:
         self.signalled: set[int] = set()  # ranks the agent signalled to stop while they ran
         self.recorders: dict[int, str] = {}  # rank -> its flight recorder dump prefix (TORCH_FR_DUMP_TEMP_FILE)
         self.pipes: dict[int, str] = {}  # rank -> its TORCH_NCCL_DEBUG_INFO_PIPE_FILE stem
+        self.ras: dict[int, str] = {}  # rank -> its NCCL_RAS_ADDR (torch jobs)
         self.gpus = GpuSampler(0)
         self.stacks = StackTaker()
         self.kill_at: float | None = None
@@ -460,7 +477,8 @@ class Agent:
     def take_stacks(self, message: dict[str, Any]) -> None:
         """Start a stack request for the ranks still running (``StackTaker``)."""
         pids = {rank: proc.pid for rank, proc in self.procs.items() if rank not in self.exited}
-        answer = self.stacks.start(self.sel, message, pids)
+        ras = self.ras.get(0)  # one host asks NCCL's RAS: its answer covers every rank of the job
+        answer = self.stacks.start(self.sel, message, pids, ras if ras and 0 in pids else None)
         if answer is not None:
             self.emit(STACKS, AGENT_RANK, json.dumps(answer).encode())
 
@@ -485,8 +503,14 @@ class Agent:
             argv = [str(a) for a in item["argv"]]
             cwd = os.path.expanduser(item["cwd"]) if item.get("cwd") else None
             recorder = env.get("TORCH_FR_DUMP_TEMP_FILE")  # torch's flight recorder dumps there: a folder
-            if env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE"):
+            if env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE"):  # a torch job: NCCL's RAS for dlrun stack
                 self.pipes[rank] = env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]
+                if "NCCL_RAS_ADDR" not in env:
+                    ras = next(iter(self.ras.values()), None) or ras_address()
+                    if ras:
+                        env["NCCL_RAS_ADDR"] = ras
+                if env.get("NCCL_RAS_ADDR"):
+                    self.ras[rank] = env["NCCL_RAS_ADDR"]
             if recorder:
                 self.recorders[rank] = recorder
                 try:

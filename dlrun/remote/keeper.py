@@ -855,7 +855,7 @@ class Keeper:
         stacks = [s for host, answer in sorted(self.hang_answers.items()) for s in groups_of.rank_stacks(host, answer)]
         groups = groups_of.group_ranks(sorted(stacks, key=lambda s: s.rank))
         cause = groups_of.hang_cause(groups) if stacks else "no host sent its ranks' stacks"
-        lines = list(groups_of.summary_lines(groups))
+        lines = list(groups_of.summary_lines(groups)) + groups_of.ras_lines(sorted(self.hang_answers.items()))
         missing = sorted({self.host, *self.followers} - set(self.hang_answers))
         if missing:
             lines.append(f"no stacks from {', '.join(missing)} within {HANG_ANSWER:g} s")

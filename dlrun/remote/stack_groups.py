@@ -13,6 +13,7 @@ collective. Mechanism and methods: ``docs/stacks.md``.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -292,3 +293,78 @@ def full_text(stacks: RankStacks) -> str:
             lines.append(f"  Thread {thread.ident} ({state}): {thread.name!r}")
             lines.extend(f"      {f.text()}" for f in thread.frames)
     return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- NCCL's RAS
+
+_RAS_RANK = re.compile(r"^Rank (\d+) -- GPU \S+ managed by process \d+ on node (\S+)$")
+#: The columns of the communicators table: ... Status Errors (NCCL 2.24 and later)
+_RAS_ROW = re.compile(r"^\s*\d+(?:\s+\S+){5}\s+([A-Z]+)\s+([A-Z]+)\s*$")
+
+
+def ras_lines(answers: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
+    """What NCCL's RAS said (the first host answer with a ``nccl_ras`` text; ``dlrun.remote.stacks``),
+    in a few lines: each block of its Errors and Warnings sections on one line, the ranks that
+    an outlier block lists folded into a rank list; or that every communicator runs well."""
+    for host, answer in answers:
+        ras = answer.get("nccl_ras") or {}
+        if ras.get("text"):
+            return ["NCCL RAS (" + host + "): " + line for line in ras_findings(str(ras["text"]))]
+    return []
+
+
+def ras_findings(text: str) -> list[str]:
+    """The Errors/Warnings blocks of ``ncclras``'s text output, one line each (pure)."""
+    lines = text.splitlines()
+    section = ""
+    blocks: list[tuple[str, list[str]]] = []
+    block: list[str] = []
+    states: list[str] = []
+    for number, line in enumerate(lines):
+        following = lines[number + 1] if number + 1 < len(lines) else ""
+        if following.strip() and set(following.strip()) == {"="}:  # a section's title
+            if block:
+                blocks.append((section, block))
+            section, block = line.strip().split("...")[0].strip(), []
+            continue
+        if set(line.strip()) == {"="}:
+            continue
+        if section.startswith("Communicators"):
+            row = _RAS_ROW.match(line)
+            if row:
+                states.append(" ".join(row.groups()))
+        elif section in ("Errors", "Warnings"):
+            if line.strip():
+                block.append(line.strip())
+            elif block:
+                blocks.append((section, block))
+                block = []
+    if block:
+        blocks.append((section, block))
+    found = [f"{section.lower().rstrip('s')}: {' - '.join(_fold_ranks(block))}"
+             for section, block in blocks if section in ("Errors", "Warnings")]
+    if not found and states:
+        found.append("every communicator " + ", ".join(sorted(set(states))))
+    return found[:12]
+
+
+def _fold_ranks(block: Sequence[str]) -> list[str]:
+    """``Rank N -- GPU g managed by process p on node h`` lines as one ``ranks N,… (on h, …)``."""
+    out: list[str] = []
+    ranks: list[int] = []
+    nodes: list[str] = []
+    for line in [*block, ""]:
+        match = _RAS_RANK.match(line)
+        if match:
+            ranks.append(int(match.group(1)))
+            if match.group(2) not in nodes:
+                nodes.append(match.group(2))
+            continue
+        if ranks:
+            noun = "rank" if len(ranks) == 1 else "ranks"
+            out[-1 if out else 0:] = [(out[-1] + ": " if out else "") + f"{noun} {rank_list(sorted(ranks))} "
+                                      f"(on {', '.join(nodes)})"]
+            ranks, nodes = [], []
+        if line:
+            out.append(line)
+    return out

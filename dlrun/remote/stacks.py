@@ -13,7 +13,10 @@ SSH for ``have`` and ``install``. Requests:
   every rank's dump (``py-spy dump --json``, with ``--native`` where it works), all at once,
   ``samples`` times ``interval`` seconds apart: ``{"ranks": {rank: {"pid", "method",
   "samples": [{"time", "threads"} | {"time", "error"}]}}}``. With ``outdir``, each rank's
-  stacks also go to ``outdir/rank-N.txt`` and the answer to ``outdir/stacks.json``.
+  stacks also go to ``outdir/rank-N.txt`` and the answer to ``outdir/stacks.json``. With
+  ``ras`` (``host:port``, the job's ``NCCL_RAS_ADDR``), NCCL's RAS is asked once, after the
+  first sample, for every communicator's progress (its text protocol, as ``ncclras -v``):
+  ``"nccl_ras": {"addr", "text"} | {"addr", "error"}``, also to ``outdir/nccl-ras.txt``.
 """
 
 from __future__ import annotations
@@ -125,24 +128,71 @@ def dump_all(pyspy: str, pids: dict[str, int], native: dict[str, bool]) -> dict[
     return results
 
 
+RAS_PROTOCOL = 2  # NCCL's RAS client protocol (src/ras/ras_internal.h, NCCL_RAS_CLIENT_PROTOCOL)
+RAS_TIMEOUT = 5  # seconds NCCL's RAS gives its peers to answer (ncclras's default -t)
+RAS_LIMIT = 1 << 20  # bytes of a RAS answer kept
+
+
+def ask_ras(addr: str, *, timeout: float = RAS_TIMEOUT) -> dict[str, Any]:
+    """NCCL's RAS status (``VERBOSE STATUS``) from the job's RAS socket at ``addr``: every
+    communicator's state and collective counts, as the ``ncclras`` client prints them."""
+    import socket
+
+    host, _, port = addr.rpartition(":")
+    host = host.strip("[]") or "localhost"
+    found: dict[str, Any] = {"addr": addr}
+    try:
+        with socket.create_connection((host, int(port)), timeout=2.0) as sock:
+            reader = sock.makefile("rb")
+            sock.sendall(b"CLIENT PROTOCOL %d\n" % RAS_PROTOCOL)
+            hello = reader.readline(200).decode("ascii", "replace")
+            if not hello.upper().startswith("SERVER PROTOCOL "):
+                return dict(found, error=f"not NCCL's RAS at {addr}: it said {hello.strip()[:80]!r}")
+            sock.sendall(b"TIMEOUT %d\n" % timeout)
+            if reader.readline(200).strip().upper() != b"OK":
+                return dict(found, error=f"NCCL's RAS at {addr} refused TIMEOUT")
+            sock.settimeout(timeout + 10.0)  # RAS gathers from every process of the job first
+            sock.sendall(b"VERBOSE STATUS\n")
+            text = reader.read(RAS_LIMIT)
+    except (OSError, ValueError) as exc:
+        refused = isinstance(exc, ConnectionRefusedError)
+        return dict(found, error=("nothing listens there (NCCL older than 2.24, NCCL_RAS_ENABLE=0, "
+                                  "or no NCCL communicator yet)") if refused else f"{type(exc).__name__}: {exc}")
+    return dict(found, text=text.decode("utf-8", "replace"))
+
+
 def take(request: dict[str, Any]) -> dict[str, Any]:
     pids = {str(k): int(v) for k, v in (request.get("pids") or {}).items()}
     pyspy = find_pyspy(str(request.get("sha256") or ""))
-    ranks: dict[str, dict[str, Any]] = {}
+    answer: dict[str, Any] = {"ranks": {}}
     if pyspy is None:
         for rank, pid in pids.items():
-            ranks[rank] = {"pid": pid, "method": "py-spy", "samples": [],
-                           "error": "no py-spy on this host (none shipped for its machine, none on PATH)"}
-        return {"ranks": ranks}
+            answer["ranks"][rank] = {"pid": pid, "method": "py-spy", "samples": [],
+                                     "error": "no py-spy on this host (none shipped for its machine, none on PATH)"}
+    else:
+        answer = sample_all(pyspy, pids, request)
+    if request.get("ras") and "nccl_ras" not in answer:  # without py-spy, RAS is what there is
+        answer["nccl_ras"] = ask_ras(str(request["ras"]))
+    if request.get("outdir"):
+        write_out(str(request["outdir"]), answer)
+    return answer
+
+
+def sample_all(pyspy: str, pids: dict[str, int], request: dict[str, Any]) -> dict[str, Any]:
+    """``samples`` dumps of every rank, ``interval`` seconds apart; NCCL's RAS (``ras``) is asked
+    right after the first, while the ranks are where that sample found them."""
     native = {rank: bool(request.get("native", True)) for rank in pids}
     samples = max(1, int(request.get("samples") or 2))
     interval = float(request.get("interval") or 3.0)
-    for rank, pid in pids.items():
-        ranks[rank] = {"pid": pid, "method": "py-spy", "samples": []}
+    ranks: dict[str, dict[str, Any]] = {rank: {"pid": pid, "method": "py-spy", "samples": []}
+                                        for rank, pid in pids.items()}
+    answer: dict[str, Any] = {"ranks": ranks, "pyspy": pyspy, "ptrace_scope": ptrace_scope()}
     for number in range(samples):
         if number:
             time.sleep(interval)
         got = dump_all(pyspy, pids, native)
+        if number == 0 and request.get("ras"):
+            answer["nccl_ras"] = ask_ras(str(request["ras"]))
         retry = {r: pids[r] for r, g in got.items() if "error" in g and g.get("native")}
         if retry:  # --native is not supported everywhere (a machine, a build): without it
             for rank in retry:
@@ -153,9 +203,6 @@ def take(request: dict[str, Any]) -> dict[str, Any]:
             ranks[rank]["samples"].append(sample)
             if "threads" in sample:
                 ranks[rank]["method"] = "py-spy --native" if native[rank] else "py-spy"
-    answer = {"ranks": ranks, "pyspy": pyspy, "ptrace_scope": ptrace_scope()}
-    if request.get("outdir"):
-        write_out(str(request["outdir"]), answer)
     return answer
 
 
@@ -171,6 +218,10 @@ def write_out(outdir: str, answer: dict[str, Any]) -> None:
     os.makedirs(outdir, mode=0o700, exist_ok=True)
     with open(os.path.join(outdir, "stacks.json"), "w") as fh:
         json.dump(answer, fh)
+    ras = answer.get("nccl_ras")
+    if ras:
+        with open(os.path.join(outdir, "nccl-ras.txt"), "w") as fh:
+            fh.write(f"NCCL RAS at {ras.get('addr')}\n\n" + (ras.get("text") or f"not asked: {ras.get('error')}\n"))
     for rank, entry in answer["ranks"].items():
         lines = [f"rank {rank}, pid {entry.get('pid')}, taken by {entry.get('method')}"]
         if entry.get("error"):

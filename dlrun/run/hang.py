@@ -22,7 +22,15 @@ from typing import Any
 
 from dlrun.inventory import Host
 from dlrun.remote import LOADER, source_of
-from dlrun.remote.stack_groups import RankStacks, full_text, group_ranks, hang_cause, rank_stacks, summary_lines
+from dlrun.remote.stack_groups import (
+    RankStacks,
+    full_text,
+    group_ranks,
+    hang_cause,
+    rank_stacks,
+    ras_lines,
+    summary_lines,
+)
 from dlrun.run.tools import ship_pyspy
 from dlrun.transport.base import Transport
 
@@ -36,14 +44,16 @@ DUMP_WAIT = 2.0  # seconds faulthandler's SIGABRT dumps get before the stop's SI
 
 @dataclass(frozen=True)
 class StackAnswer:
-    """Every rank's stacks (host answers parsed), the folder they went to, notes per host."""
+    """Every rank's stacks (host answers parsed), the folder they went to, notes per host, and
+    what NCCL's RAS said of the job's communicators (``ras_lines``)."""
 
     stacks: tuple[RankStacks, ...]
     folder: Path | None
     notes: Mapping[str, str] = field(default_factory=dict)
+    ras: tuple[str, ...] = ()
 
     def summary(self) -> list[str]:
-        return summary_lines(group_ranks(self.stacks))
+        return summary_lines(group_ranks(self.stacks)) + list(self.ras)
 
 
 def stacks_message(request_id: str, sha256: str, *, samples: int = SAMPLES,
@@ -55,11 +65,18 @@ def stacks_message(request_id: str, sha256: str, *, samples: int = SAMPLES,
     return {"op": "stacks", "id": request_id, "loader": LOADER, "source": source_of("stacks"), "request": request}
 
 
-def write_stacks(folder: Path, stacks: Sequence[RankStacks], notes: Mapping[str, str]) -> None:
+def write_stacks(folder: Path, stacks: Sequence[RankStacks], notes: Mapping[str, str],
+                 answers: Mapping[str, Mapping[str, Any]]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for rank in stacks:
         (folder / f"rank-{rank.rank}.txt").write_text(full_text(rank), encoding="utf-8")
-    lines = summary_lines(group_ranks(stacks)) + [f"{host}: {note}" for host, note in notes.items()]
+    for host, answer in answers.items():
+        ras = answer.get("nccl_ras")
+        if ras:
+            text = ras.get("text") or f"not asked: {ras.get('error')}\n"
+            (folder / "nccl-ras.txt").write_text(f"NCCL RAS at {ras.get('addr')} on {host}\n\n{text}", encoding="utf-8")
+    lines = summary_lines(group_ranks(stacks)) + ras_lines(list(answers.items()))
+    lines += [f"{host}: {note}" for host, note in notes.items()]
     (folder / "summary.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
@@ -159,8 +176,9 @@ class StackRequests:
         if self.log_dir is not None:
             folder = self.log_dir / time.strftime("stacks-%Y%m%d-%H%M%S")
             folder = folder.with_name(f"{folder.name}-{request_id}")
-            write_stacks(folder, stacks, pending.notes)
-        pending.reply(StackAnswer(tuple(stacks), folder, dict(pending.notes)))
+            write_stacks(folder, stacks, pending.notes, pending.answers)
+        ras = tuple(ras_lines([(host, pending.answers[host]) for host in pending.hosts if host in pending.answers]))
+        pending.reply(StackAnswer(tuple(stacks), folder, dict(pending.notes), ras))
 
 
 class HangWatch:
@@ -217,7 +235,7 @@ class HangWatch:
 def hang_lines(answer: StackAnswer) -> list[str]:
     """A hang's root cause in a sentence, the groups, and where the full stacks are."""
     groups = group_ranks(answer.stacks)
-    lines = [f"hung: {hang_cause(groups)}", *("  " + line for line in summary_lines(groups))]
+    lines = [f"hung: {hang_cause(groups)}", *("  " + line for line in summary_lines(groups) + list(answer.ras))]
     lines += [f"  {host}: {note}" for host, note in answer.notes.items()]
     if answer.folder is not None:
         lines.append(f"  full stacks: {answer.folder}")
@@ -227,7 +245,7 @@ def hang_lines(answer: StackAnswer) -> list[str]:
 def answer_json(answer: StackAnswer) -> dict[str, Any]:
     """What the control socket sends back to ``dlrun stack``."""
     groups = group_ranks(answer.stacks)
-    return {"summary": summary_lines(groups), "cause": hang_cause(groups) if answer.stacks else None,
+    return {"summary": summary_lines(groups) + list(answer.ras), "cause": hang_cause(groups) if answer.stacks else None,
             # absolute: dlrun stack runs in another terminal, maybe in another folder
             "folder": str(answer.folder.resolve()) if answer.folder is not None else None, "notes": dict(answer.notes),
-            "methods": sorted({r.method for r in answer.stacks if r.taken})}
+            "methods": sorted({r.method for r in answer.stacks if r.taken}) + (["NCCL RAS"] if answer.ras else [])}

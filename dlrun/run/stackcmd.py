@@ -14,7 +14,7 @@ from typing import Any
 
 from dlrun.errors import DlrunError, UsageError
 from dlrun.inventory import Host
-from dlrun.remote.stack_groups import RankStacks, rank_stacks
+from dlrun.remote.stack_groups import RankStacks, rank_stacks, ras_lines
 from dlrun.run import control
 from dlrun.run.detach import JobHosts, run_program
 from dlrun.run.hang import answer_json, stacks_message
@@ -38,6 +38,7 @@ def detached_stacks(job_hosts: JobHosts, job_id: str) -> dict[str, Any]:
     message = stacks_message(time.strftime("%Y%m%d-%H%M%S"), sha256)
     stacks: list[RankStacks] = []
     folders: list[str] = []
+    answered: list[tuple[str, dict[str, Any]]] = []
 
     def ask(host: Host) -> dict[str, Any] | DlrunError:
         try:
@@ -57,10 +58,11 @@ def detached_stacks(job_hosts: JobHosts, job_id: str) -> dict[str, Any]:
                 notes[str(item.get("host"))] = str(item.get("error") or item["answer"]["error"])
             if item.get("answer"):
                 stacks += rank_stacks(str(item.get("host")), item["answer"])
+                answered.append((str(item.get("host")), item["answer"]))
                 folders.append(f"{host.name}:{item.get('folder')}")
     from dlrun.run.hang import StackAnswer
 
     stacks.sort(key=lambda r: r.rank)
-    document = answer_json(StackAnswer(tuple(stacks), None, notes))
+    document = answer_json(StackAnswer(tuple(stacks), None, notes, tuple(ras_lines(answered))))
     document["folders"] = folders
     return document

@@ -126,6 +126,34 @@ def test_stack_of_a_local_attached_job_from_another_process(tmp_path: Path) -> N
         stop(proc, job)
 
 
+# rank 0 stands in for NCCL's RAS thread at the address dlrun gave the job (no NCCL here)
+RAS_STANDIN = f"""
+import os, sys
+sys.path.insert(0, {str(REPO / "tests")!r})
+print("ras", os.environ.get("NCCL_RAS_ADDR"), flush=True)
+if os.environ["RANK"] == "0":
+    from support.nccl_ras import FIXTURES, serve
+    serve(os.environ["NCCL_RAS_ADDR"], open(FIXTURES + "/mismatch-operation-counts.txt", "rb").read())
+"""
+
+
+def test_stack_asks_nccl_ras_at_the_jobs_own_address_once(tmp_path: Path) -> None:
+    (tmp_path / "deadlock.py").write_text(RAS_STANDIN + DEADLOCK)
+    proc, job, lines = start(dlrun_argv("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch",
+                                        "deadlock.py"), tmp_path)
+    try:
+        addresses = set(re.findall(r"\] ras (\S+)$", "".join(lines), re.M))
+        assert len(addresses) == 1 and re.fullmatch(r"127\.0\.0\.1:\d+", addresses.pop()), lines  # one per host
+        out = stack_from_another_process(job, tmp_path)
+        assert re.search(r"^NCCL RAS \(\S+\): warning: #0-0 \(27a079b828ff1a75\) MISMATCH .* 6 ranks have launched up "
+                         r"to operation 6649: ranks 0,2-5,7 \(on 172\.16\.64\.210\)$", out, re.M), out
+        assert re.search(r"^dlrun: taken by .*NCCL RAS", out, re.M), out
+        folder = tmp_path / re.search(r"full stacks in (\S+)/$", out, re.M).group(1)  # type: ignore[union-attr]
+        assert "Communicator ranks have different collective operation counts" in files_of(folder)["nccl-ras.txt"]
+    finally:
+        stop(proc, job)
+
+
 def test_hang_timeout_stops_a_local_deadlock_and_names_the_odd_rank(tmp_path: Path) -> None:
     (tmp_path / "deadlock.py").write_text(DEADLOCK)
     out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch", "--hang-timeout", "15",

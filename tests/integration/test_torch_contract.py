@@ -55,13 +55,18 @@ def test_dlrun_sets_what_torchrun_sets(tmp_path: Path) -> None:
         for name in SAME_VALUES:
             assert dlrun[rank]["env"].get(name) == reference[rank]["env"].get(name), name
         assert dlrun[rank]["elastic"] is True  # torch.distributed.is_torchelastic_launched()
-        # added on purpose (docs/stacks.md): the flight recorder, dumped into the job's folder
+        # added on purpose (docs/stacks.md): the flight recorder, dumped into the job's folder, and
+        # NCCL's RAS socket at an address of the job's own on each host, and the interface the
+        # hosts share (here loopback), as `dlrun topo` says launch sets it
         recorder = {k: v for k, v in dlrun[rank]["env"].items() if k not in reference[rank]["env"]
-                    and k.startswith("TORCH") and k not in os.environ}  # not this process's own (inductor's)
+                    and k.startswith(("TORCH", "NCCL")) and k not in os.environ}  # not this process's own (inductor's)
         assert recorder == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                             "TORCH_FR_DUMP_TEMP_FILE": recorder["TORCH_FR_DUMP_TEMP_FILE"],
-                            "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": recorder["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]}
+                            "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": recorder["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"],
+                            "NCCL_RAS_ADDR": recorder["NCCL_RAS_ADDR"], "NCCL_SOCKET_IFNAME": "lo"}
         assert recorder["TORCH_FR_DUMP_TEMP_FILE"].endswith("/flight-recorder/trace_rank_")
+        assert re.fullmatch(r"127\.0\.0\.1:\d+", recorder["NCCL_RAS_ADDR"])
+        assert recorder["NCCL_RAS_ADDR"] == dlrun["0"]["env"]["NCCL_RAS_ADDR"]  # one per host
         error_file = dlrun[rank]["env"]["TORCHELASTIC_ERROR_FILE"]
         assert error_file.endswith(f"/attempt_0/{rank}/error.json")
         assert not Path(error_file).exists()  # the agent took it away with its folder
