@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dlrun.remote.stack_groups import ras_findings, ras_lines
 from dlrun.remote.stacks import ask_ras, write_out
+
 from support.nccl_ras import FIXTURES, serve
 
 
