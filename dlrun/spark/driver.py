@@ -979,6 +979,8 @@ def quiet_task_failures(pyspark: ModuleType, conf: Mapping[str, str]) -> dict[st
                os.path.join(os.path.dirname(pyspark.__file__ or ""), "conf")]
     if any(folder and os.path.exists(os.path.join(folder, name)) for folder in folders for name in LOG4J2_FILES):
         return {}
+    if re.search(r"[\s,'\"\\]", QUIET_LOG4J2[1]):  # Spark splits the options on blanks; log4j2 the files on commas
+        return {}
     quiet = "-Dlog4j2.configurationFile=" + ",".join(QUIET_LOG4J2)
     return {"spark.driver.extraJavaOptions": f"{options} {quiet}".strip()}
 
