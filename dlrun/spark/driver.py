@@ -63,6 +63,7 @@ import ssl
 import sys
 import threading
 import time
+import urllib.request
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -100,6 +101,7 @@ __all__ = [
     "task_commands",
 ]
 
+CONTEXT_MARK = "spark.dlrun.context"  # set with a fresh value in a context dlrun makes (spark_context)
 SLOT_WAIT = 10.0  # seconds for executors to register before the slot check fails (count unknown)
 MAX_HELLO = 1 << 20
 VERDICT_WAIT = 5.0  # seconds for the tasks to report their end before the verdicts go out regardless
@@ -209,44 +211,43 @@ class SparkEngine:
         }
         job = _StageJob(sc, job_id, n, partial(task.task_main, setup))
         transport: SparkTransport | None = None
-        with _quiet_task_failures(sc):
-            view.notice(f"spark: submitting a barrier stage of {n} tasks to {sc.master} (job {job_id});"
-                        f" they report to {driver_host}:{server.port} over TLS")
-            job.start()
-            try:
-                links = server.wait(spark.start_timeout, job.failed,
-                                    report=lambda why: view.notice(f"spark: refused a connection: {why}"))
-                server.close()  # every task is in: a retried or stray task finds no door
-                hellos = [link.hello for link in links.values()]
-                missing_gpus = [h.name for h in hellos if len(h.gpus) < spark.gpus_per_worker]
-                if missing_gpus:
-                    raise BackendError(
-                        f"--gpus-per-worker {spark.gpus_per_worker} but Spark gave {', '.join(missing_gpus)} fewer"
-                        " GPUs",
-                        hint="set spark.executor.resource.gpu.amount and spark.executor.resource.gpu.discoveryScript",
-                    )
-                transport = SparkTransport(links)
-                with ExitStack() as stack:
-                    rendezvous = None
-                    if config.framework == "horovod":
-                        where = bind if server.on_bind else "0.0.0.0"
-                        rendezvous = stack.enter_context(_horovod_rendezvous(hellos, driver_host, where))
-                    _, commands = task_commands(config, hellos, job_id, rendezvous=rendezvous)
-                    stage = transport
+        view.notice(f"spark: submitting a barrier stage of {n} tasks to {sc.master} (job {job_id});"
+                    f" they report to {driver_host}:{server.port} over TLS")
+        job.start()
+        try:
+            links = server.wait(spark.start_timeout, job.failed,
+                                report=lambda why: view.notice(f"spark: refused a connection: {why}"))
+            server.close()  # every task is in: a retried or stray task finds no door
+            hellos = [link.hello for link in links.values()]
+            missing_gpus = [h.name for h in hellos if len(h.gpus) < spark.gpus_per_worker]
+            if missing_gpus:
+                raise BackendError(
+                    f"--gpus-per-worker {spark.gpus_per_worker} but Spark gave {', '.join(missing_gpus)} fewer"
+                    " GPUs",
+                    hint="set spark.executor.resource.gpu.amount and spark.executor.resource.gpu.discoveryScript",
+                )
+            transport = SparkTransport(links)
+            with ExitStack() as stack:
+                rendezvous = None
+                if config.framework == "horovod":
+                    where = bind if server.on_bind else "0.0.0.0"
+                    rendezvous = stack.enter_context(_horovod_rendezvous(hellos, driver_host, where))
+                _, commands = task_commands(config, hellos, job_id, rendezvous=rendezvous)
+                stage = transport
 
-                    def done(result: RunResult) -> None:
-                        stage.finish(result)
-                        job.end(timeout=10.0 if result.ok else 30.0)
+                def done(result: RunResult) -> None:
+                    stage.finish(result)
+                    job.end(timeout=10.0 if result.ok else 30.0)
 
-                    yield Placement(transport, commands, watch=partial(_watch_stage, job, transport), done=done)
-            finally:
-                server.close()
-                if transport is not None:
-                    transport.close()
-                for link in server.links.values():
-                    link.sock.close()
-                if job.thread.is_alive():
-                    job.end(timeout=0)
+                yield Placement(transport, commands, watch=partial(_watch_stage, job, transport), done=done)
+        finally:
+            server.close()
+            if transport is not None:
+                transport.close()
+            for link in server.links.values():
+                link.sock.close()
+            if job.thread.is_alive():
+                job.end(timeout=0)
 
 
 def run_spark(config: LaunchConfig, spark: SparkConfig, *, view: View | None = None) -> int:
@@ -315,37 +316,42 @@ def java_command() -> str | None:
 
 @contextmanager
 def spark_context(pyspark: ModuleType, spark: SparkConfig, *, app_name: str) -> Iterator[Any]:
-    """The SparkContext already running in this process (kept), or a new one (stopped after)."""
-    active = pyspark.SparkContext._active_spark_context
-    if active is not None:
-        if active.master != spark.master:
-            raise BackendError(
-                f"a SparkContext for {active.master} already runs in this process; cannot use {spark.master}"
-            )
-        yield active
-        return
-    if java_command() is None:
-        where = f"JAVA_HOME={os.environ['JAVA_HOME']} has no bin/java" if os.environ.get("JAVA_HOME") else "no java"
-        raise BackendError(f"--backend spark needs Java 17 or newer ({where} on PATH)", hint=JAVA_HINT)
-    if spark.master.startswith("local"):  # executors on this machine: the driver's interpreter
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    """The SparkContext already running in this process (kept), or a new one (stopped after).
+
+    ``SparkContext.getOrCreate`` decides (Spark's public way to share the one context of a
+    process); a conf entry with a fresh value marks the context this call made."""
+    mine = secrets.token_hex(8)
     settings = {
         "spark.task.cpus": str(spark.cores_per_worker),
         "spark.ui.showConsoleProgress": "false",  # its progress bar would tear the dlrun view
         **({"spark.task.resource.gpu.amount": str(spark.gpus_per_worker)} if spark.gpus_per_worker else {}),
         **spark.conf,
+        CONTEXT_MARK: mine,
     }
+    settings.update(quiet_task_failures(pyspark, settings))
+    if spark.master.startswith("local"):  # executors on this machine: the driver's interpreter
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     try:
         conf = pyspark.SparkConf().setMaster(spark.master).setAppName(app_name)
         for key, value in settings.items():
             conf.set(key, value)
         logging.disable(logging.ERROR)  # py4j logs a traceback when Ctrl-C interrupts the JVM's start
         try:
-            sc = pyspark.SparkContext(conf=conf)
+            sc = pyspark.SparkContext.getOrCreate(conf)
         finally:
             logging.disable(logging.NOTSET)
     except Exception as exc:
+        if java_command() is None:
+            where = f"JAVA_HOME={os.environ['JAVA_HOME']} has no bin/java" if os.environ.get("JAVA_HOME") else "no java"
+            raise BackendError(f"--backend spark needs Java 17 or newer ({where} on PATH)", hint=JAVA_HINT) from exc
         raise BackendUnavailable(f"cannot start Spark ({spark.master}): {spark_error_text(exc)}") from exc
+    if sc.getConf().get(CONTEXT_MARK) != mine:  # the process's own context, made before: kept as it is
+        if sc.master != spark.master:
+            raise BackendError(
+                f"a SparkContext for {sc.master} already runs in this process; cannot use {spark.master}"
+            )
+        yield sc
+        return
     try:
         yield sc
     finally:
@@ -425,13 +431,16 @@ class Slots:
 
 
 def count_slots(sc: Any) -> Slots:
-    """Spark's own count (``maxNumConcurrentTasks``, what its barrier check uses) minus busy tasks."""
+    """The executors' task slots (Spark's monitoring REST API: ``maxTasks`` per active
+    executor, which is what its barrier check counts) minus busy tasks. Without the UI
+    (``spark.ui.enabled=false``, a filter in the way): ``defaultParallelism`` / task cpus."""
     task_cpus = int(sc.getConf().get("spark.task.cpus", "1"))
-    jsc = sc._jsc.sc()
+    local = _is_local(sc.master)
     try:
-        total = int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
-        executors = max(len(jsc.statusTracker().getExecutorInfos()) - (0 if _is_local(sc.master) else 1), 0)
-    except Exception:  # an internal API that moved: fall back to the public estimate
+        found = executor_summaries(sc)
+        total = sum(int(e.get("maxTasks") or 0) for e in found)
+        executors = sum(1 for e in found if local or e.get("id") != "driver")
+    except (OSError, ValueError, TypeError):
         total, executors = int(sc.defaultParallelism) // task_cpus, 0
     tracker = sc.statusTracker()
     busy = 0
@@ -439,6 +448,20 @@ def count_slots(sc: Any) -> Slots:
         info = tracker.getStageInfo(stage_id)
         busy += int(info.numActiveTasks) if info is not None else 0
     return Slots(total=total, busy=busy, executors=executors, task_cpus=task_cpus)
+
+
+def executor_summaries(sc: Any) -> list[dict[str, Any]]:
+    """The active executors (``/api/v1/applications/<app>/executors`` of the driver's UI; the
+    driver is one, with no slots but in local mode). Raises OSError where there is no UI."""
+    url = sc.uiWebUrl
+    if not url:
+        raise OSError("the Spark UI is off")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the driver's own UI: no proxy
+    with opener.open(f"{url}/api/v1/applications/{sc.applicationId}/executors", timeout=5) as answer:
+        found = json.loads(answer.read(1 << 22))
+    if not isinstance(found, list):
+        raise ValueError("not a list of executors")
+    return [e for e in found if isinstance(e, dict) and e.get("isActive", True)]
 
 
 def _is_local(master: str) -> bool:
@@ -939,29 +962,27 @@ class _StageJob:
             self.thread.join(15)
 
 
-#: What Spark logs for every failed task: the whole Python traceback of ``task_main``'s
-#: verdict, once per task (~150 lines for 2 tasks), whose one line of news the root cause holds.
-_TASK_FAILURE_LOGGERS = ("org.apache.spark.executor.Executor", "org.apache.spark.scheduler.TaskSetManager")
+#: Spark's defaults, then dlrun's layer: failed tasks' tracebacks (the root cause has their news) off.
+QUIET_LOG4J2 = ("org/apache/spark/log4j2-defaults.properties", str(Path(__file__).with_name("log4j2-quiet.properties")))
+LOG4J2_FILES = ("log4j2.properties", "log4j2.xml", "log4j2.yaml", "log4j2.yml", "log4j2.json")
 
 
-@contextmanager
-def _quiet_task_failures(sc: Any) -> Iterator[None]:
-    """Silence ``_TASK_FAILURE_LOGGERS`` (log4j2, in the driver's JVM) while a stage runs."""
-    try:
-        log4j = sc._jvm.org.apache.logging.log4j
-        manager, configurator = log4j.LogManager, log4j.core.config.Configurator
-        before = {name: manager.getLogger(name).getLevel() for name in _TASK_FAILURE_LOGGERS}
-        for name in _TASK_FAILURE_LOGGERS:
-            configurator.setLevel(name, log4j.Level.OFF)
-    except Exception:  # another logging backend, or no JVM view: Spark keeps its say
-        yield
-        return
-    try:
-        yield
-    finally:
-        with contextlib.suppress(Exception):
-            for name, level in before.items():
-                configurator.setLevel(name, level)
+def quiet_task_failures(pyspark: ModuleType, conf: Mapping[str, str]) -> dict[str, str]:
+    """The driver JVM's options that layer ``log4j2-quiet.properties`` over Spark's defaults,
+    or nothing where the user configured log4j2 (a file in Spark's conf folder, or
+    ``log4j2.configurationFile`` in ``spark.driver.extraJavaOptions``): theirs wins."""
+    options = conf.get("spark.driver.extraJavaOptions", "")
+    if "log4j2.configurationFile" in options or "log4j.configurationFile" in options:
+        return {}
+    folders = [os.environ.get("SPARK_CONF_DIR"),
+               os.path.join(os.environ["SPARK_HOME"], "conf") if os.environ.get("SPARK_HOME") else None,
+               os.path.join(os.path.dirname(pyspark.__file__ or ""), "conf")]
+    if any(folder and os.path.exists(os.path.join(folder, name)) for folder in folders for name in LOG4J2_FILES):
+        return {}
+    if re.search(r"[\s,'\"\\]", QUIET_LOG4J2[1]):  # Spark splits the options on blanks; log4j2 the files on commas
+        return {}
+    quiet = "-Dlog4j2.configurationFile=" + ",".join(QUIET_LOG4J2)
+    return {"spark.driver.extraJavaOptions": f"{options} {quiet}".strip()}
 
 
 @contextmanager
