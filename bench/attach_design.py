@@ -127,8 +127,10 @@ class Bench:
         return Sample(setting, design, first, end)
 
     # ------------------------------------------------------------------ orphans
-    def orphans(self, setting: str, design: str, event: str) -> tuple[int, float | None]:
-        """The job's processes left 20 s after ``event`` hit the client, and seconds until none."""
+    def orphans(self, setting: str, design: str, event: str) -> tuple[int, float | None, float | None]:
+        """The job's processes left 20 s after ``event`` hit the client, seconds until none, and
+        (when some were left) seconds from ``dlrun stop`` until none (what a design that stops
+        the job on Ctrl-C would cost)."""
         opts = self.where(setting)
         common = ["--framework", "none", "--grace", "2", *opts]
         hosts = self.job_hosts(setting)
@@ -178,10 +180,14 @@ class Bench:
             client.wait(30)
         except subprocess.TimeoutExpired:
             client.kill()
+        stop = time.monotonic()
         subprocess.run(self.dlrun("stop", job, *hosts), env=self.env, cwd=self.base, capture_output=True)
+        while job_processes(job) and time.monotonic() - stop < 60:
+            time.sleep(0.05)
+        stopped = time.monotonic() - stop if left and not job_processes(job) else None
         subprocess.run(self.dlrun("logs", job, "--delete", *hosts), env=self.env, cwd=self.base,
                        capture_output=True)
-        return left, gone_at
+        return left, gone_at, stopped
 
 
 def job_of(output: str) -> str:
@@ -208,11 +214,28 @@ def job_processes(job: str) -> list[int]:
     return found
 
 
+def latency_table(samples: Sequence[Sample], settings: Sequence[str], loads: Sequence[float], repeat: int) -> None:
+    print(f"# attached vs detach+attach, median of {repeat} (dlrun {REPO})\n")
+    print("| setting | attached: first line | attached: exit | detach+attach: first line | detach+attach: exit"
+          " | ratio first line | ratio exit |")
+    print("|---|---|---|---|---|---|---|")
+    for setting in settings:
+        def med(design: str, what: str, setting: str = setting) -> float:
+            return median([getattr(s, what) for s in samples if s.setting == setting and s.design == design])
+
+        a_first, a_exit = med("attached", "first"), med("attached", "exit")
+        b_first, b_exit = med("detach+attach", "first"), med("detach+attach", "exit")
+        print(f"| {setting} | {a_first:.2f} s | {a_exit:.2f} s | {b_first:.2f} s | {b_exit:.2f} s"
+              f" | {b_first / a_first:.2f}× | {b_exit / a_exit:.2f}× |")
+    print(f"\n1-min load during the runs: min {min(loads):.2f}, median {median(loads):.2f}, max {max(loads):.2f}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--settings", default="local,ssh2,ssh4", help="local and sshN, comma-separated")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--orphans", action="store_true", help="also the orphan table")
+    p.add_argument("--orphans-only", action="store_true", help="only the orphan table")
     p.add_argument("--python", default=shutil.which("python3", path="/usr/bin:/bin") or "python3")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
@@ -222,42 +245,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster = start_bench_cluster(hosts, base, args.python) if hosts else None
     try:
         bench = Bench(base, cluster, args.python)
-        for setting in settings:  # warm-up (page cache, .pyc, code cache), not counted
+        args.orphans = args.orphans or args.orphans_only
+        for setting in settings if not args.orphans_only else ():  # warm-up (page cache, .pyc, code cache), not counted
             for design in DESIGNS:
                 bench.run(setting, design)
         rng = random.Random(args.seed)
         samples: list[Sample] = []
         loads = []
-        for rep in range(args.repeat):
+        for rep in range(args.repeat if not args.orphans_only else 0):
             order = [(s, d) for s in settings for d in DESIGNS]
             rng.shuffle(order)
             for setting, design in order:
                 samples.append(bench.run(setting, design))
                 loads.append(load1())
             print(f"repeat {rep + 1}/{args.repeat}, load {load1():.2f}", file=sys.stderr)
-        print(f"# attached vs detach+attach, median of {args.repeat} (dlrun {REPO})\n")
-        print("| setting | attached: first line | attached: exit | detach+attach: first line | detach+attach: exit"
-              " | ratio first line | ratio exit |")
-        print("|---|---|---|---|---|---|---|")
-        for setting in settings:
-            def med(design: str, what: str, setting: str = setting) -> float:
-                return median([getattr(s, what) for s in samples if s.setting == setting and s.design == design])
-
-            a_first, a_exit = med("attached", "first"), med("attached", "exit")
-            b_first, b_exit = med("detach+attach", "first"), med("detach+attach", "exit")
-            print(f"| {setting} | {a_first:.2f} s | {a_exit:.2f} s | {b_first:.2f} s | {b_exit:.2f} s"
-                  f" | {b_first / a_first:.2f}× | {b_exit / a_exit:.2f}× |")
-        print(f"\n1-min load during the runs: min {min(loads):.2f}, median {median(loads):.2f}, max {max(loads):.2f}")
+        if samples:
+            latency_table(samples, settings, loads, args.repeat)
         if args.orphans:
-            print("\n| setting | design | event | job processes left after 20 s | all gone after |")
-            print("|---|---|---|---|---|")
+            print("\n| setting | design | event | job processes left after 20 s | all gone after"
+                  " | dlrun stop until none |")
+            print("|---|---|---|---|---|---|")
             for setting in settings:
                 events = ["SIGKILL", "SIGINT"] + (["lost connection"] if setting != "local" else [])
                 for design in DESIGNS:
                     for event in events:
-                        left, gone = bench.orphans(setting, design, event)
+                        left, gone, stopped = bench.orphans(setting, design, event)
                         print(f"| {setting} | {design} | {event} | {left} | "
-                              f"{'-' if gone is None else f'{gone:.2f} s'} |", flush=True)
+                              f"{'-' if gone is None else f'{gone:.2f} s'} | "
+                              f"{'-' if stopped is None else f'{stopped:.2f} s'} |", flush=True)
     finally:
         if cluster is not None:
             cluster.stop()
