@@ -477,7 +477,7 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
     Ctrl-C (KeyboardInterrupt) detaches again: the job goes on, and 0 is returned."""
     import sys
 
-    from dlrun.run.detach import LogFollower
+    from dlrun.run.detach import LogFollower, closing_notices, job_line
     from dlrun.run.screen import ScreenFeed, make_view
     from dlrun.run.view import PlainView
 
@@ -492,18 +492,12 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
                 shown.drain()
             shown.notice(f"detached from job {job}; it goes on (dlrun attach {job} to come back)")
             return 0
-        for attempt in record.history:
-            shown.notice(f"attempt {int(attempt.get('attempt', 0)) + 1} (job {attempt.get('job_id')}) failed:"
-                         f" {attempt.get('root_cause')}")
-        for note in record.notes:
-            shown.notice(note)
         result = follower.result(record)
-        if record.root_cause and result.root_cause is None and record.state != "stopped":
-            shown.notice(f"root cause: {record.root_cause}")
+        for text in closing_notices(record, result):  # what detach.summary_lines writes, on the view
+            shown.notice(text)
         shown.finish(result)
-        code = 1 if record.exit_code is None else record.exit_code
-        stream.write(f"dlrun: job {job} {record.state}; exit code {code}\n")
-        return code
+        stream.write(job_line(record) + "\n")
+        return 1 if record.exit_code is None else record.exit_code
 
 
 def stack(job: str, hosts: str | None = None, **ssh: Any) -> dict[str, Any]:

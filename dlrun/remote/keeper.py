@@ -33,23 +33,17 @@ from typing import Any, Callable, Tuple
 #: The agent's frames (``dlrun.remote.agent``: each host program is shipped alone, imports none).
 HEADER = struct.Struct(">BiI")
 STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, GPU, STACKS, FILE = 2, 3, 4, 5, 6, 7, 11, 13, 14
-#: ``gpu.csv``'s columns, as the attached supervisor writes them (``dlrun.run.gpus.CSV_COLUMNS``)
-GPU_COLUMNS = "time,host,gpu,util,mem_used_mib,mem_total_mib,power_w,temp_c"
+#: The numbers the client uses too (the stop margin, the restart pause, gpu.csv's columns, the
+#: hang's) and the restart decision are ``dlrun.remote.rankpolicy``'s, loaded from source (``policy``).
 RECORD_LINE = 4000  # characters of one tail line kept in the job's records
 HANDSHAKE_TIMEOUT = 10.0  # a follower's wait for the leader's welcome, per try
 AUTH_TIMEOUT = 1.0  # a stranger at the leader's door must be through TLS and the token by then, in all
 CONNECT_TIMEOUT = 30.0  # a follower's tries to reach the leader
 MAX_GREETINGS = 64  # unauthenticated connections the leader holds at once (each a thread, AUTH_TIMEOUT at most)
 MAX_GREETINGS_PER_SOURCE = 8  # of them from one address: one flooding neighbour cannot take every slot
-RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts' ports settle)
-STOP_MARGIN = 15.0  # past the grace, an agent that has not reported is killed
 INDEX_EVERY = 1.0  # seconds between two lines of a rank log's time index
-FINAL = ("succeeded", "failed", "stopped", "lost")
 RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
-HANG_EXIT = 124  # --hang-timeout stopped the job (dlrun.run.hang.HANG_EXIT)
 HANG_ANSWER = 60.0  # seconds every host has to send its stacks once the job hangs
-DUMP_WAIT = 2.0  # seconds faulthandler's and the flight recorder's dumps get before the stop
-BUSY_UTIL = 5.0  # a GPU at this utilization or above is working (dlrun.run.hang.BUSY_UTIL)
 RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 
 Event = Tuple[Any, ...]
@@ -363,7 +357,7 @@ class Keeper:
         self.logs: dict[int, Any] = {}
         self.indexes: dict[int, Any] = {}  # rank -> its log's index: when each offset was written
         self.indexed: dict[int, float] = {}  # rank -> when its index last got a line
-        self.lines = load_module(str(config["rankpolicy_source"]), "rankpolicy")  # dlrun.remote.rankpolicy
+        self.policy = load_module(str(config["rankpolicy_source"]), "rankpolicy")  # dlrun.remote.rankpolicy
         self.outputs: dict[int, Any] = {}  # rank -> its rankpolicy.RankLines (tail, traceback, splitters)
         self.dropped: dict[int, int] = {}  # rank -> log lines not written (the disk is full)
         self.written: dict[int, int] = {}  # rank -> bytes of its log written whole
@@ -465,7 +459,7 @@ class Keeper:
             self.logs[rank] = self.open_log(f"rank-{rank}.log", "wb", 0)
             self.indexes[rank] = self.open_log(f"rank-{rank}.idx", "w", -1)
             self.indexed[rank] = 0.0
-            self.outputs[rank] = self.lines.RankLines()
+            self.outputs[rank] = self.policy.RankLines()
         env = dict(os.environ)
         env["DLRUN_JOB_ID"] = str(spec["job_id"])  # the attempt's: what sweeps and tests look for
         with open(os.path.join(self.jobdir, "agent.log"), "ab") as stderr, self.agent_lock:
@@ -523,7 +517,7 @@ class Keeper:
     def stop_own(self) -> None:
         if not self.stopping:
             self.stopping = True
-            self.kill_at = time.monotonic() + self.grace + STOP_MARGIN
+            self.kill_at = time.monotonic() + self.grace + self.policy.STOP_MARGIN
             self.tell_agent({"op": "stop", "grace": self.grace})
 
     def write_log(self, rank: int, lines: list[str]) -> None:
@@ -663,7 +657,7 @@ class Keeper:
             for row in str(sample["csv"]).splitlines():  # index, uuid, utilization, …
                 fields = [f.strip() for f in row.split(",")]
                 try:
-                    if len(fields) > 2 and float(fields[2]) >= BUSY_UTIL:
+                    if len(fields) > 2 and float(fields[2]) >= self.policy.HANG_BUSY_UTIL:
                         self.last_busy = time.monotonic()
                 except ValueError:
                     pass
@@ -671,7 +665,7 @@ class Keeper:
             path = os.path.join(self.attempt_dir, "gpu.csv")
             new = not os.path.exists(path)
             with open(path, "a", encoding="utf-8") as fh:
-                fh.write((GPU_COLUMNS + "\n" if new else "") + rows)
+                fh.write((",".join(self.policy.GPU_CSV_COLUMNS) + "\n" if new else "") + rows)
         except OSError:  # a full disk: the samples are the first thing to give up
             pass
 
@@ -684,15 +678,15 @@ class Keeper:
             evidence["reason"] = str(info.get("reason", ""))
         output = self.outputs.get(rank)
         if code and output is not None:
-            evidence["tail"] = [self.lines.cut(t, RECORD_LINE) for t in output.tail]  # records stay small
+            evidence["tail"] = [self.policy.cut(t, RECORD_LINE) for t in output.tail]  # records stay small
             evidence["exception"] = list(output.traceback.last)
-            evidence["error_file"] = self.lines.error_file_lines(info.get("error_file"))
+            evidence["error_file"] = self.policy.error_file_lines(info.get("error_file"))
         if self.leader:
             self.on_rank(self.host, rank, what, code, evidence)  # which writes the record
             return
         entry = self.ranks[rank]  # a follower's own record (state.json) follows its ranks
         entry["state"] = ("running" if what == "running"
-                          else self.lines.rank_state(code, self.stopping, evidence["stopped"]))
+                          else self.policy.rank_state(code, self.stopping, evidence["stopped"]))
         if what == "lost":
             entry["state"] = "lost"
         entry["code"] = code
@@ -703,7 +697,7 @@ class Keeper:
     # ---------------------------------------------------------------- the leader's policy
     def on_rank(self, host: str, rank: int, what: str, code: int | None, evidence: dict[str, Any]) -> None:
         entry = self.ranks.setdefault(rank, {"rank": rank, "host": host, "state": "pending", "code": None})
-        if entry["state"] in FINAL:
+        if entry["state"] in self.policy.FINAL_STATES:
             return
         if what == "running":
             entry["state"] = "running"
@@ -715,7 +709,7 @@ class Keeper:
         else:
             entry["ended"] = time.time()
             entry["code"] = code
-            entry["state"] = self.lines.rank_state(code, self.stopping, bool(evidence.get("stopped")))
+            entry["state"] = self.policy.rank_state(code, self.stopping, bool(evidence.get("stopped")))
             if entry["state"] == "failed":
                 if self.root_cause is None:
                     self.root = self.root_of(rank, host, evidence)
@@ -731,13 +725,13 @@ class Keeper:
         error_file = [str(t) for t in evidence.get("error_file") or []]
         tail = [str(t) for t in evidence.get("tail") or []]
         finished = [(r, str(e["host"])) for r, e in sorted(self.ranks.items()) if e["state"] == "succeeded"]
-        hint = self.lines.early_exit_hint(rank, exception + error_file + tail, finished)
+        hint = self.policy.early_exit_hint(rank, exception + error_file + tail, finished)
         return {"rank": rank, "host": host, "exception": exception, "error_file": error_file, "hint": hint}
 
     def fail(self, cause: str, code: int, tail: list[str]) -> None:
         """The first failure is the root cause: stop every rank everywhere."""
         if self.root_cause is None:
-            self.root_cause, self.root_tail, self.failed_code = cause, tail[-self.lines.TAIL_LINES:], code
+            self.root_cause, self.root_tail, self.failed_code = cause, tail[-self.policy.TAIL_LINES:], code
         self.stop_all()
 
     def stop_all(self) -> None:
@@ -747,31 +741,34 @@ class Keeper:
 
     def lose_host(self, host: str, why: str) -> None:
         for entry in self.ranks.values():
-            if entry["host"] == host and entry["state"] not in FINAL:
+            if entry["host"] == host and entry["state"] not in self.policy.FINAL_STATES:
                 entry["state"], entry["code"] = "lost", 255
         self.fail(f"host {host} lost: {why}", 255, [])
         self.record()
 
     def decide(self) -> bool:
         """The leader: once every rank has ended, the result goes to every host. True: ended."""
-        if not all(r["state"] in FINAL for r in self.ranks.values()):
-            return False
-        lost = any(r["state"] == "lost" for r in self.ranks.values())
-        if self.root_cause is not None and self.interrupted_by is None and not lost \
-                and self.attempt + 1 < len(self.specs):
-            self.restart(self.attempt + 1)
+        if not all(r["state"] in self.policy.FINAL_STATES for r in self.ranks.values()):
             return False
         failed = self.root_cause is not None  # a rank's failure or a lost host: the root cause
+        ranks = [self.ranks[r] for r in sorted(self.ranks)]
+        code = self.policy.job_exit_code(
+            self.failed_code if failed else None, self.interrupted_by, [e["code"] for e in ranks],
+            [e["code"] for e in ranks if e["rank"] in self.enders] if self.enders else None)
+        lost = list(dict.fromkeys(str(e["host"]) for e in ranks if e["state"] == "lost"))
+        max_restarts = len(self.specs) - 1  # the client rendered one spec per attempt
+        if self.policy.restart(self.attempt, max_restarts, code, self.interrupted_by, lost,
+                               lost_hosts_return=False).again:
+            print("dlrun-keeper: " + self.policy.restart_notice(self.attempt, max_restarts, code), flush=True)
+            self.restart(self.attempt + 1)
+            return False
         if self.interrupted_by is not None:
             for entry in self.ranks.values():
                 if entry["state"] == "failed" and entry["code"] in (128 + signal.SIGTERM, 128 + signal.SIGKILL):
                     entry["state"] = "stopped"
             if self.root_cause is None:
                 self.root_cause = f"stopped by signal {self.interrupted_by}"
-        ranks = [self.ranks[r] for r in sorted(self.ranks)]
-        self.exit_code = self.lines.job_exit_code(
-            self.failed_code if failed else None, self.interrupted_by, [e["code"] for e in ranks],
-            [e["code"] for e in ranks if e["rank"] in self.enders] if self.enders else None)
+        self.exit_code = code
         self.failed = failed
         self.ended = True
         result = self.record(final=True)
@@ -783,7 +780,7 @@ class Keeper:
         """Run the job again with attempt K's spec (pre-rendered by the client, with its restart
         count); the leader tells every follower to do the same. A lost host is not restarted:
         its keeper is gone."""
-        interrupted = self.wait_agent(self.grace + STOP_MARGIN)
+        interrupted = self.wait_agent(self.grace + self.policy.STOP_MARGIN)
         self.end_agent()
         if self.leader and (interrupted or self.signals):
             return  # a stop came while the attempt ended: the loop handles it, and it ends the job
@@ -796,7 +793,7 @@ class Keeper:
         self.root_cause, self.root_tail, self.failed_code, self.root = None, [], 0, {}
         self.stopping, self.kill_at = False, None
         if self.leader:
-            time.sleep(RESTART_PAUSE)
+            time.sleep(self.policy.RESTART_PAUSE)
             if self.rendezvous is not None:  # every rank of the failed attempt has ended: none writes again
                 self.rendezvous.clear()
             for peer in self.peers.values():
@@ -865,7 +862,7 @@ class Keeper:
             lines.append(f"no stack by py-spy for ranks {unread}: SIGABRT, faulthandler's dump is in their logs")
         if self.root_cause is None:
             self.root_cause = f"hung (no output for {float(self.hang['timeout']):g} s): {cause}"
-            self.root_tail, self.failed_code = lines[-self.lines.TAIL_LINES:], HANG_EXIT
+            self.root_tail, self.failed_code = lines[-self.policy.TAIL_LINES:], self.policy.HANG_EXIT
         # the dumps first (a SIGTERM would cut them short); what ends meanwhile is stopped, not failed
         self.stopping = True
         for target in [None, *self.peers.values()]:
@@ -874,7 +871,7 @@ class Keeper:
                     self.tell_agent(message)
                 else:
                     target.send({"op": "agent", "message": message})
-        self.hang_stop_at = time.monotonic() + DUMP_WAIT
+        self.hang_stop_at = time.monotonic() + self.policy.DUMP_WAIT
         self.record()
 
     # ---------------------------------------------------------------- the network
@@ -1003,14 +1000,14 @@ class Keeper:
         elif kind == "agent-closed":
             self.agent_done = True
             self.closed_generation = self.generation
-            if self.agent is not None and any(self.ranks[r]["state"] not in FINAL for r in self.own):
+            if self.agent is not None and any(self.ranks[r]["state"] not in self.policy.FINAL_STATES for r in self.own):
                 try:  # its guardian writes why once it has killed what the agent left
                     self.agent.wait(5)
                 except subprocess.TimeoutExpired:
                     pass
             why = self.agent_words() or "the host's agent ended before its ranks did"
             for rank in self.own:  # ranks the agent never reported: it is gone, so are they
-                if self.ranks[rank]["state"] not in FINAL and rank in self.logs and not self.reported_exit(rank):
+                if not self.reported_exit(rank) and rank in self.logs:
                     self.report(rank, "lost", 255, {"reason": why})
         elif kind == "joined":
             peer = event[1]
@@ -1035,7 +1032,8 @@ class Keeper:
                 peer = self.peers.get(name)
                 if peer is not None and not self.ended:
                     peer.closed = True
-                    if any(r["host"] == name and r["state"] not in FINAL for r in self.ranks.values()):
+                    if any(r["host"] == name and r["state"] not in self.policy.FINAL_STATES
+                           for r in self.ranks.values()):
                         self.lose_host(name, "its keeper's connection closed")
             elif not self.ended:
                 self.leader_lost("its connection closed")
@@ -1051,7 +1049,7 @@ class Keeper:
         return lines[-1][:500] if lines else ""
 
     def reported_exit(self, rank: int) -> bool:
-        return self.ranks[rank]["state"] in FINAL
+        return self.ranks[rank]["state"] in self.policy.FINAL_STATES
 
     def on_message(self, name: str, message: dict[str, Any]) -> None:
         op = message.get("op")
@@ -1102,9 +1100,9 @@ class Keeper:
         self.stop_own()
         self.ended = True
         self.exit_code = 255
-        self.wait_agent(self.grace + STOP_MARGIN)
+        self.wait_agent(self.grace + self.policy.STOP_MARGIN)
         for rank in self.own:
-            if self.ranks[rank]["state"] not in FINAL:
+            if self.ranks[rank]["state"] not in self.policy.FINAL_STATES:
                 self.ranks[rank].update(state="lost", code=255)
         self.record(final=True)
 
@@ -1113,7 +1111,7 @@ class Keeper:
             return
         for name in self.followers:
             peer = self.peers.get(name)
-            pending = any(r["host"] == name and r["state"] not in FINAL for r in self.ranks.values())
+            pending = any(r["host"] == name and r["state"] not in self.policy.FINAL_STATES for r in self.ranks.values())
             if not pending:
                 continue
             if peer is None:
@@ -1132,7 +1130,7 @@ class Keeper:
             return
         self.agent.terminate()
         try:
-            self.agent.wait(STOP_MARGIN)
+            self.agent.wait(self.policy.STOP_MARGIN)
         except subprocess.TimeoutExpired:
             self.agent.kill()
             self.agent.wait()
@@ -1169,7 +1167,7 @@ class Keeper:
                 except OSError:
                     pass
             try:
-                self.agent.wait(self.grace + STOP_MARGIN)
+                self.agent.wait(self.grace + self.policy.STOP_MARGIN)
             except subprocess.TimeoutExpired:
                 self.end_agent()
         for log in [*self.logs.values(), *self.indexes.values()]:

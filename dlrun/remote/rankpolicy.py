@@ -2,8 +2,10 @@
 state from how it exited, the job's exit code, and what a rank's output means: lines (split on
 ``\n``, ``\r\n`` and ``\r``, one line capped at ``MAX_LINE`` bytes), the tail a root cause
 shows, the Python exception a rank raised (also behind a prefix such as torch's ``[rank0]: ``),
-what torch's ``@record`` wrote to ``TORCHELASTIC_ERROR_FILE``, the signal behind an exit code, and
-the hint for peers that left early.
+what torch's ``@record`` wrote to ``TORCHELASTIC_ERROR_FILE``, the signal behind an exit code, the
+hint for peers that left early, and whether a failed attempt runs again (``--max-restarts``): each
+attempt's job id, the decision (``restart``) and the pause before it. The numbers both sides use
+(the stop margin, the restart pause, the hang's exit code, the GPU table's columns) live here once.
 
 Standard library only, Python >= 3.8: the supervisor imports it, the keeper on a host loads it from
 the source it was shipped (as it loads the Horovod rendezvous). Pure.
@@ -14,9 +16,16 @@ from __future__ import annotations
 import re
 import signal
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 TAIL_LINES = 20  # a failed rank's last lines in its root cause
+RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts' ports settle)
+STOP_MARGIN = 15.0  # seconds past the grace an agent may take to report its ranks' end before it is killed
+HANG_EXIT = 124  # the exit code of a job --hang-timeout stopped (as timeout(1))
+DUMP_WAIT = 2.0  # seconds faulthandler's and the flight recorder's dumps get before a hung job's stop
+HANG_BUSY_UTIL = 5.0  # a GPU at this utilization (%) or above is working: the job is not hung
+GPU_CSV_COLUMNS = ("time", "host", "gpu", "util", "mem_used_mib", "mem_total_mib", "power_w", "temp_c")  # gpu.csv
+FINAL_STATES = ("succeeded", "failed", "stopped", "lost")  # a rank's (and a detached job's) states that are an end
 MAX_LINE = 1 << 20  # bytes: a longer line is cut into pieces of this size
 FRAMES_SHOWN = 3  # the innermost frames of a traceback shown in a root cause
 EXCEPTION_CHARS = 400  # an exception line longer than this is cut (a tensor in the message)
@@ -269,3 +278,42 @@ def early_exit_hint(root_rank: int, root_lines: Sequence[str],
         " hosts have (they start at a later step), a different number of steps or batches per rank"
         " (unequal data shards), or a rank that skips the last collective",
     ]
+
+
+def attempt_job_id(job_id: str, attempt: int) -> str:
+    """Attempt ``attempt``'s job id (0: the first): ``<job>``, then ``<job>-r1``, ``<job>-r2``, …"""
+    return job_id if attempt == 0 else f"{job_id}-r{attempt}"
+
+
+class Restart(NamedTuple):
+    """Whether a job runs again after attempt ``attempt`` (0: the first) ended, and why (or why not)."""
+
+    again: bool
+    why: str  # "succeeded", "interrupted by signal 2", "no restart left (2 of 2 used)", …
+
+
+def restart(attempt: int, max_restarts: int, exit_code: int, interrupted_by: int | None,
+            lost_hosts: Sequence[str] = (), *, lost_hosts_return: bool = True) -> Restart:
+    """The restart decision, the same attached and detached: a failed attempt (any non-zero exit:
+    a rank's failure, a lost host, a hang) runs again while restarts are left; never after
+    success or an interrupt (Ctrl-C, SIGTERM, ``dlrun stop``). ``lost_hosts_return``: whether
+    a lost host can take part again (attached: it is reconnected, or ``--min-hosts`` leaves it
+    out; detached: its keeper is gone with it, so the job ends)."""
+    if exit_code == 0:
+        return Restart(False, "succeeded")
+    if interrupted_by is not None:
+        return Restart(False, f"interrupted by signal {interrupted_by}")
+    if attempt >= max_restarts:
+        return Restart(False, f"no restart left ({max_restarts} of {max_restarts} used)" if max_restarts
+                       else "no restarts (--max-restarts 0)")
+    if lost_hosts and not lost_hosts_return:
+        plural = "s" if len(lost_hosts) != 1 else ""
+        return Restart(False, f"host{plural} {', '.join(lost_hosts)} lost, and a detached job restarts"
+                              " only on the hosts it started on")
+    return Restart(True, f"attempt {attempt + 1} failed (exit code {exit_code})")
+
+
+def restart_notice(attempt: int, max_restarts: int, exit_code: int, unit: str = "the job", where: str = "") -> str:
+    """What is said when attempt ``attempt`` (0: the first) failed and the next one starts."""
+    return (f"attempt {attempt + 1} failed (exit code {exit_code}): relaunching {unit}{where}"
+            f" ({attempt + 1} of {max_restarts} restarts)")

@@ -24,13 +24,15 @@ from typing import TYPE_CHECKING, Any, TextIO
 from dlrun.errors import DlrunError, HostUnreachable, JobStartError, TransportError, UsageError
 from dlrun.inventory import Host
 from dlrun.plan import RankSpec
-from dlrun.remote import boot_argv, boot_payload, keeper, source_of
+from dlrun.remote import boot_argv, boot_payload, rankpolicy, source_of
 from dlrun.remote.rendezvous import scope_sizes
 from dlrun.render import WorkerCommand, mask_argv, mask_text, printable
 from dlrun.run.agents import agent_argv
 from dlrun.run.gpus import GpuStats, IdleWatch, parse_csv
 from dlrun.run.result import RankResult, RankState, RunResult
 from dlrun.run.supervisor import View, agent_spec
+from dlrun.run.view import root_cause_lines
+from dlrun.run.view import summary_lines as view_summary
 from dlrun.transport.base import Transport, default_python
 
 if TYPE_CHECKING:
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 
 START_TIMEOUT = 120.0  # seconds for every rank of a detached job to start
 POLL = 0.5  # seconds between two looks at the hosts (start, --follow, attach, stop)
-FINAL = keeper.FINAL  # the job states that are an end
+FINAL = rankpolicy.FINAL_STATES  # the job states that are an end
 GPU_IDLE_AFTER = 60.0  # attach's idle-GPU warning: --gpu-idle-after's default (attach has no such option)
 
 
@@ -293,28 +295,29 @@ def ps_lines(records: Sequence[JobRecord], now: float) -> list[str]:
     return lines
 
 
-def summary_lines(record: JobRecord) -> list[str]:
-    """The end of ``attach`` (and of a detached launch that failed): root cause, ranks, verdict."""
-    lines: list[str] = []
-    if record.history:
-        lines.append(f"dlrun: {len(record.history) + 1} attempts:")
-        lines.extend(f"  attempt {int(h.get('attempt', 0)) + 1} (job {h.get('job_id')}): {h.get('root_cause')}"
-                     for h in record.history)
-    lines.extend(f"dlrun: {note}" for note in record.notes)
-    if record.root_cause:
-        lines.append(f"dlrun: root cause: {record.root_cause}")
-        exception = [str(t) for t in record.root.get("exception") or ()]
-        if exception:
-            lines.append("  exception (last frames of its traceback):")
-            lines.extend(f"    | {text}" for text in exception)
-        lines.extend(f"  hint: {text}" for text in record.root.get("hint") or ())
-        lines.extend(f"    | {text}" for text in record.root_tail[-10:])
-    for entry in sorted(record.rank_states, key=lambda e: int(e.get("rank", 0))):
-        code = "" if entry.get("code") is None else str(entry.get("code"))
-        lines.append(f"{entry.get('rank', '?'):>4}  {entry.get('host', '?')}  {code:>4}  {entry.get('state', '?')}")
-    lines.append(f"dlrun: job {record.job_id} {record.state}; exit code "
-                 f"{'?' if record.exit_code is None else record.exit_code}")
-    return lines
+def closing_notices(record: JobRecord, result: RunResult) -> list[str]:
+    """What a detached job's end says before the launch view's summary: each failed attempt,
+    the keepers' notes, and a root cause no rank stands for (a hang, a lost leader)."""
+    notices = [f"attempt {int(h.get('attempt', 0)) + 1} (job {h.get('job_id')}) failed: {h.get('root_cause')}"
+               for h in record.history]
+    notices.extend(record.notes)
+    if record.root_cause and result.root_cause is None and record.state != "stopped":
+        notices.append(f"root cause: {record.root_cause}")
+    return notices
+
+
+def job_line(record: JobRecord) -> str:
+    """A detached job's last line: its id, state and exit code."""
+    return f"dlrun: job {record.job_id} {record.state}; exit code {1 if record.exit_code is None else record.exit_code}"
+
+
+def summary_lines(record: JobRecord, result: RunResult | None = None) -> list[str]:
+    """A detached job's end as text (``dlrun stop``, a detached launch that failed at once), as
+    ``attach`` shows it: the notices, then the attached launch's root cause and table
+    (``dlrun.run.view``: one format for both), then the job's line."""
+    result = run_result(record) if result is None else result
+    return [*(f"dlrun: {text}" for text in closing_notices(record, result)),
+            *root_cause_lines(result, view_commands(record)), *view_summary(result), job_line(record)]
 
 
 def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view: View) -> RunResult:
@@ -324,7 +327,7 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
 
     attempts: list[tuple[str, Sequence[WorkerCommand]]] = []
     for k in range(config.max_restarts + 1):  # every attempt's ranks, rendered now (restart count, ports)
-        attempt_id = job_id if k == 0 else f"{job_id}-r{k}"
+        attempt_id = rankpolicy.attempt_job_id(job_id, k)
         with engine.place(replace(config, attempt=k, run_id=job_id), attempt_id, view, detached=True) as placement:
             if placement.agents is not None:
                 placement.agents.close()  # the keepers start their own agents

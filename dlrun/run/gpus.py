@@ -15,7 +15,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-CSV_COLUMNS = ("time", "host", "gpu", "util", "mem_used_mib", "mem_total_mib", "power_w", "temp_c")
+from dlrun.remote.rankpolicy import GPU_CSV_COLUMNS
+
+CSV_COLUMNS = GPU_CSV_COLUMNS  # gpu.csv's: the detached keeper writes the same
+
 IDLE_UTIL = 5.0  # % below which a GPU computes nothing
 IDLE_MEM = 0.05  # share of its memory below which a GPU holds nothing
 BUSY_UTIL = 50.0

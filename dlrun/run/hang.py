@@ -22,6 +22,7 @@ from typing import Any
 
 from dlrun.inventory import Host
 from dlrun.remote import LOADER, source_of
+from dlrun.remote.rankpolicy import HANG_BUSY_UTIL as BUSY_UTIL  # the detached keeper's too
 from dlrun.remote.stack_groups import (
     RankStacks,
     full_text,
@@ -37,9 +38,6 @@ from dlrun.transport.base import Transport
 SAMPLES = 2
 INTERVAL = 3.0  # seconds between a request's two samples: "hung" (same place) or "slow" (moved)
 ANSWER_TIMEOUT = 90.0  # seconds for every host's answer, shipping py-spy included
-BUSY_UTIL = 5.0  # a GPU at this utilization or above is working: the job is not hung
-HANG_EXIT = 124  # the exit code of a job --hang-timeout stopped (as timeout(1))
-DUMP_WAIT = 2.0  # seconds faulthandler's SIGABRT dumps get before the stop's SIGTERM
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from dlrun.plan import (
     listening_ranks,
     make_plan,
 )
+from dlrun.remote import rankpolicy
 from dlrun.remote.tf_server import server_source
 from dlrun.render import Rendezvous, WorkerCommand, mask_argv, mask_env, plan_to_json, printable, worker_commands
 from dlrun.run.addresses import facing_address, interfaces_at, local_base_port, reachable_addresses, socket_ifaces
@@ -1069,9 +1070,6 @@ class HostsEngine:
         return tuple(d.line() for d in done)
 
 
-RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts' ports settle; keeper's too)
-
-
 def restart_policy(config: LaunchConfig) -> dict[str, int | list[str] | None]:
     """The ``--dry-run --json`` document's ``restarts`` field (``checkpoint_dirs`` when given)."""
     policy: dict[str, int | list[str] | None] = {"max_restarts": config.max_restarts, "min_hosts": config.min_hosts}
@@ -1176,26 +1174,26 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
         attempt = 0
         dropped: tuple[str, ...] = ()
         while True:
-            attempt_id = job_id if attempt == 0 else f"{job_id}-r{attempt}"
+            attempt_id = rankpolicy.attempt_job_id(job_id, attempt)
             result = _attempt(replace(config, attempt=attempt, run_id=job_id), engine, attempt_id, shown,
                               logs / f"attempt-{attempt}" if config.max_restarts else logs, warnings=warnings)
             history.append(Attempt(attempt, attempt_id, tuple(dict.fromkeys(r.host for r in result.ranks)),
                                    result.exit_code, result.root_cause, result.interrupted_by, dropped))
             final = replace(result, job_id=job_id, attempts=attempt + 1, history=tuple(history))
-            last = result.ok or result.interrupted_by is not None or attempt == config.max_restarts
+            last = not rankpolicy.restart(attempt, config.max_restarts, result.exit_code, result.interrupted_by).again
             why_not = None if last or not isinstance(engine, HostsEngine) else engine.regroup(config, result)
             if why_not is not None:
                 shown.notice(f"not restarting: {why_not}")
             shown.finish(final)
             if last or why_not is not None:
                 return final
-            attempt += 1
             newly = tuple(engine.dropped[len(dropped):]) if isinstance(engine, HostsEngine) else ()
             dropped = (*dropped, *newly)
             where = f" without {', '.join(newly)} (lost)" if newly else ""
-            shown.notice(f"attempt {attempt} failed (exit code {result.exit_code}): relaunching {engine.restart_unit}"
-                         f"{where} ({attempt} of {config.max_restarts} restarts)")
-            signum = _pause(RESTART_PAUSE)
+            shown.notice(rankpolicy.restart_notice(attempt, config.max_restarts, result.exit_code,
+                                                   engine.restart_unit, where))
+            attempt += 1
+            signum = _pause(rankpolicy.RESTART_PAUSE)
             if signum is not None:
                 shown.notice(f"signal {signum} before the restart: not restarting")
                 return replace(final, exit_code=128 + signum, interrupted_by=signum)

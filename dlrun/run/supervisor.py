@@ -50,7 +50,11 @@ from dlrun.errors import DlrunError
 from dlrun.plan import DEFAULT_HOST_TIMEOUT, heartbeat_interval
 from dlrun.remote import agent
 from dlrun.remote.rankpolicy import (
+    DUMP_WAIT,
+    GPU_CSV_COLUMNS,
+    HANG_EXIT,
     MAX_LINE,
+    STOP_MARGIN,
     TAIL_LINES,
     TRACEBACK_START,
     LineSplitter,
@@ -63,8 +67,8 @@ from dlrun.render import WorkerCommand
 from dlrun.run.agents import HostAgents, HostLink, close_aside, encode_message, with_agent_words
 from dlrun.run.control import ControlServer
 from dlrun.run.flight import lagging_lines, rank_of, read_dump
-from dlrun.run.gpus import CSV_COLUMNS, GpuSample, GpuStats, IdleWatch, csv_rows, parse_sample, visible_gpus
-from dlrun.run.hang import DUMP_WAIT, HANG_EXIT, HangWatch, StackAnswer, StackRequests, answer_json, hang_lines
+from dlrun.run.gpus import GpuSample, GpuStats, IdleWatch, csv_rows, parse_sample, visible_gpus
+from dlrun.run.hang import HangWatch, StackAnswer, StackRequests, answer_json, hang_lines
 from dlrun.run.result import RankResult, RankState, RunResult, rank_state
 from dlrun.transport.base import Transport
 
@@ -127,7 +131,7 @@ class Supervisor:
         pidns: bool = True,
         ends_job: Callable[[WorkerCommand], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        stop_margin: float = 15.0,
+        stop_margin: float = STOP_MARGIN,
         agents: HostAgents | None = None,
         host_timeout: float | None = DEFAULT_HOST_TIMEOUT,
         gpu_every: float = 0.0,
@@ -407,7 +411,7 @@ class Supervisor:
             return
         if self.gpu_csv is None and self.log_dir is not None:
             self.gpu_csv = open(self.log_dir / "gpu.csv", "w", encoding="utf-8")  # noqa: SIM115
-            self.gpu_csv.write(",".join(CSV_COLUMNS) + "\n")
+            self.gpu_csv.write(",".join(GPU_CSV_COLUMNS) + "\n")
         if self.gpu_csv is not None:
             self.gpu_csv.write(csv_rows(samples))
             self.gpu_csv.flush()

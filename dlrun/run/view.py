@@ -53,7 +53,7 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
     elif root.error:
         lines.append(f"  error: {root.error}")
     lines.extend(f"  {text}" for text in result.flight_recorder)  # which rank the dumps say is behind
-    if root.rank in by_rank:
+    if root.rank in by_rank and by_rank[root.rank].argv:  # a detached job's record may not have it
         argv = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in mask_argv(by_rank[root.rank].argv)]
         lines.append(f"  command: {printable(shlex.join(argv))}")
     recorded_line = root.error_file[-1] if root.error_file else None

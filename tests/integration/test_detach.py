@@ -383,8 +383,8 @@ def test_a_rank_that_exits_0_on_sigterm_is_stopped_not_succeeded(cluster, tmp_pa
                                         timeout=60).stdout.count("] ready") == 2, timeout=60)  # handlers are set
     stopped = run_dlrun("stop", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
     assert stopped.returncode == 143, stopped.stdout + stopped.stderr
-    assert re.search(r"^\s+0\s+host0\s+0\s+stopped$", stopped.stdout, re.M), stopped.stdout
-    assert re.search(r"^\s+1\s+host1\s+0\s+stopped$", stopped.stdout, re.M), stopped.stdout
+    assert re.search(r"^\s+0\s+host0\s+0\s+stopped\s+\S+$", stopped.stdout, re.M), stopped.stdout
+    assert re.search(r"^\s+1\s+host1\s+0\s+stopped\s+\S+$", stopped.stdout, re.M), stopped.stdout
     nothing_left(job)
 
 

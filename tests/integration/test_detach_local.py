@@ -6,7 +6,10 @@ import os
 import re
 import signal
 import subprocess
+import threading
 from pathlib import Path
+
+import pytest
 
 from conftest import REPO, dlrun_argv, run_dlrun
 from support.sshd_cluster import wait_job_processes_gone
@@ -102,3 +105,97 @@ def test_a_detached_job_samples_its_gpus_into_gpu_csv(tmp_path: Path) -> None:
     assert lines[0] == "time,host,gpu,util,mem_used_mib,mem_total_mib,power_w,temp_c"
     assert len(lines) >= 3 and all(line.split(",")[1:] == ["localhost", "0", "97", "71680", "81559", "", "71"]
                                    for line in lines[1:]), rows
+
+
+# The same failure, attached and detached (issue 29: one rank policy): the exception a rank
+# raised (lines after it), what torch's @record wrote, the signal that killed it.
+FAILURES = {
+    "exception": ("none", "import sys\nprint('epoch 1', flush=True)\n"
+                  "def load(i):\n    raise ValueError(f'bad batch {i}: shape (3, 4) is not (3, 5)')\n"
+                  "try:\n    load(7)\nfinally:\n    print('cleanup', file=sys.stderr, flush=True)\n"),
+    "error_file": ("torch", "from torch.distributed.elastic.multiprocessing.errors import record\n"
+                   "@record\ndef main() -> None:\n    raise RuntimeError('CUDA out of memory on rank 0 (recorded)')\n"
+                   "main()\n"),
+    "signal": ("none", "import os\nprint('about to abort', flush=True)\nos.abort()\n"),
+}
+EVIDENCE = {"exception": "ValueError: bad batch 7: shape (3, 4) is not (3, 5)",
+            "error_file": "RuntimeError: CUDA out of memory on rank 0 (recorded)",
+            "signal": "  killed by SIGABRT (134)"}
+
+
+def root_cause_block(stdout: str) -> list[str]:
+    """From ``dlrun: root cause`` to the ranks' table; the command line left out (attached: the
+    rank's argv; detached: the record's, the same but for the job's own paths)."""
+    assert "dlrun: root cause" in stdout, stdout[-3000:]
+    block = stdout[stdout.index("dlrun: root cause"):].split("\nrank  host")[0].splitlines()
+    return [line for line in block if not line.startswith("  command: ")]
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+def test_the_same_failure_has_the_same_root_cause_attached_and_detached(tmp_path: Path, failure: str) -> None:
+    framework, source = FAILURES[failure]
+    if framework == "torch":
+        pytest.importorskip("torch")
+    script = tmp_path / f"fails_by_{failure}.py"  # not signal.py: dlrun, run from tmp_path, would import it
+    script.write_text(source)
+    home = {"HOME": str(tmp_path / "home")}
+    common = ["--framework", framework, "--grace", "2", "-n", "1", str(script)]
+    attached = run_dlrun("launch", "--plain", *common, cwd=tmp_path, timeout=180, env=home)
+    launched = run_dlrun("launch", "--detach", *common, cwd=tmp_path, timeout=180, env=home)
+    # a failure before the launch's look at the job ends it with the summary, job line last
+    job = re.search(r"^dlrun: (?:detached job ([\w-]+)|job ([\w-]+) failed; exit code)", launched.stdout
+                    + launched.stderr, re.M)
+    assert job, launched.stdout + launched.stderr
+    job_id = job.group(1) or job.group(2)
+    detached = run_dlrun("attach", job_id, cwd=tmp_path, timeout=120, env=home)
+    assert attached.returncode == detached.returncode != 0, attached.stdout[-2000:] + detached.stdout[-2000:]
+    block = root_cause_block(attached.stdout)
+    assert any(EVIDENCE[failure] in line for line in block), block
+    assert root_cause_block(detached.stdout) == block
+    assert wait_job_processes_gone(job_id, timeout=15) == []
+
+
+# a progress bar: \r, never a newline, until the test lets it finish (or 120 s pass)
+PROGRESS = """
+import os, sys, time
+go = sys.argv[1]
+i = 0
+while not os.path.exists(go) and i < 600:
+    print(f"progress {i}%", end="\\r", flush=True)
+    i += 1
+    time.sleep(0.2)
+print("done", flush=True)
+"""
+
+
+def test_a_detached_progress_bar_reaches_logs_follow_as_it_happens(tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    script = tmp_path / "progress.py"
+    script.write_text(PROGRESS)
+    home = {"HOME": str(tmp_path / "home")}
+    out = run_dlrun("launch", "--detach", "--framework", "none", "-n", "1", str(script), str(go), cwd=tmp_path,
+                    timeout=120, env=home)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].removeprefix("dlrun: detached job ")
+    follow = subprocess.Popen(dlrun_argv("logs", job, "--follow"), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO), **home})
+    watchdog = threading.Timer(120, follow.kill)  # a progress that never shows ends the test, not hangs it
+    watchdog.start()
+    try:
+        assert follow.stdout is not None
+        seen = []
+        while len(seen) < 3:  # the rank goes on only once the test saw its \r pieces: none may wait for its end
+            line = follow.stdout.readline()
+            assert line, "logs --follow ended before the progress showed"
+            if line.startswith("[0 localhost] progress "):
+                seen.append(line)
+        go.write_text("")
+        rest, _ = follow.communicate(timeout=120)
+    finally:
+        watchdog.cancel()
+        go.write_text("")
+        if follow.poll() is None:
+            follow.kill()
+    assert follow.returncode == 0, rest
+    assert "[0 localhost] done\n" in rest, rest
+    assert wait_job_processes_gone(job, timeout=15) == []

@@ -12,7 +12,7 @@ from dlrun.plan import make_plan
 from dlrun.remote import source_of
 from dlrun.render import worker_commands
 from dlrun.run.result import RankState
-from dlrun.run.supervisor import LineSplitter, Supervisor
+from dlrun.run.supervisor import Supervisor
 from dlrun.run.view import PlainView
 from dlrun.testing import FakeRank, FakeTransport
 
@@ -128,41 +128,6 @@ def test_ranks_filter_hides_lines_but_files_keep_them(tmp_path: Path) -> None:
     assert (tmp_path / "rank-0.log").read_text() == "zero\n"
 
 
-def test_line_splitter_gives_the_same_lines_however_the_stream_is_cut() -> None:
-    import random
-
-    rng = random.Random(7)
-    pieces = [b"ab", b"\n", b"\r", b"\r\n", "\u00e9".encode(), b"x" * 5]
-    for _ in range(300):
-        data = b"".join(rng.choice(pieces if rng.random() < 0.5 else pieces[:2] + pieces[4:]) for _ in range(40))
-        whole = LineSplitter()
-        expected = whole.feed(data) + whole.flush()
-        cut = LineSplitter()
-        got: list[str] = []
-        pos = 0
-        while pos < len(data):
-            step = rng.randint(1, 9)
-            got += cut.feed(data[pos : pos + step])
-            pos += step
-        assert got + cut.flush() == expected, data
-        if b"\r" not in data:  # plain newlines: exactly str.split, without the empty piece after a last \n
-            reference = data.decode().split("\n")
-            if reference[-1] == "":
-                reference.pop()
-            assert expected == reference
-
-
-def test_line_splitter_handles_cr_crlf_and_chunks() -> None:
-    s = LineSplitter()
-    assert s.feed(b"a\nb") == ["a"]
-    assert s.feed(b"c\r") == []
-    assert s.feed(b"\nprogress 1\rprogress 2\r") == ["bc", "progress 1"]
-    assert s.feed(b"progress 3\n\n") == ["progress 2", "progress 3", ""]
-    assert s.feed("é".encode()[:1]) == []
-    assert s.feed("é\n".encode()[1:]) == ["é"]
-    assert s.feed(b"tail") == [] and s.flush() == ["tail"]
-
-
 def test_rank_never_started_is_not_started_not_stopped(tmp_path: Path) -> None:
     # host b's agent was told to stop before it started its rank: nothing of b's was lost
     transport = FakeTransport({0: FakeRank(["boom"], code=5), 1: FakeRank(code=None)}, start_after={"b": 5.0})
@@ -194,10 +159,3 @@ def test_agents_started_early_are_watched_and_pinged_before_the_spec() -> None:
     sent = {h.name: len(transport.channels[h.name].sent) for h in hosts}
     time.sleep(0.5)
     assert {h.name: len(transport.channels[h.name].sent) for h in hosts} == sent  # closed: no more pings
-
-
-def test_an_over_long_line_is_cut_between_characters() -> None:
-    splitter = LineSplitter()
-    data = ("中" * 700_000 + "\n").encode()  # 2.1 MB: cut at the 1 MiB limit, mid-character unless careful
-    pieces = [text for i in range(0, len(data), 65536) for text in splitter.feed(data[i:i + 65536])]
-    assert "".join(pieces) == "中" * 700_000 and len(pieces) >= 2
