@@ -434,8 +434,7 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
             shown.notice(f"detached from job {job}; it goes on (dlrun attach {job} to come back)")
             return 0
         for attempt in record.history:
-            shown.notice(f"attempt {int(attempt.get('attempt', 0)) + 1} (job {attempt.get('job_id')}) failed:"
-                         f" {attempt.get('root_cause')}")
+            shown.notice(f"attempt {attempt.attempt + 1} (job {attempt.job_id}) failed: {attempt.root_cause}")
         for note in record.notes:
             shown.notice(note)
         result = follower.result(record)
