@@ -201,3 +201,27 @@ def test_an_over_long_line_is_cut_between_characters() -> None:
     data = ("中" * 700_000 + "\n").encode()  # 2.1 MB: cut at the 1 MiB limit, mid-character unless careful
     pieces = [text for i in range(0, len(data), 65536) for text in splitter.feed(data[i:i + 65536])]
     assert "".join(pieces) == "中" * 700_000 and len(pieces) >= 2
+
+
+def test_the_loops_events_are_typed_records(tmp_path: Path) -> None:
+    from typing import get_args
+
+    from dlrun.run.events import Closed, Event, Frames, Notice
+
+    out = io.StringIO()
+    sup = Supervisor(FakeTransport({0: FakeRank(["hello"]), 1: FakeRank(["bye"], code=3)}), commands("a:2"),
+                     PlainView(out), log_dir=tmp_path / "logs", grace=0.2)
+    seen: list[object] = []
+    put = sup.events.put
+
+    def record(event: Event, *args: object, **kwargs: object) -> None:
+        seen.append(event)
+        put(event)
+
+    sup.events.put = record  # type: ignore[method-assign]
+    sup.notify("between the lines")
+    result = sup.run()
+    assert result.exit_code == 3 and "between the lines" in out.getvalue()
+    assert seen and all(isinstance(event, get_args(Event)) for event in seen), seen
+    assert {type(e) for e in seen} >= {Frames, Closed, Notice}
+    assert {e.host for e in seen if isinstance(e, Closed)} == {"a"}
