@@ -9,7 +9,7 @@ traceback. Heavy imports (paramiko, TensorFlow, pyspark) happen only inside the 
 that needs them, so ``dlrun --help`` stays fast.
 
 Exit codes: 0 success; a failed rank's own exit code; 1 topo/preflight error findings (and a
-``--base-port`` port taken on a host);
+``--base-port`` port taken on a host, and a detached job that did not start: ``JobStartError``);
 2 usage or inventory error; 130/143 interrupted (SIGINT/SIGTERM); 255 a host unreachable
 or lost (as ssh does).
 """
