@@ -524,6 +524,7 @@ def test_the_python_api_runs_a_job_from_a_thread(tmp_path: Path) -> None:
 
     script = write(tmp_path / "job.py", "print('hello', flush=True)\n")
     with ThreadPoolExecutor(1) as pool:
-        result = pool.submit(dlrun.launch, script, np=1, framework="none", log_dir=str(tmp_path / "logs"),
+        result = pool.submit(dlrun.launch, script, np=1, framework="none",
+                             output=dlrun.OutputOptions(log_dir=tmp_path / "logs"),
                              view=PlainView(io.StringIO())).result(timeout=120)
     assert result.exit_code == 0 and result.ranks[0].tail == ("hello",)
