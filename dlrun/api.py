@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from dlrun.errors import UsageError
 from dlrun.options import JobOptions, OutputOptions, PushOptions, SparkOptions, SSHOptions, check_backend
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from dlrun.run.detach import JobHosts, JobRecord
     from dlrun.run.launch import LaunchConfig
     from dlrun.run.launch import SSHOptions as SSHSettings
+    from dlrun.run.stackcmd import StackReport
     from dlrun.run.supervisor import View
     from dlrun.spark.driver import SparkConfig
     from dlrun.topo.bench import BenchResult
@@ -446,17 +447,17 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
         return code
 
 
-def stack(job: str, hosts: str | None = None, *, ssh: SSHOptions | None = None) -> dict[str, Any]:
+def stack(job: str, hosts: str | None = None, *, ssh: SSHOptions | None = None) -> StackReport:
     """Where every rank of running job ``job`` is (``dlrun stack``): an attached job on this
     machine answers through its control socket, else the detached job on ``hosts`` is asked.
-    ``{"summary": lines, "cause", "folder" | "folders", "notes", "methods"}``; the job goes on."""
-    from dlrun.run.stackcmd import attached_stacks, detached_stacks
+    The job goes on."""
+    from dlrun.run.stackcmd import attached_stacks, detached_stacks, stack_report
 
     answer = attached_stacks(job)
     if answer is not None:
-        return answer
+        return stack_report(answer)
     with _job_hosts(hosts, ssh) as job_hosts:
-        return detached_stacks(job_hosts, job)
+        return stack_report(detached_stacks(job_hosts, job))
 
 
 def stop(job: str, hosts: str | None = None, *, timeout: float = 60.0, ssh: SSHOptions | None = None) -> JobRecord:

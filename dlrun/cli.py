@@ -602,16 +602,14 @@ def stack(job: str, hosts: str | None, **ssh: Any) -> None:
     the job goes on. JOB: an attached job on this machine, or a detached one on --hosts."""
     from dlrun.api import stack as take
 
-    answer = take(job, hosts, ssh=_ssh(ssh))
-    for line in answer.get("summary") or []:
+    report = take(job, hosts, ssh=_ssh(ssh))
+    for line in report.summary:
         click.echo(line)
-    for host, note in (answer.get("notes") or {}).items():
+    for host, note in report.notes.items():
         click.echo(f"dlrun: {host}: {note}", err=True)
-    if answer.get("methods"):
-        click.echo(f"dlrun: taken by {', '.join(answer['methods'])}")
-    if answer.get("folder"):
-        click.echo(f"dlrun: full stacks in {answer['folder']}/")
-    for folder in answer.get("folders") or []:
+    if report.methods:
+        click.echo(f"dlrun: taken by {', '.join(report.methods)}")
+    for folder in report.folders:
         click.echo(f"dlrun: full stacks in {folder}/")
-    if not answer.get("summary"):
+    if not report.summary:
         sys.exit(1)

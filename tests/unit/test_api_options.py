@@ -179,3 +179,16 @@ def test_the_records_carry_the_apis_checks() -> None:
                           ({"output": OutputOptions(gpu_every=-1)}, "--gpu-every and --gpu-idle-after")):
         with pytest.raises(UsageError, match=words):
             api.launch_config("train.py", **kwargs)
+
+
+def test_dlrun_stacks_json_answer_is_read_into_one_record() -> None:
+    from dlrun.run.stackcmd import StackReport, stack_report
+
+    attached = {"summary": ["ranks 0-1: train.py:3"], "cause": "rank 1", "folder": "/tmp/logs/stacks",
+                "notes": {"b": "py-spy not shipped"}, "methods": ["py-spy"]}
+    assert stack_report(attached) == StackReport(("ranks 0-1: train.py:3",), "rank 1", ("/tmp/logs/stacks",),
+                                                 {"b": "py-spy not shipped"}, ("py-spy",))
+    detached = {"summary": [], "cause": None, "folder": None, "notes": {}, "methods": [],
+                "folders": ["a:/j/stacks", "b:/j/stacks"]}
+    assert stack_report(detached) == StackReport(folders=("a:/j/stacks", "b:/j/stacks"))
+    assert inspect.signature(api.stack).return_annotation == "StackReport"
