@@ -138,7 +138,7 @@ def _ranks_option(ctx: click.Context, param: click.Parameter, value: str | None)
     return _parse_ranks(value)
 
 
-#: How every command reaches its hosts (``dlrun.api.ssh_options``).
+#: How every command reaches its hosts: the fields of ``dlrun.options.SSHOptions`` (``_ssh`` builds it).
 ssh_options = options(
     option("SSH", "--ssh-config", type=click.Path(dir_okay=False), help="OpenSSH config file (default ~/.ssh/config)."),
     option("SSH", "--known-hosts", type=click.Path(dir_okay=False),
