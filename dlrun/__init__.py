@@ -13,7 +13,8 @@ Data flows one way, and the folders follow it:
 - ``remote/``: the programs that run on the hosts (standard library only);
 - ``spark/``: the Spark barrier stage as an engine under ``run/``.
 
-``api`` is dlrun from Python (``dlrun.launch``, ``dlrun.topo``, ``dlrun.push``, ``dlrun.pull``); ``cli`` is a
+``api`` is dlrun from Python (``dlrun.launch``, ``dlrun.topo``, ``dlrun.push``, ``dlrun.pull``), with
+its option records in ``options`` (``dlrun.JobOptions``, ``dlrun.SSHOptions`` …); ``cli`` is a
 thin layer over it; ``errors`` holds the one exception tree; ``tls`` makes a job's pinned
 certificate.
 """
@@ -32,7 +33,15 @@ if TYPE_CHECKING:
     from dlrun.api import pull as pull
     from dlrun.api import push as push
     from dlrun.api import topo as topo
+    from dlrun.options import JobOptions as JobOptions
+    from dlrun.options import OutputOptions as OutputOptions
+    from dlrun.options import PushOptions as PushOptions
+    from dlrun.options import SparkOptions as SparkOptions
+    from dlrun.options import SSHOptions as SSHOptions
     from dlrun.run.result import RunResult as RunResult
+
+
+_OPTIONS = ("JobOptions", "OutputOptions", "PushOptions", "SSHOptions", "SparkOptions")
 
 
 def __getattr__(name: str) -> object:
@@ -41,6 +50,10 @@ def __getattr__(name: str) -> object:
         from dlrun import api
 
         return getattr(api, name)
+    if name in _OPTIONS:
+        from dlrun import options
+
+        return getattr(options, name)
     if name == "RunResult":
         from dlrun.run.result import RunResult
 
@@ -61,4 +74,5 @@ class _CallablePackage(_types.ModuleType):
 _push_package.__class__ = _CallablePackage
 _topo_package.__class__ = _CallablePackage
 
-__all__ = ["RunResult", "TopoResult", "__version__", "launch", "pull", "push", "topo"]
+__all__ = ["JobOptions", "OutputOptions", "PushOptions", "RunResult", "SSHOptions", "SparkOptions", "TopoResult",
+           "__version__", "launch", "pull", "push", "topo"]

@@ -1,9 +1,12 @@
-"""dlrun from Python: ``launch``, ``topo``, ``push`` and ``pull`` take the commands' settings as keyword
-arguments (named as the options, ``--no-X`` flags as ``X=False``) and return result records.
+"""dlrun from Python: ``launch``, ``topo``, ``push``, ``pull`` and the detached jobs' ``ps``,
+``logs``, ``attach``, ``stack`` and ``stop`` take the commands' settings and return result records.
 
-The ``dlrun`` command line is a thin layer over these functions; the option records
-(``SSHOptions``, ``LaunchConfig``, ``SparkConfig``) are built here and nowhere else. Heavy
-modules are imported inside the functions, so ``import dlrun`` stays cheap.
+Settings are named as the options (``--no-X`` flags as ``X=False``); ``launch`` takes the
+common ones as keywords and the rest in the records of ``dlrun.options``, one per section of
+``--help``, and every function takes the same ``ssh`` record. The ``dlrun`` command line is a
+thin layer over these functions. The pipeline's own records (``LaunchConfig``, the transport's
+SSH settings, ``SparkConfig``) are built from the API's here and nowhere else. Heavy modules
+are imported inside the functions, so ``import dlrun`` stays cheap.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from dlrun.errors import UsageError
+from dlrun.options import JobOptions, OutputOptions, PushOptions, SparkOptions, SSHOptions, check_backend
 from dlrun.plan import DEFAULT_HOST_TIMEOUT
 from dlrun.run.result import RunResult
 
@@ -23,8 +27,11 @@ if TYPE_CHECKING:
     from dlrun.push.pull import HostPullSummary
     from dlrun.push.session import HostPushSummary
     from dlrun.run.detach import JobHosts, JobRecord
-    from dlrun.run.launch import SSHOptions
+    from dlrun.run.launch import LaunchConfig
+    from dlrun.run.launch import SSHOptions as SSHSettings
+    from dlrun.run.stackcmd import StackReport
     from dlrun.run.supervisor import View
+    from dlrun.spark.driver import SparkConfig
     from dlrun.topo.bench import BenchResult
     from dlrun.topo.findings import Finding
     from dlrun.topo.records import HostReport
@@ -47,27 +54,16 @@ class TopoResult:
     bench: BenchResult | None = None
 
 
-def ssh_options(
-    *,
-    ssh_config: str | None = None,
-    known_hosts: str | None = None,
-    accept_new_host_keys: bool = False,
-    connect_timeout: float | None = None,
-    host_timeout: float | None = None,
-    transport: str = "auto",
-) -> SSHOptions:
-    """The SSH settings every command shares; a timeout left None follows each host's ssh config
-    (``ConnectTimeout``, ``ServerAliveInterval`` × ``ServerAliveCountMax``), else 10 s and 30 s.
-    ``transport``: ``ssh``, ``srun`` (Slurm steps, inside an allocation) or ``auto`` (srun for
-    the allocation's own nodes, else ssh)."""
-    from dlrun.run.launch import TRANSPORTS, SSHOptions
+def ssh_settings(ssh: SSHOptions | None) -> SSHSettings:
+    """The transport's SSH settings from the API's record (a host timeout left None: the
+    default, and SSH liveness follows each host's ssh config)."""
+    from dlrun.run.launch import SSHOptions as SSHSettings
 
-    if transport not in TRANSPORTS:
-        raise UsageError(f"--transport {transport}: expected one of {', '.join(TRANSPORTS)}")
-    return SSHOptions(config_file=ssh_config, accept_new_host_keys=accept_new_host_keys,
-                      connect_timeout=connect_timeout, known_hosts=known_hosts,
-                      host_timeout=DEFAULT_HOST_TIMEOUT if host_timeout is None else host_timeout,
-                      host_timeout_given=host_timeout is not None, transport=transport)
+    ssh = ssh or SSHOptions()
+    return SSHSettings(config_file=ssh.ssh_config, accept_new_host_keys=ssh.accept_new_host_keys,
+                       connect_timeout=ssh.connect_timeout, known_hosts=ssh.known_hosts,
+                       host_timeout=DEFAULT_HOST_TIMEOUT if ssh.host_timeout is None else ssh.host_timeout,
+                       host_timeout_given=ssh.host_timeout is not None, transport=ssh.transport)
 
 
 def launch(
@@ -77,128 +73,96 @@ def launch(
     hosts: str | None = None,
     np: int | None = None,
     framework: str = "auto",
-    base_port: int | None = None,
-    dry_run: bool = False,
-    json_output: bool = False,
-    log_dir: str | None = None,
-    grace: float = 10.0,
-    ranks: Sequence[int] | None = None,
     env: Mapping[str, str] | None = None,
-    env_file: str | Path | Sequence[str | Path] = (),
-    iface: str | None = None,
-    plain: bool = False,
-    pidns: bool = True,
-    preflight: bool = True,
-    bench: bool = False,
-    bench_seconds: float = 60.0,
-    push: bool = True,
-    data: str | None = None,
-    shard: str = "files",
-    split_lines: bool = False,
-    code: str | Path | None = None,
-    max_push_size: str | None = None,
-    setup: str | None = None,
-    setup_always: bool = False,
-    max_restarts: int = 0,
-    gpu_every: float = 2.0,
-    gpu_idle_after: float = 60.0,
-    min_hosts: int | None = None,
-    backend: str = "ssh",
-    master: str | None = None,
-    cores_per_worker: int = 1,
-    gpus_per_worker: int = 0,
-    conf: Mapping[str, str] | None = None,
-    start_timeout: float = 120.0,
-    ssh_config: str | None = None,
-    known_hosts: str | None = None,
-    accept_new_host_keys: bool = False,
-    connect_timeout: float | None = None,
-    host_timeout: float | None = None,
-    transport: str = "auto",
+    job: JobOptions | None = None,
+    output: OutputOptions | None = None,
+    ssh: SSHOptions | None = None,
+    push: PushOptions | None = None,
+    spark: SparkOptions | None = None,
     view: View | None = None,
-    detach: bool = False,
-    insecure_workdir: bool = False,
-    module: bool = False,
-    no_python: bool = False,
-    checkpoint_dir: Sequence[str] = (),
-    hang_timeout: float = 0.0,
 ) -> RunResult:
     """Run ``script`` on every rank, as ``dlrun launch`` does; how the job ended.
 
     The result has the exit code, every rank's ``RankResult`` and the root cause; a dry run's
     has the rendered ``commands``. ``framework``: ``auto`` (the script's imports choose) or one
-    of ``tf``, ``tf-ps``, ``horovod``, ``torch``, ``none``. ``ranks``: the ranks shown
-    (``--ranks``); ``view``: where the ranks' lines go (default: the terminal's live view, plain
-    lines elsewhere). ``gpu_every``: seconds between GPU samples on every host (0: none); the
-    result's ``gpu_summary`` and ``gpu_warnings`` say how the GPUs were used (``gpu_idle_after``:
-    when an idle one is named). ``detach``: hand the job to the hosts and return once every rank
-    started (``ps``, ``logs``, ``attach``, ``stop`` follow it). ``module``: ``script`` is a
-    Python module (``-m pkg.train``), run with each host's python in the project (the current
-    folder or ``code``); ``no_python``: the command runs exactly as given (``python``, ``.py``,
-    ``.R`` and ``.sh`` get no interpreter from dlrun). ``checkpoint_dir``: folders
-    (relative to each host's working folder) made the same on every host before every attempt,
-    the newest complete copy of each file winning (``docs/checkpoints.md``). ``bench``: after the
-    preflight, run ``dlrun topo --bench`` for about ``bench_seconds`` and stop on its error findings.
-    ``hang_timeout``: when no rank wrote anything and no GPU was busy for that many seconds, take
-    every rank's stack, name the odd one as the root cause and stop the job (exit code 124; 0: never).
-    ``insecure_workdir``: push and run even where another user owns, or may write, a host's
-    workdir or project folder. ``env_file``: files of ``NAME=VALUE`` lines that only their owner
-    can read (``--env-file``); ``env`` wins over them.
+    of ``tf``, ``tf-ps``, ``horovod``, ``torch``, ``none``; ``env``: NAME=VALUE for every rank.
+    The other options come in records named as ``dlrun launch --help``'s sections
+    (``dlrun.options``): ``job`` (``JobOptions``: ``detach=True`` hands the job to the hosts and
+    returns once every rank started), ``output``, ``ssh``, ``push``; ``spark`` (``SparkOptions``)
+    runs the job as a Spark barrier stage of ``np`` tasks instead of on ``hosts``. ``view``:
+    where the ranks' lines go (default: the terminal's live view, plain lines elsewhere).
     """
-    from dlrun.run.launch import LaunchConfig, run_job
+    config = launch_config(script, args, hosts=hosts, np=np, framework=framework, env=env, job=job,
+                           output=output, ssh=ssh, push=push, spark=spark)
+    from dlrun.run.launch import HostsEngine, run_job
+
+    if spark is None:
+        return run_job(config, HostsEngine(), view=view)
+    from dlrun.spark.driver import SparkEngine
+
+    return run_job(config, SparkEngine(spark_config(spark, np)), view=view)
+
+
+def spark_config(spark: SparkOptions, np: int | None) -> SparkConfig:
+    """The Spark engine's config: a stage of ``np`` tasks (default 2)."""
+    from dlrun.spark.driver import SparkConfig
+
+    return SparkConfig(master=spark.master, num_workers=2 if np is None else np,
+                       cores_per_worker=spark.cores_per_worker, gpus_per_worker=spark.gpus_per_worker,
+                       conf=dict(spark.conf), start_timeout=spark.start_timeout)
+
+
+def launch_config(
+    script: str | Path,
+    args: Sequence[str] = (),
+    *,
+    hosts: str | None = None,
+    np: int | None = None,
+    framework: str = "auto",
+    env: Mapping[str, str] | None = None,
+    job: JobOptions | None = None,
+    output: OutputOptions | None = None,
+    ssh: SSHOptions | None = None,
+    push: PushOptions | None = None,
+    spark: SparkOptions | None = None,
+) -> LaunchConfig:
+    """The launch pipeline's config from ``launch``'s arguments, after the checks that need no
+    host (``--env-file`` files are read here)."""
+    from dlrun.run.launch import LaunchConfig
     from dlrun.userenv import rank_env
 
+    job, output, push = job or JobOptions(), output or OutputOptions(), push or PushOptions()
     if str(script).startswith("-"):  # an option dlrun lacks would run as the command on every rank
         raise UsageError(f"{script}: a script or command never starts with '-'",
                          hint="dlrun's options are listed by dlrun launch --help; the script comes before its own")
-    if json_output and not dry_run:
+    if output.json_output and not output.dry_run:
         raise UsageError("--json goes with --dry-run")
-    if module and no_python:
+    if job.module and job.no_python:
         raise UsageError("-m and --no-python exclude each other: -m runs the module with each host's python")
-    if backend not in ("ssh", "spark"):
-        raise UsageError(f"--backend {backend}: expected ssh or spark")
-    if bench and (not preflight or dry_run or backend != "ssh"):
+    if job.bench and (not job.preflight or output.dry_run or spark is not None):
         raise UsageError("--bench runs after the preflight: not with --no-preflight, --dry-run or --backend spark")
-    if bench_seconds <= 0:
+    if job.bench_seconds <= 0:
         raise UsageError("--bench-seconds takes a positive number of seconds")
-    if hang_timeout < 0:
+    if job.hang_timeout < 0:
         raise UsageError("--hang-timeout takes seconds, 0 (off) or more")
-    if gpu_every < 0 or gpu_idle_after < 0:
+    if output.gpu_every < 0 or output.gpu_idle_after < 0:
         raise UsageError("--gpu-every and --gpu-idle-after take seconds, 0 or more")
-    env = rank_env(env, [env_file] if isinstance(env_file, (str, Path)) else env_file)
-    config = LaunchConfig(
-        script=str(script), args=tuple(str(a) for a in args), hosts=hosts, np=np, base_port=base_port,
-        framework=framework, dry_run=dry_run, json_output=json_output, log_dir=log_dir, grace=grace,
-        ranks_shown=None if ranks is None else tuple(ranks), env=hang_env(env, hang_timeout), iface=iface,
-        plain=plain, pidns=pidns, preflight=preflight, bench=bench_seconds if bench else 0.0, push=push,
-        data=None if data is None else str(data), shard=shard,
-        split_lines=split_lines, max_restarts=max_restarts, code=None if code is None else str(code),
-        min_hosts=min_hosts, max_push_size=max_push_size, setup=setup, setup_always=setup_always,
-        gpu_every=gpu_every, gpu_idle_after=gpu_idle_after, detach=detach, module=module, no_python=no_python,
-        insecure_workdir=insecure_workdir,
-        checkpoint_dirs=tuple(checkpoint_dir), hang_timeout=hang_timeout,
-        ssh=ssh_options(ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
-                        connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport),
+    check_backend(hosts, job, ssh or SSHOptions(), push, spark)
+    env = rank_env(env, [job.env_file] if isinstance(job.env_file, (str, Path)) else job.env_file)
+    return LaunchConfig(
+        script=str(script), args=tuple(str(a) for a in args), hosts=hosts, np=np, base_port=job.base_port,
+        framework=framework, dry_run=output.dry_run, json_output=output.json_output,
+        log_dir=None if output.log_dir is None else str(output.log_dir), grace=job.grace,
+        ranks_shown=None if output.ranks is None else tuple(output.ranks), env=hang_env(env, job.hang_timeout),
+        iface=job.iface, plain=output.plain, pidns=job.pidns, preflight=job.preflight,
+        bench=job.bench_seconds if job.bench else 0.0, push=push.push,
+        data=None if push.data is None else str(push.data), shard=push.shard, split_lines=push.split_lines,
+        max_restarts=job.max_restarts, code=None if push.code is None else str(push.code), min_hosts=job.min_hosts,
+        max_push_size=push.max_push_size, setup=push.setup, setup_always=push.setup_always,
+        gpu_every=output.gpu_every, gpu_idle_after=output.gpu_idle_after, detach=job.detach, module=job.module,
+        no_python=job.no_python, insecure_workdir=push.insecure_workdir,
+        checkpoint_dirs=tuple(job.checkpoint_dir), hang_timeout=job.hang_timeout, ssh=ssh_settings(ssh),
     )
-    if backend != "spark":
-        return run_job(config, view=view)
-    from dlrun.spark.driver import SparkConfig, SparkEngine
-
-    if checkpoint_dir:
-        raise UsageError("--checkpoint-dir goes with the SSH backend (a Spark task has no folder of its own)")
-    if detach:
-        raise UsageError("--detach goes with the SSH backend (a Spark stage lives with its driver)")
-    if module:
-        raise UsageError("-m goes with the SSH backend (Spark ships one script file)")
-    if master is None:
-        raise UsageError("--backend spark needs --master URL")
-    if hosts is not None:
-        raise UsageError("--backend spark takes its workers from Spark: drop --hosts")
-    if min_hosts is not None:
-        raise UsageError("--min-hosts goes with the SSH backend: a Spark restart is a fresh stage of -n tasks")
-    spark = SparkConfig(master=master, num_workers=2 if np is None else np, cores_per_worker=cores_per_worker,
-                        gpus_per_worker=gpus_per_worker, conf=dict(conf or {}), start_timeout=start_timeout)
-    return run_job(config, SparkEngine(spark), view=view)
 
 
 def hang_env(env: Mapping[str, str] | None, hang_timeout: float) -> dict[str, str]:
@@ -214,12 +178,7 @@ def hang_env(env: Mapping[str, str] | None, hang_timeout: float) -> dict[str, st
 def topo(
     hosts: str | None = None,
     *,
-    ssh_config: str | None = None,
-    known_hosts: str | None = None,
-    accept_new_host_keys: bool = False,
-    connect_timeout: float | None = None,
-    host_timeout: float | None = None,
-    transport: str = "auto",
+    ssh: SSHOptions | None = None,
     bench: bool = False,
     bench_seconds: float = 60.0,
     iface: str | None = None,
@@ -246,9 +205,7 @@ def topo(
         slots = None
     else:
         inventory = resolve_inventory(hosts, None) if hosts is not None else load_inventory("localhost")
-        reach = make_transport(inventory, ssh_options(
-            ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
-            connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport))
+        reach = make_transport(inventory, ssh_settings(ssh))
         try:
             reports = probe_hosts(reach, inventory.hosts)
             reached = [h for h, r in zip(inventory.hosts, reports, strict=True) if r.reachable]
@@ -283,12 +240,7 @@ def push(
     insecure_workdir: bool = False,
     live: bool | None = None,
     summary: bool = True,
-    ssh_config: str | None = None,
-    known_hosts: str | None = None,
-    accept_new_host_keys: bool = False,
-    connect_timeout: float | None = None,
-    host_timeout: float | None = None,
-    transport: str = "auto",
+    ssh: SSHOptions | None = None,
 ) -> tuple[HostPushSummary, ...]:
     """Push ``code`` and each host's shard of ``data``, as ``dlrun push`` does; one summary per
     host. ``live``: progress bars (default: on a terminal); ``summary``: print the closing table.
@@ -303,9 +255,7 @@ def push(
     if code is None and data is None:
         raise UsageError("nothing to push: give --code DIR and/or --data DIR")
     inventory = resolve_inventory(hosts, None)
-    reach = make_transport(inventory, ssh_options(
-        ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
-        connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport))
+    reach = make_transport(inventory, ssh_settings(ssh))
     try:
         reach.connect(inventory.hosts)
         with PushView([h.name for h in inventory.hosts], live=False if dry_run else live) as view:
@@ -341,12 +291,7 @@ def pull(
     dry_run: bool = False,
     live: bool | None = None,
     summary: bool = True,
-    ssh_config: str | None = None,
-    known_hosts: str | None = None,
-    accept_new_host_keys: bool = False,
-    connect_timeout: float | None = None,
-    host_timeout: float | None = None,
-    transport: str = "auto",
+    ssh: SSHOptions | None = None,
 ) -> tuple[HostPullSummary, ...]:
     """Copy ``remote`` from every host into ``local``, as ``dlrun pull`` does; one summary per
     host. ``remote``: relative to the project folder on each host (``<workdir>/<project>``,
@@ -365,9 +310,7 @@ def pull(
 
     limit = parse_size(max_size) if max_size is not None else PushLimit()
     inventory = resolve_inventory(hosts, None)  # a hosts file, a list, or the Slurm allocation
-    reach = make_transport(inventory, ssh_options(
-        ssh_config=ssh_config, known_hosts=known_hosts, accept_new_host_keys=accept_new_host_keys,
-        connect_timeout=connect_timeout, host_timeout=host_timeout, transport=transport))
+    reach = make_transport(inventory, ssh_settings(ssh))
 
     def notice(text: str) -> None:
         print(f"dlrun: {text}", file=sys.stderr, flush=True)
@@ -389,12 +332,12 @@ def pull(
 
 
 @contextmanager
-def _job_hosts(hosts: str | None, ssh: Mapping[str, Any]) -> Iterator[JobHosts]:
+def _job_hosts(hosts: str | None, ssh: SSHOptions | None) -> Iterator[JobHosts]:
     from dlrun.run.detach import JobHosts
     from dlrun.run.launch import default_hosts, make_transport, resolve_inventory
 
     inventory = resolve_inventory(default_hosts(hosts), 1)
-    transport = make_transport(inventory, ssh_options(**ssh))
+    transport = make_transport(inventory, ssh_settings(ssh))
     try:
         yield JobHosts(transport, inventory.hosts, unreachable=connect_reachable(transport, inventory.hosts))
     finally:
@@ -426,15 +369,14 @@ def connect_reachable(transport: Transport, hosts: Sequence[Host]) -> dict[str, 
     return {h.name: why for h, why in zip(hosts, reasons, strict=True) if why is not None}
 
 
-def ps(hosts: str | None = None, **ssh: Any) -> list[JobRecord]:
-    """The detached jobs on ``hosts`` (this machine without), as ``dlrun ps`` lists them.
-    ``ssh``: the SSH settings of :func:`ssh_options`."""
+def ps(hosts: str | None = None, *, ssh: SSHOptions | None = None) -> list[JobRecord]:
+    """The detached jobs on ``hosts`` (this machine without), as ``dlrun ps`` lists them."""
     with _job_hosts(hosts, ssh) as job_hosts:
         return job_hosts.ps()
 
 
 def logs(job: str, hosts: str | None = None, *, follow: bool = False, delete: bool = False,
-         since: float | None = None, out: TextIO | None = None, **ssh: Any) -> JobRecord | None:
+         since: float | None = None, out: TextIO | None = None, ssh: SSHOptions | None = None) -> JobRecord | None:
     """Print every rank's output of detached job ``job`` (``follow``: until it ends; ``since``:
     from that many seconds ago); with ``delete``, remove its folder on every host afterwards.
     Its record (None once deleted)."""
@@ -471,7 +413,7 @@ def logs(job: str, hosts: str | None = None, *, follow: bool = False, delete: bo
 
 
 def attach(job: str, hosts: str | None = None, *, since: float | None = None, out: TextIO | None = None,
-           **ssh: Any) -> int:
+           ssh: SSHOptions | None = None) -> int:
     """Follow detached job ``job``'s lines (from ``since`` seconds ago, else from its start)
     until it ends, then its summary; its exit code.
     Ctrl-C (KeyboardInterrupt) detaches again: the job goes on, and 0 is returned."""
@@ -500,20 +442,20 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
         return 1 if record.exit_code is None else record.exit_code
 
 
-def stack(job: str, hosts: str | None = None, **ssh: Any) -> dict[str, Any]:
+def stack(job: str, hosts: str | None = None, *, ssh: SSHOptions | None = None) -> StackReport:
     """Where every rank of running job ``job`` is (``dlrun stack``): an attached job on this
     machine answers through its control socket, else the detached job on ``hosts`` is asked.
-    ``{"summary": lines, "cause", "folder" | "folders", "notes", "methods"}``; the job goes on."""
-    from dlrun.run.stackcmd import attached_stacks, detached_stacks
+    The job goes on."""
+    from dlrun.run.stackcmd import attached_stacks, detached_stacks, stack_report
 
     answer = attached_stacks(job)
     if answer is not None:
-        return answer
+        return stack_report(answer)
     with _job_hosts(hosts, ssh) as job_hosts:
-        return detached_stacks(job_hosts, job)
+        return stack_report(detached_stacks(job_hosts, job))
 
 
-def stop(job: str, hosts: str | None = None, *, timeout: float = 60.0, **ssh: Any) -> JobRecord:
+def stop(job: str, hosts: str | None = None, *, timeout: float = 60.0, ssh: SSHOptions | None = None) -> JobRecord:
     """Stop every rank of detached job ``job`` (SIGTERM to its keepers) and wait up to
     ``timeout`` seconds for the end; its record (exit code 143 for a stopped job)."""
     with _job_hosts(hosts, ssh) as job_hosts:

@@ -1,14 +1,15 @@
 """The ``dlrun`` command line: thin click wiring over the Python API (``dlrun.api``).
 
-Each command hands its options, named as the API's keyword arguments, to the API function of
-the same name and shows or exits with what it returns; option groups (SSH, data, Spark) are
-defined once and shown in sections of ``--help``. Every
+Each command hands its options, named as the API's keyword arguments and the fields of its
+option records (``dlrun.options``), to the API function of the same name and shows or exits
+with what it returns; option groups (SSH, data, Spark) are defined once and shown in sections
+of ``--help``, and ``launch_arguments`` maps ``dlrun launch``'s onto the records of those sections. Every
 ``DlrunError`` becomes one ``dlrun: error: …`` message on stderr and its exit code, never a
 traceback. Heavy imports (paramiko, TensorFlow, pyspark) happen only inside the command
 that needs them, so ``dlrun --help`` stays fast.
 
 Exit codes: 0 success; a failed rank's own exit code; 1 topo/preflight error findings (and a
-``--base-port`` port taken on a host);
+``--base-port`` port taken on a host, and a detached job that did not start: ``JobStartError``);
 2 usage or inventory error; 130/143 interrupted (SIGINT/SIGTERM); 255 a host unreachable
 or lost (as ssh does).
 """
@@ -17,15 +18,19 @@ from __future__ import annotations
 
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
 from functools import wraps
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from dlrun import __version__
 from dlrun.errors import DlrunError
 from dlrun.plan import AUTO, DEFAULT_BASE_PORT, DEFAULT_HOST_TIMEOUT, FRAMEWORKS
+
+if TYPE_CHECKING:
+    from dlrun.options import SSHOptions
 
 #: dlrun.push.session.SHARD_POLICIES: importing that module would cost ``dlrun --help`` 50 ms
 #: (tests/integration/test_launch_local.py checks that both say the same)
@@ -133,7 +138,7 @@ def _ranks_option(ctx: click.Context, param: click.Parameter, value: str | None)
     return _parse_ranks(value)
 
 
-#: How every command reaches its hosts (``dlrun.api.ssh_options``).
+#: How every command reaches its hosts: the fields of ``dlrun.options.SSHOptions`` (``_ssh`` builds it).
 ssh_options = options(
     option("SSH", "--ssh-config", type=click.Path(dir_okay=False), help="OpenSSH config file (default ~/.ssh/config)."),
     option("SSH", "--known-hosts", type=click.Path(dir_okay=False),
@@ -334,17 +339,37 @@ def launch(script: str, args: tuple[str, ...], **settings: Any) -> None:
                    not spark, "--backend spark")
     _refuse_unused({"--code": "code", "--max-push-size": "max_push_size"}, not settings["push"],
                    "--push (not --no-push)")
-    _refuse_unused({"--data": "data", "--shard": "shard", "--split-lines": "split_lines", "--push/--no-push": "push",
-                    "--code": "code", "--max-push-size": "max_push_size", "--setup": "setup",
-                    "--setup-always": "setup_always", "--insecure-workdir": "insecure_workdir",
-                    "--base-port": "base_port", "--no-preflight": "preflight",
-                    "--bench": "bench", "--bench-seconds": "bench_seconds", "--module": "module",
-                    "--ssh-config": "ssh_config",
-                    "--known-hosts": "known_hosts", "--accept-new-host-keys": "accept_new_host_keys",
-                    "--connect-timeout": "connect_timeout", "--min-hosts": "min_hosts", "--detach": "detach",
-                    "--checkpoint-dir": "checkpoint_dir", "--transport": "transport"},
-                   spark, "the SSH backend, not --backend spark (Spark places tasks and ships the code)")
-    sys.exit(run(script, args, **settings).exit_code)
+    sys.exit(run(**launch_arguments(script, args, settings)).exit_code)
+
+
+#: ``dlrun launch``'s options that ``dlrun.launch`` takes as they are; the others go into the
+#: records of their ``--help`` sections (``launch_arguments``).
+LAUNCH_KEYWORDS = ("hosts", "np", "framework", "env")
+
+
+def launch_arguments(script: str, args: Sequence[str], settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``dlrun.launch``'s arguments from ``dlrun launch``'s parsed options: the common ones as
+    keywords, the rest as the records of ``dlrun.options`` (each option is named as its field);
+    ``--backend spark`` is the presence of the Spark record."""
+    from dlrun.errors import UsageError
+    from dlrun.options import JobOptions, OutputOptions, PushOptions, SparkOptions, SSHOptions, from_settings
+
+    spark = None
+    if settings["backend"] == "spark":
+        if settings["master"] is None:
+            raise UsageError("--backend spark needs --master URL")
+        spark = from_settings(SparkOptions, settings)
+    return {"script": script, "args": tuple(args), **{name: settings[name] for name in LAUNCH_KEYWORDS},
+            "job": from_settings(JobOptions, settings), "output": from_settings(OutputOptions, settings),
+            "ssh": from_settings(SSHOptions, settings), "push": from_settings(PushOptions, settings), "spark": spark}
+
+
+def _ssh(settings: dict[str, Any]) -> SSHOptions:
+    """The SSH record of a command's options, taken out of ``settings``."""
+    from dlrun.options import SSHOptions
+
+    names = [f.name for f in fields(SSHOptions)]
+    return SSHOptions(**{name: settings.pop(name) for name in names if name in settings})
 
 
 def _refuse_unused(options: dict[str, str], unused: bool, needs: str) -> None:
@@ -393,7 +418,7 @@ def topo(hosts: str | None, json_output: bool, bench: bool, bench_seconds: float
     if status is not None:
         status.start()
     try:
-        result = probe(hosts, bench=bench, bench_seconds=bench_seconds, iface=iface, progress=progress, **ssh)
+        result = probe(hosts, bench=bench, bench_seconds=bench_seconds, iface=iface, progress=progress, ssh=_ssh(ssh))
     finally:
         if status is not None:
             status.stop()
@@ -456,7 +481,8 @@ def push_command(hosts: str, json_output: bool, **settings: Any) -> None:
     _refuse_unused({"--shard": "shard", "--split-lines": "split_lines"}, settings["data"] is None, "--data DIR")
     _refuse_unused({"--project": "project", "--no-delete": "delete", "--max-push-size": "max_push_size"},
                    settings["code"] is None, "--code DIR")
-    summaries = push(hosts, live=False if json_output else None, summary=not json_output, **settings)
+    ssh = _ssh(settings)
+    summaries = push(hosts, live=False if json_output else None, summary=not json_output, ssh=ssh, **settings)
     if json_output:
         click.echo(json.dumps(summary_json(summaries), indent=2))
 
@@ -485,8 +511,9 @@ def pull_command(remote: str, local: str, hosts: str, json_output: bool, **setti
     from dlrun.api import pull
     from dlrun.push.pull import summary_json
 
+    ssh = _ssh(settings)
     summaries = pull(remote, local, hosts=hosts, live=False if json_output else None, summary=not json_output,
-                     **settings)
+                     ssh=ssh, **settings)
     if json_output:
         click.echo(json.dumps(summary_json(summaries), indent=2))
 
@@ -512,7 +539,7 @@ def ps(hosts: str | None, **ssh: Any) -> None:
     from dlrun.api import ps as list_jobs
     from dlrun.run.detach import ps_lines
 
-    for line in ps_lines(list_jobs(hosts, **ssh), time.time()):
+    for line in ps_lines(list_jobs(hosts, ssh=_ssh(ssh)), time.time()):
         click.echo(line)
 
 
@@ -529,7 +556,8 @@ def logs(job: str, hosts: str | None, follow: bool, delete: bool, since: str | N
     from dlrun.api import logs as print_logs
     from dlrun.run.detach import parse_duration
 
-    print_logs(job, hosts, follow=follow, delete=delete, since=None if since is None else parse_duration(since), **ssh)
+    print_logs(job, hosts, follow=follow, delete=delete, since=None if since is None else parse_duration(since),
+               ssh=_ssh(ssh))
 
 
 @main.command(cls=GroupedCommand)
@@ -544,7 +572,7 @@ def attach(job: str, hosts: str | None, since: str | None, **ssh: Any) -> None:
     from dlrun.api import attach as follow
     from dlrun.run.detach import parse_duration
 
-    sys.exit(follow(job, hosts, since=None if since is None else parse_duration(since), **ssh))
+    sys.exit(follow(job, hosts, since=None if since is None else parse_duration(since), ssh=_ssh(ssh)))
 
 
 @main.command(cls=GroupedCommand)
@@ -557,7 +585,7 @@ def stop(job: str, hosts: str | None, **ssh: Any) -> None:
     from dlrun.api import stop as stop_job
     from dlrun.run.detach import summary_lines
 
-    record = stop_job(job, hosts, **ssh)
+    record = stop_job(job, hosts, ssh=_ssh(ssh))
     for line in summary_lines(record):
         click.echo(line)
     sys.exit(1 if record.exit_code is None else record.exit_code)
@@ -574,16 +602,14 @@ def stack(job: str, hosts: str | None, **ssh: Any) -> None:
     the job goes on. JOB: an attached job on this machine, or a detached one on --hosts."""
     from dlrun.api import stack as take
 
-    answer = take(job, hosts, **ssh)
-    for line in answer.get("summary") or []:
+    report = take(job, hosts, ssh=_ssh(ssh))
+    for line in report.summary:
         click.echo(line)
-    for host, note in (answer.get("notes") or {}).items():
+    for host, note in report.notes.items():
         click.echo(f"dlrun: {host}: {note}", err=True)
-    if answer.get("methods"):
-        click.echo(f"dlrun: taken by {', '.join(answer['methods'])}")
-    if answer.get("folder"):
-        click.echo(f"dlrun: full stacks in {answer['folder']}/")
-    for folder in answer.get("folders") or []:
+    if report.methods:
+        click.echo(f"dlrun: taken by {', '.join(report.methods)}")
+    for folder in report.folders:
         click.echo(f"dlrun: full stacks in {folder}/")
-    if not answer.get("summary"):
+    if not report.summary:
         sys.exit(1)

@@ -23,6 +23,7 @@ from dlrun.errors import DlrunError
 from dlrun.inventory import Host
 from dlrun.plan import heartbeat_interval
 from dlrun.remote import agent, boot_argv, boot_payload
+from dlrun.run.events import Closed, Event, EventQueue, Frames
 from dlrun.transport.base import Channel, Transport, default_python
 
 
@@ -92,7 +93,7 @@ class HostAgents:
         self.host_timeout = host_timeout or None
         self.quiet = threading.Event()  # set: the pingers stop
         self.links = {h.name: HostLink(h) for h in hosts}
-        self.events: queue.Queue[tuple[object, ...]] = queue.Queue()
+        self.events: EventQueue = queue.Queue()
         self.asked: dict[str, frozenset[int]] = {}  # host -> the answer frames it was asked for
         self.payload = boot_payload("agent")  # the agent's source, on its stdin before any message
 
@@ -169,10 +170,10 @@ class HostAgents:
             link.heard = time.monotonic()
             frames = decoder.feed(data)
             if frames:
-                self.events.put(("frames", host, frames))
+                self.events.put(Frames(host, frames))
         link.ended = True  # before the screen catches up (a paused pager): not a silent host
         code = channel.wait(5)
-        self.events.put(("closed", host, code, channel.stderr_text()))
+        self.events.put(Closed(host, code, channel.stderr_text()))
 
     def answers(self, timeout: float) -> dict[str, AgentAnswer]:
         """Wait until every started agent has answered what ``start`` asked (or ended); other
@@ -183,7 +184,7 @@ class HostAgents:
         errors = {name: f"agent not started: {link.error}" for name, link in self.links.items()
                   if link.error is not None}
         waiting = {name for name in self.links if name not in errors and self.asked.get(name)}
-        held: list[tuple[object, ...]] = []
+        held: list[Event] = []
         deadline = time.monotonic() + timeout
         while waiting:
             try:
@@ -191,9 +192,11 @@ class HostAgents:
             except queue.Empty:
                 break
             held.append(event)
-            host = str(event[1])
-            if event[0] == "frames":
-                for kind, _rank, payload in event[2]:  # type: ignore[attr-defined]
+            if not isinstance(event, (Frames, Closed)):
+                continue
+            host = event.host
+            if isinstance(event, Frames):
+                for kind, _rank, payload in event.frames:
                     if kind == agent.PROBE:
                         probes[host] = payload.decode("utf-8", errors="replace")
                     elif kind == agent.SURVEY:
@@ -205,9 +208,10 @@ class HostAgents:
                             free[host] = tuple(int(p) for p in json.loads(payload)["free"])
                         except (ValueError, KeyError, TypeError):
                             free[host] = ()
-            elif event[0] == "closed" and host in waiting:
-                detail = " / ".join(str(event[3]).strip().splitlines()[-3:])
-                errors[host] = f"the agent ended (exit {event[2]}) before answering" + (f": {detail}" if detail else "")
+            elif host in waiting:
+                detail = " / ".join(event.stderr.strip().splitlines()[-3:])
+                errors[host] = f"the agent ended (exit {event.code}) before answering" + (
+                    f": {detail}" if detail else "")
             got = {agent.PROBE} if host in probes else set()
             got |= {agent.SURVEY} if host in surveys else set()
             got |= {agent.PORTS} if host in free else set()

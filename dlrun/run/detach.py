@@ -45,8 +45,45 @@ GPU_IDLE_AFTER = 60.0  # attach's idle-GPU warning: --gpu-idle-after's default (
 
 
 @dataclass(frozen=True)
+class RankEntry:
+    """One rank in a keeper's record: its host, state (``RankState``'s values, ``pending``)
+    and exit code; when the leader heard it start and end; its argv (the root cause's)."""
+
+    rank: int
+    host: str = "?"
+    state: str = "?"
+    code: int | None = None
+    started: float | None = None
+    ended: float | None = None
+    argv: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class FailedAttempt:
+    """An attempt of a detached job that failed before the last one (``--max-restarts``)."""
+
+    attempt: int  # 0: the first
+    job_id: str
+    exit_code: int | None = None
+    root_cause: str | None = None
+
+
+@dataclass(frozen=True)
+class RootEvidence:
+    """What the root cause rank left: its exception's last frames, torch's error file, hints
+    (the keeper's ``root``; empty when it named none)."""
+
+    rank: int | None = None
+    host: str | None = None
+    exception: tuple[str, ...] = ()
+    error_file: tuple[str, ...] = ()
+    hint: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class JobRecord:
-    """A detached job as ``dlrun ps`` shows it: the leader's record where it answered."""
+    """A detached job as ``dlrun ps`` shows it: the leader's record where it answered
+    (``record_of`` reads one host's JSON document; ``merge_records`` merges the hosts')."""
 
     job_id: str
     state: str
@@ -58,10 +95,12 @@ class JobRecord:
     root_cause: str | None = None
     root_tail: tuple[str, ...] = ()
     alive: bool = False
-    rank_states: tuple[Mapping[str, Any], ...] = ()
-    history: tuple[Mapping[str, Any], ...] = ()  # the failed attempts before the last
-    root: Mapping[str, Any] = field(default_factory=dict)  # the root cause rank's exception, error file, hint
+    rank_states: tuple[RankEntry, ...] = ()
+    history: tuple[FailedAttempt, ...] = ()  # the failed attempts before the last
+    root: RootEvidence = field(default_factory=RootEvidence)  # the root cause rank's exception, error file, hint
     notes: tuple[str, ...] = ()  # what the keepers recorded beside it (disk full on h2)
+    host: str = ""  # the host whose keeper wrote the record
+    leader: bool = False  # written by the leader keeper (host 0), which decides the job's state
 
     @property
     def ended(self) -> bool:
@@ -217,61 +256,85 @@ def recv_within(channel: Any, timeout: float) -> bytes | None:
 
 
 def record_of(document: Mapping[str, Any]) -> JobRecord:
+    """One host's keeper record (``dlrun.remote.keeper``'s ``record``, JSON) as a ``JobRecord``:
+    the one place its fields are read."""
+
+    def strings(value: Any) -> tuple[str, ...]:
+        return tuple(str(v) for v in value or ())
+
+    def number(value: Any) -> float | None:
+        return None if value is None else float(value)
+
+    def code(value: Any) -> int | None:
+        return None if value is None else int(value)
+
+    ranks = tuple(RankEntry(rank=int(e["rank"]), host=str(e.get("host", "?")), state=str(e.get("state", "?")),
+                            code=code(e.get("code")), started=number(e.get("started")), ended=number(e.get("ended")),
+                            argv=strings(e.get("argv")))
+                  for e in document.get("ranks") or ())
+    history = tuple(FailedAttempt(attempt=int(h.get("attempt", 0)), job_id=str(h.get("job_id")),
+                                  exit_code=code(h.get("exit_code")),
+                                  root_cause=None if h.get("root_cause") is None else str(h["root_cause"]))
+                    for h in document.get("history") or ())
+    root = document.get("root") or {}
+    evidence = RootEvidence(rank=code(root.get("rank")), host=None if root.get("host") is None else str(root["host"]),
+                            exception=strings(root.get("exception")), error_file=strings(root.get("error_file")),
+                            hint=strings(root.get("hint")))
+    cause = document.get("root_cause")
     return JobRecord(
-        job_id=str(document.get("job_id", "")), state=str(document.get("state", "?")),
-        ranks=len(document.get("ranks") or ()), started_at=float(document.get("started_at") or 0),
-        script=str(document.get("script", "")), hosts=tuple(document.get("hosts") or ()),
-        exit_code=document.get("exit_code"), root_cause=document.get("root_cause"),
-        root_tail=tuple(document.get("root_tail") or ()), alive=bool(document.get("alive")),
-        rank_states=tuple(document.get("ranks") or ()), history=tuple(document.get("history") or ()),
-        root=dict(document.get("root") or {}), notes=tuple(str(n) for n in document.get("notes") or ()))
+        job_id=str(document.get("job_id", "")), state=str(document.get("state", "?")), ranks=len(ranks),
+        started_at=float(document.get("started_at") or 0), script=str(document.get("script", "")),
+        hosts=strings(document.get("hosts")), exit_code=code(document.get("exit_code")),
+        root_cause=None if cause is None else str(cause), root_tail=strings(document.get("root_tail")),
+        alive=bool(document.get("alive")), rank_states=ranks, history=history, root=evidence,
+        notes=strings(document.get("notes")), host=str(document.get("host", "")), leader=bool(document.get("leader")))
 
 
 LEADER_LOST = "lost the leader keeper"  # how a follower's final record begins when its leader went
 
 
 def merge_records(documents: Sequence[Mapping[str, Any]]) -> list[JobRecord]:
-    """One record per job from every host's answer: the leader's where it answered; a job whose
+    """One record per job from every host's answer (JSON documents, read by ``record_of``)."""
+    return merge([record_of(document) for document in documents])
+
+
+def merge(found: Sequence[JobRecord]) -> list[JobRecord]:
+    """One record per job from every host's: the leader's where it answered; a job whose
     keeper lives on any host is alive. A leader that is frozen or gone cannot say so itself: when
     a follower's final record says it lost the leader, and the leader's record has not ended,
     the job is ``lost`` (exit 255), with the follower's reason and every rank not ended lost."""
-    jobs: dict[str, Mapping[str, Any]] = {}
+    jobs: dict[str, JobRecord] = {}
     alive: dict[str, bool] = {}
-    orphaned: dict[str, Mapping[str, Any]] = {}  # job -> a follower's final record: its leader is gone
-    finals: dict[str, dict[int, Mapping[str, Any]]] = {}  # job -> rank -> its host's own final entry
-    for document in documents:
-        job_id = str(document.get("job_id", ""))
-        alive[job_id] = alive.get(job_id, False) or bool(document.get("alive"))
-        if job_id not in jobs or (document.get("leader") and not jobs[job_id].get("leader")):
-            jobs[job_id] = document
-        if not document.get("leader") and str(document.get("root_cause") or "").startswith(LEADER_LOST):
-            orphaned.setdefault(job_id, document)
-        for entry in document.get("ranks") or ():
-            if entry.get("host") == document.get("host") and entry.get("state") in FINAL:
-                finals.setdefault(job_id, {})[int(entry["rank"])] = entry
+    orphaned: dict[str, JobRecord] = {}  # job -> a follower's final record: its leader is gone
+    finals: dict[str, dict[int, RankEntry]] = {}  # job -> rank -> its host's own final entry
+    for record in found:
+        job_id = record.job_id
+        alive[job_id] = alive.get(job_id, False) or record.alive
+        if job_id not in jobs or (record.leader and not jobs[job_id].leader):
+            jobs[job_id] = record
+        if not record.leader and (record.root_cause or "").startswith(LEADER_LOST):
+            orphaned.setdefault(job_id, record)
+        for entry in record.rank_states:
+            if entry.host == record.host and entry.state in FINAL:
+                finals.setdefault(job_id, {})[entry.rank] = entry
     records = []
-    for job_id, document in sorted(jobs.items()):
-        if document.get("state") not in FINAL and job_id in orphaned:  # a frozen leader: its followers tell
-            document = {**document, "state": "lost", "exit_code": 255,
-                        "root_cause": orphaned[job_id].get("root_cause"), "root_tail": []}
-        if document.get("state") in FINAL:
-            document = ended_ranks(document, finals.get(job_id, {}))
-        records.append(replace(record_of(document), alive=alive[job_id]))
+    for job_id, record in sorted(jobs.items()):
+        if record.state not in FINAL and job_id in orphaned:  # a frozen leader: its followers tell
+            record = replace(record, state="lost", exit_code=255, root_cause=orphaned[job_id].root_cause, root_tail=())
+        if record.state in FINAL:
+            record = ended_ranks(record, finals.get(job_id, {}))
+        records.append(replace(record, alive=alive[job_id]))
     return records
 
 
-def ended_ranks(document: Mapping[str, Any], finals: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+def ended_ranks(record: JobRecord, finals: Mapping[int, RankEntry]) -> JobRecord:
     """A job that has ended has no rank still running: a rank its record left running (a leader
     frozen or killed before it heard the end) takes its own host's final entry, else it is lost
     (255); a lost job without an exit code exits 255."""
-    ranks = []
-    for entry in document.get("ranks") or ():
-        if entry.get("state") in FINAL:
-            ranks.append(entry)
-        else:
-            ranks.append(finals.get(int(entry["rank"])) or {**entry, "state": "lost", "code": 255})
-    code = document.get("exit_code")
-    return {**document, "ranks": ranks, "exit_code": 255 if code is None and document.get("state") == "lost" else code}
+    ranks = tuple(entry if entry.state in FINAL else finals.get(entry.rank) or replace(entry, state="lost", code=255)
+                  for entry in record.rank_states)
+    code = 255 if record.exit_code is None and record.state == "lost" else record.exit_code
+    return replace(record, rank_states=ranks, exit_code=code)
 
 
 def age_text(seconds: float) -> str:
@@ -298,8 +361,7 @@ def ps_lines(records: Sequence[JobRecord], now: float) -> list[str]:
 def closing_notices(record: JobRecord, result: RunResult) -> list[str]:
     """What a detached job's end says before the launch view's summary: each failed attempt,
     the keepers' notes, and a root cause no rank stands for (a hang, a lost leader)."""
-    notices = [f"attempt {int(h.get('attempt', 0)) + 1} (job {h.get('job_id')}) failed: {h.get('root_cause')}"
-               for h in record.history]
+    notices = [f"attempt {h.attempt + 1} (job {h.job_id}) failed: {h.root_cause}" for h in record.history]
     notices.extend(record.notes)
     if record.root_cause and result.root_cause is None and record.state != "stopped":
         notices.append(f"root cause: {record.root_cause}")
@@ -522,7 +584,7 @@ class LogFollower:
         self.job_id = job_id
         self.out = out
         self.view = view  # attach: lines and states go to the launch's view instead of ``out``
-        self.shown: dict[int, tuple[str, Any]] = {}  # rank -> (state, code) the view has
+        self.shown: dict[int, tuple[str, int | None]] = {}  # rank -> (state, code) the view has
         self.started = False  # the view was started (the ranks are known)
         self.since = since  # seconds: the first look starts each log this long ago (its host's clock)
         self.offsets: dict[str, int] = {}  # host-<name>/attempt-K/rank-N.log (or gpu.csv) -> bytes read
@@ -565,10 +627,10 @@ class LogFollower:
         if self.view is not None and record is not None:
             self.start_view(documents)
             for entry in record.rank_states:
-                now = (str(entry.get("state")), entry.get("code"))
-                if self.shown.get(int(entry["rank"])) != now:
-                    self.shown[int(entry["rank"])] = now
-                    self.view.state(int(entry["rank"]), STATES.get(now[0], RankState.FAILED), now[1])
+                now = (entry.state, entry.code)
+                if self.shown.get(entry.rank) != now:
+                    self.shown[entry.rank] = now
+                    self.view.state(entry.rank, STATES.get(entry.state, RankState.FAILED), entry.code)
             self.view.flush()
         self.out.flush()
         return record
@@ -637,33 +699,30 @@ def view_commands(record: JobRecord) -> tuple[WorkerCommand, ...]:
     """Stand-ins for the ranks' commands, enough for the view (rank, host)."""
     hosts: dict[str, Host] = {}
     commands = []
-    for entry in sorted(record.rank_states, key=lambda e: int(e["rank"])):
-        name = str(entry.get("host", "?"))
+    for entry in sorted(record.rank_states, key=lambda e: e.rank):
+        name = entry.host
         host = hosts.setdefault(name, Host(address=name, name=name))
-        spec = RankSpec(rank=int(entry["rank"]), local_rank=0, local_size=1, cross_rank=0, cross_size=1,
+        spec = RankSpec(rank=entry.rank, local_rank=0, local_size=1, cross_rank=0, cross_size=1,
                         host_index=list(hosts).index(name), host=host, address=name, port=0,
-                        task_type="worker", task_index=int(entry["rank"]))
-        commands.append(WorkerCommand(spec=spec, argv=tuple(str(a) for a in entry.get("argv") or ())))
+                        task_type="worker", task_index=entry.rank)
+        commands.append(WorkerCommand(spec=spec, argv=entry.argv))
     return tuple(commands)
 
 
 def run_result(record: JobRecord) -> RunResult:
     """The record as the view's summary takes it (the root cause: the failed or lost rank)."""
-    ranks = tuple(RankResult(rank=int(e["rank"]), host=str(e.get("host", "?")),
-                             state=STATES.get(str(e.get("state")), RankState.FAILED), exit_code=e.get("code"),
-                             duration=e["ended"] - e["started"] if e.get("ended") and e.get("started") else None)
-                  for e in sorted(record.rank_states, key=lambda e: int(e["rank"])))
+    ranks = tuple(RankResult(rank=e.rank, host=e.host, state=STATES.get(e.state, RankState.FAILED), exit_code=e.code,
+                             duration=e.ended - e.started if e.ended and e.started else None)
+                  for e in sorted(record.rank_states, key=lambda e: e.rank))
     root = None
     if record.root_cause and record.state != "stopped":
         evidence = record.root
         for r in ranks:
-            if evidence and r.rank != evidence.get("rank"):
+            if evidence.rank is not None and r.rank != evidence.rank:
                 continue
             if r.state == RankState.LOST or (r.state == RankState.FAILED and r.exit_code == record.exit_code):
                 root = replace(r, tail=record.root_tail, error=record.root_cause if r.state == RankState.LOST else None,
-                               exception=tuple(str(t) for t in evidence.get("exception") or ()),
-                               error_file=tuple(str(t) for t in evidence.get("error_file") or ()),
-                               hint=tuple(str(t) for t in evidence.get("hint") or ()))
+                               exception=evidence.exception, error_file=evidence.error_file, hint=evidence.hint)
                 break
     code = 1 if record.exit_code is None else record.exit_code
     return RunResult(ranks=ranks, exit_code=code, root_cause=root, job_id=record.job_id,

@@ -12,7 +12,6 @@ was busy. Mechanism and numbers: ``docs/stacks.md``.
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +31,7 @@ from dlrun.remote.stack_groups import (
     ras_lines,
     summary_lines,
 )
+from dlrun.run.events import EventQueue, StacksReady
 from dlrun.run.tools import ship_pyspy
 from dlrun.transport.base import Transport
 
@@ -93,7 +93,7 @@ class StackRequests:
     """Stack requests of one attached job, driven by the supervisor's loop (not thread-safe
     but for ``ask``'s shipping thread, which only puts an event)."""
 
-    def __init__(self, transport: Transport, events: queue.Queue[tuple[object, ...]], log_dir: Path | None,
+    def __init__(self, transport: Transport, events: EventQueue, log_dir: Path | None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.transport = transport
         self.events = events
@@ -104,7 +104,7 @@ class StackRequests:
 
     def ask(self, hosts: Mapping[str, Host], ranks: Mapping[str, Sequence[int]],
             reply: Callable[[StackAnswer], None]) -> None:
-        """Ship py-spy (a thread), then ``("stacks-ready", id, sha256, notes)`` comes back as an event."""
+        """Ship py-spy (a thread), then ``StacksReady(id, sha256, notes)`` comes back as an event."""
         request_id = f"s{next(self.ids)}"
         self.pending[request_id] = _Pending(dict(hosts), {h: list(r) for h, r in ranks.items()}, reply,
                                             self.clock() + ANSWER_TIMEOUT)
@@ -114,7 +114,7 @@ class StackRequests:
                 sha256, notes = ship_pyspy(self.transport, list(hosts.values()))
             except Exception as exc:  # the stacks are taken all the same, with a py-spy on the host's PATH
                 sha256, notes = "", {name: f"py-spy not shipped: {exc}" for name in hosts}
-            self.events.put(("stacks-ready", request_id, sha256, notes))
+            self.events.put(StacksReady(request_id, sha256, notes))
 
         threading.Thread(target=ship, name="dlrun-ship-py-spy", daemon=True).start()
 

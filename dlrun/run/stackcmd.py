@@ -9,7 +9,9 @@ keeper, whose agent takes the stacks (``docs/stacks.md``). The job keeps running
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from dlrun.errors import DlrunError, UsageError
@@ -19,6 +21,31 @@ from dlrun.run import control
 from dlrun.run.detach import JobHosts, run_program
 from dlrun.run.hang import answer_json, stacks_message
 from dlrun.run.tools import ship_pyspy
+
+
+@dataclass(frozen=True)
+class StackReport:
+    """``dlrun stack``'s answer: the ranks grouped by their stacks, odd group first
+    (``summary``), the odd group named (``cause``), where the full stacks went (``folders``),
+    what a host could not do (``notes``, by host) and the tools that took them (``methods``)."""
+
+    summary: tuple[str, ...] = ()
+    cause: str | None = None
+    folders: tuple[str, ...] = ()
+    notes: Mapping[str, str] = field(default_factory=dict)
+    methods: tuple[str, ...] = ()
+
+
+def stack_report(document: Mapping[str, Any]) -> StackReport:
+    """The control socket's or ``detached_stacks``' JSON answer (``hang.answer_json``) as a
+    ``StackReport``: the one place it is read."""
+    folder = document.get("folder")
+    return StackReport(
+        summary=tuple(str(line) for line in document.get("summary") or ()),
+        cause=None if document.get("cause") is None else str(document["cause"]),
+        folders=((str(folder),) if folder else ()) + tuple(str(f) for f in document.get("folders") or ()),
+        notes={str(host): str(note) for host, note in (document.get("notes") or {}).items()},
+        methods=tuple(str(m) for m in document.get("methods") or ()))
 
 
 def attached_stacks(job_id: str, hosts: list[str] | None = None) -> dict[str, Any] | None:

@@ -66,6 +66,18 @@ from dlrun.remote.rankpolicy import (
 from dlrun.render import WorkerCommand
 from dlrun.run.agents import HostAgents, HostLink, close_aside, encode_message, with_agent_words
 from dlrun.run.control import ControlServer
+from dlrun.run.events import (
+    Closed,
+    Event,
+    Frames,
+    Interrupt,
+    Notice,
+    Silent,
+    StacksAsked,
+    StacksReady,
+    Tick,
+    Wake,
+)
 from dlrun.run.flight import lagging_lines, rank_of, read_dump
 from dlrun.run.gpus import GpuSample, GpuStats, IdleWatch, csv_rows, parse_sample, visible_gpus
 from dlrun.run.hang import HangWatch, StackAnswer, StackRequests, answer_json, hang_lines
@@ -193,11 +205,11 @@ class Supervisor:
         """Thread- and signal-safe: ask the job to stop (Ctrl-C / SIGTERM). The signal jumps the
         queue: behind a fast rank's output it would wait for every frame read before it."""
         self.signals.append(signum)
-        self.events.put(("wake",))
+        self.events.put(Wake())
 
     def notify(self, text: str) -> None:
         """Thread- and signal-safe: show a notice between the job's lines."""
-        self.events.put(("notice", text))
+        self.events.put(Notice(text))
 
     def run(self) -> RunResult:
         if self.log_dir is not None:
@@ -269,7 +281,7 @@ class Supervisor:
                     continue
                 if now - link.heard > limit:
                     link.silent = True
-                    self.events.put(("silent", name, now - link.heard))
+                    self.events.put(Silent(name, now - link.heard))
 
     # --------------------------------------------------------------------- loop
     def _loop(self) -> None:
@@ -278,7 +290,7 @@ class Supervisor:
             try:
                 event = self.events.get(timeout=0.2)
             except queue.Empty:
-                event = ("tick",)
+                event = Tick()
             self._take_signals()
             self._handle(event)
             # drain what is queued before touching files and screen again (a bounded batch: a
@@ -303,37 +315,35 @@ class Supervisor:
 
     def _take_signals(self) -> None:
         while self.signals:
-            self._handle(("interrupt", self.signals.pop(0)))
+            self._handle(Interrupt(self.signals.pop(0)))
 
-    def _handle(self, event: tuple[object, ...]) -> None:
-        kind = event[0]
-        if kind in ("frames", "closed", "silent") and event[1] not in self.links:
+    def _handle(self, event: Event) -> None:
+        if isinstance(event, (Frames, Closed, Silent)) and event.host not in self.links:
             return  # an agent released before the start (its host is not in the plan)
-        if kind in ("frames", "closed") and self.links[str(event[1])].silent:
+        if isinstance(event, (Frames, Closed)) and self.links[event.host].silent:
             return  # declared lost already: what comes late changes nothing
-        if kind == "frames":
-            host = str(event[1])
-            for frame_kind, rank, payload in event[2]:  # type: ignore[attr-defined]
-                self._frame(host, frame_kind, rank, payload)
-        elif kind == "closed":
-            self._closed(str(event[1]), event[2], str(event[3]))  # type: ignore[arg-type]
-        elif kind == "silent":
-            self._silent(str(event[1]), float(event[2]))  # type: ignore[arg-type]
-        elif kind == "notice":
-            self.view.notice(str(event[1]))
-        elif kind == "stacks":  # dlrun stack JOB, through the control socket
-            self._ask_stacks(event[1], event[2])  # type: ignore[arg-type]
-        elif kind == "stacks-ready":  # py-spy is on the hosts
-            for name, message in self.stack_requests.ready(str(event[1]), str(event[2]), event[3]):  # type: ignore[arg-type]
+        if isinstance(event, Frames):
+            for frame_kind, rank, payload in event.frames:
+                self._frame(event.host, frame_kind, rank, payload)
+        elif isinstance(event, Closed):
+            self._closed(event.host, event.code, event.stderr)
+        elif isinstance(event, Silent):
+            self._silent(event.host, event.seconds)
+        elif isinstance(event, Notice):
+            self.view.notice(event.text)
+        elif isinstance(event, StacksAsked):  # dlrun stack JOB, through the control socket
+            self._ask_stacks(event.hosts, event.reply)
+        elif isinstance(event, StacksReady):  # py-spy is on the hosts
+            for name, message in self.stack_requests.ready(event.request_id, event.sha256, event.notes):
                 channel = self.links[name].channel
                 try:
                     if channel is None:
                         raise DlrunError("it never started", host=name)
                     channel.send(encode_message(message))
                 except DlrunError as exc:
-                    self.stack_requests.unreachable(str(event[1]), name, f"cannot ask the agent: {exc}")
-        elif kind == "interrupt":
-            signum = int(event[1])  # type: ignore[call-overload]
+                    self.stack_requests.unreachable(event.request_id, name, f"cannot ask the agent: {exc}")
+        elif isinstance(event, Interrupt):
+            signum = event.signum
             if self.interrupted_by is None:
                 self.interrupted_by = signum
                 self.view.notice(f"signal {signum}: stopping every rank (again to kill at once)")
@@ -523,7 +533,7 @@ class Supervisor:
         if request.get("op") != "stacks":
             return {"error": f"unknown op {request.get('op')!r}"}
         answers: queue.Queue[StackAnswer] = queue.Queue(maxsize=1)
-        self.events.put(("stacks", request.get("hosts"), answers.put))
+        self.events.put(StacksAsked(request.get("hosts"), answers.put))
         try:
             return answer_json(answers.get(timeout=240))
         except queue.Empty:

@@ -104,8 +104,8 @@ def test_the_api_result_carries_the_gpu_summary_and_warnings(tmp_path: Path, mon
     from dlrun.run.view import PlainView
 
     shown = StringIO()
-    result = dlrun.launch(script, [str(calls), "2", "1", "0"], np=1, preflight=False, gpu_every=0.3,
-                          gpu_idle_after=1, view=PlainView(shown))
+    result = dlrun.launch(script, [str(calls), "2", "1", "0"], np=1, job=dlrun.JobOptions(preflight=False),
+                          output=dlrun.OutputOptions(gpu_every=0.3, gpu_idle_after=1), view=PlainView(shown))
     assert result.exit_code == 0, shown.getvalue()
     assert [(g["host"], g["gpu"], g["mean_util"], g["peak_mem_gib"], g["mem_total_gib"]) for g in result.gpu_summary] \
         == [("localhost", i, 97.0 if i == 0 else 0.0, 70.0 if i == 0 else 0.0, 79.6) for i in range(4)]

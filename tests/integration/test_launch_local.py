@@ -469,8 +469,8 @@ def test_the_python_api_runs_a_real_job_and_returns_its_result(tmp_path: Path,
     monkeypatch.chdir(tmp_path)
     script = write(tmp_path / "job.py", "import os\nprint('rank', os.environ['DLRUN_RANK'], flush=True)\n")
     out = io.StringIO()
-    result = dlrun.launch(script, ["--flag"], np=2, framework="torch", log_dir=str(tmp_path / "logs"),
-                          env={"A": "1"}, view=PlainView(out))
+    result = dlrun.launch(script, ["--flag"], np=2, framework="torch", env={"A": "1"},
+                          output=dlrun.OutputOptions(log_dir=tmp_path / "logs"), view=PlainView(out))
     assert result.exit_code == 0 and result.root_cause is None and result.attempts == 1, out.getvalue()
     assert [(r.rank, r.host, r.state) for r in result.ranks] == [(0, "localhost", RankState.SUCCEEDED),
                                                                  (1, "localhost", RankState.SUCCEEDED)]
@@ -479,15 +479,16 @@ def test_the_python_api_runs_a_real_job_and_returns_its_result(tmp_path: Path,
     assert result.log_dir == tmp_path / "logs" / result.job_id
 
     failing = write(tmp_path / "fail.py", FAILS_ON_RANK_1)
-    result = dlrun.launch(failing, np=2, framework="none", plain=True, grace=2, view=PlainView(io.StringIO()))
+    result = dlrun.launch(failing, np=2, framework="none", job=dlrun.JobOptions(grace=2),
+                          output=dlrun.OutputOptions(plain=True), view=PlainView(io.StringIO()))
     assert result.exit_code == 7 and result.root_cause is not None
     assert (result.root_cause.rank, result.root_cause.exit_code, result.root_cause.tail) == (1, 7, ("rank 1",))
 
-    planned = dlrun.launch(script, np=3, dry_run=True, framework="none")
+    planned = dlrun.launch(script, np=3, output=dlrun.OutputOptions(dry_run=True), framework="none")
     assert planned.exit_code == 0 and planned.ranks == () and len(planned.commands) == 3
 
     with pytest.raises(UsageError, match="--json goes with --dry-run"):
-        dlrun.launch(script, json_output=True)
+        dlrun.launch(script, output=dlrun.OutputOptions(json_output=True))
 
 
 def test_the_python_api_probes_and_pushes(tmp_path: Path) -> None:
@@ -523,6 +524,7 @@ def test_the_python_api_runs_a_job_from_a_thread(tmp_path: Path) -> None:
 
     script = write(tmp_path / "job.py", "print('hello', flush=True)\n")
     with ThreadPoolExecutor(1) as pool:
-        result = pool.submit(dlrun.launch, script, np=1, framework="none", log_dir=str(tmp_path / "logs"),
+        result = pool.submit(dlrun.launch, script, np=1, framework="none",
+                             output=dlrun.OutputOptions(log_dir=tmp_path / "logs"),
                              view=PlainView(io.StringIO())).result(timeout=120)
     assert result.exit_code == 0 and result.ranks[0].tail == ("hello",)

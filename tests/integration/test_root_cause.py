@@ -103,7 +103,8 @@ def test_a_warning_given_before_the_start_is_repeated_in_the_root_cause(tmp_path
 def test_the_api_result_carries_the_exception(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(RAISES_AFTER_200_LINES)
-    result = dlrun.launch(script, np=2, framework="none", plain=True, grace=2, log_dir=str(tmp_path / "logs"),
+    result = dlrun.launch(script, np=2, framework="none", job=dlrun.JobOptions(grace=2),
+                          output=dlrun.OutputOptions(plain=True, log_dir=tmp_path / "logs"),
                           view=PlainView(io.StringIO()))
     assert result.root_cause is not None and result.root_cause.rank == 1
     assert result.root_cause.exception[-1] == "ValueError: bad batch 200: shape (3, 4) is not (3, 5)"

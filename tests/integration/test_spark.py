@@ -452,8 +452,9 @@ class TestLocal:
         import dlrun
 
         out = Recorder()
-        result = dlrun.launch(write(tmp_path / "fail.py", FLAKY), backend="spark", master=self.MASTER, np=2,
-                              log_dir=str(tmp_path / "logs"), grace=2, view=PlainView(out))
+        result = dlrun.launch(write(tmp_path / "fail.py", FLAKY), spark=dlrun.SparkOptions(master=self.MASTER), np=2,
+                              output=dlrun.OutputOptions(log_dir=tmp_path / "logs"), job=dlrun.JobOptions(grace=2),
+                              view=PlainView(out))
         assert result.exit_code == 3 and result.attempts == 1, out.getvalue()
         assert result.root_cause is not None and result.root_cause.host.startswith("task")
         assert [r.host.split("@")[0] for r in result.ranks] == ["task0", "task1"]

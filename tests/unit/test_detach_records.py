@@ -276,6 +276,36 @@ def test_the_record_feeds_the_launch_views_summary() -> None:
     assert stopped.interrupted_by == 15 and stopped.root_cause is None
 
 
+def test_a_keepers_json_record_is_read_into_typed_records_in_one_place() -> None:
+    import json
+
+    from dlrun.run.detach import FailedAttempt, RankEntry, RootEvidence
+
+    document = json.loads(json.dumps({
+        "job_id": "j", "host": "a", "leader": True, "state": "failed", "exit_code": 3, "started_at": 5,
+        "script": "t.py", "hosts": ["a", "b"], "alive": False, "notes": ["disk full on b"],
+        "root_cause": "rank 1 on b exited with code 3", "root_tail": ["boom"],
+        "root": {"rank": 1, "host": "b", "exception": ["ValueError: x"], "error_file": ["{}"], "hint": ["h"]},
+        "history": [{"attempt": 0, "job_id": "j", "exit_code": 7, "root_cause": "rank 0 on a exited with code 7"}],
+        "ranks": [{"rank": 0, "host": "a", "state": "stopped", "code": 143, "started": 1, "ended": 2},
+                  {"rank": 1, "host": "b", "state": "failed", "code": 3, "argv": ["python", "t.py"]}]}))
+    record = record_of(document)
+    assert record.rank_states == (RankEntry(0, "a", "stopped", 143, 1.0, 2.0),
+                                  RankEntry(1, "b", "failed", 3, argv=("python", "t.py")))
+    assert record.history == (FailedAttempt(0, "j", 7, "rank 0 on a exited with code 7"),)
+    assert record.root == RootEvidence(1, "b", ("ValueError: x",), ("{}",), ("h",))
+    assert (record.host, record.leader, record.hosts, record.notes, record.ranks) == (
+        "a", True, ("a", "b"), ("disk full on b",), 2)
+    assert record_of({"job_id": "k"}).root == RootEvidence() and record_of({}).rank_states == ()
+    summary = summary_lines(record)
+    assert summary[:2] == ["dlrun: attempt 1 (job j) failed: rank 0 on a exited with code 7",
+                           "dlrun: disk full on b"]
+    assert "    | ValueError: x" in summary and "  hint: h" in summary
+    root = run_result(record).root_cause
+    assert root is not None and (root.rank, root.exception, root.error_file, root.hint) == (
+        1, ("ValueError: x",), ("{}",), ("h",))
+
+
 def test_gpu_rows_have_the_attached_supervisors_columns() -> None:
     assert keeper.GPU == agent.GPU
     assert keeper.gpu_rows(12.5, "h", "0, GPU-a, 97, 71680, 81559, [N/A], 71\nbroken\n") == (
@@ -440,7 +470,7 @@ def test_a_frozen_leader_is_lost_by_its_followers_word() -> None:
     record = merge_records([leader, follower])[0]
     assert (record.state, record.exit_code) == ("lost", 255)
     assert record.root_cause == "lost the leader keeper (a): silent for 5 s"
-    assert [(e["rank"], e["state"], e["code"]) for e in record.rank_states] == [(0, "lost", 255), (1, "stopped", 143)]
+    assert [(e.rank, e.state, e.code) for e in record.rank_states] == [(0, "lost", 255), (1, "stopped", 143)]
     assert merge_records([leader])[0].state == "running"  # no follower's word: as the leader says
 
 
@@ -452,4 +482,4 @@ def test_a_killed_leaders_job_has_no_rank_running() -> None:
                 {"rank": 0, "host": "a", "state": "running", "code": None},
                 {"rank": 1, "host": "b", "state": "running", "code": None}]}
     record = merge_records([dead])[0]
-    assert record.exit_code == 255 and {e["state"] for e in record.rank_states} == {"lost"}
+    assert record.exit_code == 255 and {e.state for e in record.rank_states} == {"lost"}

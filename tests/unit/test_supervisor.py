@@ -159,3 +159,27 @@ def test_agents_started_early_are_watched_and_pinged_before_the_spec() -> None:
     sent = {h.name: len(transport.channels[h.name].sent) for h in hosts}
     time.sleep(0.5)
     assert {h.name: len(transport.channels[h.name].sent) for h in hosts} == sent  # closed: no more pings
+
+
+def test_the_loops_events_are_typed_records(tmp_path: Path) -> None:
+    from typing import get_args
+
+    from dlrun.run.events import Closed, Event, Frames, Notice
+
+    out = io.StringIO()
+    sup = Supervisor(FakeTransport({0: FakeRank(["hello"]), 1: FakeRank(["bye"], code=3)}), commands("a:2"),
+                     PlainView(out), log_dir=tmp_path / "logs", grace=0.2)
+    seen: list[object] = []
+    put = sup.events.put
+
+    def record(event: Event, *args: object, **kwargs: object) -> None:
+        seen.append(event)
+        put(event)
+
+    sup.events.put = record  # type: ignore[method-assign]
+    sup.notify("between the lines")
+    result = sup.run()
+    assert result.exit_code == 3 and "between the lines" in out.getvalue()
+    assert seen and all(isinstance(event, get_args(Event)) for event in seen), seen
+    assert {type(e) for e in seen} >= {Frames, Closed, Notice}
+    assert {e.host for e in seen if isinstance(e, Closed)} == {"a"}
