@@ -387,6 +387,7 @@ def write_gpu_cache(key: str, answers: dict[str, Any]) -> None:
         with os.fdopen(fd, "wb") as handle:
             handle.write(CACHE_HEADER + key.encode() + b"\n" + hashlib.sha256(body).digest() + body)
         os.replace(tmp, key, src_dir_fd=d, dst_dir_fd=d)
+        prune_gpu_cache(d)
     except OSError:
         try:
             os.unlink(tmp, dir_fd=d)
@@ -394,6 +395,24 @@ def write_gpu_cache(key: str, answers: dict[str, Any]) -> None:
             pass
     finally:
         os.close(d)
+
+
+def prune_gpu_cache(d: int, keep: int = 1024) -> None:
+    """Keeps the newest ``keep`` entries (each boot leaves one; a shared home holds many hosts')."""
+    names = os.listdir(d)
+    if len(names) <= keep:
+        return
+    aged = []
+    for name in names:
+        try:
+            aged.append((os.stat(name, dir_fd=d, follow_symlinks=False).st_mtime_ns, name))
+        except OSError:
+            pass
+    for _, name in sorted(aged)[:len(aged) - keep]:
+        try:
+            os.unlink(name, dir_fd=d)
+        except OSError:
+            pass
 
 
 def answered(result: dict[str, Any]) -> bool:
@@ -436,7 +455,8 @@ def gather(doc: dict[str, Any]) -> None:
     commands = run_all(jobs)
     if cached is not None:
         commands.update({name: dict(cached[name], cached=True) for name in GPU_CACHED})
-    elif key is not None and all(answered(commands[name]) for name in GPU_CACHED):
+    elif (key is not None and all(answered(commands[name]) for name in GPU_CACHED)
+          and gpu_cache_key(smi or "") == key):  # nothing changed while nvidia-smi ran
         write_gpu_cache(key, {name: commands[name] for name in GPU_CACHED})
     query = commands["query_gpu"]
     if not query["missing"] and query.get("rc") not in (0, None):

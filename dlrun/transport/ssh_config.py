@@ -425,6 +425,7 @@ class SSHConfigReader:
             raise UsageError(f"OpenSSH rejects the ssh config for {request.alias} ({shlex.join(argv)}):\n  {message}",
                              hint="fix the file and line OpenSSH names")
         if (key is not None and files is not None and ssh_g_cache.files_read(proc.stderr) <= files.paths
-                and parse_ssh_g(proc.stdout).get("canonicalizehostname", ["false"])[0] == "false"):
+                and parse_ssh_g(proc.stdout).get("canonicalizehostname", ["false"])[0] == "false"
+                and ssh_g_cache.config_files(self.config_file).digest == files.digest):  # not edited meanwhile
             ssh_g_cache.write(key, proc.stdout)
         return proc.stdout

@@ -389,6 +389,17 @@ def test_a_changed_key_probes_afresh(tmp_path: Path) -> None:
     assert calls(log) == EVERY
 
 
+def test_an_answer_while_nvidia_smi_changes_is_not_cached(tmp_path: Path) -> None:
+    bin_dir, log = logged_smi(tmp_path)
+    wrapper = bin_dir / "nvidia-smi"
+    wrapper.write_text(wrapper.read_text().replace("exec ", f"touch -d @1 {wrapper}\nexec ", 1))  # a driver update
+    env = env_with_path(bin_dir, DLRUN_SYSFS_ROOT=str(SYSFS_H100), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    probed(env)
+    folder = tmp_path / "xdg" / "dlrun" / "probe"
+    assert not folder.exists() or not any(folder.iterdir())
+    assert calls(log) == EVERY
+
+
 def test_a_failed_answer_is_not_cached(tmp_path: Path) -> None:
     bin_dir, log = logged_smi(tmp_path, broken="NVIDIA-SMI has failed because it couldn't communicate with the driver")
     env = env_with_path(bin_dir, DLRUN_SYSFS_ROOT=str(SYSFS_H100), XDG_CACHE_HOME=str(tmp_path / "xdg"))

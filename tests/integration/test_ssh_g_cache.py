@@ -182,3 +182,21 @@ def test_without_the_disk_cache_nothing_is_written(tmp_path: Path, cache: Path) 
     config.write_text("Host h\n    Port 2022\n")
     assert SSHConfigReader(str(config), SSH, disk_cache=False).lookup(Request("h")).port == 2022
     assert entries(cache) == []
+
+
+def test_a_config_edited_while_ssh_reads_it_is_not_cached(tmp_path: Path, cache: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key is the files before ``ssh -G``; an answer read from other contents is not kept
+    under it (the files going back to the old contents would find the new answer)."""
+    config = tmp_path / "config"
+    config.write_text("Host h\n    Port 2022\n")
+    real = subprocess.run
+
+    def run_then_edit(argv: list[str], *args: object, **kwargs: object) -> object:
+        out = real(argv, *args, **kwargs)  # type: ignore[call-overload]
+        config.write_text("Host h\n    Port 2023\n")
+        return out
+
+    monkeypatch.setattr(subprocess, "run", run_then_edit)
+    assert look(config, Request("h")).port == 2022
+    assert entries(cache) == []
