@@ -6,8 +6,9 @@ Match, Include, tokens and "first value wins" are exactly OpenSSH's), else param
 a fallback (README, section "SSH", lists where it differs). Inventory values win: they go to
 ``ssh -G`` as ``-p``, ``-l`` and ``-i``. Also here: token expansion (``%h`` … ``${VAR}``) for
 the options ``ssh -G`` prints unexpanded, and OpenSSH's host-pattern matching for known_hosts.
-Many hosts are looked up in parallel threads; a config OpenSSH rejects is a ``UsageError``
-carrying OpenSSH's own message (file and line).
+Many hosts are looked up in parallel threads, and ``ssh -G``'s answers are kept on disk
+(``ssh_g_cache``) while the config files, ``ssh`` and the arguments are unchanged; a config
+OpenSSH rejects is a ``UsageError`` carrying OpenSSH's own message (file and line).
 """
 
 from __future__ import annotations
