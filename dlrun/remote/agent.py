@@ -610,10 +610,11 @@ class Agent:
         import io
 
         captured = io.StringIO()
-        namespace = {"__name__": "__dlrun_probe__"}
+        source = str(message.get("source", ""))
+        namespace = {"__name__": "__dlrun_probe__", "__dlrun_source__": source}  # its cache's key
         saved, sys.stdout = sys.stdout, captured
         try:
-            exec(compiled(str(message.get("source", "")), "<dlrun-probe>"), namespace)
+            exec(compiled(source, "<dlrun-probe>"), namespace)
         except BaseException as exc:  # the controller must get an answer, whatever the probe did
             captured.write(f"\nprobe failed in the agent: {type(exc).__name__}: {exc}\n")
         finally:

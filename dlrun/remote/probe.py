@@ -12,6 +12,11 @@ Gathered: ``nvidia-smi`` (``--query-gpu``, retried with basic fields when a driv
 ``$DLRUN_SYSFS_ROOT`` (default ``/``) and ``ibstat`` when sysfs shows no RDMA device. Every command
 has a timeout (``$DLRUN_PROBE_TIMEOUT`` seconds, default 30).
 
+``nvidia-smi topo -m`` and the plain header come from the login user's cache
+(``~/.cache/dlrun/probe``) while the boot id, the driver's version file, the ``nvidia-smi``
+binary, the GPUs the driver lists, the interpreter and this program's source are unchanged
+(docs/architecture.md, "The probe cache"); everything else is asked afresh on every run.
+
 Output (``version`` 1): ``{"version", "hostname", "python", "executable", "cpu_count",
 "cpu_usable", "numa_nodes", "os_release", "platform", "tensorflow", "frameworks", "sysfs_root", "sysfs":
 {path: content}, "commands": {name: {"argv", "path", "rc", "stdout", "stderr", "missing",
@@ -40,6 +45,10 @@ TF_DISTS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-macos"
 DIST_INFO = re.compile(r"^([A-Za-z0-9_.]+)-([^-/]+)\.(?:dist-info|egg-info)$")
 PCI = re.compile(r"([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
 SIOCGIFADDR = 0x8915
+
+
+GPU_CACHED = ("topo", "header")  # what cannot change while the cache key stays the same
+CACHE_HEADER = b"dlrun-probe 1 "
 
 
 def sysfs_root() -> str:
@@ -269,6 +278,147 @@ def interfaces_ioctl() -> list[dict[str, Any]]:
     return out
 
 
+# --------------------------------------------------------------------------- the GPU cache
+
+
+def own_source() -> bytes | None:
+    """This program's source: the loader's copy, the agent's, or the file run as a script."""
+    raw = globals().get("_dlrun_raw")
+    if isinstance(raw, bytes):
+        return raw
+    source = globals().get("__dlrun_source__")
+    if isinstance(source, str):
+        return source.encode("utf-8")
+    path = globals().get("__file__")
+    try:
+        with open(str(path), "rb") as handle:
+            return handle.read()
+    except (OSError, TypeError):
+        return None
+
+
+def gpu_cache_key(smi: str) -> str | None:
+    """What the cached ``nvidia-smi`` answers depend on, hashed; None where it cannot be told
+    (no boot id, no source)."""
+    import hashlib
+
+    boot_id = read("/proc/sys/kernel/random/boot_id")
+    source = own_source()
+    if not boot_id or source is None:
+        return None
+    try:
+        st = os.stat(smi)
+    except OSError:
+        return None
+    parts = [
+        "boot " + boot_id.strip(),
+        "driver " + repr(read("/proc/driver/nvidia/version")),
+        "gpus " + repr(listdir("/proc/driver/nvidia/gpus")),
+        "devices " + repr([n for n in listdir("/dev") if n.startswith("nvidia")]),
+        f"smi {os.path.realpath(smi)} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}",
+        f"python {sys.executable} {sys.version}",
+        "sysfs " + sysfs_root(),
+        f"uid {os.geteuid()}",
+        "probe " + hashlib.sha256(source).hexdigest(),
+    ]
+    return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()
+
+
+def _cache_dir(create: bool) -> int | None:
+    """The cache folder, opened, when it is the user's own and no one else may write to it."""
+    top = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dlrun", "probe")
+    try:
+        if create:
+            os.makedirs(top, 0o700, exist_ok=True)
+        fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        os.close(fd)
+        return None
+    return fd
+
+
+def read_gpu_cache(key: str) -> dict[str, Any] | None:
+    """The cached answers for ``key``: only from a regular file of the user's own, mode 0600 or
+    less, one link, whose header names ``key`` and whose digest checks out."""
+    import hashlib
+
+    d = _cache_dir(False)
+    if d is None:
+        return None
+    try:
+        fd = os.open(key, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=d)
+        with os.fdopen(fd, "rb") as handle:
+            st = os.fstat(handle.fileno())
+            data = handle.read(1 << 22)
+    except OSError:
+        return None
+    finally:
+        os.close(d)
+    head = CACHE_HEADER + key.encode() + b"\n"
+    body = data[len(head) + 32:]
+    if (st.st_uid != os.geteuid() or st.st_mode & 0o077 or (st.st_mode & 0o170000) != 0o100000
+            or st.st_nlink != 1 or not data.startswith(head)
+            or hashlib.sha256(body).digest() != data[len(head):len(head) + 32]):
+        return None
+    try:
+        found = json.loads(body.decode("utf-8"))
+    except ValueError:
+        return None
+    if (not isinstance(found, dict) or sorted(found) != sorted(GPU_CACHED)
+            or not all(isinstance(value, dict) for value in found.values())):
+        return None
+    return found
+
+
+def write_gpu_cache(key: str, answers: dict[str, Any]) -> None:
+    """Store ``answers`` under ``key`` (atomically, mode 0600); a failure leaves no entry."""
+    import hashlib
+
+    d = _cache_dir(True)
+    if d is None:
+        return
+    body = json.dumps(answers, sort_keys=True).encode("utf-8")
+    tmp = f"{key}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=d)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(CACHE_HEADER + key.encode() + b"\n" + hashlib.sha256(body).digest() + body)
+        os.replace(tmp, key, src_dir_fd=d, dst_dir_fd=d)
+        prune_gpu_cache(d)
+    except OSError:
+        try:
+            os.unlink(tmp, dir_fd=d)
+        except OSError:
+            pass
+    finally:
+        os.close(d)
+
+
+def prune_gpu_cache(d: int, keep: int = 1024) -> None:
+    """Keeps the newest ``keep`` entries (each boot leaves one; a shared home holds many hosts')."""
+    names = os.listdir(d)
+    if len(names) <= keep:
+        return
+    aged = []
+    for name in names:
+        try:
+            aged.append((os.stat(name, dir_fd=d, follow_symlinks=False).st_mtime_ns, name))
+        except OSError:
+            pass
+    for _, name in sorted(aged)[:len(aged) - keep]:
+        try:
+            os.unlink(name, dir_fd=d)
+        except OSError:
+            pass
+
+
+def answered(result: dict[str, Any]) -> bool:
+    return result.get("rc") == 0 and not result.get("missing") and not result.get("timed_out")
+
+
 def gather(doc: dict[str, Any]) -> None:
     """Fill ``doc`` with everything the probe reports (may raise: the caller notes it)."""
     timeout = command_timeout()
@@ -297,7 +447,17 @@ def gather(doc: dict[str, Any]) -> None:
     ]
     if not ib_devices:
         jobs.append(("ibstat", ["ibstat"], min(timeout, 10.0)))
+    smi = which("nvidia-smi")
+    key = gpu_cache_key(smi) if smi else None
+    cached = read_gpu_cache(key) if key else None
+    if cached is not None:
+        jobs = [job for job in jobs if job[0] not in GPU_CACHED]
     commands = run_all(jobs)
+    if cached is not None:
+        commands.update({name: dict(cached[name], cached=True) for name in GPU_CACHED})
+    elif (key is not None and all(answered(commands[name]) for name in GPU_CACHED)
+          and gpu_cache_key(smi or "") == key):  # nothing changed while nvidia-smi ran
+        write_gpu_cache(key, {name: commands[name] for name in GPU_CACHED})
     query = commands["query_gpu"]
     if not query["missing"] and query.get("rc") not in (0, None):
         commands["query_gpu_full"] = query

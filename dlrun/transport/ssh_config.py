@@ -6,8 +6,9 @@ Match, Include, tokens and "first value wins" are exactly OpenSSH's), else param
 a fallback (README, section "SSH", lists where it differs). Inventory values win: they go to
 ``ssh -G`` as ``-p``, ``-l`` and ``-i``. Also here: token expansion (``%h`` … ``${VAR}``) for
 the options ``ssh -G`` prints unexpanded, and OpenSSH's host-pattern matching for known_hosts.
-Many hosts are looked up in parallel threads; a config OpenSSH rejects is a ``UsageError``
-carrying OpenSSH's own message (file and line).
+Many hosts are looked up in parallel threads, and ``ssh -G``'s answers are kept on disk
+(``ssh_g_cache``) while the config files, ``ssh`` and the arguments are unchanged; a config
+OpenSSH rejects is a ``UsageError`` carrying OpenSSH's own message (file and line).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 import paramiko
 
 from dlrun.errors import UsageError
+from dlrun.transport import ssh_g_cache
 
 DEFAULT_IDENTITIES = ("~/.ssh/id_rsa", "~/.ssh/id_ecdsa", "~/.ssh/id_ecdsa_sk", "~/.ssh/id_ed25519",
                       "~/.ssh/id_ed25519_sk", "~/.ssh/id_xmss", "~/.ssh/id_dsa")  # OpenSSH's, in its order
@@ -342,10 +344,11 @@ class SSHConfigReader:
     """Looks hosts up with ``ssh -G`` (``ssh``: the binary) or, without one, paramiko's parser.
 
     ``config_file`` None: OpenSSH's own files (``~/.ssh/config``, then ``/etc/ssh/ssh_config``;
-    the fallback reads ``~/.ssh/config`` only). Answers are cached per request.
+    the fallback reads ``~/.ssh/config`` only). Answers are cached per request, and ``ssh -G``'s
+    also on disk (``ssh_g_cache``) unless ``disk_cache`` is False.
     """
 
-    def __init__(self, config_file: str | None, ssh: str | None) -> None:
+    def __init__(self, config_file: str | None, ssh: str | None, *, disk_cache: bool = True) -> None:
         self.config_file = os.path.expanduser(config_file) if config_file else None
         if self.config_file and not os.path.isfile(self.config_file):
             raise UsageError(f"ssh config file not found: {config_file}")
@@ -358,6 +361,8 @@ class SSHConfigReader:
                 self.fallback = paramiko.SSHConfig.from_text(read_ssh_config(path))
         self._cache: dict[Request, HostConfig] = {}
         self._lock = threading.Lock()
+        self.disk_cache = disk_cache and ssh is not None
+        self._files: ssh_g_cache.ConfigFiles | None = None  # read once, at the first lookup
 
     def lookup(self, request: Request) -> HostConfig:
         with self._lock:
@@ -376,6 +381,7 @@ class SSHConfigReader:
         """Every request's answer, looked up in parallel; the first error (OpenSSH's message) raised."""
         if len(requests) <= 1 or self.fallback is not None:
             return [self.lookup(r) for r in requests]
+        self._config_files()
         with ThreadPoolExecutor(max_workers=min(16, len(requests))) as pool:
             return list(pool.map(self.lookup, requests))
 
@@ -392,15 +398,35 @@ class SSHConfigReader:
             argv += ["-i", request.identity_file]
         return [*argv, "--", request.alias]
 
+    def _config_files(self) -> ssh_g_cache.ConfigFiles | None:
+        if not self.disk_cache:
+            return None
+        with self._lock:
+            if self._files is None:
+                self._files = ssh_g_cache.config_files(self.config_file)
+            return self._files
+
     def _ssh_g(self, request: Request) -> str:
         argv = self.ssh_g_argv(request)
+        files = self._config_files()
+        key = ssh_g_cache.cache_key(argv[0], files, argv) if files is not None else None
+        if key is not None:
+            known = ssh_g_cache.read(key)
+            if known is not None:
+                return known
+        run = [argv[0], "-v", *argv[1:]] if key is not None else argv  # -v: the files it read
         try:
-            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            proc = subprocess.run(run, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                                   timeout=SSH_G_TIMEOUT, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise UsageError(f"cannot read the ssh config for {request.alias}: {shlex.join(argv)}: {exc}") from exc
         if proc.returncode != 0:
-            message = "\n  ".join(line for line in proc.stderr.strip().splitlines() if line.strip())
+            message = "\n  ".join(line for line in proc.stderr.strip().splitlines()
+                                  if line.strip() and not line.startswith(("debug1:", "OpenSSH_")))
             raise UsageError(f"OpenSSH rejects the ssh config for {request.alias} ({shlex.join(argv)}):\n  {message}",
                              hint="fix the file and line OpenSSH names")
+        if (key is not None and files is not None and ssh_g_cache.files_read(proc.stderr) <= files.paths
+                and parse_ssh_g(proc.stdout).get("canonicalizehostname", ["false"])[0] == "false"
+                and ssh_g_cache.config_files(self.config_file).digest == files.digest):  # not edited meanwhile
+            ssh_g_cache.write(key, proc.stdout)
         return proc.stdout

@@ -5,15 +5,17 @@ and its pure output parser."""
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from dlrun.remote import boot_argv, boot_payload, source_of
+from dlrun.remote import CACHE_STAGE, boot_argv, boot_payload, source_of
 from dlrun.topo.parse import QUERY_GPU_BASIC_FIELDS, QUERY_GPU_FIELDS
 from dlrun.topo.probe import parse_probe_output, probe_local
 
@@ -320,3 +322,138 @@ def test_torch_its_cuda_build_and_nccl_from_metadata_without_importing_torch(tmp
     env = env_with_path(None, PATH=str(tmp_path), DLRUN_SYSFS_ROOT=str(tmp_path), PYTHONPATH=str(cpu))
     report = parse_probe_output("h", run_probe(env).stdout)
     assert (report.torch, report.torch_cuda, report.nccl) == ("2.13.0+cpu", None, None)
+
+
+# --------------------------------------------------------------------------- the GPU cache
+
+
+def logged_smi(tmp_path: Path, **fake: Any) -> tuple[Path, Path]:
+    """(bin folder, log): ``nvidia-smi`` replaying the captures and logging each call's argv."""
+    real, bin_dir, log = tmp_path / "real", tmp_path / "bin", tmp_path / "calls.log"
+    real.mkdir(exist_ok=True)
+    bin_dir.mkdir(exist_ok=True)
+    write_fake_tool(real, "nvidia-smi", SMI_REPLIES, **fake)
+    wrapper = bin_dir / "nvidia-smi"
+    wrapper.write_text(f"#!/bin/sh\necho \"$*\" >> {log}\nexec {real / 'nvidia-smi'} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return bin_dir, log
+
+
+def calls(log: Path) -> list[str]:
+    """The calls since the last look (the log is emptied)."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    log.write_text("")
+    return sorted("header" if not line else line.split()[0] for line in lines)
+
+
+def probed(env: dict[str, str], payload: bytes | None = None) -> dict[str, Any]:
+    proc = subprocess.run(boot_argv([sys.executable], "probe"), input=payload or boot_payload("probe"),
+                          capture_output=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    doc: dict[str, Any] = json.loads(proc.stdout)
+    return doc
+
+
+FRESH = ["--query-gpu=index,uuid,name,pci.bus_id,memory.total,driver_version,compute_cap,mig.mode.current", "-L"]
+EVERY = sorted([*FRESH, "topo", "header"])
+
+
+def test_the_second_probe_takes_topology_and_header_from_the_cache(tmp_path: Path) -> None:
+    bin_dir, log = logged_smi(tmp_path)
+    env = env_with_path(bin_dir, DLRUN_SYSFS_ROOT=str(SYSFS_H100), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    first = probed(env)
+    assert calls(log) == EVERY
+    entries = list((tmp_path / "xdg" / "dlrun" / "probe").iterdir())
+    assert len(entries) == 1 and entries[0].stat().st_mode & 0o777 == 0o600
+    second = probed(env)
+    assert calls(log) == sorted(FRESH)  # the GPU list and MIG state are asked every time
+    assert second["commands"]["topo"]["cached"] is True and "cached" not in second["commands"]["query_gpu"]
+    for name in ("topo", "header"):
+        assert {**second["commands"][name], "cached": None} == {**first["commands"][name], "cached": None}
+    assert parse_probe_output("n", json.dumps(second)) == parse_probe_output("n", json.dumps(first))
+
+
+def test_a_changed_key_probes_afresh(tmp_path: Path) -> None:
+    bin_dir, log = logged_smi(tmp_path)
+    env = env_with_path(bin_dir, DLRUN_SYSFS_ROOT=str(SYSFS_H100), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    probed(env)
+    calls(log)
+    os.utime(bin_dir / "nvidia-smi", ns=(1, 1))  # another nvidia-smi binary (a driver update)
+    probed(env)
+    assert calls(log) == EVERY
+    probed(env)
+    assert calls(log) == sorted(FRESH)
+    changed = source_of("probe").encode() + b"\n# another version of the probe\n"
+    stage = CACHE_STAGE.encode()
+    probed(env, b"+%09d" % len(stage) + stage + b"%010d" % len(changed) + changed)
+    assert calls(log) == EVERY
+
+
+def test_an_answer_while_nvidia_smi_changes_is_not_cached(tmp_path: Path) -> None:
+    bin_dir, log = logged_smi(tmp_path)
+    wrapper = bin_dir / "nvidia-smi"
+    wrapper.write_text(wrapper.read_text().replace("exec ", f"touch -d @1 {wrapper}\nexec ", 1))  # a driver update
+    env = env_with_path(bin_dir, DLRUN_SYSFS_ROOT=str(SYSFS_H100), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    probed(env)
+    folder = tmp_path / "xdg" / "dlrun" / "probe"
+    assert not folder.exists() or not any(folder.iterdir())
+    assert calls(log) == EVERY
+
+
+def test_a_failed_answer_is_not_cached(tmp_path: Path) -> None:
+    bin_dir, log = logged_smi(tmp_path, broken="NVIDIA-SMI has failed because it couldn't communicate with the driver")
+    env = env_with_path(bin_dir, DLRUN_SYSFS_ROOT=str(SYSFS_H100), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    probed(env)
+    probed(env)
+    assert calls(log).count("topo") == 2
+    folder = tmp_path / "xdg" / "dlrun" / "probe"
+    assert not folder.exists() or not any(folder.iterdir())
+
+
+@pytest.mark.parametrize("how", ["tampered", "group-readable", "symlink", "foreign owner", "open folder"])
+def test_a_bad_cache_entry_is_ignored(how: str, tmp_path: Path) -> None:
+    bin_dir, log = logged_smi(tmp_path)
+    env = env_with_path(bin_dir, DLRUN_SYSFS_ROOT=str(SYSFS_H100), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    probed(env)
+    folder = tmp_path / "xdg" / "dlrun" / "probe"
+    [entry] = list(folder.iterdir())
+    head = b"dlrun-probe 1 " + entry.name.encode() + b"\n"
+    body = entry.read_bytes()[len(head) + 32:].replace(b"NV1", b"NV9")
+    forged = head + hashlib.sha256(body).digest() + body  # a digest that fits: only place and mode reject it
+    if how == "tampered":
+        entry.write_bytes(entry.read_bytes().replace(b"NV1", b"NV9"))
+    elif how == "group-readable":
+        entry.write_bytes(forged)
+        entry.chmod(0o640)
+    elif how == "symlink":
+        (tmp_path / "elsewhere").write_bytes(forged)
+        (tmp_path / "elsewhere").chmod(0o600)
+        entry.unlink()
+        entry.symlink_to(tmp_path / "elsewhere")
+    elif how == "foreign owner":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give the entry away")
+        entry.write_bytes(forged)
+        os.chown(entry, 65534, 65534)
+    elif how == "open folder":
+        entry.write_bytes(forged)
+        folder.chmod(0o777)
+    calls(log)
+    doc = probed(env)
+    assert calls(log) == EVERY
+    assert "cached" not in doc["commands"]["topo"]
+    assert parse_probe_output("n", json.dumps(doc)).links["GPU0"]["GPU1"] == "NV1"
+
+
+def test_a_well_formed_forgery_would_be_read(tmp_path: Path) -> None:
+    """The control for the test above: the checks, not a stale key, reject those entries."""
+    bin_dir, _log = logged_smi(tmp_path)
+    env = env_with_path(bin_dir, DLRUN_SYSFS_ROOT=str(SYSFS_H100), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    probed(env)
+    [entry] = list((tmp_path / "xdg" / "dlrun" / "probe").iterdir())
+    head = b"dlrun-probe 1 " + entry.name.encode() + b"\n"
+    body = entry.read_bytes()[len(head) + 32:].replace(b"NV1", b"NV9")
+    entry.write_bytes(head + hashlib.sha256(body).digest() + body)
+    doc = probed(env)
+    assert doc["commands"]["topo"]["cached"] is True
+    assert parse_probe_output("n", json.dumps(doc)).links["GPU0"]["GPU1"] == "NV9"

@@ -172,13 +172,23 @@ def fields(config: HostConfig) -> dict[str, object]:
 
 @pytest.mark.parametrize("name", CORPUS)
 def test_every_field_is_what_ssh_g_says(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twice: from ``ssh -G``, then (a new reader, no process started) from the disk cache."""
     monkeypatch.setenv("HOME", HOME)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     case = CORPUS[name]
     config = write(case, tmp_path)
-    reader = SSHConfigReader(str(config), SSH)
-    found = reader.lookup_all(case.requests)
+    found = SSHConfigReader(str(config), SSH).lookup_all(case.requests)
     for request, host in zip(case.requests, found, strict=True):
         assert fields(host) == expected(ssh_g(config, request), request), request
+    with monkeypatch.context() as patched:
+        patched.setattr(subprocess, "run", no_process)
+        cached = SSHConfigReader(str(config), SSH).lookup_all(case.requests)
+    for request, host in zip(case.requests, cached, strict=True):
+        assert fields(host) == expected(ssh_g(config, request), request), request
+
+
+def no_process(*args: object, **kwargs: object) -> None:
+    raise AssertionError(f"a process was started: {args}")
 
 
 @pytest.mark.parametrize("name", CORPUS)
