@@ -164,10 +164,14 @@ def offset_since(index_path: str, since: float) -> int:
     return -1
 
 
-def log_files(job_id: str, offsets: dict[str, int], since: float | None) -> list[tuple[str, str, str, int]]:
-    """(key, path, host, offset to start from) of each rank log and ``gpu.csv`` of the job."""
+def log_files(job_id: str, offsets: dict[str, int], since: float | None,
+              skip: frozenset[str] = frozenset()) -> list[tuple[str, str, str, int]]:
+    """(key, path, host, offset to start from) of each rank log and ``gpu.csv`` of the job, but
+    for the host folders in ``skip`` (hosts that share this home and send their own)."""
     found = []
     for hostdir in host_dirs(job_id):
+        if os.path.basename(hostdir) in skip:
+            continue
         host = (read_json(os.path.join(hostdir, "state.json")) or {}).get("host", "?")
         for attempt in sorted(os.listdir(hostdir)):
             folder = os.path.join(hostdir, attempt)
@@ -190,7 +194,7 @@ def log_files(job_id: str, offsets: dict[str, int], since: float | None) -> list
 
 
 def stream_logs(job_id: str, offsets: dict[str, int], since: float | None, whole: bool, out: Any,
-                side: dict[str, Any] | None = None) -> None:
+                side: dict[str, Any] | None = None, skip: frozenset[str] = frozenset()) -> None:
     """The ``logs`` answer as a stream: first ``R {"jobs"}\n`` (the records: a job that has ended
     there wrote every line before), then every byte of each file to its end, in pieces of at most
     ``CHUNK`` that end at a line's end where one is within reach: ``P {"key", "host", "offset",
@@ -198,8 +202,8 @@ def stream_logs(job_id: str, offsets: dict[str, int], since: float | None, whole
     ``whole`` a file's unfinished last line waits for the next look (``--follow``); with it (the
     job ended, or a one-off look), it is sent as it is. ``side``: dlrun offers a TLS side channel
     (``side_channel``); with ``SIDE_FROM`` bytes or more to send, the stream goes there when dlrun
-    reaches it, else on ``out`` as always."""
-    files = log_files(job_id, offsets, since)
+    reaches it, else on ``out`` as always. ``skip``: host folders not to send (``log_files``)."""
+    files = log_files(job_id, offsets, since, skip)
     write = out.write
     tls = None
     if side is not None and sum(max(0, size_of(path) - offset) for _k, path, _h, offset in files) >= SIDE_FROM:
@@ -449,7 +453,7 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
         ago = request.get("since_ago")  # seconds before now on this host's clock (no clock skew)
         stream_logs(job_id, {str(k): int(v) for k, v in (request.get("offsets") or {}).items()},
                     None if ago is None else time.time() - float(ago), bool(request.get("whole")),
-                    sys.stdout.buffer, request.get("side"))
+                    sys.stdout.buffer, request.get("side"), frozenset(str(n) for n in request.get("skip") or ()))
         return {}
     if op == "stop":
         return stop(job_id)

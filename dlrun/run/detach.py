@@ -494,8 +494,14 @@ class LogFollower:
                 self.offsets[key] = int(header["offset"]) + len(data)  # data: as the file holds it
                 self.show(key, str(header.get("host", "?")), data)
 
+        reachable = [h.name for h in self.hosts.hosts if h.name not in self.hosts.unreachable]
+
         def ask(host: Host) -> None:
-            stream_logs(self.hosts.transport, host, request, records,
+            # hosts that share a home (NFS) see each other's folders: each sends its own, and
+            # those of hosts that cannot be reached
+            own = keeper.host_folder(host.name)
+            skip = sorted({keeper.host_folder(n) for n in reachable} - {own})
+            stream_logs(self.hosts.transport, host, {**request, "skip": skip}, records,
                         lambda key, header, data: piece(host.name, key, header, data), side=self.side)
 
         self.hosts.each(ask)
