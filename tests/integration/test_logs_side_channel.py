@@ -18,19 +18,20 @@ from typing import Any
 
 import pytest
 
-from conftest import hosts_toml
 from dlrun import api
 from dlrun.errors import HostUnreachable
-from dlrun.remote import boot_argv, boot_payload, jobs
+from dlrun.remote import boot_argv, boot_payload
 from dlrun.run import detach, logstream
+from dlrun.tls import client_context, make_job_tls
 from dlrun.transport.base import default_python
 from dlrun.transport.ssh import SSHTransport
-from dlrun.tls import client_context, make_job_tls
+
+from conftest import hosts_toml
 from support.sshd_cluster import TEST_USER_HOME
 
 pytestmark = pytest.mark.ssh
 
-BIG_LINES = 200_000  # about 12 MB: more than jobs.SIDE_FROM
+BIG_LINES = 200_000  # about 12 MB: more than dlrun.remote.jobs.SIDE_FROM
 
 
 def line(rank: int, i: int) -> bytes:
