@@ -122,6 +122,7 @@ def main() -> int:
                         code = subprocess.run([sys.executable, "-m", "dlrun", "logs", job, *common], stdout=sink,
                                               env=tool_env, cwd=base, timeout=600).returncode
                     if code != 0:
+                        print(f"{tool}: dlrun logs exited with {code}", file=sys.stderr)
                         return code
                 rows[tool].append(time.monotonic() - started)
                 cpu[tool].append(client_cpu() - before)

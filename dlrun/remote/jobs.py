@@ -5,7 +5,8 @@ answer on stdout. Standard library only, Python >= 3.8. A job's folder has one f
 (``host-<name>/``: hosts may share a home); a pid there counts only on the machine and boot
 that wrote it. Requests: ``{"op": "ps"}``, ``{"op": "state", "job"}``, ``{"op": "logs", "job",
 "offsets": {file: byte offset}, "whole"}`` (every byte from each offset, streamed in pieces:
-``--follow`` polls cheaply and nothing is capped), ``{"op": "stop", "job"}`` (SIGTERM to the
+``--follow`` polls cheaply and nothing is capped; a big answer goes over the TLS side channel
+dlrun offers, ``side_channel``), ``{"op": "stop", "job"}`` (SIGTERM to the
 job's keepers here, found by their pid files and checked in ``/proc/<pid>/cmdline``),
 ``{"op": "delete", "job", "read"}`` (only files read to their end) and ``{"op": "stacks", "job",
 "message", "host"}`` (``dlrun stack``: the message goes to the keeper of ``host`` (hosts may share
