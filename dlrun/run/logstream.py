@@ -14,6 +14,7 @@ SSH channel instead, and is not offered the side channel again. Measured in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import socket
@@ -54,6 +55,11 @@ class SideChannel:
                 self._context = client_context(tls.cert_pem)
             return self._offer, self._context
 
+    def prepare(self) -> None:
+        """``offer`` ahead (in a thread, while a channel opens); a failure shows on ``offer``."""
+        with contextlib.suppress(Exception):
+            self.offer()
+
     def refuse(self, host: str, why: str) -> None:
         with self._lock:
             self.refused[host] = why
@@ -66,6 +72,7 @@ class Frames:
     def __init__(self, recv_into: Callable[[memoryview], int]) -> None:
         self.recv_into = recv_into
         self.buf = bytearray(1 << 16)
+        self.piece = bytearray()
         self.start = 0
         self.end = 0
 
@@ -97,17 +104,22 @@ class Frames:
             self._fill()
 
     def exact(self, n: int) -> bytearray:
-        """The next ``n`` bytes."""
-        out = bytearray(n)
+        """The next ``n`` bytes, in one buffer reused by the next call (pieces are about the same
+        size: resized in place, no fresh zeroed megabyte per piece)."""
+        out = self.piece
+        if len(out) > n:
+            del out[n:]
+        elif len(out) < n:
+            out.extend(bytes(n - len(out)))
         have = min(n, self.end - self.start)
         out[:have] = self.buf[self.start: self.start + have]
         self.start += have
-        view = memoryview(out)
-        while have < n:
-            got = self.recv_into(view[have:])
-            if not got:
-                raise EOFError
-            have += got
+        with memoryview(out) as view:
+            while have < n:
+                got = self.recv_into(view[have:])
+                if not got:
+                    raise EOFError
+                have += got
         return out
 
 
@@ -181,13 +193,20 @@ def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
                 side: SideChannel | None = None) -> dict[str, Any]:
     """``dlrun-jobs``'s streamed ``logs`` answer (``dlrun.remote.jobs.stream_logs``): the host's
     records to ``on_records`` first, then each piece to ``on_piece(key, header, data)`` as it
-    arrives, so memory stays bounded whatever the logs hold; the closing document (``jobs``,
-    ``ends``). ``timeout``: seconds without a byte from the host (time spent showing what came,
-    a paused pager, does not count; the transport's own silence clock covers a dead host).
+    arrives (``data`` is reused for the next piece), so memory stays bounded whatever the logs
+    hold; the closing document (``jobs``, ``ends``). ``timeout``: seconds without a byte from the
+    host (time spent showing what came, a paused pager, does not count; the transport's own
+    silence clock covers a dead host).
     ``side``: offer the host the TLS side channel, where the transport reached it directly."""
     address = transport.direct_address(host) if side is not None and host.name not in side.refused else None
-    offer, context = side.offer() if side is not None and address is not None else (None, None)
+    making = None
+    if side is not None and address is not None:  # the key is made while the channel opens
+        making = threading.Thread(target=side.prepare, name=f"dlrun-side-{host.name}", daemon=True)
+        making.start()
     channel = transport.open(host, boot_argv(default_python(host), "jobs"))
+    if making is not None:
+        making.join()
+    offer, context = side.offer() if side is not None and address is not None else (None, None)
     tls: ssl.SSLSocket | None = None
     try:
         document = {**request, "stream": True, **({"side": offer} if offer is not None else {})}
