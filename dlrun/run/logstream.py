@@ -1,15 +1,15 @@
 """Reading ``dlrun-jobs``' streamed ``logs`` answer home: over the SSH channel, or over a TLS
 side channel the host opens for a big answer.
 
-The frame format (``R``, ``P``, ``J`` lines) is ``dlrun.remote.jobs.stream_logs``'. ``stream_logs``
-offers the host a ``SideChannel`` (a certificate and key made here, and a one-time token, all
-sent over the SSH channel) where the transport reached the host over its own TCP connection.
-The host listens on the address that connection came to and says its port (``T``); dlrun
-connects, pins the certificate and shows the token, and the answer comes that way, read
-straight into its pieces by OpenSSL with the GIL released (paramiko's packet path copies each
-byte about ten times). A host whose port cannot be reached (a firewall, a NAT) answers on the
-SSH channel instead, and is not offered the side channel again. Measured in
-``docs/benchmarks.md`` ("Reading a detached job's logs home").
+The frame format (``R``, ``P``, ``J`` lines) is ``dlrun.remote.jobs.stream_logs``'.
+``stream_logs`` offers the host a ``SideChannel`` (a certificate and key made here for that
+host, and a one-time token, all sent over the SSH channel) where the transport reached the host
+over its own TCP connection. The host listens on the address that connection came to and says
+its port (``T``); dlrun connects, pins the certificate and shows the token, and the answer comes
+that way, read straight into its pieces by OpenSSL with the GIL released (paramiko's packet
+path copies each byte about ten times). A host whose port cannot be reached (a firewall, a NAT)
+answers on the SSH channel instead, and is not offered the side channel again. Mechanism:
+``docs/detach.md``; measured in ``docs/benchmarks.md`` ("Reading a detached job's logs home").
 """
 
 from __future__ import annotations
@@ -31,34 +31,38 @@ from dlrun.transport.base import Channel, Transport, default_python
 SIDE_CONNECT = 5.0  # seconds to reach a host's side channel before its answer comes over SSH instead
 SLICE = 1.0  # seconds between two looks at the SSH connection while the side channel is quiet
 LINE_MAX = 1 << 26  # bytes of one frame line (the records of a job with many ranks fit)
+PIECE_MAX = 1 << 24  # bytes of one piece (the jobs program sends at most 1 MiB): memory stays bounded
 
 
 class SideChannel:
-    """The TLS side channel dlrun offers the hosts of one ``logs``/``attach``/``--follow``: one
-    certificate and token for all of them (made on first use), and the hosts whose side
+    """The TLS side channel dlrun offers the hosts of one ``logs``/``attach``/``--follow``: each
+    host its own certificate, key and token (made on first use, kept for the command's later
+    looks), so that no host holds what would let it pose as another; and the hosts whose side
     channel could not be reached (they answer over SSH from then on)."""
 
     def __init__(self) -> None:
         self.refused: dict[str, str] = {}  # host -> why its side channel could not be reached
-        self._offer: dict[str, str] | None = None
-        self._context: ssl.SSLContext | None = None
+        self._offers: dict[str, tuple[dict[str, str], ssl.SSLContext]] = {}
         self._lock = threading.Lock()
 
-    def offer(self) -> tuple[dict[str, str], ssl.SSLContext]:
-        """What the hosts are sent (certificate, key, token) and the context that pins it."""
+    def offer(self, host: str) -> tuple[dict[str, str], ssl.SSLContext]:
+        """What ``host`` is sent (certificate, key, token) and the context that pins it."""
         with self._lock:
-            if self._offer is None or self._context is None:
-                from dlrun.tls import client_context, make_job_tls
+            made = self._offers.get(host)
+        if made is None:
+            from dlrun.tls import client_context, make_job_tls
 
-                tls = make_job_tls("logs")
-                self._offer = {"cert": tls.cert_pem, "key": tls.key_pem, "token": secrets.token_urlsafe(32)}
-                self._context = client_context(tls.cert_pem)
-            return self._offer, self._context
+            tls = make_job_tls(f"logs {host}")
+            made = ({"cert": tls.cert_pem, "key": tls.key_pem, "token": secrets.token_urlsafe(32)},
+                    client_context(tls.cert_pem))
+            with self._lock:
+                made = self._offers.setdefault(host, made)
+        return made
 
-    def prepare(self) -> None:
+    def prepare(self, host: str) -> None:
         """``offer`` ahead (in a thread, while a channel opens); a failure shows on ``offer``."""
         with contextlib.suppress(Exception):
-            self.offer()
+            self.offer(host)
 
     def refuse(self, host: str, why: str) -> None:
         with self._lock:
@@ -201,12 +205,13 @@ def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
     address = transport.direct_address(host) if side is not None and host.name not in side.refused else None
     making = None
     if side is not None and address is not None:  # the key is made while the channel opens
-        making = threading.Thread(target=side.prepare, name=f"dlrun-side-{host.name}", daemon=True)
+        making = threading.Thread(target=side.prepare, args=(host.name,), name=f"dlrun-side-{host.name}",
+                                  daemon=True)
         making.start()
     channel = transport.open(host, boot_argv(default_python(host), "jobs"))
     if making is not None:
         making.join()
-    offer, context = side.offer() if side is not None and address is not None else (None, None)
+    offer, context = side.offer(host.name) if side is not None and address is not None else (None, None)
     tls: ssl.SSLSocket | None = None
     try:
         document = {**request, "stream": True, **({"side": offer} if offer is not None else {})}
@@ -220,6 +225,8 @@ def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
                 line = frames.line()
                 if line.startswith(b"P "):
                     header = json.loads(line[2:])
+                    if not 0 <= int(header["length"]) <= PIECE_MAX:
+                        raise DlrunError(f"dlrun-jobs sent a piece of {header['length']} bytes", host=host.name)
                     on_piece(str(header["key"]), header, frames.exact(int(header["length"])))
                     continue
             except EOFError:

@@ -45,6 +45,10 @@ def job(request: pytest.FixtureRequest) -> Iterator[str]:
     job_id = "side-" + re.sub(r"\W", "", request.node.name)[-40:]
     root = TEST_USER_HOME / ".dlrun" / "jobs" / job_id
     owner = os.stat(TEST_USER_HOME)
+    for parent in (root.parent.parent, root.parent):  # the login user's own, as its keepers make them
+        if not parent.exists():
+            parent.mkdir(mode=0o700)
+            os.chown(parent, owner.st_uid, owner.st_gid)
     for rank, (host, count) in enumerate((("host0", BIG_LINES), ("host1", 1000))):
         folder = root / f"host-{host}"
         (folder / "attempt-0").mkdir(parents=True)
@@ -54,7 +58,7 @@ def job(request: pytest.FixtureRequest) -> Iterator[str]:
             "ranks": ranks, "hosts": ["host0", "host1"]}))
         (folder / "state.json").write_text(json.dumps({"job_id": job_id, "host": host}))
         (folder / "attempt-0" / f"rank-{rank}.log").write_bytes(b"".join(line(rank, i) for i in range(count)))
-    for folder, dirs, files in os.walk(root.parent):
+    for folder, dirs, files in os.walk(root):
         for name in [".", *dirs, *files]:
             os.chown(os.path.join(folder, name), owner.st_uid, owner.st_gid)
     yield job_id
