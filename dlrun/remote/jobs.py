@@ -323,7 +323,10 @@ def side_channel(side: dict[str, Any], out: Any) -> Any:
                 return None
             if listener.fileno() not in ready:
                 continue
-            conn, _ = listener.accept()
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
             try:
                 conn.settimeout(min(10.0, max(0.1, deadline - time.monotonic())))
                 tls = context.wrap_socket(conn, server_side=True)
