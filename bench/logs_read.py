@@ -29,6 +29,7 @@ import argparse
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -76,6 +77,8 @@ def main() -> int:
     protos = dict(p.split("=", 1) for p in args.proto)
     base = make_base_dir()
     cluster = start_bench_cluster(args.hosts, base, args.python)
+    jobs_dir = Path(os.path.expanduser(f"~{cluster.user}")) / ".dlrun" / "jobs"
+    job = ""
     try:
         hosts = write_hosts_toml(cluster, base / "hosts.toml", args.hosts, args.python)
         script = write_script(scripts_dir(base), "quick.py", "print('started')\n")
@@ -139,6 +142,8 @@ def main() -> int:
         return 0 if lost == 0 else 1
     finally:
         cluster.stop(remove=True)
+        if job:  # its logs are hundreds of MB, in the login user's home
+            shutil.rmtree(jobs_dir / job, ignore_errors=True)
 
 
 def check(output: Path, ranks: int, lines: int) -> int:
