@@ -225,3 +225,15 @@ def jobs_processes(client_port: int) -> list[int]:
         if b"dlrun-jobs" in argv and len(where) == 4 and int(where[1]) == client_port:
             found.append(int(entry.name))
     return found
+
+
+def test_attach_reads_a_big_backlog_over_the_side_channel(cluster, tmp_path: Path, job: str,  # type: ignore[no-untyped-def]
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = Spy(monkeypatch)
+    out = io.StringIO()
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    assert api.attach(job, str(hosts), out=out, ssh_config=str(cluster.ssh_config)) == 0
+    text = out.getvalue().encode()
+    assert shown_lines(text, 0, "host0") == [line(0, i) for i in range(BIG_LINES)]
+    assert shown_lines(text, 1, "host1") == [line(1, i) for i in range(1000)]
+    assert [address for address, _port in spy.reached] == [cluster.hosts[0].address]
