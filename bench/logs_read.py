@@ -8,26 +8,43 @@ with random hex in them: zlib shrinks them about as much as real logs):
 
 * **dlrun**: ``dlrun logs JOB --hosts hosts.toml --ssh-config <cfg>`` (every byte, prefixed
   ``[rank host] ``, streamed by ``dlrun-jobs`` in pieces);
-* **ssh**: one ``ssh -F <cfg> host cat <rank log>`` per rank, all in parallel (OpenSSH, no prefix).
+* **ssh**: one ``ssh -F <cfg> host cat <rank log>`` per rank, all in parallel (OpenSSH, no prefix);
+* ``--proto NAME=DIR``: ``dlrun logs`` of another copy of the package (``PYTHONPATH=DIR``, e.g. a
+  worktree of ``main`` for the code before a change), as a column NAME.
 
-The table gives MB/s of log read home (the file sizes over the wall time) and dlrun's rate as a
-ratio of ssh's (goal ≥ 0.5). dlrun's output is checked: every line, in order, per rank.
+The tools run in a shuffled order in every repeat, so that other load on the machine hits them
+alike. The table gives MB/s of log read home (the file sizes over the median wall time), the
+client's CPU seconds, and each tool's rate as a ratio of ssh's: the median of the ratios within
+each repeat (the same load), with their range (goal ≥ 0.5). Every dlrun output is checked: every
+line, in order, per rank.
 
     python bench/logs_read.py                   # --hosts 2 --mb 100 --repeat 3
     python bench/logs_read.py --hosts 2 --mb 2 --repeat 1
+    python bench/logs_read.py --repeat 8 --proto main=/work/main
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from launch import dlrun_env, make_base_dir, median, scripts_dir, start_bench_cluster, write_hosts_toml, write_script
+from launch import (
+    client_cpu,
+    dlrun_env,
+    make_base_dir,
+    median,
+    scripts_dir,
+    start_bench_cluster,
+    write_hosts_toml,
+    write_script,
+)
 
 
 def line(i: int, noise: bytes) -> bytes:
@@ -54,9 +71,14 @@ def main() -> int:
     parser.add_argument("--mb", type=int, default=100, help="MB of log per rank")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("--proto", action="append", default=[], metavar="NAME=DIR",
+                        help="also time dlrun logs of the dlrun package in DIR, as column NAME")
     args = parser.parse_args()
+    protos = dict(p.split("=", 1) for p in args.proto)
     base = make_base_dir()
     cluster = start_bench_cluster(args.hosts, base, args.python)
+    jobs_dir = Path(os.path.expanduser(f"~{cluster.user}")) / ".dlrun" / "jobs"
+    job = ""
     try:
         hosts = write_hosts_toml(cluster, base / "hosts.toml", args.hosts, args.python)
         script = write_script(scripts_dir(base), "quick.py", "print('started')\n")
@@ -79,35 +101,49 @@ def main() -> int:
         files = sorted((home / ".dlrun" / "jobs" / job).glob("host-*/attempt-0/rank-*.log"))
         total = sum(grow(f, args.mb, owner) for f in files)
         print(f"{len(files)} rank logs of {args.mb} MB on {args.hosts} hosts ({total / 1e6:.0f} MB in all)\n")
-        rows: dict[str, list[float]] = {"dlrun": [], "ssh": []}
+        tools = ["dlrun", *protos, "ssh"]
+        rows: dict[str, list[float]] = {tool: [] for tool in tools}
+        cpu: dict[str, list[float]] = {tool: [] for tool in tools}
+        lost = 0
         for _ in range(args.repeat):
-            started = time.monotonic()
-            with open(base / "dlrun.out", "wb") as sink:
-                code = subprocess.run([sys.executable, "-m", "dlrun", "logs", job, *common], stdout=sink, env=env,
-                                      cwd=base, timeout=600).returncode
-            rows["dlrun"].append(time.monotonic() - started)
-            if code != 0:
-                return code
-            started = time.monotonic()
-            procs = []
-            for f in files:
-                host = f.parts[-3].removeprefix("host-")
-                sink = open(base / f"ssh-{host}-{f.name}", "wb")  # noqa: SIM115 - closed below
-                procs.append((sink, subprocess.Popen(["ssh", "-F", str(cluster.ssh_config), host, "cat", str(f)],
-                                                     stdout=sink)))
-            for sink, proc in procs:
-                proc.wait(600)
-                sink.close()
-            rows["ssh"].append(time.monotonic() - started)
-        lost = check(base / "dlrun.out", len(files), args.mb * 10_000)
+            for tool in random.sample(tools, len(tools)):
+                before = client_cpu()
+                started = time.monotonic()
+                if tool == "ssh":
+                    procs = []
+                    for f in files:
+                        host = f.parts[-3].removeprefix("host-")
+                        sink = open(base / f"ssh-{host}-{f.name}", "wb")  # noqa: SIM115 - closed below
+                        procs.append((sink, subprocess.Popen(["ssh", "-F", str(cluster.ssh_config), host, "cat",
+                                                              str(f)], stdout=sink)))
+                    for sink, proc in procs:
+                        proc.wait(600)
+                        sink.close()
+                else:
+                    tool_env = env if tool == "dlrun" else dlrun_env(protos[tool])
+                    with open(base / "dlrun.out", "wb") as sink:
+                        code = subprocess.run([sys.executable, "-m", "dlrun", "logs", job, *common], stdout=sink,
+                                              env=tool_env, cwd=base, timeout=600).returncode
+                    if code != 0:
+                        print(f"{tool}: dlrun logs exited with {code}", file=sys.stderr)
+                        return code
+                rows[tool].append(time.monotonic() - started)
+                cpu[tool].append(client_cpu() - before)
+                if tool != "ssh":
+                    lost += check(base / "dlrun.out", len(files), args.mb * 10_000)
         rate = {tool: total / 1e6 / median(times) for tool, times in rows.items()}
-        print("| tool | wall s (median) | MB/s | × ssh |\n|---|---|---|---|")
-        for tool, times in rows.items():
-            print(f"| {tool} | {median(times):.2f} | {rate[tool]:.0f} | {rate[tool] / rate['ssh']:.2f} |")
+        print("| tool | wall s (median) | MB/s | client CPU s | × ssh (median of repeats) | range |")
+        print("|---|---|---|---|---|---|")
+        for tool in tools:
+            ratios = sorted(s / d for s, d in zip(rows["ssh"], rows[tool], strict=True))
+            print(f"| {tool} | {median(rows[tool]):.2f} | {rate[tool]:.0f} | {median(cpu[tool]):.2f} |"
+                  f" {median(ratios):.2f} | {ratios[0]:.2f}–{ratios[-1]:.2f} |")
         print(f"\nlines lost or out of order in dlrun's output: {lost}")
         return 0 if lost == 0 else 1
     finally:
         cluster.stop(remove=True)
+        if job:  # its logs are hundreds of MB, in the login user's home
+            shutil.rmtree(jobs_dir / job, ignore_errors=True)
 
 
 def check(output: Path, ranks: int, lines: int) -> int:

@@ -4,12 +4,14 @@ The Spark channel (``dlrun.spark.tls``) and the keepers of a detached job
 (``dlrun.remote.keeper``) each trust exactly this certificate and nothing else, so only a
 process that holds the job's key can complete a handshake, whatever the network. The peers'
 TLS contexts live beside them (standard library only, shipped to hosts without
-``cryptography``).
+``cryptography``); ``client_context`` is dlrun's own side of such a connection (``dlrun logs``'
+side channel, ``dlrun.run.logstream``).
 """
 
 from __future__ import annotations
 
 import datetime
+import ssl
 from dataclasses import dataclass
 
 CERT_DAYS = 30  # long enough for any job; the key never leaves the controller's memory and a temp file
@@ -49,3 +51,13 @@ def make_job_tls(job_id: str) -> JobTls:
         key_pem=key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                   serialization.NoEncryption()).decode("ascii"),
     )
+
+
+def client_context(cert_pem: str) -> ssl.SSLContext:
+    """TLS 1.3 trusting exactly ``cert_pem`` (pinned): only its key's holder completes a handshake."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(cadata=cert_pem)
+    return context

@@ -5,7 +5,8 @@ answer on stdout. Standard library only, Python >= 3.8. A job's folder has one f
 (``host-<name>/``: hosts may share a home); a pid there counts only on the machine and boot
 that wrote it. Requests: ``{"op": "ps"}``, ``{"op": "state", "job"}``, ``{"op": "logs", "job",
 "offsets": {file: byte offset}, "whole"}`` (every byte from each offset, streamed in pieces:
-``--follow`` polls cheaply and nothing is capped), ``{"op": "stop", "job"}`` (SIGTERM to the
+``--follow`` polls cheaply and nothing is capped; a big answer goes over the TLS side channel
+dlrun offers, ``side_channel``), ``{"op": "stop", "job"}`` (SIGTERM to the
 job's keepers here, found by their pid files and checked in ``/proc/<pid>/cmdline``),
 ``{"op": "delete", "job", "read"}`` (only files read to their end) and ``{"op": "stacks", "job",
 "message", "host"}`` (``dlrun stack``: the message goes to the keeper of ``host`` (hosts may share
@@ -26,6 +27,8 @@ from typing import Any
 
 KEEP_DAYS = 7
 CHUNK = 1 << 20  # bytes of one piece of the streamed ``logs`` answer
+SIDE_FROM = 8 << 20  # bytes of a ``logs`` answer from which it takes the TLS side channel dlrun offers
+SIDE_WAIT = 20.0  # seconds the side channel waits for dlrun's connection before the answer goes on stdout
 STACKS_TIMEOUT = 45.0  # seconds the keepers here have to answer a stack request
 
 
@@ -162,10 +165,14 @@ def offset_since(index_path: str, since: float) -> int:
     return -1
 
 
-def log_files(job_id: str, offsets: dict[str, int], since: float | None) -> list[tuple[str, str, str, int]]:
-    """(key, path, host, offset to start from) of each rank log and ``gpu.csv`` of the job."""
+def log_files(job_id: str, offsets: dict[str, int], since: float | None,
+              skip: frozenset[str] = frozenset()) -> list[tuple[str, str, str, int]]:
+    """(key, path, host, offset to start from) of each rank log and ``gpu.csv`` of the job, but
+    for the host folders in ``skip`` (hosts that share this home and send their own)."""
     found = []
     for hostdir in host_dirs(job_id):
+        if os.path.basename(hostdir) in skip:
+            continue
         host = (read_json(os.path.join(hostdir, "state.json")) or {}).get("host", "?")
         for attempt in sorted(os.listdir(hostdir)):
             folder = os.path.join(hostdir, attempt)
@@ -187,43 +194,164 @@ def log_files(job_id: str, offsets: dict[str, int], since: float | None) -> list
     return found
 
 
-def stream_logs(job_id: str, offsets: dict[str, int], since: float | None, whole: bool, out: Any) -> None:
+def stream_logs(job_id: str, offsets: dict[str, int], since: float | None, whole: bool, out: Any,
+                side: dict[str, Any] | None = None, skip: frozenset[str] = frozenset()) -> None:
     """The ``logs`` answer as a stream: first ``R {"jobs"}\n`` (the records: a job that has ended
     there wrote every line before), then every byte of each file to its end, in pieces of at most
     ``CHUNK`` that end at a line's end where one is within reach: ``P {"key", "host", "offset",
     "length"}\n`` and that many raw bytes; last ``J {"ends": {key: offset reached}}\n``. Without
     ``whole`` a file's unfinished last line waits for the next look (``--follow``); with it (the
-    job ended, or a one-off look), it is sent as it is."""
-    out.write(b"R " + json.dumps({"jobs": job_records(job_id)}).encode() + b"\n")
-    ends: dict[str, int] = {}
-    for key, path, host, offset in log_files(job_id, offsets, since):
+    job ended, or a one-off look), it is sent as it is. ``side``: dlrun offers a TLS side channel
+    (``side_channel``); with ``SIDE_FROM`` bytes or more to send, the stream goes there when dlrun
+    reaches it, else on ``out`` as always. ``skip``: host folders not to send (``log_files``)."""
+    files = log_files(job_id, offsets, since, skip)
+    write = out.write
+    tls = None
+    if side is not None and sum(max(0, size_of(path) - offset) for _k, path, _h, offset in files) >= SIDE_FROM:
+        tls = side_channel(side, out)
+        if tls is not None:
+            write = tls.sendall
+    try:
+        write(b"R " + json.dumps({"jobs": job_records(job_id)}).encode() + b"\n")
+        ends: dict[str, int] = {}
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        for key, path, host, offset in files:
+            try:
+                fh = open(path, "rb")  # noqa: SIM115 - the with below owns it
+            except OSError:
+                continue
+            with fh:
+                size = os.fstat(fh.fileno()).st_size  # what is there now: a growing log is followed by the next look
+                fh.seek(offset)
+                pos = offset
+                while pos < size:
+                    got = fh.readinto(view[: min(CHUNK, size - pos)])
+                    if not got:
+                        break
+                    if buf[got - 1] != 10:  # not at a line's end
+                        cut = buf.rfind(b"\n", 0, got) + 1
+                        last = pos + got >= size
+                        if cut:  # whole lines now, the rest in the next piece
+                            got = cut
+                            fh.seek(pos + cut)
+                        elif last and not whole and got < CHUNK:
+                            break  # a line not finished yet: the next look
+                    header = {"key": key, "host": host, "offset": pos, "length": got}
+                    write(b"P " + json.dumps(header).encode() + b"\n")
+                    write(view[:got])
+                    pos += got
+                ends[key] = pos
+        write(b"J " + json.dumps({"ends": ends}).encode() + b"\n")
+        out.flush()
+    finally:
+        if tls is not None:
+            close_side(tls)
+
+
+def size_of(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def server_context(cert_pem: str, key_pem: str) -> Any:
+    """TLS 1.3 with the certificate dlrun made for this look; the key goes to an anonymous memory
+    file (or a 0600 temporary file, removed at once), as the keeper's and the push helper's do."""
+    import ssl
+    import tempfile
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    with tempfile.TemporaryDirectory(prefix="dlrun-jobs-") as private:
+        paths = []
+        fds = []
+        for i, text in enumerate((cert_pem, key_pem)):
+            try:
+                fd = os.memfd_create("dlrun-jobs", os.MFD_CLOEXEC)  # type: ignore[attr-defined,unused-ignore]
+                os.write(fd, text.encode())
+                fds.append(fd)
+                paths.append(f"/proc/self/fd/{fd}")
+            except (AttributeError, OSError):
+                path = os.path.join(private, f"{i}.pem")
+                with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as fh:
+                    fh.write(text)
+                paths.append(path)
         try:
-            fh = open(path, "rb")  # noqa: SIM115 - the with below owns it
+            context.load_cert_chain(paths[0], paths[1])
+        finally:
+            for fd in fds:
+                os.close(fd)
+    return context
+
+
+def side_channel(side: dict[str, Any], out: Any) -> Any:
+    """The TLS side channel of a big ``logs`` answer, or None: listen on the address dlrun's SSH
+    connection came to (``SSH_CONNECTION``), say ``T {"port"}\n`` on ``out``, and take the first
+    connection that completes the handshake with dlrun's certificate and shows the token. dlrun
+    closes stdin when it cannot connect (a firewall, a NAT): then, or after ``SIDE_WAIT`` seconds,
+    None and the answer goes on ``out``."""
+    import hmac
+    import select
+    import socket
+
+    where = os.environ.get("SSH_CONNECTION", "").split()
+    if len(where) != 4:
+        return None
+    try:
+        context = server_context(str(side["cert"]), str(side["key"]))
+        token = str(side["token"]).encode()
+        listener = socket.socket(socket.AF_INET6 if ":" in where[2] else socket.AF_INET, socket.SOCK_STREAM)
+    except (ImportError, OSError, ValueError, KeyError):  # a Python without ssl: the answer goes on stdout
+        return None
+    with listener:
+        try:
+            listener.bind((where[2], 0))
+            listener.listen(4)
         except OSError:
-            continue
-        with fh:
-            size = os.fstat(fh.fileno()).st_size  # what is there now: a growing log is followed by the next look
-            fh.seek(offset)
-            pos = offset
-            while pos < size:
-                data = fh.read(min(CHUNK, size - pos))
-                if not data:
-                    break
-                if not data.endswith(b"\n"):
-                    cut = data.rfind(b"\n") + 1
-                    last = pos + len(data) >= size
-                    if cut:  # whole lines now, the rest in the next piece
-                        data = data[:cut]
-                        fh.seek(pos + cut)
-                    elif last and not whole and len(data) < CHUNK:
-                        break  # a line not finished yet: the next look
-                header = {"key": key, "host": host, "offset": pos, "length": len(data)}
-                out.write(b"P " + json.dumps(header).encode() + b"\n")
-                out.write(data)
-                pos += len(data)
-            ends[key] = pos
-    out.write(b"J " + json.dumps({"ends": ends}).encode() + b"\n")
-    out.flush()
+            return None
+        out.write(b"T " + json.dumps({"port": listener.getsockname()[1]}).encode() + b"\n")
+        out.flush()
+        deadline = time.monotonic() + SIDE_WAIT
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready = select.select([listener.fileno(), 0], [], [], left)[0]
+            if 0 in ready:  # dlrun could not connect (or is gone): the answer goes on stdout
+                return None
+            if listener.fileno() not in ready:
+                continue
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            try:
+                conn.settimeout(min(10.0, max(0.1, deadline - time.monotonic())))
+                tls = context.wrap_socket(conn, server_side=True)
+                shown = b""
+                while not shown.endswith(b"\n") and len(shown) <= len(token):
+                    got = tls.recv(len(token) + 1 - len(shown))
+                    if not got:
+                        break
+                    shown += got
+                if hmac.compare_digest(shown, token + b"\n"):
+                    tls.settimeout(None)  # a paused pager holds the sender; dlrun's end closes the socket
+                    return tls
+                tls.close()
+            except (OSError, ValueError):
+                conn.close()
+
+
+def close_side(tls: Any) -> None:
+    """End the side channel once the answer is out (dlrun reads to ``J`` and closes its end)."""
+    try:
+        tls.settimeout(10)
+        tls.unwrap()
+    except (OSError, ValueError):
+        pass
+    tls.close()
 
 
 def stop(job_id: str) -> dict[str, Any]:
@@ -329,7 +457,7 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
         ago = request.get("since_ago")  # seconds before now on this host's clock (no clock skew)
         stream_logs(job_id, {str(k): int(v) for k, v in (request.get("offsets") or {}).items()},
                     None if ago is None else time.time() - float(ago), bool(request.get("whole")),
-                    sys.stdout.buffer)
+                    sys.stdout.buffer, request.get("side"), frozenset(str(n) for n in request.get("skip") or ()))
         return {}
     if op == "stop":
         return stop(job_id)
@@ -343,7 +471,7 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     data = b""
-    while True:
+    while not data.endswith(b"\n"):  # one line: dlrun may keep stdin open (``side_channel``)
         chunk = os.read(0, 65536)
         if not chunk:
             break

@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 from dlrun.errors import DlrunError, HostUnreachable, JobStartError, TransportError, UsageError
 from dlrun.inventory import Host
 from dlrun.plan import RankSpec
-from dlrun.remote import boot_argv, boot_payload, rankpolicy, source_of
+from dlrun.remote import boot_argv, boot_payload, keeper, rankpolicy, source_of
 from dlrun.remote.rendezvous import scope_sizes
 from dlrun.render import WorkerCommand, mask_argv, mask_text, printable
 from dlrun.run.agents import agent_argv
 from dlrun.run.gpus import GpuStats, IdleWatch, parse_csv
+from dlrun.run.logstream import SideChannel, stream_logs
 from dlrun.run.result import RankResult, RankState, RunResult
 from dlrun.run.supervisor import View, agent_spec
 from dlrun.run.view import root_cause_lines
@@ -192,67 +193,6 @@ def run_program(transport: Transport, host: Host, name: str, request: Mapping[st
     if "error" in answer and name == "jobs" and len(answer) == 1:
         raise DlrunError(f"dlrun-jobs: {answer['error']}", host=host.name)
     return answer
-
-
-def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
-                on_records: Callable[[list[dict[str, Any]]], None],
-                on_piece: Callable[[str, Mapping[str, Any], bytes], None], timeout: float = 120.0) -> dict[str, Any]:
-    """``dlrun-jobs``'s streamed ``logs`` answer (``dlrun.remote.jobs.stream_logs``): the host's
-    records to ``on_records`` first, then each piece to ``on_piece(key, header, data)`` as it
-    arrives, so memory stays bounded whatever the logs hold; the closing document (``jobs``,
-    ``ends``). ``timeout``: seconds without a byte from the host (time spent showing what came,
-    a paused pager, does not count; the transport's own silence clock covers a dead host)."""
-    channel = transport.open(host, boot_argv(default_python(host), "jobs"))
-    try:
-        channel.send(boot_payload("jobs") + json.dumps({**request, "stream": True}).encode() + b"\n")
-        channel.close_stdin()
-        buf = bytearray()
-        header: dict[str, Any] | None = None
-        records: dict[str, Any] = {}
-        while True:
-            if header is not None:
-                need = int(header["length"])
-                if len(buf) >= need:
-                    on_piece(str(header["key"]), header, bytes(buf[:need]))
-                    del buf[:need]
-                    header = None
-                    continue
-            else:
-                end = buf.find(b"\n")
-                if end >= 0:
-                    line = bytes(buf[:end])
-                    del buf[: end + 1]
-                    if line.startswith(b"P "):
-                        header = json.loads(line[2:])
-                        continue
-                    if line.startswith(b"R "):
-                        records = json.loads(line[2:])
-                        on_records(records.get("jobs") or [])
-                        continue
-                    if line.startswith(b"J "):
-                        answer: dict[str, Any] = json.loads(line[2:])
-                        return {**answer, **records}
-                    raise DlrunError(f"dlrun-jobs answered {line[:200]!r}", host=host.name)
-            data = recv_within(channel, timeout)
-            if data is None:
-                raise HostUnreachable(f"dlrun-jobs sent nothing for {timeout:g} s", host=host.name)
-            if not data:
-                code = channel.wait(5)
-                detail = " / ".join(channel.stderr_text().strip().splitlines()[-3:])
-                raise HostUnreachable(f"dlrun-jobs ended (exit {code}) before its answer was whole: {detail}",
-                                      host=host.name)
-            buf += data
-    finally:
-        channel.close()
-
-
-def recv_within(channel: Any, timeout: float) -> bytes | None:
-    """``channel.recv`` that gives up (None) after ``timeout`` seconds without data."""
-    got: list[bytes] = []
-    reader = threading.Thread(target=lambda: got.append(channel.recv(1 << 20)), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    return got[0] if got else None
 
 
 def record_of(document: Mapping[str, Any]) -> JobRecord:
@@ -590,6 +530,7 @@ class LogFollower:
         self.offsets: dict[str, int] = {}  # host-<name>/attempt-K/rank-N.log (or gpu.csv) -> bytes read
         self.gpu_stats = GpuStats()  # attach: the summary's GPU lines, as an attached job's
         self.gpu_idle = IdleWatch(GPU_IDLE_AFTER)
+        self.side = SideChannel()  # big answers come over TLS where the hosts' ports can be reached
 
     def poll(self, whole: bool = False) -> JobRecord | None:
         """Print what is new, every byte of it (``whole``: a file's unfinished last line too);
@@ -609,7 +550,7 @@ class LogFollower:
             with lock:
                 documents.extend(found)
 
-        def piece(host: str, key: str, header: Mapping[str, Any], data: bytes) -> None:
+        def piece(host: str, key: str, header: Mapping[str, Any], data: bytearray) -> None:
             with lock:
                 if self.view is not None and not self.started:
                     return  # not shown, so not read: the next look sends it again
@@ -618,9 +559,15 @@ class LogFollower:
                 self.offsets[key] = int(header["offset"]) + len(data)  # data: as the file holds it
                 self.show(key, str(header.get("host", "?")), data)
 
+        reachable = [h.name for h in self.hosts.hosts if h.name not in self.hosts.unreachable]
+
         def ask(host: Host) -> None:
-            stream_logs(self.hosts.transport, host, request, records,
-                        lambda key, header, data: piece(host.name, key, header, data))
+            # hosts that share a home (NFS) see each other's folders: each sends its own, and
+            # those of hosts that cannot be reached
+            own = keeper.host_folder(host.name)
+            skip = sorted({keeper.host_folder(n) for n in reachable} - {own})
+            stream_logs(self.hosts.transport, host, {**request, "skip": skip}, records,
+                        lambda key, header, data: piece(host.name, key, header, data), side=self.side)
 
         self.hosts.each(ask)
         record = merge_records(documents)[0] if documents else None
@@ -642,14 +589,19 @@ class LogFollower:
         self.view.start(view_commands(merge_records(documents)[0]), None)
         self.started = True
 
-    def show(self, key: str, host: str, data: bytes) -> None:
+    def show(self, key: str, host: str, data: bytes | bytearray) -> None:
         """One piece of a file (whole lines, but for an over-long one) to the view or ``out``."""
         raw = getattr(self.out, "buffer", None)
         if self.view is None and raw is not None and not key.endswith("/gpu.csv"):  # bytes as they are: no decode
             head = f"[{rank_of(key)} {host}] ".encode()
-            body = data[:-1] if data.endswith(b"\n") else data
+            body = data.replace(b"\n", b"\n" + head)  # the one copy: every line's prefix
             self.out.flush()
-            raw.write(head + body.replace(b"\n", b"\n" + head) + b"\n")
+            raw.write(head)
+            if data.endswith(b"\n"):
+                raw.write(memoryview(body)[: len(body) - len(head)])
+            else:
+                raw.write(body)
+                raw.write(b"\n")
             return
         text = data.decode("utf-8", "replace")
         if text.endswith("\n"):

@@ -81,6 +81,15 @@ class Channel(ABC):
         """Why the transport itself ended the connection (e.g. the host went silent), or ""."""
         return ""
 
+    def recv_within(self, timeout: float, max_bytes: int = 1 << 20) -> bytes | None:
+        """``recv`` that gives up (None) after ``timeout`` seconds without data (a thread per
+        call here; transports that can time a read themselves do so)."""
+        got: list[bytes] = []
+        reader = threading.Thread(target=lambda: got.append(self.recv(max_bytes)), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        return got[0] if got else None
+
 
 class Transport(ABC):
     """Reaches hosts. ``connect`` first (all hosts, in parallel), then ``open``/``run``."""
@@ -132,6 +141,12 @@ class Transport(ABC):
         printed before it let go of its output. Here the program detaches itself (``run``);
         where ``holds_programs`` is true, the transport keeps it running instead."""
         return self.run(host, argv, stdin, timeout)
+
+    def direct_address(self, host: Host) -> str | None:
+        """The address this transport's own TCP connection reached ``host`` at (an SSH
+        connection's peer), where a side channel to the host may go; None where there is no
+        such connection (this machine, a proxy, srun)."""
+        return None
 
     def holds_programs(self, host: Host) -> bool:
         """Whether ``start`` keeps the program running itself, so that it must not detach (a

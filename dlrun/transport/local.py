@@ -145,6 +145,9 @@ class HostRouter(Transport):
     def holds_programs(self, host: Host) -> bool:
         return self._for(host).holds_programs(host)
 
+    def direct_address(self, host: Host) -> str | None:
+        return self._for(host).direct_address(host)
+
     def close(self) -> None:
         self.local.close()
         if self.remote is not None:

@@ -384,6 +384,21 @@ class SSHChannel(Channel):
         self._drain_stderr()
         return data
 
+    def recv_within(self, timeout: float, max_bytes: int = 1 << 20) -> bytes | None:
+        if self._pending:
+            return self.recv(max_bytes)
+        self.channel.settimeout(timeout)
+        try:
+            data: bytes = self.channel.recv(max_bytes)
+        except TimeoutError:
+            return None
+        except (OSError, EOFError, paramiko.SSHException):
+            data = b""
+        finally:
+            self.channel.settimeout(None)
+        self._drain_stderr()
+        return data
+
     def _drain_stderr(self) -> None:
         while self.channel.recv_stderr_ready():
             chunk = self.channel.recv_stderr(65536)
@@ -908,6 +923,17 @@ class SSHTransport(Transport):
             raise
         self._note(host.name, shell.noise_note(host.name, stdout, stderr))
         return started
+
+    def direct_address(self, host: Host) -> str | None:
+        client = self.clients.get(host.name)
+        transport = client.get_transport() if client is not None else None
+        sock = transport.sock if transport is not None else None
+        if not isinstance(sock, socket.socket):  # a ProxyJump channel, a ProxyCommand
+            return None
+        try:
+            return str(sock.getpeername()[0])
+        except OSError:
+            return None
 
     def _note(self, name: str, note: str | None) -> None:
         """Show a host's note once per transport (each channel to the host would repeat it)."""

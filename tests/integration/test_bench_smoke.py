@@ -44,6 +44,13 @@ def test_logs_bench_smoke() -> None:
         assert row.rstrip().endswith("| 0 | 0"), out  # nothing lost, nothing reordered
 
 
+def test_logs_read_bench_smoke() -> None:
+    out = bench("logs_read.py", "--hosts", "2", "--mb", "10", "--repeat", "1")  # 10 MB a rank: the side channel
+    for tool in ("dlrun", "ssh"):
+        assert re.search(rf"^\| {tool} \| \d+\.\d+ \| \d+ \| \d+\.\d+ \| \d+\.\d+ \|", out, re.M), out
+    assert "lines lost or out of order in dlrun's output: 0" in out, out
+
+
 @pytest.mark.skipif(shutil.which("rsync") is None, reason="no rsync here (.ci/run installs it)")
 def test_push_bench_smoke() -> None:
     out = bench("push.py", "--runs", "1", "--files", "4", "--mb", "1")

@@ -1,0 +1,257 @@
+"""Reading ``dlrun-jobs``' streamed ``logs`` answer home: over the SSH channel, or over a TLS
+side channel the host opens for a big answer.
+
+The frame format (``R``, ``P``, ``J`` lines) is ``dlrun.remote.jobs.stream_logs``'.
+``stream_logs`` offers the host a ``SideChannel`` (a certificate and key made here for that
+host, and a one-time token, all sent over the SSH channel) where the transport reached the host
+over its own TCP connection. The host listens on the address that connection came to and says
+its port (``T``); dlrun connects, pins the certificate and shows the token, and the answer comes
+that way, read straight into its pieces by OpenSSL with the GIL released (paramiko's packet
+path copies each byte about ten times). A host whose port cannot be reached (a firewall, a NAT)
+answers on the SSH channel instead, and is not offered the side channel again. Mechanism:
+``docs/detach.md``; measured in ``docs/benchmarks.md`` ("Reading a detached job's logs home").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from dlrun.errors import DlrunError, HostUnreachable
+from dlrun.inventory import Host
+from dlrun.remote import boot_argv, boot_payload
+from dlrun.transport.base import Channel, Transport, default_python
+
+SIDE_CONNECT = 5.0  # seconds to reach a host's side channel before its answer comes over SSH instead
+SLICE = 1.0  # seconds between two looks at the SSH connection while the side channel is quiet
+LINE_MAX = 1 << 26  # bytes of one frame line (the records of a job with many ranks fit)
+PIECE_MAX = 1 << 24  # bytes of one piece (the jobs program sends at most 1 MiB): memory stays bounded
+
+
+class SideChannel:
+    """The TLS side channel dlrun offers the hosts of one ``logs``/``attach``/``--follow``: each
+    host its own certificate, key and token (made on first use, kept for the command's later
+    looks), so that no host holds what would let it pose as another; and the hosts whose side
+    channel could not be reached (they answer over SSH from then on)."""
+
+    def __init__(self) -> None:
+        self.refused: dict[str, str] = {}  # host -> why its side channel could not be reached
+        self._offers: dict[str, tuple[dict[str, str], ssl.SSLContext]] = {}
+        self._lock = threading.Lock()
+
+    def offer(self, host: str) -> tuple[dict[str, str], ssl.SSLContext]:
+        """What ``host`` is sent (certificate, key, token) and the context that pins it."""
+        with self._lock:
+            made = self._offers.get(host)
+        if made is None:
+            from dlrun.tls import client_context, make_job_tls
+
+            tls = make_job_tls(f"logs {host}")
+            made = ({"cert": tls.cert_pem, "key": tls.key_pem, "token": secrets.token_urlsafe(32)},
+                    client_context(tls.cert_pem))
+            with self._lock:
+                made = self._offers.setdefault(host, made)
+        return made
+
+    def prepare(self, host: str) -> None:
+        """``offer`` ahead (in a thread, while a channel opens); a failure shows on ``offer``."""
+        with contextlib.suppress(Exception):
+            self.offer(host)
+
+    def refuse(self, host: str, why: str) -> None:
+        with self._lock:
+            self.refused[host] = why
+
+
+class Frames:
+    """Lines and exact byte counts from ``recv_into`` (a socket's, or a channel's through
+    ``ChannelSource``), through one small buffer; a piece is read straight into its own bytes."""
+
+    def __init__(self, recv_into: Callable[[memoryview], int]) -> None:
+        self.recv_into = recv_into
+        self.buf = bytearray(1 << 16)
+        self.piece = bytearray()
+        self.start = 0
+        self.end = 0
+
+    def _fill(self) -> None:
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.end == len(self.buf):
+            if self.start:  # move what is left to the front
+                self.buf[: self.end - self.start] = self.buf[self.start: self.end]
+                self.end -= self.start
+                self.start = 0
+            else:
+                if len(self.buf) >= LINE_MAX:
+                    raise ValueError(f"a line of more than {LINE_MAX} bytes")
+                self.buf.extend(bytes(len(self.buf)))
+        got = self.recv_into(memoryview(self.buf)[self.end:])
+        if not got:
+            raise EOFError
+        self.end += got
+
+    def line(self) -> bytes:
+        """The next line, without its end."""
+        while True:
+            at = self.buf.find(b"\n", self.start, self.end)
+            if at >= 0:
+                line = bytes(self.buf[self.start: at])
+                self.start = at + 1
+                return line
+            self._fill()
+
+    def exact(self, n: int) -> bytearray:
+        """The next ``n`` bytes, in one buffer reused by the next call (pieces are about the same
+        size: resized in place, no fresh zeroed megabyte per piece)."""
+        out = self.piece
+        if len(out) > n:
+            del out[n:]
+        elif len(out) < n:
+            out.extend(bytes(n - len(out)))
+        have = min(n, self.end - self.start)
+        out[:have] = self.buf[self.start: self.start + have]
+        self.start += have
+        with memoryview(out) as view:
+            while have < n:
+                got = self.recv_into(view[have:])
+                if not got:
+                    raise EOFError
+                have += got
+        return out
+
+
+class ChannelSource:
+    """``recv_into`` over a transport channel: ``None`` from it after ``timeout`` seconds is a
+    silent host; what did not fit the caller's view waits for the next call."""
+
+    def __init__(self, channel: Channel, host: str, timeout: float) -> None:
+        self.channel = channel
+        self.host = host
+        self.timeout = timeout
+        self.rest = memoryview(b"")
+
+    def recv_into(self, view: memoryview) -> int:
+        data = self.rest
+        if not data:
+            got = self.channel.recv_within(self.timeout, max(len(view), 1 << 16))
+            if got is None:
+                raise HostUnreachable(f"dlrun-jobs sent nothing for {self.timeout:g} s", host=self.host)
+            data = memoryview(got)
+        n = min(len(view), len(data))
+        view[:n] = data[:n]
+        self.rest = data[n:]
+        return n
+
+
+class TlsSource:
+    """``recv_into`` over the side channel. It waits in slices, so that the SSH connection's own
+    silence limit (the transport closes a host that stops answering) ends it as it ends the
+    channel, and ``timeout`` seconds without a byte is a silent ``dlrun-jobs``."""
+
+    def __init__(self, tls: ssl.SSLSocket, channel: Channel, host: str, timeout: float) -> None:
+        self.tls = tls
+        self.channel = channel
+        self.host = host
+        self.timeout = timeout
+        tls.settimeout(min(SLICE, timeout))
+
+    def recv_into(self, view: memoryview) -> int:
+        quiet = 0.0
+        while True:
+            try:
+                return self.tls.recv_into(view)
+            except TimeoutError:
+                quiet += min(SLICE, self.timeout)
+                why = self.channel.lost_reason()
+                if why:
+                    raise HostUnreachable(f"connection lost: {why}", host=self.host) from None
+                if quiet >= self.timeout:
+                    raise HostUnreachable(f"dlrun-jobs sent nothing for {self.timeout:g} s", host=self.host) from None
+            except (OSError, ssl.SSLError) as exc:
+                raise HostUnreachable(f"the logs' side channel broke off: {exc}", host=self.host) from exc
+
+
+def connect_side(address: str, port: int, context: ssl.SSLContext, token: str) -> ssl.SSLSocket:
+    """The host's side channel, its certificate checked and the token shown (OSError,
+    ssl.SSLError when it cannot be had)."""
+    conn = socket.create_connection((address, port), timeout=SIDE_CONNECT)
+    try:
+        tls = context.wrap_socket(conn)
+        tls.sendall(token.encode() + b"\n")
+    except BaseException:
+        conn.close()
+        raise
+    return tls
+
+
+def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
+                on_records: Callable[[list[dict[str, Any]]], None],
+                on_piece: Callable[[str, Mapping[str, Any], bytearray], None], timeout: float = 120.0,
+                side: SideChannel | None = None) -> dict[str, Any]:
+    """``dlrun-jobs``'s streamed ``logs`` answer (``dlrun.remote.jobs.stream_logs``): the host's
+    records to ``on_records`` first, then each piece to ``on_piece(key, header, data)`` as it
+    arrives (``data`` is reused for the next piece), so memory stays bounded whatever the logs
+    hold; the closing document (``jobs``, ``ends``). ``timeout``: seconds without a byte from the
+    host (time spent showing what came, a paused pager, does not count; the transport's own
+    silence clock covers a dead host).
+    ``side``: offer the host the TLS side channel, where the transport reached it directly."""
+    address = transport.direct_address(host) if side is not None and host.name not in side.refused else None
+    making = None
+    if side is not None and address is not None:  # the key is made while the channel opens
+        making = threading.Thread(target=side.prepare, args=(host.name,), name=f"dlrun-side-{host.name}",
+                                  daemon=True)
+        making.start()
+    channel = transport.open(host, boot_argv(default_python(host), "jobs"))
+    if making is not None:
+        making.join()
+    offer, context = side.offer(host.name) if side is not None and address is not None else (None, None)
+    tls: ssl.SSLSocket | None = None
+    try:
+        document = {**request, "stream": True, **({"side": offer} if offer is not None else {})}
+        channel.send(boot_payload("jobs") + json.dumps(document).encode() + b"\n")
+        if offer is None:
+            channel.close_stdin()
+        frames = Frames(ChannelSource(channel, host.name, timeout).recv_into)
+        records: dict[str, Any] = {}
+        while True:
+            try:
+                line = frames.line()
+                if line.startswith(b"P "):
+                    header = json.loads(line[2:])
+                    if not 0 <= int(header["length"]) <= PIECE_MAX:
+                        raise DlrunError(f"dlrun-jobs sent a piece of {header['length']} bytes", host=host.name)
+                    on_piece(str(header["key"]), header, frames.exact(int(header["length"])))
+                    continue
+            except EOFError:
+                code = channel.wait(5)
+                detail = " / ".join(channel.stderr_text().strip().splitlines()[-3:])
+                how = "its side channel closed" if tls is not None else f"dlrun-jobs ended (exit {code})"
+                raise HostUnreachable(f"{how} before its answer was whole: {detail}", host=host.name) from None
+            if line.startswith(b"R "):
+                records = json.loads(line[2:])
+                on_records(records.get("jobs") or [])
+            elif line.startswith(b"J "):
+                answer: dict[str, Any] = json.loads(line[2:])
+                return {**answer, **records}
+            elif line.startswith(b"T ") and offer is not None and context is not None and tls is None:
+                assert address is not None
+                try:
+                    tls = connect_side(address, int(json.loads(line[2:])["port"]), context, offer["token"])
+                except (OSError, ssl.SSLError, ValueError, KeyError) as exc:
+                    side.refuse(host.name, str(exc) or type(exc).__name__)  # type: ignore[union-attr]
+                    channel.close_stdin()  # the host answers on the channel
+                    continue
+                frames = Frames(TlsSource(tls, channel, host.name, timeout).recv_into)
+            else:
+                raise DlrunError(f"dlrun-jobs answered {line[:200]!r}", host=host.name)
+    finally:
+        if tls is not None:
+            tls.close()
+        channel.close()

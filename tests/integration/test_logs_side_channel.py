@@ -1,0 +1,239 @@
+"""``dlrun logs``' TLS side channel over real sshd hosts (``dlrun.run.logstream``): a big answer
+comes over it whole, a host whose port cannot be reached answers over SSH instead, a wrong
+token or certificate gets nothing, and a host that goes quiet mid-answer is left out in time."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import ssl
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dlrun import api
+from dlrun.errors import HostUnreachable
+from dlrun.remote import boot_argv, boot_payload
+from dlrun.run import detach, logstream
+from dlrun.tls import client_context, make_job_tls
+from dlrun.transport.base import default_python
+from dlrun.transport.ssh import SSHTransport
+
+from conftest import hosts_toml
+from support.sshd_cluster import TEST_USER_HOME
+
+pytestmark = pytest.mark.ssh
+
+BIG_LINES = 200_000  # about 12 MB: more than dlrun.remote.jobs.SIDE_FROM
+
+
+def line(rank: int, i: int) -> bytes:
+    return b"rank %d line %06d %s\n" % (rank, i, b"x" * 40)
+
+
+@pytest.fixture
+def job(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A detached job's folders as its keepers leave them on host0 (rank 0: ``BIG_LINES`` lines)
+    and host1 (rank 1: 1,000 lines), in the login user's home the hosts share."""
+    job_id = "side-" + re.sub(r"\W", "", request.node.name)[-40:]
+    root = TEST_USER_HOME / ".dlrun" / "jobs" / job_id
+    owner = os.stat(TEST_USER_HOME)
+    for parent in (root.parent.parent, root.parent):  # the login user's own, as its keepers make them
+        if not parent.exists():
+            parent.mkdir(mode=0o700)
+            os.chown(parent, owner.st_uid, owner.st_gid)
+    for rank, (host, count) in enumerate((("host0", BIG_LINES), ("host1", 1000))):
+        folder = root / f"host-{host}"
+        (folder / "attempt-0").mkdir(parents=True)
+        ranks = [{"rank": r, "host": h, "state": "succeeded", "code": 0} for r, h in enumerate(("host0", "host1"))]
+        (folder / "result.json").write_text(json.dumps({
+            "job_id": job_id, "state": "succeeded", "exit_code": 0, "host": host, "leader": rank == 0,
+            "ranks": ranks, "hosts": ["host0", "host1"]}))
+        (folder / "state.json").write_text(json.dumps({"job_id": job_id, "host": host}))
+        (folder / "attempt-0" / f"rank-{rank}.log").write_bytes(b"".join(line(rank, i) for i in range(count)))
+    for folder, dirs, files in os.walk(root):
+        for name in [".", *dirs, *files]:
+            os.chown(os.path.join(folder, name), owner.st_uid, owner.st_gid)
+    yield job_id
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def shown_lines(text: bytes, rank: int, host: str) -> list[bytes]:
+    prefix = f"[{rank} {host}] ".encode()
+    return [t[len(prefix):] + b"\n" for t in text.split(b"\n") if t.startswith(prefix)]
+
+
+class Spy:
+    """What ``dlrun logs`` did: side channels reached, hosts refused, bytes each host sent."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reached: list[tuple[str, int]] = []
+        self.refused: dict[str, str] = {}
+        self.sent: dict[tuple[str, str], int] = {}
+        self.lock = threading.Lock()
+        connect, refuse, stream = logstream.connect_side, logstream.SideChannel.refuse, detach.stream_logs
+
+        def connect_side(address: str, port: int, *args: Any) -> ssl.SSLSocket:
+            tls = connect(address, port, *args)
+            self.reached.append((address, port))
+            return tls
+
+        def refused(side: logstream.SideChannel, host: str, why: str) -> None:
+            self.refused[host] = why
+            refuse(side, host, why)
+
+        def stream_logs(transport: Any, host: Any, request: Any, on_records: Any, on_piece: Any,
+                        **options: Any) -> dict[str, Any]:
+            def counted(key: str, header: Any, data: bytearray) -> None:
+                with self.lock:
+                    self.sent[(host.name, key)] = self.sent.get((host.name, key), 0) + len(data)
+                on_piece(key, header, data)
+
+            return stream(transport, host, request, on_records, counted, **options)
+
+        monkeypatch.setattr(logstream, "connect_side", connect_side)
+        monkeypatch.setattr(logstream.SideChannel, "refuse", refused)
+        monkeypatch.setattr(detach, "stream_logs", stream_logs)
+
+
+def read_logs(cluster, tmp_path: Path, job: str) -> bytes:  # type: ignore[no-untyped-def]
+    out = io.TextIOWrapper(io.BytesIO(), write_through=True)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    record = api.logs(job, str(hosts), out=out, ssh_config=str(cluster.ssh_config))
+    assert record is not None and record.state == "succeeded"
+    out.flush()
+    return out.buffer.getvalue()  # type: ignore[attr-defined,no-any-return]
+
+
+def test_a_big_answer_comes_whole_over_the_side_channel(cluster, tmp_path: Path, job: str,  # type: ignore[no-untyped-def]
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = Spy(monkeypatch)
+    text = read_logs(cluster, tmp_path, job)
+    assert shown_lines(text, 0, "host0") == [line(0, i) for i in range(BIG_LINES)]
+    assert shown_lines(text, 1, "host1") == [line(1, i) for i in range(1000)]
+    assert spy.reached == [(cluster.hosts[0].address, spy.reached[0][1])]  # host0 only: host1's answer is small
+    assert spy.refused == {}
+    # the hosts share a home: each sent its own folder, none the other's
+    assert spy.sent == {("host0", "host-host0/attempt-0/rank-0.log"): BIG_LINES * len(line(0, 0)),
+                        ("host1", "host-host1/attempt-0/rank-1.log"): 1000 * len(line(1, 0))}
+
+
+def test_a_host_whose_side_channel_cannot_be_reached_answers_over_ssh(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the host listens on the address the SSH connection came to; dlrun is sent elsewhere, where
+    # nothing listens on that port (as behind a firewall or a NAT): refused, so the answer comes over SSH
+    monkeypatch.setattr(SSHTransport, "direct_address", lambda self, host: "127.0.0.254")
+    spy = Spy(monkeypatch)
+    text = read_logs(cluster, tmp_path, job)
+    assert shown_lines(text, 0, "host0") == [line(0, i) for i in range(BIG_LINES)]
+    assert shown_lines(text, 1, "host1") == [line(1, i) for i in range(1000)]
+    assert spy.reached == [] and list(spy.refused) == ["host0"]
+
+
+@pytest.fixture
+def jobs_program(cluster, tmp_path: Path, job: str) -> Iterator[tuple[Any, Any, dict[str, str], int]]:  # type: ignore[no-untyped-def]
+    """host0's ``dlrun-jobs`` asked for the job's logs with a side channel offered: the
+    transport, the channel, the offer, and the port the host said."""
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
+    with api._job_hosts(str(hosts), {"ssh_config": str(cluster.ssh_config)}) as job_hosts:
+        host = job_hosts.hosts[0]
+        tls = make_job_tls("logs")
+        offer = {"cert": tls.cert_pem, "key": tls.key_pem, "token": "a-token-only-dlrun-knows"}
+        channel = job_hosts.transport.open(host, boot_argv(default_python(host), "jobs"))
+        request = {"op": "logs", "job": job, "offsets": {}, "whole": True, "stream": True, "side": offer}
+        channel.send(boot_payload("jobs") + json.dumps(request).encode() + b"\n")
+        said = logstream.Frames(logstream.ChannelSource(channel, host.name, 60).recv_into).line()
+        assert said.startswith(b"T "), said
+        try:
+            yield job_hosts.transport, channel, offer, int(json.loads(said[2:])["port"])
+        finally:
+            channel.close()
+
+
+def test_the_side_channel_gives_nothing_without_the_token_and_dlrun_trusts_only_its_certificate(  # type: ignore[no-untyped-def]
+        cluster, jobs_program: tuple[Any, Any, dict[str, str], int]) -> None:
+    _transport, _channel, offer, port = jobs_program
+    address = cluster.hosts[0].address
+    impostor = client_context(make_job_tls("someone else").cert_pem)  # dlrun pins its own certificate
+    with pytest.raises(ssl.SSLCertVerificationError):
+        logstream.connect_side(address, port, impostor, offer["token"])
+    right = client_context(offer["cert"])
+    wrong = logstream.connect_side(address, port, right, "a-guessed-token")
+    wrong.settimeout(30)
+    try:
+        assert wrong.recv(1 << 16) == b""  # closed without a byte of the answer
+    except (ConnectionError, ssl.SSLError):
+        pass
+    wrong.close()
+    tls = logstream.connect_side(address, port, right, offer["token"])
+    tls.settimeout(30)
+    assert logstream.Frames(tls.recv_into).line().startswith(b"R {")
+    tls.close()
+
+
+def test_a_host_that_goes_quiet_on_the_side_channel_is_left_out_in_time(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path, job: str) -> None:
+    log = TEST_USER_HOME / ".dlrun" / "jobs" / job / "host-host0" / "attempt-0" / "rank-0.log"
+    with open(log, "ab") as fh:  # more than the socket buffers hold: the host is still sending when frozen
+        for _ in range(5):
+            fh.write(os.urandom(4 << 20).hex().encode() + b"\n")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
+    with api._job_hosts(str(hosts), {"ssh_config": str(cluster.ssh_config)}) as job_hosts:
+        host = job_hosts.hosts[0]
+        transport = job_hosts.transport
+        ssh = transport.remote if hasattr(transport, "remote") else transport
+        ours = ssh.clients[host.name].get_transport().sock.getsockname()[1]  # SSH_CONNECTION names this port
+        stopped: list[int] = []
+
+        def freeze(key: str, header: Any, data: bytearray) -> None:
+            if not stopped:
+                stopped.extend(jobs_processes(ours))
+                for pid in stopped:
+                    os.kill(pid, signal.SIGSTOP)
+
+        request = {"op": "logs", "job": job, "offsets": {}, "whole": True}
+        try:
+            with pytest.raises(HostUnreachable, match="sent nothing for 3 s"):
+                logstream.stream_logs(transport, host, request, lambda records: None, freeze, timeout=3,
+                                      side=logstream.SideChannel())
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGCONT)
+        assert len(stopped) == 1
+
+
+def jobs_processes(client_port: int) -> list[int]:
+    """The ``dlrun-jobs`` processes started over the SSH connection from ``client_port``."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        where = next((e.split(b"=", 1)[1].split() for e in environ if e.startswith(b"SSH_CONNECTION=")), [])
+        if b"dlrun-jobs" in argv and len(where) == 4 and int(where[1]) == client_port:
+            found.append(int(entry.name))
+    return found
+
+
+def test_attach_reads_a_big_backlog_over_the_side_channel(cluster, tmp_path: Path, job: str,  # type: ignore[no-untyped-def]
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = Spy(monkeypatch)
+    out = io.StringIO()
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    assert api.attach(job, str(hosts), out=out, ssh_config=str(cluster.ssh_config)) == 0
+    text = out.getvalue().encode()
+    assert shown_lines(text, 0, "host0") == [line(0, i) for i in range(BIG_LINES)]
+    assert shown_lines(text, 1, "host1") == [line(1, i) for i in range(1000)]
+    assert [address for address, _port in spy.reached] == [cluster.hosts[0].address]
