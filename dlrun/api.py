@@ -495,6 +495,8 @@ def attach(job: str, hosts: str | None = None, *, since: float | None = None, ou
         for attempt in record.history:
             shown.notice(f"attempt {int(attempt.get('attempt', 0)) + 1} (job {attempt.get('job_id')}) failed:"
                          f" {attempt.get('root_cause')}")
+            for line in attempt.get("checkpoint") or ():  # the keepers' copy before the next attempt
+                shown.notice(f"attempt {int(attempt.get('attempt', 0)) + 2}: {line}")
         for note in record.notes:
             shown.notice(note)
         result = follower.result(record)

@@ -624,9 +624,14 @@ def listed(path: str, st: os.stat_result, cache: Record, fresh: Record, rel: str
 
 def listing(spec: dict[str, Any]) -> dict[str, Any]:
     """What is at ``spec["root"]``: a directory's tree (paths relative to it), or one file
-    (its name), without the push's caches and temporary files; ``missing`` when absent."""
+    (its name), without the push's caches and temporary files; ``missing`` when absent. With
+    ``owner_check``, the push's ``unsafe_folders`` first: where there are any, nothing is listed."""
     root = resolve(spec["root"])
     reply: dict[str, Any] = {"root": root, "entries": {}, "missing": False, "dir": True}
+    if spec.get("owner_check"):  # a checkpoint copy: files another user planted would reach every host
+        reply["unsafe"] = unsafe_folders(root)[0]
+        if reply["unsafe"]:
+            return reply
     try:
         top = os.lstat(root)
     except FileNotFoundError:

@@ -298,8 +298,10 @@ def summary_lines(record: JobRecord) -> list[str]:
     lines: list[str] = []
     if record.history:
         lines.append(f"dlrun: {len(record.history) + 1} attempts:")
-        lines.extend(f"  attempt {int(h.get('attempt', 0)) + 1} (job {h.get('job_id')}): {h.get('root_cause')}"
-                     for h in record.history)
+        for h in record.history:  # and what the keepers copied before the next (--checkpoint-dir)
+            lines.append(f"  attempt {int(h.get('attempt', 0)) + 1} (job {h.get('job_id')}): {h.get('root_cause')}")
+            lines.extend(f"  attempt {int(h.get('attempt', 0)) + 2}: {printable(str(c))}"
+                         for c in h.get("checkpoint") or ())
     lines.extend(f"dlrun: {note}" for note in record.notes)
     if record.root_cause:
         lines.append(f"dlrun: root cause: {record.root_cause}")
@@ -342,6 +344,8 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
         ends_job=placement.ends_job, hang=hang_config(config, transport, list(
             {c.host_name: c.spec.host for c in placement.commands}.values())))
     names = list(configs)
+    for name, checkpoint in checkpoint_configs(config, engine, placement.commands).items():
+        configs[name]["checkpoint"] = checkpoint
     for name in names:  # a Slurm step holds its keeper: one that detached would leave the job
         configs[name]["stay"] = transport.holds_programs(hosts[name])
     leader = hosts[names[0]]
@@ -371,6 +375,33 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
           f" dlrun attach|logs|stop {job_id}{hosts_option}")
     print(f"dlrun: detached job {job_id}", flush=True)
     return RunResult(ranks=(), exit_code=0, job_id=job_id)
+
+
+def checkpoint_configs(config: LaunchConfig, engine: HostsEngine,
+                       commands: Sequence[WorkerCommand]) -> dict[str, dict[str, Any]]:
+    """``--checkpoint-dir`` with restarts: each keeper's ``checkpoint`` (``dlrun.remote.ckptsync``):
+    its job folder and push helper; the leader's also every host's address and a certificate
+    made for the copies (``docs/checkpoints.md``). None without restarts: the first attempt's
+    copy is the client's."""
+    if not config.checkpoint_dirs or not config.max_restarts:
+        return {}
+    import os
+
+    from dlrun.push.session import HELPER_FLAGS
+    from dlrun.tls import make_job_tls
+
+    hosts = {c.host_name: (c.spec.host, c.cwd) for c in commands}
+    tls = make_job_tls("checkpoint copy")
+    out: dict[str, dict[str, Any]] = {}
+    for i, (name, (host, cwd)) in enumerate(hosts.items()):
+        out[name] = {"source": source_of("ckptsync"), "folders": list(config.checkpoint_dirs),
+                     "root": cwd or (os.getcwd() if host.is_local else host.workdir or ""),
+                     "helper_argv": boot_argv([*default_python(host), *HELPER_FLAGS], "push_helper"),
+                     "helper_source": source_of("push_helper"), "owner_check": not config.insecure_workdir}
+        if i == 0:  # the leader
+            out[name].update(cert=tls.cert_pem, key=tls.key_pem,
+                             addresses={n: engine.addresses.get(n, h.address) for n, (h, _) in hosts.items()})
+    return out
 
 
 def hang_config(config: LaunchConfig, transport: Transport, hosts: Sequence[Host]) -> dict[str, Any] | None:

@@ -226,6 +226,74 @@ def test_a_detached_job_gets_the_checkpoint_before_its_first_attempt(cluster, tm
     assert attached.returncode == 0, attached.stdout + attached.stderr
 
 
+@pytest.mark.ssh
+def test_a_detached_restart_finds_rank_0s_checkpoint_on_every_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # the keepers restart the job without dlrun: the leader keeper makes ckpt the same first
+    code = project(tmp_path, RESUME)
+    out = launch(cluster, tmp_path, code, "--detach", "--max-restarts", "1", "--checkpoint-dir", "ckpt")
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1]
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    attached = run_dlrun("attach", job, "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), cwd=tmp_path,
+                         timeout=180)
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    assert re.search(r"^\[1 host1\] rank 1 resumes from epoch 1$", attached.stdout, re.M), attached.stdout
+    assert "has no checkpoint" not in attached.stdout
+    # the restarted attempt's line says what moved, where and how long it took
+    assert re.search(r"attempt 2: checkpoint ckpt: 1 file \(8 B\) from host0 to host1 in \d+\.\d s \(host to host\)",
+                     attached.stdout), attached.stdout
+    assert remote(cluster, 1, code, "ckpt/state.txt").read_text() == "epoch 1\n"
+    assert not [p for p in remote(cluster, 1, code, "ckpt").iterdir() if p.name.startswith(".dlrun-part")]
+
+
+def open_workdirs(cluster, tmp_path: Path, n: int = 2) -> Path:  # type: ignore[no-untyped-def]
+    """An inventory whose hosts' workdirs any user may write (0777, not sticky), owned by the login."""
+    import secrets
+
+    lines = [f'[defaults]\npython = "{cluster.python}"\n']
+    for h in cluster.hosts[:n]:
+        workdir = Path(h.workdir) / f"open-{secrets.token_hex(3)}"
+        workdir.mkdir()
+        os.chown(workdir, *login_ids(cluster))
+        workdir.chmod(0o777)
+        lines.append(f'[[hosts]]\naddress = "{h.name}"\nslots = 1\nworkdir = "{workdir}"\n')
+    path = tmp_path / "open-hosts.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+@pytest.mark.ssh
+def test_checkpoint_copies_check_the_folders_owner_as_the_push_does(cluster, transport, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from dlrun.errors import SyncError
+    from dlrun.push.checkpoint import sync_folder
+
+    hosts, roots = two_folders(cluster, tmp_path)
+    opened = Path(roots["host1"]).parent  # host1's job folder: any user may write it, so plant a checkpoint
+    opened.chmod(0o777)
+    addresses = {"host0": cluster.hosts[0].address, "host1": cluster.hosts[1].address}
+    with pytest.raises(SyncError) as refused:
+        sync_folder(transport, hosts, roots, "ckpt", addresses=addresses)
+    assert refused.value.host == "host1", str(refused.value)
+    assert f"{opened} is writable by every user (mode 0777): chmod o-w {opened}" in str(refused.value)
+    assert "--insecure-workdir" in str(refused.value.hint)
+    assert not (Path(roots["host1"]) / "model.bin").exists() and not (Path(roots["host0"]) / "shard-1.bin").exists()
+    done = sync_folder(transport, hosts, roots, "ckpt", addresses=addresses, owner_check=False)  # --insecure-workdir
+    assert done.files == 2, done.line()
+    assert (Path(roots["host1"]) / "model.bin").read_bytes() == b"m" * 50000
+
+
+@pytest.mark.ssh
+def test_insecure_workdir_reaches_the_checkpoint_copy(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    code = project(tmp_path, RESUME)
+    hosts = open_workdirs(cluster, tmp_path)
+    out = run_dlrun("launch", "--plain", "--framework", "none", "--grace", "2", "--hosts", str(hosts),
+                    "--ssh-config", str(cluster.ssh_config), "--insecure-workdir", "--max-restarts", "1",
+                    "--checkpoint-dir", "ckpt", str(code / "train.py"), cwd=tmp_path, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"attempt 2 of 2 .*checkpoint ckpt: 1 file \(8 B\) from host0 to host1", out.stdout), out.stdout
+    assert re.search(r"^\[1 host1\] rank 1 resumes from epoch 1$", out.stdout, re.M), out.stdout
+
+
 def test_a_checkpoint_dir_must_lie_inside_the_jobs_folder(tmp_path: Path) -> None:
     script = tmp_path / "t.py"
     script.write_text("print(1)\n")
