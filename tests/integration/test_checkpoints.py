@@ -576,3 +576,27 @@ def test_plan_pull_writes_shared_files_once_and_the_rest_per_host() -> None:
     assert [(i.host, i.dest) for i in plan.fetch] == [("h1", "h1/out/m"), ("h0", "out/w")]
     assert [(i.host, i.dest) for i in plan.unchanged] == [("h0", "h0/out/m")]
     assert plan.missing == ("h2",) and plan.shared == 1 and plan.per_host == 1
+
+
+def test_the_keepers_choose_as_the_client_does() -> None:
+    # dlrun.remote.ckptsync (a detached job's restarts) carries its own copy of the rule
+    import itertools
+
+    from dlrun.remote import ckptsync
+
+    copies = [entry("m", b"A" * 10, 100.0), entry("m", b"B" * 3, 105.5), entry("m", b"C" * 7, 104.2),
+              entry("m", b"D", 100.0), entry("l", b"", 103.0, kind="link")]
+    for chosen in itertools.permutations(copies, 3):
+        for offsets, failed_at in itertools.product([(0.0, 0.0, 0.0), (0.0, 5.0, -3.0)], [None, 105.0, 101.0]):
+            listings = [listing(f"h{i}", *([c] if c.path == "m" else [c, entry("m", b"A" * 10, 99.0)]),
+                                offset=offsets[i]) for i, c in enumerate(chosen)]
+            client = choose_copies(listings, failed_at)
+            keepers = ckptsync.choose([(li.host, {p: [e.kind, e.size, e.mode, e.sha256 if e.kind == "file" else e.link,
+                                                     e.mtime_ns] for p, e in li.entries.items()}, li.offset)
+                                       for li in listings], failed_at)
+            assert {p: (c.host, c.suspect, list(c.passed_over)) for p, c in client.items()} == \
+                {p: (c[0], c[2], c[3]) for p, c in keepers.items()}
+            wanted = needs(listings, client)
+            assert {h: [c.path for c in cs] for h, cs in wanted.items()} == ckptsync.needs(
+                [(li.host, {p: [e.kind, e.size, e.mode, e.sha256 if e.kind == "file" else e.link, e.mtime_ns]
+                            for p, e in li.entries.items()}, li.offset) for li in listings], keepers)
