@@ -246,6 +246,24 @@ def test_a_detached_restart_finds_rank_0s_checkpoint_on_every_host(cluster, tmp_
     assert not [p for p in remote(cluster, 1, code, "ckpt").iterdir() if p.name.startswith(".dlrun-part")]
 
 
+@pytest.mark.ssh
+def test_a_detached_restart_never_takes_a_file_truncated_by_a_killed_writer(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # the leader keeper's failure time: when it heard rank 0 fail, before host1's writer was killed
+    code = project(tmp_path, TRUNCATED)
+    out = launch(cluster, tmp_path, code, "--detach", "--max-restarts", "1", "--checkpoint-dir", "ckpt")
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1]
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    attached = run_dlrun("attach", job, "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), cwd=tmp_path,
+                         timeout=180)
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    complete = hashlib.sha256(b"A" * 200000).hexdigest()
+    for rank in (0, 1):
+        assert re.search(rf"^\[{rank} host{rank}\] rank {rank} model 200000 {complete}$", attached.stdout, re.M), \
+            attached.stdout
+    assert "written as the job failed, not taken: host1:model.bin" in attached.stdout, attached.stdout
+
+
 def open_workdirs(cluster, tmp_path: Path, n: int = 2) -> Path:  # type: ignore[no-untyped-def]
     """An inventory whose hosts' workdirs any user may write (0777, not sticky), owned by the login."""
     import secrets
