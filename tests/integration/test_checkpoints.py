@@ -310,6 +310,18 @@ def test_insecure_workdir_reaches_the_checkpoint_copy(cluster, tmp_path: Path) -
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"attempt 2 of 2 .*checkpoint ckpt: 1 file \(8 B\) from host0 to host1", out.stdout), out.stdout
     assert re.search(r"^\[1 host1\] rank 1 resumes from epoch 1$", out.stdout, re.M), out.stdout
+    # and to the keepers' copy of a detached job's restart
+    (tmp_path / "detached").mkdir()
+    code = project(tmp_path / "detached", RESUME)
+    out = run_dlrun("launch", "--plain", "--framework", "none", "--grace", "2", "--hosts", str(hosts),
+                    "--ssh-config", str(cluster.ssh_config), "--insecure-workdir", "--max-restarts", "1",
+                    "--checkpoint-dir", "ckpt", "--detach", str(code / "train.py"), cwd=tmp_path, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1]
+    attached = run_dlrun("attach", job, "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), cwd=tmp_path,
+                         timeout=180)
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    assert "attempt 2: checkpoint ckpt: 1 file (8 B) from host0 to host1" in attached.stdout, attached.stdout
 
 
 def test_a_checkpoint_dir_must_lie_inside_the_jobs_folder(tmp_path: Path) -> None:
