@@ -825,9 +825,12 @@ class Keeper:
         checkpoint = self.config["checkpoint"]
         lines = []
         for folder in checkpoint["folders"]:
-            line = self.ckpt.sync_folder(self.ask_hosts, [self.host, *self.followers], str(folder),
-                                         dict(checkpoint["addresses"]), str(checkpoint["cert"]),
-                                         str(checkpoint["key"]), failed_at)
+            try:
+                line = self.ckpt.sync_folder(self.ask_hosts, [self.host, *self.followers], str(folder),
+                                             dict(checkpoint["addresses"]), str(checkpoint["cert"]),
+                                             str(checkpoint["key"]), failed_at)
+            except Exception as exc:  # a malformed answer must not end the keeper: the restart goes on
+                line = f"checkpoint {folder}: not made the same ({type(exc).__name__}: {exc})"
             print(f"dlrun-keeper: attempt {self.attempt + 1}: {line}", flush=True)
             lines.append(line)
         if self.history:
