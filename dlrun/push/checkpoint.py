@@ -134,15 +134,16 @@ def check_folder(folder: str) -> str:
 
 def sync_folder(transport: Transport, hosts: Sequence[Host], roots: Mapping[str, str], folder: str, *,
                 failed_at: float | None = None, margin: float = SUSPECT_MARGIN_S,
-                addresses: Mapping[str, str] | None = None) -> CheckpointSync:
+                addresses: Mapping[str, str] | None = None, owner_check: bool = True) -> CheckpointSync:
     """Make ``roots[host]`` (one folder, as each host sees it) the same on every host: the
     winners of ``choose_copies`` go where they are missing or differ. With ``addresses`` (how
     the hosts reach each other), each file goes straight from the host that has it to those
     that lack it; what cannot (a host that cannot listen there or cannot be reached) goes
     through this machine. Raises ``SyncError`` (naming host and file) when a host cannot be
-    read or written."""
+    read or written, and (``owner_check``, as a push: ``--insecure-workdir`` turns it off) where
+    another user owns or may write the folder or one above it, on any host."""
     started = time.monotonic()
-    senders = {h.name: HostSender(transport, h, roots[h.name]) for h in hosts}
+    senders = {h.name: HostSender(transport, h, roots[h.name], owner_check=owner_check) for h in hosts}
     pool = ThreadPoolExecutor(max_workers=max(1, min(32, 2 * len(hosts))), thread_name_prefix="dlrun-ckpt")
     relayed: dict[str, list[Choice]] = {}
     try:
@@ -157,15 +158,15 @@ def sync_folder(transport: Transport, hosts: Sequence[Host], roots: Mapping[str,
         moving = {c.path: c for cs in wanted.values() for c in cs}
         targets = [h for h in hosts if wanted[h.name]]
         if moving and addresses is not None and all(h.name in addresses for h in hosts):
-            relayed = _direct(transport, targets, senders, roots, wanted, addresses, pool)
+            relayed = _direct(transport, targets, senders, roots, wanted, addresses, pool, owner_check)
             for sender in senders.values():  # the sources stop serving
                 sender.close()
             if any(relayed.values()):  # fresh sessions: a serving helper sends nothing more
-                senders = {h.name: HostSender(transport, h, roots[h.name]) for h in hosts}
-                _relay(transport, hosts, senders, roots, relayed, folder, pool, listed=False)
+                senders = {h.name: HostSender(transport, h, roots[h.name], owner_check=owner_check) for h in hosts}
+                _relay(transport, hosts, senders, roots, relayed, folder, pool, listed=False, owner_check=owner_check)
         elif moving:
             relayed = {h.name: wanted[h.name] for h in targets}
-            _relay(transport, hosts, senders, roots, relayed, folder, pool, listed=True)
+            _relay(transport, hosts, senders, roots, relayed, folder, pool, listed=True, owner_check=owner_check)
     finally:
         for sender in senders.values():
             sender.close()
@@ -186,7 +187,7 @@ def sync_folder(transport: Transport, hosts: Sequence[Host], roots: Mapping[str,
 
 def _direct(transport: Transport, targets: Sequence[Host], senders: Mapping[str, HostSender],
             roots: Mapping[str, str], wanted: Mapping[str, Sequence[Choice]], addresses: Mapping[str, str],
-            pool: ThreadPoolExecutor) -> dict[str, list[Choice]]:
+            pool: ThreadPoolExecutor, owner_check: bool) -> dict[str, list[Choice]]:
     """Host to host: each source's helper listens (TLS with a certificate made for this copy,
     and a token), each target's push helper fetches its files from there. What is left for
     the relay, per target: files whose source could not listen, and a target's files when any
@@ -214,7 +215,7 @@ def _direct(transport: Transport, targets: Sequence[Host], senders: Mapping[str,
         sources = [{"address": addresses[src], "port": ports[src], "token": token, "cert": tls.cert_pem,
                     "paths": [c.path for c in direct if c.host == src]} for src in ports]
         try:
-            _push_copies(transport, host, roots[host.name], direct, {}, sources=sources)
+            _push_copies(transport, host, roots[host.name], direct, {}, sources=sources, owner_check=owner_check)
         except SyncError:
             return list(wanted[host.name])  # the relay's survey skips what did arrive
         return left
@@ -223,7 +224,8 @@ def _direct(transport: Transport, targets: Sequence[Host], senders: Mapping[str,
 
 
 def _relay(transport: Transport, hosts: Sequence[Host], senders: Mapping[str, HostSender], roots: Mapping[str, str],
-           wanted: Mapping[str, Sequence[Choice]], folder: str, pool: ThreadPoolExecutor, *, listed: bool) -> None:
+           wanted: Mapping[str, Sequence[Choice]], folder: str, pool: ThreadPoolExecutor, *, listed: bool,
+           owner_check: bool) -> None:
     """Through this machine: each file once from its source into a temporary folder here, then
     pushed to the targets. ``listed``: the senders have listed already (else they list now;
     a file that changed since the choice fails its check)."""
@@ -262,13 +264,15 @@ def _relay(transport: Transport, hosts: Sequence[Host], senders: Mapping[str, Ho
         list(pool.map(fetch, senders))
         staged = {c.path: staging / str(idx) / c.path for cs in by_source.values() for idx, c in enumerate(cs)}
         targets = [h for h in hosts if wanted.get(h.name)]
-        list(pool.map(lambda h: _push_copies(transport, h, roots[h.name], wanted[h.name], staged), targets))
+        list(pool.map(lambda h: _push_copies(transport, h, roots[h.name], wanted[h.name], staged,
+                                             owner_check=owner_check), targets))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
 def _push_copies(transport: Transport, host: Host, root: str, choices: Sequence[Choice],
-                 staged: Mapping[str, Path], *, sources: Sequence[Mapping[str, Any]] = ()) -> None:
+                 staged: Mapping[str, Path], *, sources: Sequence[Mapping[str, Any]] = (),
+                 owner_check: bool = True) -> None:
     from dlrun.push.session import PushTarget, _HostPush
 
     entries = []
@@ -282,14 +286,14 @@ def _push_copies(transport: Transport, host: Host, root: str, choices: Sequence[
                                      source=Source(file=file, mtime=mtime)))
     target = PushTarget("checkpoint", root, Manifest(tuple(entries)))
     _HostPush(transport, host, [target], delete=False, progress=None, file_progress=None,
-              cancel=threading.Event(), sources=sources).run()
+              cancel=threading.Event(), sources=sources, owner_check=owner_check).run()
 
 
 def sync_folders(transport: Transport, hosts: Sequence[Host], cwd_of: Callable[[Host], str],
                  folders: Sequence[str], *, failed_at: float | None = None,
-                 addresses: Mapping[str, str] | None = None) -> list[CheckpointSync]:
+                 addresses: Mapping[str, str] | None = None, owner_check: bool = True) -> list[CheckpointSync]:
     """``sync_folder`` for each of ``folders`` (relative to each host's ``cwd_of(host)``)."""
     import posixpath
 
     return [sync_folder(transport, hosts, {h.name: posixpath.join(cwd_of(h), folder) for h in hosts}, folder,
-                        failed_at=failed_at, addresses=addresses) for folder in folders]
+                        failed_at=failed_at, addresses=addresses, owner_check=owner_check) for folder in folders]

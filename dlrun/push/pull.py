@@ -201,8 +201,9 @@ class HostSender:
     """One session with a host's push helper in sending mode: ``listing``, then ``fetch`` or
     ``close``."""
 
-    def __init__(self, transport: Transport, host: Host, root: str) -> None:
+    def __init__(self, transport: Transport, host: Host, root: str, *, owner_check: bool = False) -> None:
         self.transport, self.host, self.root = transport, host, root
+        self.owner_check = owner_check  # a checkpoint copy: refuse folders another user could write
         self.argv = boot_argv([*default_python(host), *HELPER_FLAGS], "push_helper")
         self.command = shlex.join([a if len(a) <= 200 else "<dlrun loader>" for a in self.argv])
         self.channel: Channel | None = None
@@ -213,13 +214,20 @@ class HostSender:
         channel = self.channel = self.transport.open(self.host, self.argv)
         self.stream = _Stream(channel)
         channel.send(boot_payload("push_helper"))
-        channel.send(json.dumps({"send": {"root": self.root}, "idle": HELPER_IDLE_S}).encode() + b"\n")
+        request: dict[str, Any] = {"root": self.root}
+        if self.owner_check:
+            request["owner_check"] = True
+        channel.send(json.dumps({"send": request, "idle": HELPER_IDLE_S}).encode() + b"\n")
         line = self.stream.readline()
         arrived = time.time()
         try:
             raw = json.loads(line)["listing"]
         except (ValueError, KeyError, TypeError):
             raise self._failed("the push helper did not list the host's files", line) from None
+        if raw.get("unsafe"):
+            from dlrun.push.session import unsafe_error
+
+            raise unsafe_error(self.host.name, [tuple(u) for u in raw["unsafe"]], "copied")
         self.listed = _parse_listing(self.host.name, raw, arrived)
         return self.listed
 

@@ -652,11 +652,15 @@ def check_owners(host: str, trees: Sequence[RemoteTree]) -> None:
     """Refuse a push (and so a launch) into folders another user could write or owns
     (``dlrun.remote.push_helper.unsafe_folders``): a SyncError naming each folder and its fix."""
     unsafe = list(dict.fromkeys(problem for tree in trees for problem in tree.unsafe))
-    if not unsafe:
-        return
-    lines = "\n".join(f"  {printable(folder)} {what}: {printable(fix)}" for folder, what, fix in unsafe)
-    raise SyncError(f"another user could plant code that the job runs; nothing was pushed or started:\n{lines}",
-                    host=host, hint="fix the folders above, or pass --insecure-workdir to accept the risk")
+    if unsafe:
+        raise unsafe_error(host, unsafe, "pushed or started")
+
+
+def unsafe_error(host: str, unsafe: Sequence[tuple[str, str, str]], what: str) -> SyncError:
+    """The refusal of ``check_owners`` (and of a checkpoint copy: ``what`` says what did not happen)."""
+    lines = "\n".join(f"  {printable(folder)} {problem}: {printable(fix)}" for folder, problem, fix in unsafe)
+    return SyncError(f"another user could plant code that the job runs; nothing was {what}:\n{lines}",
+                     host=host, hint="fix the folders above, or pass --insecure-workdir to accept the risk")
 
 
 def survey_request(targets: Sequence[PushTarget], *, owner_check: bool = True) -> dict[str, Any]:

@@ -19,9 +19,10 @@ from importlib import resources
 
 #: The host programs, by the name the controller ships them under.
 PROGRAMS = ("agent", "probe", "push_helper", "tf_server", "keeper", "jobs", "bench", "stacks")
-#: Modules a host program loads from source it was given (keepers: the rank policy; the leader: the
-#: rendezvous, and the stack grouping for a detached --hang-timeout).
-MODULES = ("rendezvous", "rankpolicy", "stack_groups")
+#: Modules a host program loads from source it was given (keepers: the rank policy, the checkpoint
+#: copies of --checkpoint-dir; the leader: the rendezvous, and the stack grouping for a detached
+#: --hang-timeout).
+MODULES = ("rendezvous", "rankpolicy", "stack_groups", "ckptsync")
 
 
 def source_of(name: str) -> str:

@@ -402,6 +402,11 @@ class Keeper:
         self.hang_deadline = 0.0
         self.hang_answers: dict[str, Any] = {}
         self.hang_stop_at: float | None = None  # the dumps asked for: the stop follows then
+        # --checkpoint-dir: each keeper's ckptsync.Worker; the leader makes the folders the same
+        checkpoint = config.get("checkpoint")
+        self.ckpt = load_module(str(checkpoint["source"]), "ckptsync") if checkpoint else None
+        self.ckpt_worker = self.ckpt.Worker(checkpoint) if self.ckpt is not None else None
+        self.ckpt_asked = 0  # the leader's requests so far (each answer names its request)
 
     # ---------------------------------------------------------------- records
     def record(self, final: bool = False) -> dict[str, Any]:
@@ -784,6 +789,7 @@ class Keeper:
         self.end_agent()
         if self.leader and (interrupted or self.signals):
             return  # a stop came while the attempt ended: the loop handles it, and it ends the job
+        failed_at = self.failure_time()
         if self.leader:
             self.history.append({"attempt": self.attempt, "job_id": self.specs[self.attempt]["job_id"],
                                  "exit_code": self.failed_code, "root_cause": self.root_cause})
@@ -796,10 +802,94 @@ class Keeper:
             time.sleep(self.policy.RESTART_PAUSE)
             if self.rendezvous is not None:  # every rank of the failed attempt has ended: none writes again
                 self.rendezvous.clear()
+            self.sync_checkpoints(failed_at)
             for peer in self.peers.values():
                 peer.send({"op": "restart", "attempt": attempt})
         self.start_agent()
         self.record()
+
+    # ---------------------------------------------------------------- --checkpoint-dir
+    def failure_time(self) -> float | None:
+        """When the leader heard the attempt's first failure (and began stopping the ranks)."""
+        ended = [float(e["ended"]) for e in self.ranks.values() if e["state"] in ("failed", "lost") and e.get("ended")]
+        return min(ended) if ended else None
+
+    def sync_checkpoints(self, failed_at: float | None) -> None:
+        """The leader, before a restarted attempt starts anywhere: each ``--checkpoint-dir`` the
+        same on every host (``ckptsync``); its line goes to the failed attempt's history entry."""
+        if self.ckpt is None or not self.leader:
+            return
+        checkpoint = self.config["checkpoint"]
+        lines = []
+        for folder in checkpoint["folders"]:
+            try:
+                line = self.ckpt.sync_folder(self.ask_hosts, [self.host, *self.followers], str(folder),
+                                             dict(checkpoint["addresses"]), str(checkpoint["cert"]),
+                                             str(checkpoint["key"]), failed_at)
+            except Exception as exc:  # a malformed answer must not end the keeper: the restart goes on
+                line = f"checkpoint {folder}: not made the same ({type(exc).__name__}: {exc})"
+            print(f"dlrun-keeper: attempt {self.attempt + 1}: {line}", flush=True)
+            lines.append(line)
+        if self.history:
+            self.history[-1]["checkpoint"] = lines
+        self.record()
+
+    def ask_hosts(self, requests: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """The leader: every host's ``ckptsync.Worker`` answers its request (this host's in a
+        thread, the followers' over their connections); the loop's other events wait. A host
+        whose keeper closes or goes silent (--host-timeout) answers an error."""
+        assert self.ckpt_worker is not None
+        worker = self.ckpt_worker
+        pending: dict[int, str] = {}
+        answers: dict[str, dict[str, Any]] = {}
+        for host, request in requests.items():
+            self.ckpt_asked += 1
+            ident = self.ckpt_asked
+            pending[ident] = host
+            if host == self.host:
+                def work(request: dict[str, Any] = request, ident: int = ident) -> None:
+                    answer = worker.handle(request)
+                    self.events.put(("peer", self.host, {"op": "ckpt-answer", "id": ident, "answer": answer}))
+
+                threading.Thread(target=work, daemon=True).start()
+            elif host in self.peers and not self.peers[host].closed:
+                self.peers[host].send({"op": "ckpt", "id": ident, "ask": request})
+            else:
+                answers[host] = {"error": "its keeper is not connected"}
+        held: list[Event] = []
+        while len(answers) < len(requests):
+            try:
+                event = self.events.get(timeout=0.25)
+            except queue.Empty:
+                event = ("tick",)
+            message = event[2] if event[0] == "peer" else None
+            if isinstance(message, dict) and message.get("op") == "ckpt-answer" and message.get("id") in pending:
+                answers[pending[int(message["id"])]] = dict(message.get("answer") or {})
+                continue
+            if event[0] != "tick":
+                held.append(event)
+            now = time.monotonic()
+            for host in set(pending.values()) - set(answers) - {self.host}:
+                peer = self.peers.get(host)
+                if peer is None or peer.closed or (self.host_timeout is not None
+                                                   and now - peer.heard > self.host_timeout):
+                    answers[host] = {"error": "its keeper's connection closed or went silent"}
+        for event in held:
+            self.events.put(event)
+        return answers
+
+    def ckpt_answer(self, message: dict[str, Any]) -> None:
+        """A follower: the leader's request to this host's ``ckptsync.Worker``, answered from a
+        thread (the loop goes on: heartbeats, a stop)."""
+        worker = self.ckpt_worker
+
+        def work() -> None:
+            answer = (worker.handle(dict(message.get("ask") or {})) if worker is not None
+                      else {"error": "this keeper has no checkpoint folders"})
+            if self.leader_peer is not None:
+                self.leader_peer.send({"op": "ckpt-answer", "id": message.get("id"), "answer": answer})
+
+        threading.Thread(target=work, daemon=True).start()
 
     # ---------------------------------------------------------------- --hang-timeout
     def take_stacks(self, request_id: str) -> None:
@@ -1078,6 +1168,8 @@ class Keeper:
             self.tell_agent(dict(message["message"]))  # the hang's dumps, before the leader's stop
         elif op == "restart":
             self.restart(int(message["attempt"]))
+        elif op == "ckpt":
+            self.ckpt_answer(message)
         elif op == "end":
             result = message.get("result") or {}
             self.ended = True

@@ -67,6 +67,7 @@ class FailedAttempt:
     job_id: str
     exit_code: int | None = None
     root_cause: str | None = None
+    checkpoint: tuple[str, ...] = ()  # what the keepers copied before the next attempt (--checkpoint-dir)
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,8 @@ def record_of(document: Mapping[str, Any]) -> JobRecord:
                   for e in document.get("ranks") or ())
     history = tuple(FailedAttempt(attempt=int(h.get("attempt", 0)), job_id=str(h.get("job_id")),
                                   exit_code=code(h.get("exit_code")),
-                                  root_cause=None if h.get("root_cause") is None else str(h["root_cause"]))
+                                  root_cause=None if h.get("root_cause") is None else str(h["root_cause"]),
+                                  checkpoint=strings(h.get("checkpoint")))
                     for h in document.get("history") or ())
     root = document.get("root") or {}
     evidence = RootEvidence(rank=code(root.get("rank")), host=None if root.get("host") is None else str(root["host"]),
@@ -299,9 +301,13 @@ def ps_lines(records: Sequence[JobRecord], now: float) -> list[str]:
 
 
 def closing_notices(record: JobRecord, result: RunResult) -> list[str]:
-    """What a detached job's end says before the launch view's summary: each failed attempt,
-    the keepers' notes, and a root cause no rank stands for (a hang, a lost leader)."""
-    notices = [f"attempt {h.attempt + 1} (job {h.job_id}) failed: {h.root_cause}" for h in record.history]
+    """What a detached job's end says before the launch view's summary: each failed attempt
+    (and the checkpoint copy before the next), the keepers' notes, and a root cause no rank
+    stands for (a hang, a lost leader)."""
+    notices = []
+    for h in record.history:
+        notices.append(f"attempt {h.attempt + 1} (job {h.job_id}) failed: {h.root_cause}")
+        notices.extend(f"attempt {h.attempt + 2}: {printable(line)}" for line in h.checkpoint)
     notices.extend(record.notes)
     if record.root_cause and result.root_cause is None and record.state != "stopped":
         notices.append(f"root cause: {record.root_cause}")
@@ -347,6 +353,8 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
         ends_job=placement.ends_job, hang=hang_config(config, transport, list(
             {c.host_name: c.spec.host for c in placement.commands}.values())))
     names = list(configs)
+    for name, checkpoint in checkpoint_configs(config, engine, placement.commands).items():
+        configs[name]["checkpoint"] = checkpoint
     for name in names:  # a Slurm step holds its keeper: one that detached would leave the job
         configs[name]["stay"] = transport.holds_programs(hosts[name])
     leader = hosts[names[0]]
@@ -376,6 +384,33 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
           f" dlrun attach|logs|stop {job_id}{hosts_option}")
     print(f"dlrun: detached job {job_id}", flush=True)
     return RunResult(ranks=(), exit_code=0, job_id=job_id)
+
+
+def checkpoint_configs(config: LaunchConfig, engine: HostsEngine,
+                       commands: Sequence[WorkerCommand]) -> dict[str, dict[str, Any]]:
+    """``--checkpoint-dir`` with restarts: each keeper's ``checkpoint`` (``dlrun.remote.ckptsync``):
+    its job folder and push helper; the leader's also every host's address and a certificate
+    made for the copies (``docs/checkpoints.md``). None without restarts: the first attempt's
+    copy is the client's."""
+    if not config.checkpoint_dirs or not config.max_restarts:
+        return {}
+    import os
+
+    from dlrun.push.session import HELPER_FLAGS
+    from dlrun.tls import make_job_tls
+
+    hosts = {c.host_name: (c.spec.host, c.cwd) for c in commands}
+    tls = make_job_tls("checkpoint copy")
+    out: dict[str, dict[str, Any]] = {}
+    for i, (name, (host, cwd)) in enumerate(hosts.items()):
+        out[name] = {"source": source_of("ckptsync"), "folders": list(config.checkpoint_dirs),
+                     "root": cwd or (os.getcwd() if host.is_local else host.workdir or ""),
+                     "helper_argv": boot_argv([*default_python(host), *HELPER_FLAGS], "push_helper"),
+                     "helper_source": source_of("push_helper"), "owner_check": not config.insecure_workdir}
+        if i == 0:  # the leader
+            out[name].update(cert=tls.cert_pem, key=tls.key_pem,
+                             addresses={n: engine.addresses.get(n, h.address) for n, (h, _) in hosts.items()})
+    return out
 
 
 def hang_config(config: LaunchConfig, transport: Transport, hosts: Sequence[Host]) -> dict[str, Any] | None:

@@ -1066,7 +1066,8 @@ class HostsEngine:
 
         done = sync_folders(self.transport, hosts, cwd_of, config.checkpoint_dirs,
                             failed_at=self.failed_at if config.attempt else None,
-                            addresses=self.addresses if len(hosts) > 1 else None)
+                            addresses=self.addresses if len(hosts) > 1 else None,
+                            owner_check=not config.insecure_workdir)
         return tuple(d.line() for d in done)
 
 

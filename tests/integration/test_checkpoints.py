@@ -226,6 +226,104 @@ def test_a_detached_job_gets_the_checkpoint_before_its_first_attempt(cluster, tm
     assert attached.returncode == 0, attached.stdout + attached.stderr
 
 
+@pytest.mark.ssh
+def test_a_detached_restart_finds_rank_0s_checkpoint_on_every_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # the keepers restart the job without dlrun: the leader keeper makes ckpt the same first
+    code = project(tmp_path, RESUME)
+    out = launch(cluster, tmp_path, code, "--detach", "--max-restarts", "1", "--checkpoint-dir", "ckpt")
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1]
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    attached = run_dlrun("attach", job, "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), cwd=tmp_path,
+                         timeout=180)
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    assert re.search(r"^\[1 host1\] rank 1 resumes from epoch 1$", attached.stdout, re.M), attached.stdout
+    assert "has no checkpoint" not in attached.stdout
+    # the restarted attempt's line says what moved, where and how long it took
+    assert re.search(r"attempt 2: checkpoint ckpt: 1 file \(8 B\) from host0 to host1 in \d+\.\d s \(host to host\)",
+                     attached.stdout), attached.stdout
+    assert remote(cluster, 1, code, "ckpt/state.txt").read_text() == "epoch 1\n"
+    assert not [p for p in remote(cluster, 1, code, "ckpt").iterdir() if p.name.startswith(".dlrun-part")]
+
+
+@pytest.mark.ssh
+def test_a_detached_restart_never_takes_a_file_truncated_by_a_killed_writer(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # the leader keeper's failure time: when it heard rank 0 fail, before host1's writer was killed
+    code = project(tmp_path, TRUNCATED)
+    out = launch(cluster, tmp_path, code, "--detach", "--max-restarts", "1", "--checkpoint-dir", "ckpt")
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1]
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    attached = run_dlrun("attach", job, "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), cwd=tmp_path,
+                         timeout=180)
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    complete = hashlib.sha256(b"A" * 200000).hexdigest()
+    for rank in (0, 1):
+        assert re.search(rf"^\[{rank} host{rank}\] rank {rank} model 200000 {complete}$", attached.stdout, re.M), \
+            attached.stdout
+    assert "written as the job failed, not taken: host1:model.bin" in attached.stdout, attached.stdout
+
+
+def open_workdirs(cluster, tmp_path: Path, n: int = 2) -> Path:  # type: ignore[no-untyped-def]
+    """An inventory whose hosts' workdirs any user may write (0777, not sticky), owned by the login."""
+    import secrets
+
+    lines = [f'[defaults]\npython = "{cluster.python}"\n']
+    for h in cluster.hosts[:n]:
+        workdir = Path(h.workdir) / f"open-{secrets.token_hex(3)}"
+        workdir.mkdir()
+        os.chown(workdir, *login_ids(cluster))
+        workdir.chmod(0o777)
+        lines.append(f'[[hosts]]\naddress = "{h.name}"\nslots = 1\nworkdir = "{workdir}"\n')
+    path = tmp_path / "open-hosts.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+@pytest.mark.ssh
+def test_checkpoint_copies_check_the_folders_owner_as_the_push_does(cluster, transport, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from dlrun.errors import SyncError
+    from dlrun.push.checkpoint import sync_folder
+
+    hosts, roots = two_folders(cluster, tmp_path)
+    opened = Path(roots["host1"]).parent  # host1's job folder: any user may write it, so plant a checkpoint
+    opened.chmod(0o777)
+    addresses = {"host0": cluster.hosts[0].address, "host1": cluster.hosts[1].address}
+    with pytest.raises(SyncError) as refused:
+        sync_folder(transport, hosts, roots, "ckpt", addresses=addresses)
+    assert refused.value.host == "host1", str(refused.value)
+    assert f"{opened} is writable by every user (mode 0777): chmod o-w {opened}" in str(refused.value)
+    assert "--insecure-workdir" in str(refused.value.hint)
+    assert not (Path(roots["host1"]) / "model.bin").exists() and not (Path(roots["host0"]) / "shard-1.bin").exists()
+    done = sync_folder(transport, hosts, roots, "ckpt", addresses=addresses, owner_check=False)  # --insecure-workdir
+    assert done.files == 2, done.line()
+    assert (Path(roots["host1"]) / "model.bin").read_bytes() == b"m" * 50000
+
+
+@pytest.mark.ssh
+def test_insecure_workdir_reaches_the_checkpoint_copy(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    code = project(tmp_path, RESUME)
+    hosts = open_workdirs(cluster, tmp_path)
+    out = run_dlrun("launch", "--plain", "--framework", "none", "--grace", "2", "--hosts", str(hosts),
+                    "--ssh-config", str(cluster.ssh_config), "--insecure-workdir", "--max-restarts", "1",
+                    "--checkpoint-dir", "ckpt", str(code / "train.py"), cwd=tmp_path, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"attempt 2 of 2 .*checkpoint ckpt: 1 file \(8 B\) from host0 to host1", out.stdout), out.stdout
+    assert re.search(r"^\[1 host1\] rank 1 resumes from epoch 1$", out.stdout, re.M), out.stdout
+    # and to the keepers' copy of a detached job's restart
+    (tmp_path / "detached").mkdir()
+    code = project(tmp_path / "detached", RESUME)
+    out = run_dlrun("launch", "--plain", "--framework", "none", "--grace", "2", "--hosts", str(hosts),
+                    "--ssh-config", str(cluster.ssh_config), "--insecure-workdir", "--max-restarts", "1",
+                    "--checkpoint-dir", "ckpt", "--detach", str(code / "train.py"), cwd=tmp_path, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1]
+    attached = run_dlrun("attach", job, "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), cwd=tmp_path,
+                         timeout=180)
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    assert "attempt 2: checkpoint ckpt: 1 file (8 B) from host0 to host1" in attached.stdout, attached.stdout
+
+
 def test_a_checkpoint_dir_must_lie_inside_the_jobs_folder(tmp_path: Path) -> None:
     script = tmp_path / "t.py"
     script.write_text("print(1)\n")
@@ -508,3 +606,27 @@ def test_plan_pull_writes_shared_files_once_and_the_rest_per_host() -> None:
     assert [(i.host, i.dest) for i in plan.fetch] == [("h1", "h1/out/m"), ("h0", "out/w")]
     assert [(i.host, i.dest) for i in plan.unchanged] == [("h0", "h0/out/m")]
     assert plan.missing == ("h2",) and plan.shared == 1 and plan.per_host == 1
+
+
+def test_the_keepers_choose_as_the_client_does() -> None:
+    # dlrun.remote.ckptsync (a detached job's restarts) carries its own copy of the rule
+    import itertools
+
+    from dlrun.remote import ckptsync
+
+    copies = [entry("m", b"A" * 10, 100.0), entry("m", b"B" * 3, 105.5), entry("m", b"C" * 7, 104.2),
+              entry("m", b"D", 100.0), entry("l", b"", 103.0, kind="link")]
+    for chosen in itertools.permutations(copies, 3):
+        for offsets, failed_at in itertools.product([(0.0, 0.0, 0.0), (0.0, 5.0, -3.0)], [None, 105.0, 101.0]):
+            listings = [listing(f"h{i}", *([c] if c.path == "m" else [c, entry("m", b"A" * 10, 99.0)]),
+                                offset=offsets[i]) for i, c in enumerate(chosen)]
+            client = choose_copies(listings, failed_at)
+            keepers = ckptsync.choose([(li.host, {p: [e.kind, e.size, e.mode, e.sha256 if e.kind == "file" else e.link,
+                                                     e.mtime_ns] for p, e in li.entries.items()}, li.offset)
+                                       for li in listings], failed_at)
+            assert {p: (c.host, c.suspect, list(c.passed_over)) for p, c in client.items()} == \
+                {p: (c[0], c[2], c[3]) for p, c in keepers.items()}
+            wanted = needs(listings, client)
+            assert {h: [c.path for c in cs] for h, cs in wanted.items()} == ckptsync.needs(
+                [(li.host, {p: [e.kind, e.size, e.mode, e.sha256 if e.kind == "file" else e.link, e.mtime_ns]
+                            for p, e in li.entries.items()}, li.offset) for li in listings], keepers)
