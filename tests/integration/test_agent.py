@@ -27,7 +27,7 @@ from dlrun.topo.probe import parse_probe_output
 from dlrun.transport.base import Channel
 from dlrun.transport.local import HostRouter, LocalTransport
 
-from conftest import wait_until
+from support.wait import wait_until
 
 
 def talk(argv: Sequence[str], messages: Sequence[dict[str, object]], env: dict[str, str] | None = None,

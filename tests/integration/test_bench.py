@@ -14,6 +14,9 @@ from typing import Any
 
 import pytest
 
+from support.cli import run_dlrun
+from support.ssh_jobs import hosts_toml
+
 HELPER = Path(__file__).resolve().parents[1] / "support" / "bench_netns.py"
 
 needs_netns = pytest.mark.skipif(
@@ -87,8 +90,6 @@ def test_launch_bench_on_healthy_hosts_runs_the_job(tmp_path: Path) -> None:
 
 def test_without_torch_the_bench_measures_tcp_and_a_python_loop(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The first level: hosts whose python has no torch (the system python here)."""
-    from conftest import hosts_toml, run_dlrun
-
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2, python="/usr/bin/python3")
     out = run_dlrun("topo", "--bench", "--bench-seconds", "6", "--json", "--hosts", str(hosts),
                     "--ssh-config", str(cluster.ssh_config), timeout=600)

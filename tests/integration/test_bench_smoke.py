@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from support.cli import REPO
 
 pytestmark = [pytest.mark.ssh, pytest.mark.timeout(120)]
 

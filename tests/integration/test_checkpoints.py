@@ -14,7 +14,8 @@ import pytest
 from dlrun.push.checkpoint import choose_copies, needs
 from dlrun.push.pull import Listing, RemoteFile, plan_pull
 
-from conftest import hosts_toml, run_dlrun
+from support.cli import run_dlrun
+from support.ssh_jobs import hosts_toml
 
 # attempt 0: rank 0 saves a checkpoint and fails, the others wait to be stopped; attempt 1: every
 # rank needs the checkpoint

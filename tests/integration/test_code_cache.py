@@ -20,7 +20,8 @@ import pytest
 
 from dlrun.remote import CACHE_STAGE, boot_argv, boot_payload, cache_entry, source_of
 
-from conftest import hosts_toml, run_dlrun
+from support.cli import run_dlrun
+from support.ssh_jobs import hosts_toml
 from support.sshd_cluster import find_sshd, start_cluster
 
 PROGRAM = "print('from the source')\n"

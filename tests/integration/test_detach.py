@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, example, hosts_toml, roles_toml, run_dlrun, shared_script, wait_until
+from support.cli import REPO, dlrun_argv, run_dlrun
 from support.procs import agents_of
 from support.scripts import TORCH_LABELS
+from support.ssh_jobs import example, hosts_toml, roles_toml, shared_script
 from support.sshd_cluster import TEST_USER_HOME, wait_job_processes_gone
+from support.wait import wait_until
 
 pytestmark = pytest.mark.ssh
 

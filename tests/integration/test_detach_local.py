@@ -8,7 +8,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from conftest import REPO, dlrun_argv, run_dlrun
+from support.cli import REPO, dlrun_argv, run_dlrun
 from support.sshd_cluster import wait_job_processes_gone
 
 STEPS = """

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script, start_ssh_job
+from support.cli import REPO, dlrun_argv, run_dlrun
 from support.procs import agents_of
 from support.scripts import TORCH_LABELS
+from support.ssh_jobs import hosts_toml, shared_script, start_ssh_job
 from support.sshd_cluster import count_job_processes, wait_job_processes_gone
 
 # rank 1 fails 5 s in; rank 0 writes up to 50 MB/s of numbered lines for 120 s

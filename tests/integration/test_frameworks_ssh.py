@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import example, hosts_toml, roles_toml, run_dlrun
+from support.cli import run_dlrun
+from support.ssh_jobs import example, hosts_toml, roles_toml
 from support.sshd_cluster import wait_job_processes_gone
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]

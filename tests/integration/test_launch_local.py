@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, run_dlrun
+from support.cli import REPO, dlrun_argv, run_dlrun
 from support.sshd_cluster import count_job_processes as job_processes
 
 SLEEPER = """

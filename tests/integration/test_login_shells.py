@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hosts_toml, run_dlrun
+from support.cli import run_dlrun
+from support.ssh_jobs import hosts_toml
 from support.sshd_cluster import SshdCluster, find_sshd, start_cluster, wait_job_processes_gone
 
 pytestmark = pytest.mark.ssh

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, hosts_toml, run_dlrun
+from support.cli import REPO, run_dlrun
+from support.ssh_jobs import hosts_toml
 
 pytestmark = [pytest.mark.ssh]
 

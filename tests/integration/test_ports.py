@@ -15,7 +15,8 @@ from dlrun.errors import PlanError
 from dlrun.inventory import Host, Inventory
 from dlrun.plan import choose_ports, listening_ranks, make_plan
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+from support.cli import REPO, dlrun_argv, run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script
 
 TORCH_JOB = """
 import os, time

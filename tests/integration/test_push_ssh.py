@@ -22,7 +22,9 @@ from dlrun.push.shard import SHARD_FILE, SHARD_POLICIES, shard_env
 from dlrun.transport.local import HostRouter
 from dlrun.transport.ssh import SSHTransport
 
-from conftest import REPO, wait_until
+from support.cli import REPO, run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script
+from support.wait import wait_until
 
 pytestmark = pytest.mark.ssh
 
@@ -344,8 +346,6 @@ def test_permission_denied_names_host_and_path(cluster, transport, tmp_path: Pat
 
 
 def test_launch_with_data_gives_each_rank_its_shard(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from conftest import hosts_toml, run_dlrun, shared_script
-
     data = tmp_path / "dataset"
     data.mkdir()
     for i in range(6):
@@ -366,8 +366,6 @@ def test_launch_with_data_gives_each_rank_its_shard(cluster, tmp_path: Path) -> 
 def test_launch_opens_a_push_session_only_where_the_code_changed(  # type: ignore[no-untyped-def]
         cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     from dlrun.run.launch import LaunchConfig, SSHOptions, launch
-
-    from conftest import hosts_toml
 
     code = tmp_path / f"proj-{os.getpid()}-{time.monotonic_ns()}"
     write(code, {"job.py": "import util\nprint('VERSION', util.V)\n", "util.py": "V = 1\n"})
@@ -434,8 +432,6 @@ def pushed_tree(cluster, code: Path, n: int) -> list[dict[str, bytes | str]]:  #
 
 def test_a_project_with_a_venv_caches_and_logs_sends_only_its_code(  # type: ignore[no-untyped-def]
         cluster, tmp_path: Path) -> None:
-    from conftest import run_dlrun
-
     code = new_project(tmp_path, {
         "train.py": "import os\nprint('CWD', sorted(os.listdir('.')))\n",
         "lib/util.py": "V = 1\n",
@@ -465,8 +461,6 @@ def test_a_project_with_a_venv_caches_and_logs_sends_only_its_code(  # type: ign
 
 def test_an_installed_program_is_run_as_given_and_nothing_is_pushed(  # type: ignore[no-untyped-def]
         cluster, tmp_path: Path) -> None:
-    from conftest import run_dlrun
-
     hosts = project_hosts(cluster, tmp_path / "hosts.toml", 2)
     before = [sorted(p.name for p in h.workdir.iterdir()) for h in cluster.hosts[:2]]
     out = run_dlrun("launch", "--plain", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
@@ -477,8 +471,6 @@ def test_an_installed_program_is_run_as_given_and_nothing_is_pushed(  # type: ig
 
 
 def test_a_script_directly_in_the_home_folder_is_refused(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from conftest import run_dlrun
-
     home = tmp_path / "home"
     write(home, {"train.py": "print('RAN')\n", "big-download.bin": b"x" * 1000})
     hosts = project_hosts(cluster, tmp_path / "hosts.toml", 2)
@@ -494,8 +486,6 @@ def test_a_script_directly_in_the_home_folder_is_refused(cluster, tmp_path: Path
 
 def test_an_oversized_code_push_stops_before_anything_is_read_or_written(  # type: ignore[no-untyped-def]
         cluster, tmp_path: Path) -> None:
-    from conftest import run_dlrun
-
     code = new_project(tmp_path, {"train.py": "print('RAN')\n", "src/model.py": "M = 1\n"})
     (code / "checkpoints").mkdir()
     for i in range(3):
@@ -523,8 +513,6 @@ def test_an_oversized_code_push_stops_before_anything_is_read_or_written(  # typ
 
 def test_a_dry_run_writes_nothing_and_lists_what_the_push_then_sends(  # type: ignore[no-untyped-def]
         cluster, tmp_path: Path) -> None:
-    from conftest import run_dlrun
-
     code = new_project(tmp_path, {"train.py": "print('TRAINED')\n", "keep.py": "K = 1\n", "gone.py": "G = 1\n",
                                   "change.py": "C = 1\n"})
     hosts = project_hosts(cluster, tmp_path / "hosts.toml", 2)
@@ -568,8 +556,6 @@ def test_a_dry_run_writes_nothing_and_lists_what_the_push_then_sends(  # type: i
 
 def test_the_setup_runs_once_then_only_when_the_pushed_files_change(  # type: ignore[no-untyped-def]
         cluster, tmp_path: Path) -> None:
-    from conftest import run_dlrun
-
     code = new_project(tmp_path, {"requirements.txt": "numpy\n",
                                   "train.py": "print('SETUP-BEFORE-RANK', open('setup-runs.txt').read().split())\n"})
     setup = 'setup = "echo run-$(cat requirements.txt) >> setup-runs.txt; echo installing"'
@@ -600,8 +586,6 @@ def test_the_setup_runs_once_then_only_when_the_pushed_files_change(  # type: ig
 
 def test_a_failing_setup_starts_no_rank_and_names_the_host(  # type: ignore[no-untyped-def]
         cluster, tmp_path: Path) -> None:
-    from conftest import run_dlrun
-
     code = new_project(tmp_path, {"train.py": "open('rank-ran.txt', 'w').write('yes')\n"})
     hosts = project_hosts(cluster, tmp_path / "hosts.toml", 2, per_host={
         0: 'setup = "echo fine"', 1: 'setup = "echo pip says no >&2; echo last words; exit 3"'})

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+from support.cli import REPO, dlrun_argv, run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script
 
 FACTS = r"""
 import json, os, resource, stat, sys

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hosts_toml, run_dlrun
+from support.cli import run_dlrun
+from support.ssh_jobs import hosts_toml
 
 pytestmark = pytest.mark.ssh
 

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, shared_script
+from support.cli import REPO, dlrun_argv
+from support.gpu_stub import FOUR_GPUS, WAIT_FOR_SAMPLES, printing, stub
 from support.slurm_cluster import SlurmCluster
+from support.ssh_jobs import shared_script
 from support.sshd_cluster import count_job_processes, wait_job_processes_gone
 
 pytestmark = pytest.mark.slurm
@@ -307,8 +309,6 @@ def test_detached_jobs_live_in_steps_and_end_with_the_allocation(slurm: SlurmClu
 
 
 def test_the_gpu_view_samples_every_node_through_its_step(slurm: SlurmCluster, tmp_path: Path) -> None:
-    from test_gpu_view import FOUR_GPUS, WAIT_FOR_SAMPLES, printing, stub
-
     calls = tmp_path / "calls"
     stub_dir = stub(tmp_path / "bin", calls, printing(FOUR_GPUS))  # srun hands PATH to each step
     folder = project(tmp_path, "wait.py", WAIT_FOR_SAMPLES)

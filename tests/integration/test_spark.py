@@ -42,7 +42,7 @@ from dlrun.spark.driver import (
 )
 from dlrun.spark.task import interface_holding, rank_environ, task_main
 
-from conftest import REPO
+from support.cli import REPO
 from support.spark import spark_test_context
 from support.sshd_cluster import count_job_processes as job_processes
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script, start_ssh_job
+from support.cli import REPO, dlrun_argv, run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script, start_ssh_job
 from support.sshd_cluster import count_job_processes, wait_job_processes_gone
 
 pytestmark = pytest.mark.ssh

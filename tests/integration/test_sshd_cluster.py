@@ -13,12 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_until
-
-try:
-    from tests.support import sshd_cluster as sc
-except ImportError:  # tests/ run as rootdir-relative modules
-    from support import sshd_cluster as sc  # type: ignore[no-redef]
+from support import sshd_cluster as sc
+from support.wait import wait_until
 
 pytestmark = pytest.mark.skipif(
     sc.find_sshd() is None,

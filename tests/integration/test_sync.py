@@ -71,7 +71,7 @@ from dlrun.push.tree import (
 from dlrun.push.view import PushView, summary_json, summary_line
 from dlrun.transport.local import HostRouter
 
-from conftest import wait_until
+from support.wait import wait_until
 
 # --------------------------------------------------------------------------- shards
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hosts_toml, run_dlrun, shared_script
+from support.cli import run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script
 from support.topo_fixtures import FIXTURES, env_with_path, write_fake_tool
 
 SYSFS = FIXTURES / "sysfs-ib" / "gpud-h100-testdata"

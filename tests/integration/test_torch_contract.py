@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import run_dlrun
+from support.cli import run_dlrun
 
 pytest.importorskip("torch")
 

@@ -16,7 +16,7 @@ from dlrun.run.supervisor import LineSplitter, Supervisor
 from dlrun.run.view import PlainView
 from dlrun.testing import FakeRank, FakeTransport
 
-from conftest import wait_until
+from support.wait import wait_until
 
 
 def commands(spec: str = "a:2,b:2", framework: str = "tf"):  # type: ignore[no-untyped-def]
