@@ -133,15 +133,6 @@ def test_push_channels_use_aes_gcm(cluster, transport) -> None:  # type: ignore[
         channel.close()
 
 
-def test_local_host_goes_through_the_local_transport(tmp_path: Path) -> None:
-    src = tmp_path / "app"
-    write(src, {"main.py": "print(1)\n", "data/readme.txt": "x\n"})
-    host = Host(address="localhost", name="localhost", workdir=str(tmp_path / "dst"))
-    (summary,) = push(HostRouter(remote=None), [host], code_dir=src, project="renamed")
-    assert summary.files_sent == 2
-    assert tree(tmp_path / "dst" / "renamed") == {"data/readme.txt": b"x\n", "main.py": b"print(1)\n"}
-
-
 # --------------------------------------------------------------------------- data shards
 
 
