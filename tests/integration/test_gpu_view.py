@@ -20,6 +20,7 @@ import pytest
 from support.cli import run_dlrun
 from support.gpu_stub import FOUR_GPUS, WAIT_FOR_SAMPLES, printing, stub
 from support.ssh_jobs import shared_script
+from support.sshd_cluster import SshdCluster
 
 
 def job_dir(tmp_path: Path, out: str) -> Path:
@@ -113,7 +114,7 @@ def test_a_failing_or_hung_nvidia_smi_is_named_once_and_leaves_the_exit_code(
 
 
 @pytest.mark.ssh
-def test_an_ssh_host_with_gpus_and_one_without(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_an_ssh_host_with_gpus_and_one_without(cluster: SshdCluster, tmp_path: Path) -> None:
     calls = cluster.scripts / "gpu-calls"
     calls.write_text("")
     calls.chmod(0o666)

@@ -443,7 +443,7 @@ def test_help_shows_the_options_in_sections() -> None:
 
 def test_the_clis_shard_policies_are_the_pushs() -> None:
     from dlrun.cli import SHARD_POLICIES
-    from dlrun.push.session import SHARD_POLICIES as PUSHED
+    from dlrun.push.shard import SHARD_POLICIES as PUSHED
 
     assert SHARD_POLICIES == PUSHED
 

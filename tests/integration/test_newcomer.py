@@ -11,6 +11,7 @@ import pytest
 
 from support.cli import REPO, run_dlrun
 from support.ssh_jobs import hosts_toml, shared_script
+from support.sshd_cluster import SshdCluster
 
 MARKER = "import pathlib, sys; pathlib.Path(sys.argv[0] + '.ran').touch(); print('RAN')\n"
 
@@ -134,7 +135,7 @@ ENV_PRINTER = ("import json, os\n"
 
 
 @pytest.mark.ssh
-def test_a_dry_run_on_ssh_hosts_shows_what_each_rank_then_gets(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_dry_run_on_ssh_hosts_shows_what_each_rank_then_gets(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "newcomer_env.py", ENV_PRINTER)  # no imports: both contracts (TF_CONFIG too)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     hosts.write_text(hosts.read_text().replace('address = "host1"', 'address = "host1"\niface = "lo:1"', 1))
@@ -160,7 +161,7 @@ def test_a_dry_run_on_ssh_hosts_shows_what_each_rank_then_gets(cluster, tmp_path
 
 
 @pytest.mark.ssh
-def test_topo_suggests_the_interface_launch_gives_and_says_so(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_topo_suggests_the_interface_launch_gives_and_says_so(cluster: SshdCluster, tmp_path: Path) -> None:
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     ssh = ("--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config))
     doc = json.loads(run_dlrun("topo", "--json", *ssh, cwd=tmp_path, timeout=120).stdout)
@@ -191,7 +192,7 @@ def test_a_dry_run_on_hosts_it_cannot_reach_shows_the_plan_with_a_warning(tmp_pa
 
 
 @pytest.mark.ssh
-def test_a_misspelled_option_starts_nothing_on_ssh_hosts_either(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_misspelled_option_starts_nothing_on_ssh_hosts_either(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "newcomer_marker.py", MARKER)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     out = run_dlrun("launch", "--plain", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), "--no-push",

@@ -9,7 +9,9 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -91,10 +93,11 @@ def test_settled_push_only_when_there_is_nothing_to_send_delete_or_record(
     host = Host(address="localhost", name="localhost", workdir=str(tmp_path / "host"))
     helper: dict[str, object] = {"__name__": "survey-only"}
     exec(compile(helper_source(), "<helper>", "exec"), helper)  # what the agent runs for op "survey"
+    survey = cast(Callable[[object], list[object]], helper["survey"])
 
     def settled() -> HostPushSummary | None:
         target = code_target(host, code, scan_code(code))
-        answer = {"targets": [helper["survey"](spec)[0]  # type: ignore[operator]
+        answer = {"targets": [survey(spec)[0]
                               for spec in survey_request([target])["targets"]]}
         return settled_push(host.name, [target], answer)
 
@@ -144,11 +147,11 @@ class LinkedTrees:
             d.mkdir()
         self.remote = self.workdir / "proj"
 
-    def push(self, **kw: object) -> tuple[int, int, int]:
+    def push(self, **kw: Any) -> tuple[int, int, int]:
         from dlrun.transport.local import HostRouter
 
         host = Host(address="localhost", name="localhost", workdir=str(self.workdir))
-        (s,) = push(HostRouter(remote=None), [host], code_dir=self.src, **kw)  # type: ignore[arg-type]
+        (s,) = push(HostRouter(remote=None), [host], code_dir=self.src, **kw)
         return s.files_sent, s.files_unchanged, s.files_deleted
 
 
@@ -221,8 +224,8 @@ def test_a_failed_write_keeps_the_old_copy_pushed(trees: LinkedTrees, monkeypatc
     (trees.src / "helpers.py").write_text("NEW = 2\n")
     planned = sync._plan_local
 
-    def edited_mid_push(*args: object, **kw: object) -> object:
-        out = planned(*args, **kw)  # type: ignore[arg-type]
+    def edited_mid_push(*args: Any, **kw: Any) -> object:
+        out = planned(*args, **kw)
         (trees.src / "helpers.py").write_text("NEW = 3\n")  # changed after it was hashed
         return out
 

@@ -23,6 +23,7 @@ import pytest
 
 from support.cli import REPO, dlrun_argv, run_dlrun
 from support.ssh_jobs import hosts_toml, shared_script
+from support.sshd_cluster import SshdCluster
 
 FACTS = r"""
 import json, os, resource, stat, sys
@@ -146,7 +147,7 @@ def test_a_mount_made_after_the_start_reaches_the_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.ssh
-def test_ssh_ranks_see_their_own_proc_as_the_login_user(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_ssh_ranks_see_their_own_proc_as_the_login_user(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "facts.py", FACTS)
     plain_run = cluster.run(0, f"{cluster.python} {script}")
     assert plain_run.returncode == 0, plain_run.stderr

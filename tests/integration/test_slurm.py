@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from support.cli import REPO, dlrun_argv
 from support.gpu_stub import FOUR_GPUS, WAIT_FOR_SAMPLES, printing, stub
 from support.slurm_cluster import SlurmCluster
 from support.ssh_jobs import shared_script
-from support.sshd_cluster import count_job_processes, wait_job_processes_gone
+from support.sshd_cluster import SshdCluster, count_job_processes, wait_job_processes_gone
 
 pytestmark = pytest.mark.slurm
 
@@ -106,7 +107,7 @@ def test_the_allocation_is_the_inventory_and_srun_steps_the_default_transport(sl
         assert env["SLURM_JOB_ID"] is not None
 
 
-def test_over_ssh_inside_the_allocation(slurm: SlurmCluster, cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_over_ssh_inside_the_allocation(slurm: SlurmCluster, cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "slurm_report.py", REPORT)
     out = run_in_allocation(slurm, TWO_BY_TWO, "launch", "--plain", "--framework", "torch",
                             "--transport", "ssh", "--ssh-config", str(cluster.ssh_config), str(script),
@@ -192,7 +193,7 @@ def finish_held(slurm: SlurmCluster, proc: subprocess.Popen[str], lines: list[st
 
 
 @pytest.fixture
-def ended(slurm: SlurmCluster):  # type: ignore[no-untyped-def]
+def ended(slurm: SlurmCluster) -> Iterator[list[subprocess.Popen[str]]]:
     """Ends every allocation a test left (the holders wait for their stdin to close)."""
     procs: list[subprocess.Popen[str]] = []
     yield procs

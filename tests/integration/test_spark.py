@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -107,6 +107,7 @@ class ActOnReady(PlainView):
 
     def __init__(self, out: Recorder, ranks: int, act: Any) -> None:
         super().__init__(out)
+        self.recorder = out
         self.waiting = set(range(ranks))
         self.act = act
 
@@ -119,7 +120,7 @@ class ActOnReady(PlainView):
         if text == "ready" and rank in self.waiting:
             self.waiting.discard(rank)
             if not self.waiting:
-                self.act(job_id_of(self.out.getvalue()))  # type: ignore[attr-defined]
+                self.act(job_id_of(self.recorder.getvalue()))
 
 
 def task_process_of(pid: int) -> int:
@@ -300,8 +301,9 @@ def test_missing_pyspark_and_java_say_what_to_install(monkeypatch: pytest.Monkey
     monkeypatch.delitem(sys.modules, "pyspark")
     monkeypatch.delenv("JAVA_HOME", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")
-    fake = SimpleNamespace(SparkContext=SimpleNamespace(_active_spark_context=None))
-    with pytest.raises(BackendError) as info, spark_context(fake, SparkConfig("local[2]", 2), app_name="x"):  # type: ignore[arg-type]
+    fake = ModuleType("pyspark")
+    vars(fake).update(SparkContext=SimpleNamespace(_active_spark_context=None))
+    with pytest.raises(BackendError) as info, spark_context(fake, SparkConfig("local[2]", 2), app_name="x"):
         pass
     assert "openjdk-17-jre-headless" in str(info.value)
 

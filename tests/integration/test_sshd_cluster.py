@@ -34,7 +34,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sc.SshdCluster
 
 def _ssh(
     cluster: sc.SshdCluster, alias: str, cmd: str, *options: str
-) -> subprocess.CompletedProcess:
+) -> subprocess.CompletedProcess[str]:
     """Plain OpenSSH client with the cluster's ssh_config: nothing but -F and the options given."""
     argv = ["ssh", "-F", str(cluster.ssh_config), "-o", "BatchMode=yes", *options, alias, cmd]
     return subprocess.run(

@@ -15,7 +15,7 @@ import pytest
 
 from support.cli import REPO, dlrun_argv, run_dlrun
 from support.ssh_jobs import hosts_toml, shared_script
-from support.sshd_cluster import wait_job_processes_gone
+from support.sshd_cluster import SshdCluster, wait_job_processes_gone
 
 DEADLOCK = """
 import datetime, os, sys, threading, time
@@ -63,6 +63,13 @@ for i in range(25):
 
 STACK_LINES = (r"^rank 1 \(\S+\): .*stuck_in_data_loading \(deadlock\.py:\d+\)\s+\[same in both samples\]$",
                r"^rank 0 \(\S+\): all_reduce ← train_step \(deadlock\.py:\d+\)\s+\[same in both samples\]$")
+
+
+def found(pattern: str, text: str) -> str:
+    """The first group of ``pattern``'s first match in ``text`` (which must have one)."""
+    match = re.search(pattern, text)
+    assert match, text
+    return match.group(1)
 
 
 def start(argv: list[str], cwd: Path) -> tuple[subprocess.Popen[str], str, list[str]]:
@@ -116,7 +123,7 @@ def test_stack_of_a_local_attached_job_from_another_process(tmp_path: Path) -> N
                                     "deadlock.py"), tmp_path)
     try:
         out = stack_from_another_process(job, tmp_path)
-        folder = tmp_path / re.search(r"full stacks in (\S+)/$", out, re.M).group(1)  # type: ignore[union-attr]
+        folder = tmp_path / found(r"(?m)full stacks in (\S+)/$", out)
         files = files_of(folder)
         assert "stuck_in_data_loading (deadlock.py:" in files["rank-1.txt"], files
         assert "all_reduce (torch/distributed/" in files["rank-0.txt"], files
@@ -136,7 +143,7 @@ def test_hang_timeout_stops_a_local_deadlock_and_names_the_odd_rank(tmp_path: Pa
                      r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce$", out.stdout, re.M), out.stdout
     assert re.search(r"^dlrun: no output for \d+ s; --hang-timeout 15 s", out.stdout, re.M), out.stdout
     assert "dlrun: job hung; every rank stopped (--hang-timeout); exit code 124" in out.stdout, out.stdout
-    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    job = found(r"logs in dlrun-logs/([\w-]+)/", out.stdout)
     assert wait_job_processes_gone(job, timeout=30) == []
 
 
@@ -159,7 +166,7 @@ def test_stack_of_a_job_that_is_not_there_says_so(tmp_path: Path) -> None:
 
 
 @pytest.mark.ssh
-def test_stack_of_a_two_host_deadlock_from_another_process(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_stack_of_a_two_host_deadlock_from_another_process(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "deadlock.py", DEADLOCK)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     proc, job, _ = start(dlrun_argv("launch", "--plain", "--grace", "2", "--hosts", str(hosts), "--ssh-config",
@@ -175,7 +182,7 @@ def test_stack_of_a_two_host_deadlock_from_another_process(cluster, tmp_path: Pa
 
 
 @pytest.mark.ssh
-def test_hang_timeout_ends_a_two_host_deadlock_by_itself(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_hang_timeout_ends_a_two_host_deadlock_by_itself(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "deadlock.py", DEADLOCK)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     out = run_dlrun("launch", "--plain", "--grace", "2", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
@@ -183,14 +190,14 @@ def test_hang_timeout_ends_a_two_host_deadlock_by_itself(cluster, tmp_path: Path
     assert out.returncode == 124, out.stdout + out.stderr
     assert re.search(r"^dlrun: root cause: job hung: rank 1 on host1 is in stuck_in_data_loading "
                      r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce$", out.stdout, re.M), out.stdout
-    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    job = found(r"logs in dlrun-logs/([\w-]+)/", out.stdout)
     assert wait_job_processes_gone(job, timeout=30) == []
     folders = list((tmp_path / "dlrun-logs" / job).glob("stacks-*"))
     assert len(folders) == 1 and {"rank-0.txt", "rank-1.txt", "summary.txt"} <= set(files_of(folders[0]))
 
 
 @pytest.mark.ssh
-def test_stack_of_a_detached_two_host_deadlock(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_stack_of_a_detached_two_host_deadlock(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "deadlock.py", DEADLOCK)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
@@ -254,7 +261,7 @@ def test_a_host_without_py_spy_says_so_for_each_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.ssh
-def test_hang_timeout_ends_a_detached_two_host_deadlock_by_itself(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_hang_timeout_ends_a_detached_two_host_deadlock_by_itself(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "deadlock.py", DEADLOCK)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
@@ -278,7 +285,7 @@ def test_without_py_spy_the_hang_stop_takes_faulthandler_dumps_into_the_logs(tmp
     assert out.returncode == 124, out.stdout + out.stderr
     assert "ranks 0-1 (localhost): no stack: no py-spy on this host" in out.stdout, out.stdout
     assert "dlrun: localhost: SIGABRT to ranks [0, 1]: faulthandler prints their stacks to their logs" in out.stdout
-    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    job = found(r"logs in dlrun-logs/([\w-]+)/", out.stdout)
     logs = tmp_path / "dlrun-logs" / job
     assert re.search(r'File ".*deadlock\.py", line \d+ in stuck_in_data_loading', (logs / "rank-1.log").read_text())
     assert re.search(r'File ".*deadlock\.py", line \d+ in train_step', (logs / "rank-0.log").read_text())
@@ -342,14 +349,14 @@ def test_flight_recorder_dumps_come_back_and_name_the_rank_behind(tmp_path: Path
     assert out.returncode == 3, out.stdout + out.stderr
     assert ("  flight recorder: rank 1 is behind in process group 0: last collective #2 gloo:all_reduce, while ranks"
             " 0,2 entered #3 gloo:broadcast\n") in out.stdout, out.stdout
-    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    job = found(r"logs in dlrun-logs/([\w-]+)/", out.stdout)
     folder = tmp_path / "dlrun-logs" / job / "flight-recorder"
     assert sorted(p.name for p in folder.iterdir()) == ["trace_rank_0", "trace_rank_1", "trace_rank_2"]
     assert not Path(f"/tmp/dlrun-{job}").exists()  # the host's copies went with the job
 
 
 @pytest.mark.ssh
-def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster: SshdCluster, tmp_path: Path) -> None:
     from support.sshd_cluster import TEST_USER_HOME
 
     script = shared_script(cluster, "recorded.py", RECORDED)
@@ -368,7 +375,7 @@ def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster, tmp_p
 
 
 @pytest.mark.ssh
-def test_a_detached_hang_without_py_spy_leaves_faulthandler_dumps(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_detached_hang_without_py_spy_leaves_faulthandler_dumps(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "deadlock.py", DEADLOCK)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]

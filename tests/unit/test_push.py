@@ -3,6 +3,7 @@ stream's pieces), and dlrun.push.view. The helper as a process: tests/integratio
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -12,8 +13,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -292,11 +295,10 @@ def entry(path: str, content: bytes = b"x", mode: int = 0o644, link: str | None 
     return FileEntry(path, len(content), mode, hashlib.sha256(content).hexdigest())
 
 
-def remote(e: FileEntry, pushed: bool = True, **changes: object) -> RemoteEntry:
-    fields: dict[str, object] = {"path": e.path, "kind": "link" if e.is_link else "file", "size": e.size,
-                                 "mode": e.mode, "sha256": e.sha256, "link": e.link, "pushed": pushed}
-    fields.update(changes)
-    return RemoteEntry(**fields)  # type: ignore[arg-type]
+def remote(e: FileEntry, pushed: bool = True, **changes: Any) -> RemoteEntry:
+    found = RemoteEntry(path=e.path, kind="link" if e.is_link else "file", size=e.size, mode=e.mode,
+                        sha256=e.sha256, link=e.link, pushed=pushed)
+    return dataclasses.replace(found, **changes)
 
 
 def test_diff_sends_new_and_changed_files_only() -> None:
@@ -352,7 +354,7 @@ def test_space_check_names_host_and_bytes_needed() -> None:
 # --------------------------------------------------------------------------- split-lines and data plans
 
 
-def reader(data: bytes):  # type: ignore[no-untyped-def]
+def reader(data: bytes) -> Callable[[int, int], bytes]:
     return lambda offset, n: data[offset : offset + n]
 
 

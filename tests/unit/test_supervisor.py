@@ -6,12 +6,13 @@ import io
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from dlrun.inventory import parse_inline
 from dlrun.plan import make_plan
 from dlrun.remote import source_of
-from dlrun.render import worker_commands
-from dlrun.run.result import RankState
+from dlrun.render import WorkerCommand, worker_commands
+from dlrun.run.result import RankState, RunResult
 from dlrun.run.supervisor import LineSplitter, Supervisor
 from dlrun.run.view import PlainView
 from dlrun.testing import FakeRank, FakeTransport
@@ -19,14 +20,15 @@ from dlrun.testing import FakeRank, FakeTransport
 from support.wait import wait_until
 
 
-def commands(spec: str = "a:2,b:2", framework: str = "tf"):  # type: ignore[no-untyped-def]
+def commands(spec: str = "a:2,b:2", framework: str = "tf") -> tuple[WorkerCommand, ...]:
     plan = make_plan(parse_inline(spec), job_id="job", framework=framework)
     return worker_commands(plan, "t.py", [], python_for={h.name: ["python3"] for h in plan.hosts})
 
 
-def run(transport: FakeTransport, tmp_path: Path, spec: str = "a:2,b:2", **kw: object):  # type: ignore[no-untyped-def]
+def run(transport: FakeTransport, tmp_path: Path, spec: str = "a:2,b:2", **kw: Any,
+        ) -> tuple[Supervisor, RunResult, str]:
     out = io.StringIO()
-    sup = Supervisor(transport, commands(spec), PlainView(out), log_dir=tmp_path / "logs", grace=0.2, **kw)  # type: ignore[arg-type]
+    sup = Supervisor(transport, commands(spec), PlainView(out), log_dir=tmp_path / "logs", grace=0.2, **kw)
     return sup, sup.run(), out.getvalue()
 
 
