@@ -380,6 +380,7 @@ def test_no_nvidia_smi_no_samples_and_no_error(tmp_path: Path) -> None:
     assert gpu_frames(frames) == [] and not [p for k, _, p in frames if k == agent.ERROR]
 
 
+@pytest.mark.slow
 def test_a_failing_or_hanging_nvidia_smi_is_reported_and_the_job_goes_on(tmp_path: Path) -> None:
     env = fake_nvidia_smi(tmp_path, "echo 'NVIDIA-SMI has failed because it could not communicate' >&2\nexit 9\n")
     frames = talk(agent_cmd(), [sleeper(1.5)], env=env)

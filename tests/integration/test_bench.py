@@ -18,7 +18,7 @@ from support.cli import run_dlrun
 from support.ssh_jobs import hosts_toml
 from support.sshd_cluster import SshdCluster
 
-pytestmark = pytest.mark.slow  # 13-38 s each: sshd hosts in a network namespace, measured for seconds
+pytestmark = pytest.mark.slow  # 13-38 s each: sshd hosts in a network namespace, measured
 
 HELPER = Path(__file__).resolve().parents[1] / "support" / "bench_netns.py"
 

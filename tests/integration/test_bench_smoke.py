@@ -11,7 +11,7 @@ import pytest
 
 from support.cli import REPO
 
-pytestmark = [pytest.mark.ssh, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(autouse=True)

@@ -135,6 +135,7 @@ def remote(cluster: SshdCluster, i: int, code: Path, rel: str) -> Path:
     return Path(cluster.hosts[i].workdir) / code.name / rel
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_a_restart_finds_rank_0s_checkpoint_on_every_host(cluster: SshdCluster, tmp_path: Path) -> None:
     code = project(tmp_path, RESUME)
@@ -156,6 +157,7 @@ def test_a_restart_finds_rank_0s_checkpoint_on_every_host(cluster: SshdCluster, 
     assert re.search(r"^\[1 host1\] rank 1 has no checkpoint$", out.stdout, re.M), out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_every_host_gets_every_ranks_shard_and_the_latest_file_and_link(cluster: SshdCluster, tmp_path: Path) -> None:
     code = project(tmp_path, SHARDS)
@@ -173,6 +175,7 @@ def test_every_host_gets_every_ranks_shard_and_the_latest_file_and_link(cluster:
         assert remote(cluster, i, code, "ckpt/last").is_symlink()
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_a_file_truncated_by_a_killed_writer_never_wins(cluster: SshdCluster, tmp_path: Path) -> None:
     code = project(tmp_path, TRUNCATED)
@@ -195,6 +198,7 @@ def test_a_new_launch_starts_from_the_newest_checkpoint_on_every_host(cluster: S
     assert re.search(r"^\[1 host1\] rank 1 resumes from epoch 1$", out.stdout, re.M), out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_the_ddp_tutorials_second_run_resumes_at_the_same_epoch_on_every_host(
         cluster: SshdCluster, tmp_path: Path) -> None:
@@ -218,6 +222,7 @@ def test_the_ddp_tutorials_second_run_resumes_at_the_same_epoch_on_every_host(
     assert len(set(re.findall(r"rank \d checksum (-?[0-9.]+)", second.stdout))) == 1, second.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_a_detached_job_gets_the_checkpoint_before_its_first_attempt(cluster: SshdCluster, tmp_path: Path) -> None:
     code = project(tmp_path, RESUME)
@@ -248,6 +253,7 @@ def test_a_checkpoint_dir_must_lie_inside_the_jobs_folder(tmp_path: Path) -> Non
     assert out.returncode == 2 and "--checkpoint-dir go" in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_pull_brings_every_hosts_out_folder_home(cluster: SshdCluster, tmp_path: Path) -> None:
     name = f"pull-{tmp_path.name}"

@@ -131,6 +131,7 @@ def test_no_usable_cache_still_runs(tmp_path: Path) -> None:
     assert run_loader(blocker) == "from the source"  # the cache folder cannot be made
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_a_launch_fills_the_login_users_cache_and_the_next_uses_it(tmp_path: Path) -> None:
     if find_sshd() is None:

@@ -22,7 +22,7 @@ from support.ssh_jobs import example, hosts_toml, roles_toml, shared_script
 from support.sshd_cluster import TEST_USER_HOME, SshdCluster, wait_job_processes_gone
 from support.wait import wait_until
 
-pytestmark = pytest.mark.ssh
+pytestmark = [pytest.mark.ssh, pytest.mark.slow]  # 5-28 s each (2 loaded cores)
 
 STEPS = """
 import os, sys, time

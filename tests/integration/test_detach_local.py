@@ -8,6 +8,8 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from support.cli import REPO, dlrun_argv, run_dlrun
 from support.sshd_cluster import wait_job_processes_gone
 
@@ -35,6 +37,7 @@ def detach_locally(tmp_path: Path, name: str, source: str) -> tuple[str, dict[st
     return last.removeprefix("dlrun: detached job "), home
 
 
+@pytest.mark.slow
 def test_a_local_detached_job_runs_and_is_followed(tmp_path: Path) -> None:
     job, home = detach_locally(tmp_path, "steps.py", STEPS)
     attached = run_dlrun("attach", job, cwd=tmp_path, timeout=120, env=home)
@@ -59,6 +62,7 @@ def test_what_detach_cannot_do_yet_is_refused(tmp_path: Path) -> None:
     assert out.returncode == 2 and "--min-hosts" in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_attach_detaches_and_the_job_goes_on(tmp_path: Path) -> None:
     job, home = detach_locally(tmp_path, "sleeper.py", "import time\nprint('ready', flush=True)\ntime.sleep(600)\n")
     try:

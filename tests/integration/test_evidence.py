@@ -78,6 +78,7 @@ def test_the_torch_exception_is_the_root_cause_on_sshd_hosts(cluster: SshdCluste
     assert "ValueError: labels out of range" in root_cause(out.stdout)
 
 
+@pytest.mark.slow
 def test_heavy_output_on_a_terminal_does_not_hold_back_the_stop(tmp_path: Path) -> None:
     """On a terminal (``script``) the live view draws what it can; rank 1's failure still stops
     the job at once, every line rank 0 wrote is in its log file, and dlrun's memory stays bounded."""

@@ -134,6 +134,7 @@ def test_torch_versions_that_differ_across_hosts_stop_a_torch_job(cluster: SshdC
     assert "  warning before the start: preflight: torch versions differ across hosts" in out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_the_keras_warning_follows_the_hosts_keras(cluster: SshdCluster, tmp_path: Path) -> None:
     keras3 = python_with(cluster, "python-keras-3.9.9", stub_site(cluster.scripts / "site-keras-3", "keras-3.9.9"))

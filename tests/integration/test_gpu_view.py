@@ -39,6 +39,7 @@ def launch_here(tmp_path: Path, stub_dir: Path | None, *args: str, calls: Path, 
     return out.returncode, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_a_busy_gpu_beside_three_idle_ones_is_shown_recorded_and_warned_once(tmp_path: Path) -> None:
     calls = tmp_path / "calls"
     stub_dir = stub(tmp_path / "bin", calls, printing(FOUR_GPUS))
@@ -94,6 +95,7 @@ def test_no_nvidia_smi_no_sampling_and_no_word_of_it(tmp_path: Path) -> None:
     assert not (job_dir(tmp_path, out.stdout) / "gpu.csv").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("body", "message"), [
     ("echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver'; exit 9",
      "GPU sampling failed (nvidia-smi exited 9: NVIDIA-SMI has failed because it could not communicate with the"
@@ -113,6 +115,7 @@ def test_a_failing_or_hung_nvidia_smi_is_named_once_and_leaves_the_exit_code(
     assert f"dlrun: localhost: {message}" in out
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_an_ssh_host_with_gpus_and_one_without(cluster: SshdCluster, tmp_path: Path) -> None:
     calls = cluster.scripts / "gpu-calls"

@@ -65,6 +65,7 @@ def readable_leaks(roots: Iterable[Path], values: Iterable[str]) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_secrets_reach_the_ranks_but_no_command_line_or_shared_file(cluster: SshdCluster, tmp_path: Path) -> None:
     from_env, from_file = "env-" + secrets.token_hex(12), "file-" + secrets.token_hex(12)
@@ -114,6 +115,7 @@ def test_script_arguments_are_masked_in_the_dry_run_and_the_root_cause(tmp_path:
     assert "hunter2" not in out.stdout + out.stderr, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_script_arguments_are_masked_in_ps_and_the_stored_state(tmp_path: Path) -> None:
     script = tmp_path / "quick.py"
     script.write_text("print('done')\n")
@@ -169,6 +171,7 @@ def test_control_characters_in_names_and_arguments_are_escaped_in_the_dry_run(tm
     assert "NOTE=a\\x1b[2Jb" in out.stdout and "run\\x1b[31m.py" in out.stderr, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_many_unresolvable_hosts_show_progress_and_fail_fast(tmp_path: Path) -> None:
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"nosuch-{i:04d}.invalid slots=1\n" for i in range(300)))
@@ -189,6 +192,7 @@ def mode_of(path: Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_the_push_keeps_folder_modes_and_its_record_is_private(cluster: SshdCluster, tmp_path: Path) -> None:
     project = tmp_path / f"modes-{secrets.token_hex(3)}"
@@ -246,6 +250,7 @@ def scratch_inventory(cluster: SshdCluster, path: Path, workdir: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_a_project_folder_another_user_made_first_is_refused(cluster: SshdCluster, tmp_path: Path) -> None:
     if not cluster.is_root:

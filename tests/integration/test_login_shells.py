@@ -24,7 +24,7 @@ from support.cli import run_dlrun
 from support.ssh_jobs import hosts_toml
 from support.sshd_cluster import SshdCluster, find_sshd, start_cluster, wait_job_processes_gone
 
-pytestmark = pytest.mark.ssh
+pytestmark = [pytest.mark.ssh, pytest.mark.slow]  # 7-49 s each (2 loaded cores)
 
 SHELLS = ("sh", "bash", "zsh", "fish", "tcsh")
 TRAIN = "import os\nprint('hello from rank', os.environ['DLRUN_RANK'], flush=True)\n"

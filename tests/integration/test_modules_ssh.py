@@ -65,6 +65,7 @@ def test_a_module_runs_with_the_inventorys_python_in_the_pushed_project(cluster:
         assert (host.workdir / "proj" / "pkg" / "model.py").read_text() == "NAME = 'proj'\n"
 
 
+@pytest.mark.slow
 def test_a_command_naming_no_local_file_pushes_nothing_and_code_is_never_ignored(
         cluster: SshdCluster, tmp_path: Path) -> None:
     root = project(tmp_path, "bare")
@@ -82,6 +83,7 @@ def test_a_command_naming_no_local_file_pushes_nothing_and_code_is_never_ignored
     assert all((h.workdir / "bare" / "pkg" / "train.py").is_file() for h in cluster.hosts[:2])
 
 
+@pytest.mark.slow
 def test_dry_run_lists_modules_r_commands_and_what_is_pushed(cluster: SshdCluster, tmp_path: Path) -> None:
     root = project(tmp_path, "dry")
     (root / "train.R").write_text('library(reticulate)\ntf <- import("tensorflow")\n')

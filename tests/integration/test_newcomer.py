@@ -134,6 +134,7 @@ ENV_PRINTER = ("import json, os\n"
                f"print('ENV', json.dumps({{k: os.environ.get(k) for k in {SHOWN!r}}}, sort_keys=True))\n")
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_a_dry_run_on_ssh_hosts_shows_what_each_rank_then_gets(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "newcomer_env.py", ENV_PRINTER)  # no imports: both contracts (TF_CONFIG too)
@@ -160,6 +161,7 @@ def test_a_dry_run_on_ssh_hosts_shows_what_each_rank_then_gets(cluster: SshdClus
     assert "ports: free on each host now; a launch asks again" in text.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_topo_suggests_the_interface_launch_gives_and_says_so(cluster: SshdCluster, tmp_path: Path) -> None:
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)

@@ -43,6 +43,7 @@ def test_chosen_ports_are_free_on_each_listening_rank_host_and_distinct() -> Non
         choose_ports("tf", plan.ranks, {"h0": (30001,), "h1": (30002, 30003)})
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_two_torch_jobs_at_once_on_the_same_hosts_both_succeed(cluster: SshdCluster, tmp_path: Path) -> None:
     pytest.importorskip("torch")

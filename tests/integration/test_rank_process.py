@@ -90,6 +90,7 @@ def unshare_works() -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pidns", [True, False], ids=["pidns", "no-pidns"])
 def test_localhost_ranks_see_their_own_proc_devices_shm_and_limits(tmp_path: Path, pidns: bool) -> None:
     script = tmp_path / "facts.py"

@@ -51,6 +51,7 @@ def no_process_left(job_id: str, attempts: int) -> None:
         assert wait_job_processes_gone(job_id if k == 0 else f"{job_id}-r{k}", timeout=15) == []
 
 
+@pytest.mark.slow
 def test_a_failed_attempt_runs_again_with_its_restart_count(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "flaky.py", FLAKY)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
@@ -77,6 +78,7 @@ def test_a_failed_attempt_runs_again_with_its_restart_count(cluster: SshdCluster
     no_process_left(job, 1)
 
 
+@pytest.mark.slow
 def test_a_lost_host_is_left_out_with_min_hosts(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "wait_then_report.py", WAIT_THEN_REPORT)
     proc, lines = start_ssh_job(cluster, tmp_path, 3, "--max-restarts", "1", "--min-hosts", "2", str(script), ready=3)
@@ -96,6 +98,7 @@ def test_a_lost_host_is_left_out_with_min_hosts(cluster: SshdCluster, tmp_path: 
     no_process_left(job, 2)
 
 
+@pytest.mark.slow
 def test_without_min_hosts_a_lost_host_is_reconnected(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "wait_then_report.py", WAIT_THEN_REPORT)
     proc, lines = start_ssh_job(cluster, tmp_path, 2, "--max-restarts", "1", str(script), ready=2)
@@ -123,6 +126,7 @@ def test_too_few_hosts_left_ends_the_job(cluster: SshdCluster, tmp_path: Path) -
     no_process_left(job_of(out), 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupt_never_restarts(cluster: SshdCluster, tmp_path: Path, sig: signal.Signals) -> None:
     script = shared_script(cluster, "sleep.py", SLEEPER)
@@ -148,6 +152,7 @@ def test_dry_run_shows_the_restart_policy(tmp_path: Path) -> None:
     assert out.returncode == 2 and "--min-hosts goes with --max-restarts" in out.stderr
 
 
+@pytest.mark.slow
 def test_the_torch_example_resumes_from_its_checkpoint(cluster: SshdCluster, tmp_path: Path) -> None:
     pytest.importorskip("torch")
     script = shared_script(cluster, "train_torch_ddp.py", (REPO / "examples" / "train_torch_ddp.py").read_text())

@@ -182,6 +182,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_a_detached_horovod_rendezvous_listens_on_host0_and_wants_the_key(
         cluster: SshdCluster, tmp_path: Path, horovod: None) -> None:

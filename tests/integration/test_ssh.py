@@ -334,6 +334,7 @@ def test_stderr_from_the_hosts_python_wrapper_does_not_break_the_job(cluster: Ss
     assert "[0 host0] tick 2" in out.stdout
 
 
+@pytest.mark.slow
 def test_known_hosts_markers_odd_lines_and_a_missing_final_newline(cluster: SshdCluster, tmp_path: Path) -> None:
     h0, h1 = cluster.hosts[0], cluster.hosts[1]
     known = tmp_path / "known_hosts"

@@ -273,6 +273,7 @@ def test_timeouts_and_strict_host_key_checking_from_the_config_where_dlrun_sets_
     assert given.target("b").accept_new
 
 
+@pytest.mark.slow
 def test_the_command_line_uses_the_configs_connect_timeout_unless_given(tmp_path: Path) -> None:
     """A port that accepts and never speaks SSH: the wait is the ssh config's ConnectTimeout,
     unless --connect-timeout says otherwise."""

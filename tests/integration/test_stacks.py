@@ -117,6 +117,7 @@ def files_of(folder: Path) -> dict[str, str]:
 # --------------------------------------------------------------------------- localhost
 
 
+@pytest.mark.slow
 def test_stack_of_a_local_attached_job_from_another_process(tmp_path: Path) -> None:
     (tmp_path / "deadlock.py").write_text(DEADLOCK)
     proc, job, _ = start(dlrun_argv("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch",
@@ -134,6 +135,7 @@ def test_stack_of_a_local_attached_job_from_another_process(tmp_path: Path) -> N
         stop(proc, job)
 
 
+@pytest.mark.slow
 def test_hang_timeout_stops_a_local_deadlock_and_names_the_odd_rank(tmp_path: Path) -> None:
     (tmp_path / "deadlock.py").write_text(DEADLOCK)
     out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch", "--hang-timeout", "15",
@@ -147,6 +149,7 @@ def test_hang_timeout_stops_a_local_deadlock_and_names_the_odd_rank(tmp_path: Pa
     assert wait_job_processes_gone(job, timeout=30) == []
 
 
+@pytest.mark.slow
 def test_a_rank_that_prints_regularly_is_never_taken_for_hung(tmp_path: Path) -> None:
     (tmp_path / "chatty.py").write_text(CHATTY)
     out = run_dlrun("launch", "--plain", "--np", "2", "--framework", "none", "--hang-timeout", "6", "chatty.py",
@@ -165,6 +168,7 @@ def test_stack_of_a_job_that_is_not_there_says_so(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- two sshd hosts
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_stack_of_a_two_host_deadlock_from_another_process(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "deadlock.py", DEADLOCK)
@@ -181,6 +185,7 @@ def test_stack_of_a_two_host_deadlock_from_another_process(cluster: SshdCluster,
         stop(proc, job)
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_hang_timeout_ends_a_two_host_deadlock_by_itself(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "deadlock.py", DEADLOCK)
@@ -196,6 +201,7 @@ def test_hang_timeout_ends_a_two_host_deadlock_by_itself(cluster: SshdCluster, t
     assert len(folders) == 1 and {"rank-0.txt", "rank-1.txt", "summary.txt"} <= set(files_of(folders[0]))
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_stack_of_a_detached_two_host_deadlock(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "deadlock.py", DEADLOCK)
@@ -260,6 +266,7 @@ def test_a_host_without_py_spy_says_so_for_each_rank(tmp_path: Path) -> None:
     assert answer["ranks"]["0"]["error"] == "no py-spy on this host (none shipped for its machine, none on PATH)"
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_hang_timeout_ends_a_detached_two_host_deadlock_by_itself(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "deadlock.py", DEADLOCK)
@@ -277,6 +284,7 @@ def test_hang_timeout_ends_a_detached_two_host_deadlock_by_itself(cluster: SshdC
     assert wait_job_processes_gone(job, timeout=30) == []
 
 
+@pytest.mark.slow
 def test_without_py_spy_the_hang_stop_takes_faulthandler_dumps_into_the_logs(tmp_path: Path) -> None:
     (tmp_path / "deadlock.py").write_text(DEADLOCK)
     env = {"DLRUN_PY_SPY": "", "PATH": "/usr/bin:/bin"}  # none shipped, none on the host's PATH
@@ -342,6 +350,7 @@ sys.exit(3)
 """
 
 
+@pytest.mark.slow
 def test_flight_recorder_dumps_come_back_and_name_the_rank_behind(tmp_path: Path) -> None:
     (tmp_path / "recorded.py").write_text(RECORDED)
     out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "3", "--framework", "torch", "recorded.py",
@@ -355,6 +364,7 @@ def test_flight_recorder_dumps_come_back_and_name_the_rank_behind(tmp_path: Path
     assert not Path(f"/tmp/dlrun-{job}").exists()  # the host's copies went with the job
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster: SshdCluster, tmp_path: Path) -> None:
     from support.sshd_cluster import TEST_USER_HOME
@@ -374,6 +384,7 @@ def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster: SshdC
     assert wait_job_processes_gone(job, timeout=30) == []
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_a_detached_hang_without_py_spy_leaves_faulthandler_dumps(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "deadlock.py", DEADLOCK)

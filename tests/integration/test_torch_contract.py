@@ -15,6 +15,8 @@ import pytest
 
 from support.cli import run_dlrun
 
+pytestmark = pytest.mark.slow  # 9-21 s each (2 loaded cores)
+
 pytest.importorskip("torch")
 
 DUMP = """
