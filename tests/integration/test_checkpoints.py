@@ -135,7 +135,6 @@ def remote(cluster: SshdCluster, i: int, code: Path, rel: str) -> Path:
     return Path(cluster.hosts[i].workdir) / code.name / rel
 
 
-@pytest.mark.slow
 @pytest.mark.ssh
 def test_a_restart_finds_rank_0s_checkpoint_on_every_host(cluster: SshdCluster, tmp_path: Path) -> None:
     code = project(tmp_path, RESUME)

@@ -100,6 +100,7 @@ for epoch in range(2):
 """
 
 
+@pytest.mark.slow  # imports keras: 2-10 s
 def test_the_keras_warning_speaks_to_fit_and_to_custom_loops_alike(tmp_path: Path) -> None:
     pytest.importorskip("keras")
     from importlib.metadata import version

@@ -340,7 +340,6 @@ def test_permission_denied_names_host_and_path(cluster: SshdCluster, transport: 
     assert list(locked.iterdir()) == []
 
 
-@pytest.mark.slow
 def test_launch_with_data_gives_each_rank_its_shard(cluster: SshdCluster, tmp_path: Path) -> None:
     data = tmp_path / "dataset"
     data.mkdir()
@@ -359,7 +358,6 @@ def test_launch_with_data_gives_each_rank_its_shard(cluster: SshdCluster, tmp_pa
                      "2 3 ['part-2.csv', 'part-5.csv'] files"]
 
 
-@pytest.mark.slow
 def test_launch_opens_a_push_session_only_where_the_code_changed(
         cluster: SshdCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capfd: pytest.CaptureFixture[str]) -> None:
@@ -482,7 +480,6 @@ def test_a_script_directly_in_the_home_folder_is_refused(cluster: SshdCluster, t
     assert [sorted(p.name for p in h.workdir.iterdir()) for h in cluster.hosts[:2]] == before
 
 
-@pytest.mark.slow
 def test_an_oversized_code_push_stops_before_anything_is_read_or_written(
         cluster: SshdCluster, tmp_path: Path) -> None:
     code = new_project(tmp_path, {"train.py": "print('RAN')\n", "src/model.py": "M = 1\n"})
@@ -510,7 +507,6 @@ def test_an_oversized_code_push_stops_before_anything_is_read_or_written(
     assert json.loads(out.stdout)["total"]["bytes_sent"] == 2 * (300 * 1024 * 1024 + 19)
 
 
-@pytest.mark.slow
 def test_a_dry_run_writes_nothing_and_lists_what_the_push_then_sends(
         cluster: SshdCluster, tmp_path: Path) -> None:
     code = new_project(tmp_path, {"train.py": "print('TRAINED')\n", "keep.py": "K = 1\n", "gone.py": "G = 1\n",
@@ -554,7 +550,6 @@ def test_a_dry_run_writes_nothing_and_lists_what_the_push_then_sends(
         [(h["files_sent"], h["bytes_sent"], h["files_deleted"]) for h in planned["hosts"]]
 
 
-@pytest.mark.slow
 def test_the_setup_runs_once_then_only_when_the_pushed_files_change(
         cluster: SshdCluster, tmp_path: Path) -> None:
     code = new_project(tmp_path, {"requirements.txt": "numpy\n",
