@@ -46,8 +46,6 @@ from support.cli import REPO
 from support.spark import spark_test_context
 from support.sshd_cluster import count_job_processes as job_processes
 
-pytestmark = pytest.mark.spark
-
 pyspark = pytest.importorskip("pyspark", reason="pip install 'dlrun[spark]'")
 needs_java = pytest.mark.skipif(shutil.which("java") is None and not os.environ.get("JAVA_HOME"),
                                 reason="no Java (apt-get install openjdk-17-jre-headless)")
@@ -345,6 +343,7 @@ def local_sc() -> Iterator[Any]:
 
 @needs_java
 @pytest.mark.usefixtures("local_sc")
+@pytest.mark.spark  # a Spark session (17-27 s to start) and stages
 class TestLocal:
     MASTER = "local[3]"
 
@@ -501,6 +500,7 @@ def cluster_sc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @needs_java
 @pytest.mark.usefixtures("cluster_sc")
+@pytest.mark.spark  # a Spark session (17-27 s to start) and stages
 class TestLocalCluster:
     MASTER = "local-cluster[2,1,1024]"
 
