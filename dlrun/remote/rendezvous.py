@@ -66,7 +66,7 @@ import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypeVar
 
 __all__ = ["RendezvousServer", "RendezvousServerError", "client_address", "rendezvous_key", "scope_sizes"]
 
@@ -319,6 +319,9 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
+_Server = TypeVar("_Server", bound="RendezvousServer")  # Self before 3.11: a subclass enters as itself
+
+
 class RendezvousServer:
     """Horovod-compatible gloo rendezvous server, serving from a daemon thread.
 
@@ -426,7 +429,7 @@ class RendezvousServer:
         httpd = self._httpd
         return {} if httpd is None else httpd.store.snapshot()
 
-    def __enter__(self) -> RendezvousServer:
+    def __enter__(self: _Server) -> _Server:
         self.start()
         return self
 

@@ -7,6 +7,7 @@ frames out); the SSH tests run the same program over sshd.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -14,8 +15,9 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -27,10 +29,10 @@ from dlrun.topo.probe import parse_probe_output
 from dlrun.transport.base import Channel
 from dlrun.transport.local import HostRouter, LocalTransport
 
-from conftest import wait_until
+from support.wait import wait_until
 
 
-def talk(argv: Sequence[str], messages: Sequence[dict[str, object]], env: dict[str, str] | None = None,
+def talk(argv: Sequence[str], messages: Sequence[Mapping[str, object]], env: dict[str, str] | None = None,
          timeout: float = 60) -> list[tuple[int, int, bytes]]:
     """Send the messages, close stdin once the agent is done, return every frame it sent."""
     proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
@@ -43,7 +45,7 @@ def talk(argv: Sequence[str], messages: Sequence[dict[str, object]], env: dict[s
     starts = any(m.get("op", "start") == "start" for m in messages)
     questions = sum(m.get("op") in ("probe", "survey", "ports") for m in messages)
     while True:
-        data = proc.stdout.read1(65536)
+        data = read_some(proc.stdout)
         if not data:
             break
         frames += decoder.feed(data)
@@ -53,6 +55,12 @@ def talk(argv: Sequence[str], messages: Sequence[dict[str, object]], env: dict[s
             proc.stdin.close()
     proc.wait(timeout)
     return frames
+
+
+def read_some(stream: IO[bytes]) -> bytes:
+    """What the agent sent so far, at most 64 KiB: no more than one read of the pipe."""
+    assert isinstance(stream, io.BufferedReader)  # Popen's stdout with its default buffering
+    return stream.read1(65536)
 
 
 def agent_cmd(*extra: str) -> list[str]:
@@ -238,9 +246,10 @@ def start_silent_job(script: str, host_timeout: float) -> tuple[subprocess.Popen
             "ranks": [{"rank": 0, "argv": [sys.executable, "-c", script], "env": {}}]}
     proc.stdin.write(json.dumps(spec).encode() + b"\n")
     proc.stdin.flush()
-    decoder, frames = agent.FrameDecoder(), []
+    decoder = agent.FrameDecoder()
+    frames: list[tuple[int, int, bytes]] = []
     while not any(k == agent.STARTED for k, _, _ in frames):
-        frames += decoder.feed(proc.stdout.read1(65536))
+        frames += decoder.feed(read_some(proc.stdout))
     pid = int(json.loads(next(p for k, _, p in frames if k == agent.STARTED))["pid"])
     return proc, pid
 
@@ -253,7 +262,7 @@ def test_pings_are_answered_and_keep_a_quiet_job_alive() -> None:
         proc.stdin.write(b'{"op": "ping"}\n')
         proc.stdin.flush()
         while not pongs:
-            pongs += sum(k == agent.PONG for k, _, _ in decoder.feed(proc.stdout.read1(65536)))
+            pongs += sum(k == agent.PONG for k, _, _ in decoder.feed(read_some(proc.stdout)))
         pongs = 0
         time.sleep(0.3)
     assert _alive(pid) and proc.poll() is None
@@ -310,7 +319,7 @@ def test_a_probe_longer_than_the_host_timeout_does_not_end_a_pinged_agent() -> N
             proc.stdin.flush()
         decoder, kinds = agent.FrameDecoder(), []
         while agent.PONG not in kinds:
-            kinds += [k for k, _, _ in decoder.feed(proc.stdout.read1(65536))]
+            kinds += [k for k, _, _ in decoder.feed(read_some(proc.stdout))]
         assert agent.PROBE in kinds and agent.DONE not in kinds and proc.poll() is None
         proc.stdin.close()
         assert proc.wait(30) == 0
@@ -371,6 +380,7 @@ def test_no_nvidia_smi_no_samples_and_no_error(tmp_path: Path) -> None:
     assert gpu_frames(frames) == [] and not [p for k, _, p in frames if k == agent.ERROR]
 
 
+@pytest.mark.slow
 def test_a_failing_or_hanging_nvidia_smi_is_reported_and_the_job_goes_on(tmp_path: Path) -> None:
     env = fake_nvidia_smi(tmp_path, "echo 'NVIDIA-SMI has failed because it could not communicate' >&2\nexit 9\n")
     frames = talk(agent_cmd(), [sleeper(1.5)], env=env)

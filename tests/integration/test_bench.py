@@ -14,6 +14,12 @@ from typing import Any
 
 import pytest
 
+from support.cli import run_dlrun
+from support.ssh_jobs import hosts_toml
+from support.sshd_cluster import SshdCluster
+
+pytestmark = pytest.mark.slow  # 13-38 s each: sshd hosts in a network namespace, measured
+
 HELPER = Path(__file__).resolve().parents[1] / "support" / "bench_netns.py"
 
 needs_netns = pytest.mark.skipif(
@@ -85,10 +91,8 @@ def test_launch_bench_on_healthy_hosts_runs_the_job(tmp_path: Path) -> None:
     assert "bench: no host or link far below" in out["stderr"]
 
 
-def test_without_torch_the_bench_measures_tcp_and_a_python_loop(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_without_torch_the_bench_measures_tcp_and_a_python_loop(cluster: SshdCluster, tmp_path: Path) -> None:
     """The first level: hosts whose python has no torch (the system python here)."""
-    from conftest import hosts_toml, run_dlrun
-
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2, python="/usr/bin/python3")
     out = run_dlrun("topo", "--bench", "--bench-seconds", "6", "--json", "--hosts", str(hosts),
                     "--ssh-config", str(cluster.ssh_config), timeout=600)

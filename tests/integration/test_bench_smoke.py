@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from support.cli import REPO
 
-pytestmark = [pytest.mark.ssh, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(autouse=True)

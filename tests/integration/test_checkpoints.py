@@ -7,14 +7,20 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from dlrun.inventory import Host
 from dlrun.push.checkpoint import choose_copies, needs
 from dlrun.push.pull import Listing, RemoteFile, plan_pull
+from dlrun.transport.local import HostRouter
 
-from conftest import hosts_toml, run_dlrun
+from support.cli import run_dlrun
+from support.ssh_jobs import hosts_toml
+from support.sshd_cluster import SshdCluster
 
 # attempt 0: rank 0 saves a checkpoint and fails, the others wait to be stopped; attempt 1: every
 # rank needs the checkpoint
@@ -119,18 +125,18 @@ def project(tmp_path: Path, script: str) -> Path:
     return code
 
 
-def launch(cluster, tmp_path: Path, code: Path, *args: str):  # type: ignore[no-untyped-def]
+def launch(cluster: SshdCluster, tmp_path: Path, code: Path, *args: str) -> subprocess.CompletedProcess[str]:
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     return run_dlrun("launch", "--plain", "--framework", "none", "--grace", "2", "--hosts", str(hosts),
                      "--ssh-config", str(cluster.ssh_config), *args, str(code / "train.py"), cwd=tmp_path, timeout=240)
 
 
-def remote(cluster, i: int, code: Path, rel: str) -> Path:  # type: ignore[no-untyped-def]
+def remote(cluster: SshdCluster, i: int, code: Path, rel: str) -> Path:
     return Path(cluster.hosts[i].workdir) / code.name / rel
 
 
 @pytest.mark.ssh
-def test_a_restart_finds_rank_0s_checkpoint_on_every_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_restart_finds_rank_0s_checkpoint_on_every_host(cluster: SshdCluster, tmp_path: Path) -> None:
     code = project(tmp_path, RESUME)
     out = launch(cluster, tmp_path, code, "--max-restarts", "1", "--checkpoint-dir", "ckpt")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -150,8 +156,9 @@ def test_a_restart_finds_rank_0s_checkpoint_on_every_host(cluster, tmp_path: Pat
     assert re.search(r"^\[1 host1\] rank 1 has no checkpoint$", out.stdout, re.M), out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_every_host_gets_every_ranks_shard_and_the_latest_file_and_link(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_every_host_gets_every_ranks_shard_and_the_latest_file_and_link(cluster: SshdCluster, tmp_path: Path) -> None:
     code = project(tmp_path, SHARDS)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2, slots=2)
     out = run_dlrun("launch", "--plain", "--framework", "none", "--grace", "2", "--hosts", str(hosts),
@@ -167,8 +174,9 @@ def test_every_host_gets_every_ranks_shard_and_the_latest_file_and_link(cluster,
         assert remote(cluster, i, code, "ckpt/last").is_symlink()
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_a_file_truncated_by_a_killed_writer_never_wins(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_file_truncated_by_a_killed_writer_never_wins(cluster: SshdCluster, tmp_path: Path) -> None:
     code = project(tmp_path, TRUNCATED)
     out = launch(cluster, tmp_path, code, "--max-restarts", "1", "--checkpoint-dir", "ckpt")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -179,7 +187,7 @@ def test_a_file_truncated_by_a_killed_writer_never_wins(cluster, tmp_path: Path)
 
 
 @pytest.mark.ssh
-def test_a_new_launch_starts_from_the_newest_checkpoint_on_every_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_new_launch_starts_from_the_newest_checkpoint_on_every_host(cluster: SshdCluster, tmp_path: Path) -> None:
     code = project(tmp_path, RESUME)
     out = launch(cluster, tmp_path, code)  # rank 0 saves and fails; no restart
     assert out.returncode == 3, out.stdout + out.stderr
@@ -189,13 +197,15 @@ def test_a_new_launch_starts_from_the_newest_checkpoint_on_every_host(cluster, t
     assert re.search(r"^\[1 host1\] rank 1 resumes from epoch 1$", out.stdout, re.M), out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_the_ddp_tutorials_second_run_resumes_at_the_same_epoch_on_every_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_the_ddp_tutorials_second_run_resumes_at_the_same_epoch_on_every_host(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     pytest.importorskip("torch")
     code = project(tmp_path, DDP_TUTORIAL)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
 
-    def run(epochs: str):  # type: ignore[no-untyped-def]
+    def run(epochs: str) -> subprocess.CompletedProcess[str]:
         return run_dlrun("launch", "--plain", "--framework", "torch", "--hosts", str(hosts), "--ssh-config",
                          str(cluster.ssh_config), "--checkpoint-dir", "ckpt", str(code / "train.py"), epochs,
                          cwd=tmp_path, timeout=300)
@@ -211,8 +221,9 @@ def test_the_ddp_tutorials_second_run_resumes_at_the_same_epoch_on_every_host(cl
     assert len(set(re.findall(r"rank \d checksum (-?[0-9.]+)", second.stdout))) == 1, second.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_a_detached_job_gets_the_checkpoint_before_its_first_attempt(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_detached_job_gets_the_checkpoint_before_its_first_attempt(cluster: SshdCluster, tmp_path: Path) -> None:
     code = project(tmp_path, RESUME)
     assert launch(cluster, tmp_path, code).returncode == 3  # rank 0 saved ckpt/state.txt on host0 only
     out = launch(cluster, tmp_path, code, "--detach", "--checkpoint-dir", "ckpt")
@@ -339,8 +350,9 @@ def test_a_checkpoint_dir_must_lie_inside_the_jobs_folder(tmp_path: Path) -> Non
     assert out.returncode == 2 and "--checkpoint-dir go" in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_pull_brings_every_hosts_out_folder_home(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_pull_brings_every_hosts_out_folder_home(cluster: SshdCluster, tmp_path: Path) -> None:
     name = f"pull-{tmp_path.name}"
     big = bytes(range(256)) * 4000
     for i in (0, 1, 2):
@@ -390,7 +402,7 @@ def test_pull_brings_every_hosts_out_folder_home(cluster, tmp_path: Path) -> Non
 
 
 @pytest.mark.ssh
-def test_pull_refuses_over_the_size_limit_and_never_writes_through_a_link(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_pull_refuses_over_the_size_limit_and_never_writes_through_a_link(cluster: SshdCluster, tmp_path: Path) -> None:
     name = f"pull-{tmp_path.name}"
     out_dir = Path(cluster.hosts[0].workdir) / name / "out"
     out_dir.mkdir(parents=True)
@@ -411,7 +423,8 @@ def test_pull_refuses_over_the_size_limit_and_never_writes_through_a_link(cluste
 
 
 @pytest.mark.ssh
-def test_a_file_that_changes_between_listing_and_sending_is_named_and_not_written(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_file_that_changes_between_listing_and_sending_is_named_and_not_written(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     from dlrun.inventory import Host
     from dlrun.push.pull import HostSender
     from dlrun.transport.local import HostRouter
@@ -442,8 +455,7 @@ def test_a_file_that_changes_between_listing_and_sending_is_named_and_not_writte
 
 
 @pytest.fixture
-def transport(cluster):  # type: ignore[no-untyped-def]
-    from dlrun.transport.local import HostRouter
+def transport(cluster: SshdCluster) -> Iterator[HostRouter]:
     from dlrun.transport.ssh import SSHTransport
 
     router = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
@@ -451,12 +463,10 @@ def transport(cluster):  # type: ignore[no-untyped-def]
     router.close()
 
 
-def two_folders(cluster, tmp_path: Path):  # type: ignore[no-untyped-def]
-    from dlrun.inventory import Host
-
+def two_folders(cluster: SshdCluster, tmp_path: Path) -> tuple[list[Host], dict[str, str]]:
     hosts = [Host(address=h.name, name=f"host{i}", workdir=str(h.workdir), python=cluster.python)
              for i, h in enumerate(cluster.hosts[:2])]
-    roots = {}
+    roots: dict[str, str] = {}
     for i, h in enumerate(cluster.hosts[:2]):
         root = Path(h.workdir) / f"sync-{tmp_path.name}"
         (root / "ckpt").mkdir(parents=True)
@@ -468,7 +478,7 @@ def two_folders(cluster, tmp_path: Path):  # type: ignore[no-untyped-def]
     return hosts, roots
 
 
-def login_ids(cluster) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+def login_ids(cluster: SshdCluster) -> tuple[int, int]:
     import pwd
 
     pw = pwd.getpwnam(cluster.user)
@@ -476,7 +486,8 @@ def login_ids(cluster) -> tuple[int, int]:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.ssh
-def test_host_to_host_where_the_hosts_listen_else_through_this_machine(cluster, transport, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_host_to_host_where_the_hosts_listen_else_through_this_machine(
+        cluster: SshdCluster, transport: HostRouter, tmp_path: Path) -> None:
     from dlrun.push.checkpoint import sync_folder
 
     hosts, roots = two_folders(cluster, tmp_path)
@@ -501,7 +512,8 @@ def test_host_to_host_where_the_hosts_listen_else_through_this_machine(cluster, 
 
 
 @pytest.mark.ssh
-def test_a_serving_host_gives_nothing_without_the_token_or_tls(cluster, transport, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_serving_host_gives_nothing_without_the_token_or_tls(
+        cluster: SshdCluster, transport: HostRouter, tmp_path: Path) -> None:
     import socket
     import ssl
 

@@ -20,7 +20,8 @@ import pytest
 
 from dlrun.remote import CACHE_STAGE, boot_argv, boot_payload, cache_entry, source_of
 
-from conftest import hosts_toml, run_dlrun
+from support.cli import run_dlrun
+from support.ssh_jobs import hosts_toml
 from support.sshd_cluster import find_sshd, start_cluster
 
 PROGRAM = "print('from the source')\n"
@@ -130,6 +131,7 @@ def test_no_usable_cache_still_runs(tmp_path: Path) -> None:
     assert run_loader(blocker) == "from the source"  # the cache folder cannot be made
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
 def test_a_launch_fills_the_login_users_cache_and_the_next_uses_it(tmp_path: Path) -> None:
     if find_sshd() is None:

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, example, hosts_toml, roles_toml, run_dlrun, shared_script, wait_until
+from support.cli import REPO, dlrun_argv, run_dlrun
 from support.procs import agents_of
 from support.scripts import TORCH_LABELS
-from support.sshd_cluster import TEST_USER_HOME, wait_job_processes_gone
+from support.ssh_jobs import example, hosts_toml, roles_toml, shared_script
+from support.sshd_cluster import TEST_USER_HOME, SshdCluster, wait_job_processes_gone
+from support.wait import wait_until
 
-pytestmark = pytest.mark.ssh
+pytestmark = [pytest.mark.ssh, pytest.mark.slow]  # 5-28 s each (2 loaded cores)
 
 STEPS = """
 import os, sys, time
@@ -73,12 +75,12 @@ def nothing_left(job_id: str, timeout: float = 30) -> None:
     assert keepers_of(job_id) == []
 
 
-def common(cluster, tmp_path: Path, n: int = 2) -> list[str]:  # type: ignore[no-untyped-def]
+def common(cluster: SshdCluster, tmp_path: Path, n: int = 2) -> list[str]:
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", n)
     return ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
 
 
-def detach(cluster, tmp_path: Path, script: Path, *args: str) -> str:  # type: ignore[no-untyped-def]
+def detach(cluster: SshdCluster, tmp_path: Path, script: Path, *args: str) -> str:
     out = run_dlrun("launch", "--detach", "--framework", "none", "--grace", "2", *common(cluster, tmp_path),
                     str(script), *args, cwd=tmp_path, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -88,7 +90,7 @@ def detach(cluster, tmp_path: Path, script: Path, *args: str) -> str:  # type: i
     return match.group(1)
 
 
-def test_a_detached_job_outlives_its_killed_clients(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_detached_job_outlives_its_killed_clients(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "steps.py", STEPS)
     proc = subprocess.Popen(dlrun_argv("launch", "--detach", "--framework", "none", *common(cluster, tmp_path),
                                        str(script)), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
@@ -125,7 +127,7 @@ def test_a_detached_job_outlives_its_killed_clients(cluster, tmp_path: Path) -> 
     assert job not in run_dlrun("ps", *common(cluster, tmp_path), cwd=tmp_path, timeout=60).stdout
 
 
-def test_a_failed_rank_stops_the_others_and_is_the_root_cause(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_failed_rank_stops_the_others_and_is_the_root_cause(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "fail_fast.py", FAIL_FAST)
     job = detach(cluster, tmp_path, script)
     # rank 0 would sleep 120 s: the attach ends long before only because the keepers stopped it
@@ -139,7 +141,7 @@ def test_a_failed_rank_stops_the_others_and_is_the_root_cause(cluster, tmp_path:
     assert re.search(rf"^{job}\s+failed\s+2\s+\S+\s+3\s", ps.stdout, re.M), ps.stdout
 
 
-def test_stop_leaves_no_process_of_the_job(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_stop_leaves_no_process_of_the_job(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "sleeper.py", SLEEPER)
     job = detach(cluster, tmp_path, script)
     assert len(wait_job_processes_gone(job, timeout=0)) >= 2  # the ranks (and agents) run
@@ -149,7 +151,7 @@ def test_stop_leaves_no_process_of_the_job(cluster, tmp_path: Path) -> None:  # 
     nothing_left(job, timeout=15)
 
 
-def test_attach_shows_the_lines_and_the_exit_code(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_attach_shows_the_lines_and_the_exit_code(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "steps.py", STEPS)
     job = detach(cluster, tmp_path, script, "5")
     out = run_dlrun("attach", job, *common(cluster, tmp_path), cwd=tmp_path, timeout=120)
@@ -165,7 +167,7 @@ def host_folder(job: str, host: str) -> Path:
     return TEST_USER_HOME / ".dlrun" / "jobs" / job / f"host-{host}"
 
 
-def test_a_killed_follower_keeper_is_a_lost_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_killed_follower_keeper_is_a_lost_host(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "sleeper.py", SLEEPER)
     job = detach(cluster, tmp_path, script)
     pid = int((host_folder(job, "host1") / "keeper.pid").read_text().split()[0])
@@ -178,7 +180,7 @@ def test_a_killed_follower_keeper_is_a_lost_host(cluster, tmp_path: Path) -> Non
     nothing_left(job)
 
 
-def test_the_leaders_door_closes_once_every_follower_is_in(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_the_leaders_door_closes_once_every_follower_is_in(cluster: SshdCluster, tmp_path: Path) -> None:
     """Nobody else needs the leader's listener after the followers joined (the token check
     before that is tested in tests/unit/test_detach_records.py)."""
     script = shared_script(cluster, "sleeper.py", SLEEPER)
@@ -202,7 +204,7 @@ sys.exit(3 if restart == "0" and rank == "1" else 0)
 """
 
 
-def test_max_restarts_runs_a_failed_detached_job_again(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_max_restarts_runs_a_failed_detached_job_again(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "flaky.py", FLAKY)
     out = run_dlrun("launch", "--detach", "--framework", "torch", "--max-restarts", "1", *common(cluster, tmp_path),
                     str(script), cwd=tmp_path, timeout=180)
@@ -220,7 +222,7 @@ def test_max_restarts_runs_a_failed_detached_job_again(cluster, tmp_path: Path) 
     assert wait_job_processes_gone(f"{job}-r1", timeout=15) == []
 
 
-def test_a_frozen_follower_is_lost_and_stops_its_ranks_when_it_thaws(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_frozen_follower_is_lost_and_stops_its_ranks_when_it_thaws(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "sleeper.py", SLEEPER)
     out = run_dlrun("launch", "--detach", "--framework", "none", "--grace", "2", "--host-timeout", "3",
                     *common(cluster, tmp_path), str(script), cwd=tmp_path, timeout=180)
@@ -239,7 +241,7 @@ def test_a_frozen_follower_is_lost_and_stops_its_ranks_when_it_thaws(cluster, tm
     nothing_left(job)  # the thawed keeper hears the end and stops rank 1
 
 
-def test_followers_that_lose_their_leader_stop_their_ranks(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_followers_that_lose_their_leader_stop_their_ranks(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "sleeper.py", SLEEPER)
     job = detach(cluster, tmp_path, script)
     pid = int((host_folder(job, "host0") / "keeper.pid").read_text().split()[0])
@@ -254,7 +256,7 @@ def test_followers_that_lose_their_leader_stop_their_ranks(cluster, tmp_path: Pa
 # --------------------------------------------------------------------------- Horovod and tf-ps
 
 
-def launch_detached(cluster, tmp_path: Path, *args: str) -> str:  # type: ignore[no-untyped-def]
+def launch_detached(cluster: SshdCluster, tmp_path: Path, *args: str) -> str:
     out = run_dlrun("launch", "--detach", "--grace", "3", "--ssh-config", str(cluster.ssh_config), *args,
                     cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -262,7 +264,8 @@ def launch_detached(cluster, tmp_path: Path, *args: str) -> str:  # type: ignore
 
 
 @pytest.mark.slow
-def test_a_detached_horovod_job_meets_at_the_leaders_rendezvous(cluster, tmp_path: Path, horovod: None) -> None:  # type: ignore[no-untyped-def]
+def test_a_detached_horovod_job_meets_at_the_leaders_rendezvous(
+        cluster: SshdCluster, tmp_path: Path, horovod: None) -> None:
     script = example(cluster, "train_horovod.py")
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     job = launch_detached(cluster, tmp_path, "--framework", "horovod", "--hosts", str(hosts), str(script),
@@ -278,7 +281,8 @@ def test_a_detached_horovod_job_meets_at_the_leaders_rendezvous(cluster, tmp_pat
 
 
 @pytest.mark.slow
-def test_a_detached_horovod_restart_gets_a_fresh_rendezvous_and_resumes(cluster, tmp_path: Path, horovod: None) -> None:  # type: ignore[no-untyped-def]
+def test_a_detached_horovod_restart_gets_a_fresh_rendezvous_and_resumes(
+        cluster: SshdCluster, tmp_path: Path, horovod: None) -> None:
     script = example(cluster, "train_horovod.py")
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     job = launch_detached(cluster, tmp_path, "--framework", "horovod", "--max-restarts", "1", "--hosts", str(hosts),
@@ -297,7 +301,7 @@ def test_a_detached_horovod_restart_gets_a_fresh_rendezvous_and_resumes(cluster,
 
 
 @pytest.mark.slow
-def test_a_detached_tf_ps_job_ends_with_its_chief_and_stops_the_servers(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_detached_tf_ps_job_ends_with_its_chief_and_stops_the_servers(cluster: SshdCluster, tmp_path: Path) -> None:
     pytest.importorskip("tf_keras")
     script = example(cluster, "train_ps.py")
     hosts = roles_toml(cluster, tmp_path / "hosts.toml", [("chief", 1), ("worker", 1), ("ps", 1)])
@@ -333,8 +337,8 @@ if os.environ["DLRUN_RANK"] == "1":
 """
 
 
-def test_a_detached_torch_failure_names_the_exception_behind_the_rank_prefix(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path) -> None:
+def test_a_detached_torch_failure_names_the_exception_behind_the_rank_prefix(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "labels.py", TORCH_LABELS)
     out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", *common(cluster, tmp_path),
                     str(script), cwd=tmp_path, timeout=180)
@@ -351,8 +355,8 @@ def test_a_detached_torch_failure_names_the_exception_behind_the_rank_prefix(  #
     nothing_left(job_id)
 
 
-def test_every_line_of_a_long_detached_log_is_shown_and_deleted_only_after(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path) -> None:
+def test_every_line_of_a_long_detached_log_is_shown_and_deleted_only_after(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "long_log.py", LONG_LOG)
     go = cluster.scripts / f"go-{tmp_path.name}"
     job = detach(cluster, tmp_path, script, str(go))
@@ -371,7 +375,7 @@ def test_every_line_of_a_long_detached_log_is_shown_and_deleted_only_after(  # t
     assert not (TEST_USER_HOME / ".dlrun" / "jobs" / job).exists()
 
 
-def test_a_rank_that_exits_0_on_sigterm_is_stopped_not_succeeded(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_rank_that_exits_0_on_sigterm_is_stopped_not_succeeded(cluster: SshdCluster, tmp_path: Path) -> None:
     # Lightning catches SIGTERM and exits 0: dlrun's stop must still call it stopped
     script = shared_script(cluster, "clean_exit.py", (
         "import signal, sys, time\n"
@@ -388,7 +392,7 @@ def test_a_rank_that_exits_0_on_sigterm_is_stopped_not_succeeded(cluster, tmp_pa
     nothing_left(job)
 
 
-def test_a_frozen_leader_is_found_lost_from_its_followers_record(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_frozen_leader_is_found_lost_from_its_followers_record(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "sleeper.py", SLEEPER)
     job = run_dlrun("launch", "--detach", "--framework", "none", "--grace", "2", "--host-timeout", "5",
                     *common(cluster, tmp_path), str(script), cwd=tmp_path, timeout=180)
@@ -410,7 +414,7 @@ def test_a_frozen_leader_is_found_lost_from_its_followers_record(cluster, tmp_pa
     nothing_left(job_id)
 
 
-def test_a_killed_leader_makes_attach_exit_255(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_killed_leader_makes_attach_exit_255(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "sleeper.py", SLEEPER)
     job = detach(cluster, tmp_path, script)
     leader = int((host_folder(job, "host0") / "keeper.pid").read_text().split()[0])
@@ -422,7 +426,7 @@ def test_a_killed_leader_makes_attach_exit_255(cluster, tmp_path: Path) -> None:
     nothing_left(job)
 
 
-def test_ps_and_stop_go_on_without_an_unreachable_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_ps_and_stop_go_on_without_an_unreachable_host(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "sleeper.py", SLEEPER)
     job = detach(cluster, tmp_path, script)
     with_dead = tmp_path / "with-dead.toml"  # the job's two hosts and one that refuses connections
@@ -438,7 +442,7 @@ def test_ps_and_stop_go_on_without_an_unreachable_host(cluster, tmp_path: Path) 
     nothing_left(job)
 
 
-def test_a_full_disk_drops_log_lines_and_the_job_goes_on(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_full_disk_drops_log_lines_and_the_job_goes_on(cluster: SshdCluster, tmp_path: Path) -> None:
     if os.geteuid() != 0 or cluster.user == "root":
         pytest.skip("needs root to mount a small tmpfs over the login user's job folders")
     jobs_dir = TEST_USER_HOME / ".dlrun" / "jobs"
@@ -474,8 +478,8 @@ def test_a_full_disk_drops_log_lines_and_the_job_goes_on(cluster, tmp_path: Path
         subprocess.run(["umount", "-l", str(jobs_dir)], check=False)
 
 
-def test_a_killed_agent_of_a_detached_job_without_a_pid_namespace_is_a_lost_host(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path) -> None:
+def test_a_killed_agent_of_a_detached_job_without_a_pid_namespace_is_a_lost_host(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "sleeper.py", SLEEPER)
     out = run_dlrun("launch", "--detach", "--no-pidns", "--framework", "none", "--grace", "2",
                     *common(cluster, tmp_path), str(script), cwd=tmp_path, timeout=180)

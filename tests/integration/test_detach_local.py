@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, run_dlrun
+from support.cli import REPO, dlrun_argv, run_dlrun
 from support.sshd_cluster import wait_job_processes_gone
 
 STEPS = """
@@ -38,6 +38,7 @@ def detach_locally(tmp_path: Path, name: str, source: str) -> tuple[str, dict[st
     return last.removeprefix("dlrun: detached job "), home
 
 
+@pytest.mark.slow
 def test_a_local_detached_job_runs_and_is_followed(tmp_path: Path) -> None:
     job, home = detach_locally(tmp_path, "steps.py", STEPS)
     attached = run_dlrun("attach", job, cwd=tmp_path, timeout=120, env=home)
@@ -62,6 +63,7 @@ def test_what_detach_cannot_do_yet_is_refused(tmp_path: Path) -> None:
     assert out.returncode == 2 and "--min-hosts" in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_attach_detaches_and_the_job_goes_on(tmp_path: Path) -> None:
     job, home = detach_locally(tmp_path, "sleeper.py", "import time\nprint('ready', flush=True)\ntime.sleep(600)\n")
     try:
@@ -183,7 +185,7 @@ def test_a_detached_progress_bar_reaches_logs_follow_as_it_happens(tmp_path: Pat
     watchdog.start()
     try:
         assert follow.stdout is not None
-        seen = []
+        seen: list[str] = []
         while len(seen) < 3:  # the rank goes on only once the test saw its \r pieces: none may wait for its end
             line = follow.stdout.readline()
             assert line, "logs --follow ended before the progress showed"

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script, start_ssh_job
+from support.cli import REPO, dlrun_argv, run_dlrun
 from support.procs import agents_of
 from support.scripts import TORCH_LABELS
-from support.sshd_cluster import count_job_processes, wait_job_processes_gone
+from support.ssh_jobs import hosts_toml, shared_script, start_ssh_job
+from support.sshd_cluster import SshdCluster, count_job_processes, wait_job_processes_gone
 
 # rank 1 fails 5 s in; rank 0 writes up to 50 MB/s of numbered lines for 120 s
 FLOOD = """
@@ -68,7 +69,7 @@ def test_the_exception_behind_torchs_rank_prefix_is_the_root_cause(tmp_path: Pat
 
 @pytest.mark.slow
 @pytest.mark.ssh
-def test_the_torch_exception_is_the_root_cause_on_sshd_hosts(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_the_torch_exception_is_the_root_cause_on_sshd_hosts(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "labels.py", TORCH_LABELS)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     out = run_dlrun("launch", "--plain", "--framework", "torch", "--hosts", str(hosts), "--ssh-config",
@@ -77,6 +78,7 @@ def test_the_torch_exception_is_the_root_cause_on_sshd_hosts(cluster, tmp_path: 
     assert "ValueError: labels out of range" in root_cause(out.stdout)
 
 
+@pytest.mark.slow
 def test_heavy_output_on_a_terminal_does_not_hold_back_the_stop(tmp_path: Path) -> None:
     """On a terminal (``script``) the live view draws what it can; rank 1's failure still stops
     the job at once, every line rank 0 wrote is in its log file, and dlrun's memory stays bounded."""
@@ -113,7 +115,8 @@ def test_a_killed_agent_without_a_pid_namespace_leaves_no_process(tmp_path: Path
                             cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.stdout is not None
-    lines, job_id = [], ""
+    lines: list[str] = []
+    job_id = ""
     while sum("] ready" in line for line in lines) < 2:
         line = proc.stdout.readline()
         assert line, "".join(lines)
@@ -132,8 +135,8 @@ def test_a_killed_agent_without_a_pid_namespace_leaves_no_process(tmp_path: Path
 
 
 @pytest.mark.ssh
-def test_a_killed_agent_on_an_sshd_host_without_a_pid_namespace_leaves_no_process(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path) -> None:
+def test_a_killed_agent_on_an_sshd_host_without_a_pid_namespace_leaves_no_process(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "forker.py", (
         "import subprocess, sys, time\n"
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+from support.cli import REPO, dlrun_argv, run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script
+from support.sshd_cluster import SshdCluster
 
 ENV_PRINTER = """
 import json, os
@@ -61,7 +63,7 @@ def test_a_shell_script_gets_both_contracts_and_an_explicit_framework_is_kept(tm
 
 
 @pytest.mark.ssh
-def test_ranks_on_hosts_get_the_detected_contract(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_ranks_on_hosts_get_the_detected_contract(cluster: SshdCluster, tmp_path: Path) -> None:
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     ssh = ("--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), "--plain", "--no-push")
     torch_job = shared_script(cluster, "auto_torch.py", ENV_PRINTER.format(imports="import torch"))
@@ -93,7 +95,7 @@ def stub_site(root: Path, *dists: str) -> Path:
     return root
 
 
-def python_with(cluster, name: str, site: Path) -> Path:  # type: ignore[no-untyped-def]
+def python_with(cluster: SshdCluster, name: str, site: Path) -> Path:
     """A ``python`` for a host's inventory entry that puts ``site`` first on the path."""
     wrapper = cluster.scripts / name
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={site}${{PYTHONPATH:+:$PYTHONPATH}} exec {cluster.python} "$@"\n')
@@ -101,7 +103,7 @@ def python_with(cluster, name: str, site: Path) -> Path:  # type: ignore[no-unty
     return wrapper
 
 
-def two_hosts(cluster, path: Path, pythons: tuple[str, str]) -> Path:  # type: ignore[no-untyped-def]
+def two_hosts(cluster: SshdCluster, path: Path, pythons: tuple[str, str]) -> Path:
     lines = []
     for h, python in zip(cluster.hosts[:2], pythons, strict=True):
         lines.append(f'[[hosts]]\naddress = "{h.name}"\nslots = 1\nworkdir = "{h.workdir}"\npython = "{python}"\n')
@@ -110,7 +112,7 @@ def two_hosts(cluster, path: Path, pythons: tuple[str, str]) -> Path:  # type: i
 
 
 @pytest.mark.ssh
-def test_torch_versions_that_differ_across_hosts_stop_a_torch_job(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_torch_versions_that_differ_across_hosts_stop_a_torch_job(cluster: SshdCluster, tmp_path: Path) -> None:
     old = python_with(cluster, "python-torch-2.0.0", stub_site(cluster.scripts / "site-torch-2.0.0", "torch-2.0.0"))
     hosts = two_hosts(cluster, tmp_path / "hosts.toml", (str(old), cluster.python))
     job = shared_script(cluster, "versions.py", "open('started', 'w').close()\n")
@@ -132,8 +134,9 @@ def test_torch_versions_that_differ_across_hosts_stop_a_torch_job(cluster, tmp_p
     assert "  warning before the start: preflight: torch versions differ across hosts" in out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_the_keras_warning_follows_the_hosts_keras(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_the_keras_warning_follows_the_hosts_keras(cluster: SshdCluster, tmp_path: Path) -> None:
     keras3 = python_with(cluster, "python-keras-3.9.9", stub_site(cluster.scripts / "site-keras-3", "keras-3.9.9"))
     keras2 = python_with(cluster, "python-keras-2.15.0", stub_site(cluster.scripts / "site-keras-2", "keras-2.15.0"))
     job = shared_script(cluster, "uses_tf.py", "def never():\n    import tensorflow\nprint('done')\n")

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import example, hosts_toml, roles_toml, run_dlrun
-from support.sshd_cluster import wait_job_processes_gone
+from support.cli import run_dlrun
+from support.ssh_jobs import example, hosts_toml, roles_toml
+from support.sshd_cluster import SshdCluster, wait_job_processes_gone
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
 
-def test_torch_ddp_two_hosts_two_slots(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_torch_ddp_two_hosts_two_slots(cluster: SshdCluster, tmp_path: Path) -> None:
     pytest.importorskip("torch")
     script = example(cluster, "train_torch_ddp.py")
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2, slots=2)
@@ -29,7 +30,7 @@ def test_torch_ddp_two_hosts_two_slots(cluster, tmp_path: Path) -> None:  # type
     assert "(local 1, host group 1)" in out.stdout
 
 
-def test_horovod_two_hosts_two_slots(cluster, tmp_path: Path, horovod: None) -> None:  # type: ignore[no-untyped-def]
+def test_horovod_two_hosts_two_slots(cluster: SshdCluster, tmp_path: Path, horovod: None) -> None:
     script = example(cluster, "train_horovod.py")
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2, slots=2)
     out = run_dlrun("launch", "--plain", "--framework", "horovod", "--hosts", str(hosts), "--ssh-config",
@@ -41,7 +42,7 @@ def test_horovod_two_hosts_two_slots(cluster, tmp_path: Path, horovod: None) -> 
     assert accuracy >= 0.90
 
 
-def test_the_horovod_example_resumes_after_a_restart(cluster, tmp_path: Path, horovod: None) -> None:  # type: ignore[no-untyped-def]
+def test_the_horovod_example_resumes_after_a_restart(cluster: SshdCluster, tmp_path: Path, horovod: None) -> None:
     """Attempt 0 fails after epoch 1; attempt 1 gets a fresh gloo rendezvous, and both ranks go on
     from rank 0's checkpoint (host1 has none of its own: hvd.broadcast_object sent it)."""
     script = example(cluster, "train_horovod.py")
@@ -60,7 +61,7 @@ def test_the_horovod_example_resumes_after_a_restart(cluster, tmp_path: Path, ho
     assert wait_job_processes_gone(f"{job.group(1)}-r1", timeout=15) == []
 
 
-def test_parameter_server_strategy_chief_workers_ps(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_parameter_server_strategy_chief_workers_ps(cluster: SshdCluster, tmp_path: Path) -> None:
     pytest.importorskip("tf_keras")
     script = example(cluster, "train_ps.py")
     # an evaluator runs the script, not a server: a cluster listing it made the chief wait forever

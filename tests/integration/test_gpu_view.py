@@ -17,42 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_dlrun, shared_script
-
-FOUR_GPUS = ("0, GPU-a, 97, 71680, 81559, 650.5, 71\n"
-             "1, GPU-b, 0, 4, 81559, 70.1, 30\n"
-             "2, GPU-c, 0, 4, 81559, 69.8, 31\n"
-             "3, GPU-d, 0, 4, 81559, [N/A], 30\n")
-
-#: a rank that ends once the stub was called over ``span`` seconds (its calls' wall times), or
-#: ``calls`` times; it exits with ``code``
-WAIT_FOR_SAMPLES = """
-import sys, time
-calls_file, span, calls, code = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-for _ in range(1200):
-    try:
-        times = [float(t) for t in open(calls_file).read().split()]
-    except (OSError, ValueError):
-        times = []
-    if len(times) >= calls and (times[-1] - times[0] if times else 0) >= span:
-        break
-    time.sleep(0.1)
-print("samples taken", len(times), flush=True)
-sys.exit(code)
-"""
-
-
-def stub(folder: Path, calls: Path, body: str) -> Path:
-    """``folder/nvidia-smi``: notes each call's time in ``calls``, then runs ``body`` (sh)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "nvidia-smi"
-    path.write_text(f"#!/bin/sh\ndate +%s.%N >> {calls}\n{body}\n")
-    path.chmod(0o755)
-    return folder
-
-
-def printing(text: str) -> str:
-    return f"printf '%s' '{text}'"
+from support.cli import run_dlrun
+from support.gpu_stub import FOUR_GPUS, WAIT_FOR_SAMPLES, printing, stub
+from support.ssh_jobs import shared_script
+from support.sshd_cluster import SshdCluster
 
 
 def job_dir(tmp_path: Path, out: str) -> Path:
@@ -71,6 +39,7 @@ def launch_here(tmp_path: Path, stub_dir: Path | None, *args: str, calls: Path, 
     return out.returncode, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_a_busy_gpu_beside_three_idle_ones_is_shown_recorded_and_warned_once(tmp_path: Path) -> None:
     calls = tmp_path / "calls"
     stub_dir = stub(tmp_path / "bin", calls, printing(FOUR_GPUS))
@@ -126,6 +95,7 @@ def test_no_nvidia_smi_no_sampling_and_no_word_of_it(tmp_path: Path) -> None:
     assert not (job_dir(tmp_path, out.stdout) / "gpu.csv").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("body", "message"), [
     ("echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver'; exit 9",
      "GPU sampling failed (nvidia-smi exited 9: NVIDIA-SMI has failed because it could not communicate with the"
@@ -145,8 +115,9 @@ def test_a_failing_or_hung_nvidia_smi_is_named_once_and_leaves_the_exit_code(
     assert f"dlrun: localhost: {message}" in out
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_an_ssh_host_with_gpus_and_one_without(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_an_ssh_host_with_gpus_and_one_without(cluster: SshdCluster, tmp_path: Path) -> None:
     calls = cluster.scripts / "gpu-calls"
     calls.write_text("")
     calls.chmod(0o666)

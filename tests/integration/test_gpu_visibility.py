@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_dlrun
+from support.cli import run_dlrun
 from support.topo_fixtures import env_with_path
 
 UUIDS = [f"GPU-0000000{i}-1111-2222-3333-444444444444" for i in range(4)]

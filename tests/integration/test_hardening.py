@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+from support.cli import REPO, dlrun_argv, run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script
+from support.sshd_cluster import SshdCluster
 
 SECRET_WAIT = """
 import hashlib, os, sys, time
@@ -63,8 +65,9 @@ def readable_leaks(roots: Iterable[Path], values: Iterable[str]) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_secrets_reach_the_ranks_but_no_command_line_or_shared_file(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_secrets_reach_the_ranks_but_no_command_line_or_shared_file(cluster: SshdCluster, tmp_path: Path) -> None:
     from_env, from_file = "env-" + secrets.token_hex(12), "file-" + secrets.token_hex(12)
     env_file = tmp_path / "job.env"
     env_file.write_text(f"# secrets\nFILE_TOKEN={from_file}\n")
@@ -112,6 +115,7 @@ def test_script_arguments_are_masked_in_the_dry_run_and_the_root_cause(tmp_path:
     assert "hunter2" not in out.stdout + out.stderr, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_script_arguments_are_masked_in_ps_and_the_stored_state(tmp_path: Path) -> None:
     script = tmp_path / "quick.py"
     script.write_text("print('done')\n")
@@ -167,6 +171,7 @@ def test_control_characters_in_names_and_arguments_are_escaped_in_the_dry_run(tm
     assert "NOTE=a\\x1b[2Jb" in out.stdout and "run\\x1b[31m.py" in out.stderr, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_many_unresolvable_hosts_show_progress_and_fail_fast(tmp_path: Path) -> None:
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"nosuch-{i:04d}.invalid slots=1\n" for i in range(300)))
@@ -187,8 +192,9 @@ def mode_of(path: Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_the_push_keeps_folder_modes_and_its_record_is_private(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_the_push_keeps_folder_modes_and_its_record_is_private(cluster: SshdCluster, tmp_path: Path) -> None:
     project = tmp_path / f"modes-{secrets.token_hex(3)}"
     (project / "private").mkdir(parents=True)
     (project / "shared").mkdir()
@@ -238,14 +244,15 @@ def other_user() -> tuple[int, int]:
     return pw.pw_uid, pw.pw_gid
 
 
-def scratch_inventory(cluster, path: Path, workdir: Path) -> Path:  # type: ignore[no-untyped-def]
+def scratch_inventory(cluster: SshdCluster, path: Path, workdir: Path) -> Path:
     path.write_text(f'[defaults]\npython = "{cluster.python}"\n[[hosts]]\naddress = "{cluster.hosts[0].name}"\n'
                     f'slots = 1\nworkdir = "{workdir}"\n')
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_a_project_folder_another_user_made_first_is_refused(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_project_folder_another_user_made_first_is_refused(cluster: SshdCluster, tmp_path: Path) -> None:
     if not cluster.is_root:
         pytest.skip("needs root to make a second user")
     uid, gid = other_user()
@@ -285,7 +292,7 @@ def test_a_project_folder_another_user_made_first_is_refused(cluster, tmp_path: 
 
 
 @pytest.mark.ssh
-def test_a_workdir_others_may_write_is_refused_with_its_fix(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_workdir_others_may_write_is_refused_with_its_fix(cluster: SshdCluster, tmp_path: Path) -> None:
     workdir = cluster.hosts[0].workdir / f"open-{secrets.token_hex(3)}"
     workdir.mkdir()
     workdir.chmod(0o777)  # not sticky: another user could swap the project folder for theirs

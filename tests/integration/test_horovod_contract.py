@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_dlrun
+from support.cli import run_dlrun
 
 pytestmark = pytest.mark.slow
 

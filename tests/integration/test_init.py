@@ -8,7 +8,7 @@ import pytest
 
 from dlrun.inventory import load_inventory
 
-from conftest import REPO, run_dlrun
+from support.cli import REPO, run_dlrun
 
 
 @pytest.mark.parametrize("framework", ["tf", "tf-ps", "horovod", "torch"])

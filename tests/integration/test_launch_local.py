@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, run_dlrun
+from support.cli import REPO, dlrun_argv, run_dlrun
 from support.sshd_cluster import count_job_processes as job_processes
 
 SLEEPER = """
@@ -171,6 +171,7 @@ def test_hostile_arguments_and_env_arrive_verbatim(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_dry_run_text_and_json_mask_secrets(tmp_path: Path) -> None:
     hosts = write(tmp_path / "hosts.toml", '[defaults]\nenv = { HF_TOKEN = "hunter2" }\n'
                   '[[hosts]]\naddress = "gpu1"\nslots = 2\n[[hosts]]\naddress = "gpu2"\nslots = 1\n')
@@ -199,6 +200,7 @@ def test_a_linked_script_runs_as_its_target_in_the_pushed_directory(tmp_path: Pa
     assert rank["argv"][-1] == "train_v2.py" and rank["cwd"] == "src"  # what the push sends: src/
 
 
+@pytest.mark.slow
 def test_dlrun_options_may_follow_the_script_up_to_the_scripts_own(tmp_path: Path) -> None:
     # the mission's main command: dlrun launch train.py --hosts hosts.toml
     def plan(*args: str) -> tuple[list[str], list[str], str]:
@@ -228,6 +230,7 @@ def test_missing_script_and_unwritable_log_dir_fail_before_anything_starts(tmp_p
     assert out.returncode == 2 and "expected NAME=VALUE" in out.stderr and "hunter2" not in out.stderr
 
 
+@pytest.mark.slow
 def test_option_values_that_cannot_work_are_usage_errors(tmp_path: Path) -> None:
     script = write(tmp_path / "ok.py", "print('ok')\n")
     for args, words in ((["--ranks", "7"], "--ranks 7: the job has ranks 0 to 1"),
@@ -298,6 +301,7 @@ def test_help_does_not_import_heavy_modules() -> None:
     assert out.stdout.strip() == "[]", out.stderr
 
 
+@pytest.mark.slow
 def test_keras3_warning_only_when_needed(tmp_path: Path) -> None:
     pytest.importorskip("keras")
     plain = write(tmp_path / "plain.py", "def later():\n    import tensorflow\nprint('hi')\n")  # a TF job
@@ -443,7 +447,7 @@ def test_help_shows_the_options_in_sections() -> None:
 
 def test_the_clis_shard_policies_are_the_pushs() -> None:
     from dlrun.cli import SHARD_POLICIES
-    from dlrun.push.session import SHARD_POLICIES as PUSHED
+    from dlrun.push.shard import SHARD_POLICIES as PUSHED
 
     assert SHARD_POLICIES == PUSHED
 

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hosts_toml, run_dlrun
+from support.cli import run_dlrun
+from support.ssh_jobs import hosts_toml
 from support.sshd_cluster import SshdCluster, find_sshd, start_cluster, wait_job_processes_gone
 
-pytestmark = pytest.mark.ssh
+pytestmark = [pytest.mark.ssh, pytest.mark.slow]  # 7-49 s each (2 loaded cores)
 
 SHELLS = ("sh", "bash", "zsh", "fish", "tcsh")
 TRAIN = "import os\nprint('hello from rank', os.environ['DLRUN_RANK'], flush=True)\n"
@@ -160,7 +161,7 @@ NOISE = {
 
 
 @pytest.mark.parametrize("noise", NOISE, ids=[k.replace(" ", "-") for k in NOISE])
-def test_a_startup_file_that_prints_is_shown_once_per_host_and_ignored(  # type: ignore[no-untyped-def]
+def test_a_startup_file_that_prints_is_shown_once_per_host_and_ignored(
         noisy_cluster: SshdCluster, tmp_path: Path, noise: str) -> None:
     bashrc = noisy_cluster.login_home / ".bashrc"
     bashrc.write_text(NOISE[noise])
@@ -186,7 +187,7 @@ BROKEN = {
 
 
 @pytest.mark.parametrize("broken", BROKEN, ids=[k.replace(" ", "-") for k in BROKEN])
-def test_a_startup_file_that_never_lets_the_program_start_is_an_error_within_the_connect_timeout(  # type: ignore[no-untyped-def]
+def test_a_startup_file_that_never_lets_the_program_start_is_an_error_within_the_connect_timeout(
         noisy_cluster: SshdCluster, tmp_path: Path, broken: str) -> None:
     rc, message = BROKEN[broken]
     code, ssh = project(tmp_path, noisy_cluster)

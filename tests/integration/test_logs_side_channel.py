@@ -20,13 +20,14 @@ import pytest
 
 from dlrun import api
 from dlrun.errors import HostUnreachable
+from dlrun.options import SSHOptions
 from dlrun.remote import boot_argv, boot_payload
 from dlrun.run import detach, logstream
 from dlrun.tls import client_context, make_job_tls
 from dlrun.transport.base import default_python
 from dlrun.transport.ssh import SSHTransport
 
-from conftest import hosts_toml
+from support.ssh_jobs import hosts_toml
 from support.sshd_cluster import TEST_USER_HOME
 
 pytestmark = pytest.mark.ssh
@@ -58,9 +59,9 @@ def job(request: pytest.FixtureRequest) -> Iterator[str]:
             "ranks": ranks, "hosts": ["host0", "host1"]}))
         (folder / "state.json").write_text(json.dumps({"job_id": job_id, "host": host}))
         (folder / "attempt-0" / f"rank-{rank}.log").write_bytes(b"".join(line(rank, i) for i in range(count)))
-    for folder, dirs, files in os.walk(root):
+    for walked, dirs, files in os.walk(root):
         for name in [".", *dirs, *files]:
-            os.chown(os.path.join(folder, name), owner.st_uid, owner.st_gid)
+            os.chown(os.path.join(walked, name), owner.st_uid, owner.st_gid)
     yield job_id
     shutil.rmtree(root, ignore_errors=True)
 
@@ -78,7 +79,7 @@ class Spy:
         self.refused: dict[str, str] = {}
         self.sent: dict[tuple[str, str], int] = {}
         self.lock = threading.Lock()
-        connect, refuse, stream = logstream.connect_side, logstream.SideChannel.refuse, detach.stream_logs
+        connect, refuse, stream = logstream.connect_side, logstream.SideChannel.refuse, logstream.stream_logs
 
         def connect_side(address: str, port: int, *args: Any) -> ssl.SSLSocket:
             tls = connect(address, port, *args)
@@ -106,10 +107,10 @@ class Spy:
 def read_logs(cluster, tmp_path: Path, job: str) -> bytes:  # type: ignore[no-untyped-def]
     out = io.TextIOWrapper(io.BytesIO(), write_through=True)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
-    record = api.logs(job, str(hosts), out=out, ssh_config=str(cluster.ssh_config))
+    record = api.logs(job, str(hosts), out=out, ssh=SSHOptions(ssh_config=str(cluster.ssh_config)))
     assert record is not None and record.state == "succeeded"
     out.flush()
-    return out.buffer.getvalue()  # type: ignore[attr-defined,no-any-return]
+    return out.buffer.getvalue()
 
 
 def test_a_big_answer_comes_whole_over_the_side_channel(cluster, tmp_path: Path, job: str,  # type: ignore[no-untyped-def]
@@ -142,7 +143,7 @@ def jobs_program(cluster, tmp_path: Path, job: str) -> Iterator[tuple[Any, Any, 
     """host0's ``dlrun-jobs`` asked for the job's logs with a side channel offered: the
     transport, the channel, the offer, and the port the host said."""
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
-    with api._job_hosts(str(hosts), {"ssh_config": str(cluster.ssh_config)}) as job_hosts:
+    with api._job_hosts(str(hosts), SSHOptions(ssh_config=str(cluster.ssh_config))) as job_hosts:
         host = job_hosts.hosts[0]
         tls = make_job_tls("logs")
         offer = {"cert": tls.cert_pem, "key": tls.key_pem, "token": "a-token-only-dlrun-knows"}
@@ -185,11 +186,11 @@ def test_a_host_that_goes_quiet_on_the_side_channel_is_left_out_in_time(  # type
         for _ in range(5):
             fh.write(os.urandom(4 << 20).hex().encode() + b"\n")
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
-    with api._job_hosts(str(hosts), {"ssh_config": str(cluster.ssh_config)}) as job_hosts:
+    with api._job_hosts(str(hosts), SSHOptions(ssh_config=str(cluster.ssh_config))) as job_hosts:
         host = job_hosts.hosts[0]
         transport = job_hosts.transport
         ssh = transport.remote if hasattr(transport, "remote") else transport
-        ours = ssh.clients[host.name].get_transport().sock.getsockname()[1]  # SSH_CONNECTION names this port
+        ours = ssh.clients[host.name].get_transport().sock.getsockname()[1]  # type: ignore[union-attr]
         stopped: list[int] = []
 
         def freeze(key: str, header: Any, data: bytearray) -> None:
@@ -232,7 +233,7 @@ def test_attach_reads_a_big_backlog_over_the_side_channel(cluster, tmp_path: Pat
     spy = Spy(monkeypatch)
     out = io.StringIO()
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
-    assert api.attach(job, str(hosts), out=out, ssh_config=str(cluster.ssh_config)) == 0
+    assert api.attach(job, str(hosts), out=out, ssh=SSHOptions(ssh_config=str(cluster.ssh_config))) == 0
     text = out.getvalue().encode()
     assert shown_lines(text, 0, "host0") == [line(0, i) for i in range(BIG_LINES)]
     assert shown_lines(text, 1, "host1") == [line(1, i) for i in range(1000)]

@@ -6,7 +6,7 @@ import re
 import sys
 from pathlib import Path
 
-from conftest import run_dlrun
+from support.cli import run_dlrun
 
 
 def test_a_module_and_a_python_command_run_with_dlruns_python_here(tmp_path: Path) -> None:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, hosts_toml, run_dlrun
+from support.cli import REPO, run_dlrun
+from support.ssh_jobs import hosts_toml
+from support.sshd_cluster import SshdCluster
 
 pytestmark = [pytest.mark.ssh]
 
@@ -37,7 +39,7 @@ def project(tmp_path: Path, name: str) -> Path:
     return root
 
 
-def launch(cluster, root: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
+def launch(cluster: SshdCluster, root: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     hosts = hosts_toml(cluster, root.parent / "hosts.toml", 2)
     return run_dlrun("launch", "--plain", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), *args,
                      cwd=root, timeout=timeout)
@@ -50,7 +52,7 @@ def ran(stdout: str) -> list[list[str]]:
 
 @pytest.mark.parametrize("form", [["-m", "pkg.train"], ["python", "-m", "pkg.train"], ["python3", "-m", "pkg.train"]],
                          ids=["-m", "python -m", "python3 -m"])
-def test_a_module_runs_with_the_inventorys_python_in_the_pushed_project(cluster, tmp_path: Path,  # type: ignore[no-untyped-def]
+def test_a_module_runs_with_the_inventorys_python_in_the_pushed_project(cluster: SshdCluster, tmp_path: Path,
                                                                         form: list[str]) -> None:
     root = project(tmp_path, "proj")
     out = launch(cluster, root, *form, "--lr", "1")
@@ -63,8 +65,9 @@ def test_a_module_runs_with_the_inventorys_python_in_the_pushed_project(cluster,
         assert (host.workdir / "proj" / "pkg" / "model.py").read_text() == "NAME = 'proj'\n"
 
 
-def test_a_command_naming_no_local_file_pushes_nothing_and_code_is_never_ignored(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_a_command_naming_no_local_file_pushes_nothing_and_code_is_never_ignored(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     root = project(tmp_path, "bare")
     code = "import os, sys; print('ran', os.getcwd(), sys.executable, flush=True)"
     out = launch(cluster, root, "python3", "-c", code)
@@ -80,7 +83,8 @@ def test_a_command_naming_no_local_file_pushes_nothing_and_code_is_never_ignored
     assert all((h.workdir / "bare" / "pkg" / "train.py").is_file() for h in cluster.hosts[:2])
 
 
-def test_dry_run_lists_modules_r_commands_and_what_is_pushed(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.slow
+def test_dry_run_lists_modules_r_commands_and_what_is_pushed(cluster: SshdCluster, tmp_path: Path) -> None:
     root = project(tmp_path, "dry")
     (root / "train.R").write_text('library(reticulate)\ntf <- import("tensorflow")\n')
     (root / "run.sh").write_text("echo hi\n")
@@ -127,7 +131,7 @@ def r_with_reticulate() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not r_with_reticulate(), reason="needs Rscript and reticulate (apt: r-base-core"
                     " r-cran-reticulate; .ci/run installs them)")
-def test_rscript_trains_both_workers_in_one_multiworker_group(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_rscript_trains_both_workers_in_one_multiworker_group(cluster: SshdCluster, tmp_path: Path) -> None:
     pytest.importorskip("tf_keras")
     root = project(tmp_path, "rproj")
     shutil.copy(REPO / "examples" / "train_iris.R", root / "train.R")

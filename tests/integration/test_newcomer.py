@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_dlrun
+from support.cli import REPO, run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script
+from support.sshd_cluster import SshdCluster
 
 MARKER = "import pathlib, sys; pathlib.Path(sys.argv[0] + '.ran').touch(); print('RAN')\n"
 
@@ -82,8 +84,6 @@ def test_the_quickstart_example_resumes_and_leaves_only_its_logs_and_model(tmp_p
     """README's train command, in a fresh folder, with a restart: the checkpoint lives beside the
     model in dlrun-model/ (git-ignored), not loose in the folder the job ran in."""
     pytest.importorskip("tf_keras")
-    from conftest import REPO
-
     out = run_dlrun("launch", "--plain", "--max-restarts", "1", str(REPO / "examples" / "train_digits.py"),
                     "--epochs", "4", "--crash-after", "2", cwd=tmp_path, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
@@ -100,6 +100,7 @@ for epoch in range(2):
 """
 
 
+@pytest.mark.slow  # imports keras: 2-10 s
 def test_the_keras_warning_speaks_to_fit_and_to_custom_loops_alike(tmp_path: Path) -> None:
     pytest.importorskip("keras")
     from importlib.metadata import version
@@ -134,10 +135,9 @@ ENV_PRINTER = ("import json, os\n"
                f"print('ENV', json.dumps({{k: os.environ.get(k) for k in {SHOWN!r}}}, sort_keys=True))\n")
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_a_dry_run_on_ssh_hosts_shows_what_each_rank_then_gets(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from conftest import hosts_toml, shared_script
-
+def test_a_dry_run_on_ssh_hosts_shows_what_each_rank_then_gets(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "newcomer_env.py", ENV_PRINTER)  # no imports: both contracts (TF_CONFIG too)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     hosts.write_text(hosts.read_text().replace('address = "host1"', 'address = "host1"\niface = "lo:1"', 1))
@@ -162,10 +162,9 @@ def test_a_dry_run_on_ssh_hosts_shows_what_each_rank_then_gets(cluster, tmp_path
     assert "ports: free on each host now; a launch asks again" in text.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_topo_suggests_the_interface_launch_gives_and_says_so(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from conftest import hosts_toml, shared_script
-
+def test_topo_suggests_the_interface_launch_gives_and_says_so(cluster: SshdCluster, tmp_path: Path) -> None:
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     ssh = ("--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config))
     doc = json.loads(run_dlrun("topo", "--json", *ssh, cwd=tmp_path, timeout=120).stdout)
@@ -196,9 +195,7 @@ def test_a_dry_run_on_hosts_it_cannot_reach_shows_the_plan_with_a_warning(tmp_pa
 
 
 @pytest.mark.ssh
-def test_a_misspelled_option_starts_nothing_on_ssh_hosts_either(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from conftest import hosts_toml, shared_script
-
+def test_a_misspelled_option_starts_nothing_on_ssh_hosts_either(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "newcomer_marker.py", MARKER)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     out = run_dlrun("launch", "--plain", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), "--no-push",

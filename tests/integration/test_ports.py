@@ -15,7 +15,9 @@ from dlrun.errors import PlanError
 from dlrun.inventory import Host, Inventory
 from dlrun.plan import choose_ports, listening_ranks, make_plan
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+from support.cli import REPO, dlrun_argv, run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script
+from support.sshd_cluster import SshdCluster
 
 TORCH_JOB = """
 import os, time
@@ -41,8 +43,9 @@ def test_chosen_ports_are_free_on_each_listening_rank_host_and_distinct() -> Non
         choose_ports("tf", plan.ranks, {"h0": (30001,), "h1": (30002, 30003)})
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_two_torch_jobs_at_once_on_the_same_hosts_both_succeed(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_two_torch_jobs_at_once_on_the_same_hosts_both_succeed(cluster: SshdCluster, tmp_path: Path) -> None:
     pytest.importorskip("torch")
     script = shared_script(cluster, "two_jobs.py", TORCH_JOB)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
@@ -60,7 +63,7 @@ def test_two_torch_jobs_at_once_on_the_same_hosts_both_succeed(cluster, tmp_path
 
 
 @pytest.mark.ssh
-def test_a_taken_base_port_stops_the_launch_naming_host_and_port(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_taken_base_port_stops_the_launch_naming_host_and_port(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "never_starts.py", "open('started', 'w').close()\n")
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     with socket.socket() as held:

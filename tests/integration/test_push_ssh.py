@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -19,10 +19,14 @@ from dlrun.errors import DlrunError, SyncError
 from dlrun.inventory import Host
 from dlrun.push.session import push
 from dlrun.push.shard import SHARD_FILE, SHARD_POLICIES, shard_env
+from dlrun.transport.base import Channel
 from dlrun.transport.local import HostRouter
-from dlrun.transport.ssh import SSHTransport
+from dlrun.transport.ssh import SSHChannel, SSHTransport
 
-from conftest import REPO, wait_until
+from support.cli import REPO, run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script
+from support.sshd_cluster import SshdCluster
+from support.wait import wait_until
 
 pytestmark = pytest.mark.ssh
 
@@ -30,7 +34,7 @@ PART = ".dlrun-part-"
 
 
 @pytest.fixture(scope="module")
-def transport(cluster) -> Iterator[HostRouter]:  # type: ignore[no-untyped-def]
+def transport(cluster: SshdCluster) -> Iterator[HostRouter]:
     router = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
     yield router
     router.close()
@@ -41,18 +45,18 @@ def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
-def hosts_in(cluster, n: int, sub: str) -> list[Host]:  # type: ignore[no-untyped-def]
+def hosts_in(cluster: SshdCluster, n: int, sub: str) -> list[Host]:
     """The first n cluster hosts, each with its own fresh workdir ``<host workdir>/<sub>``."""
     return [Host(address=h.name, name=h.name, workdir=str(h.workdir / sub), python=cluster.python)
             for h in cluster.hosts[:n]]
 
 
-def login_ids(cluster) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+def login_ids(cluster: SshdCluster) -> tuple[int, int]:
     pw = pwd.getpwnam(cluster.user)
     return pw.pw_uid, pw.pw_gid
 
 
-def write(root: Path, files: dict[str, bytes | str]) -> None:
+def write(root: Path, files: Mapping[str, bytes | str]) -> None:
     for rel, content in files.items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -71,14 +75,14 @@ def tree(root: Path) -> dict[str, bytes | str]:
     return out
 
 
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def sha(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
 # --------------------------------------------------------------------------- code sync
 
 
-def test_push_then_change_one_file_then_delete_one(cluster, transport, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_push_then_change_one_file_then_delete_one(cluster: SshdCluster, transport: HostRouter, tmp_path: Path) -> None:
     src = tmp_path / "proj"
     write(src, {"train.py": "print('hi')\n", "pkg/__init__.py": "", "pkg/model.py": "W = 1\n",
                 ".gitignore": "*.log\n", "debug.log": "ignored\n", ".git/HEAD": "ignored\n",
@@ -120,31 +124,24 @@ def test_push_then_change_one_file_then_delete_one(cluster, transport, tmp_path:
     assert not list((cluster.hosts[0].workdir / "code").rglob(PART + "*"))
 
 
-def test_push_channels_use_aes_gcm(cluster, transport) -> None:  # type: ignore[no-untyped-def]
+def test_push_channels_use_aes_gcm(cluster: SshdCluster, transport: HostRouter) -> None:
     """paramiko encrypts per packet in Python: AES-GCM (one OpenSSL call, no separate HMAC) is what
     keeps a push's client CPU near rsync's (docs/benchmarks.md); OpenSSH offers it by default."""
     channel = transport.open(hosts_in(cluster, 1, "cipher")[0], ["true"])
     try:
+        assert isinstance(channel, SSHChannel)
         session = channel.channel.get_transport()
-        assert (session.local_cipher, session.remote_cipher) == ("aes128-gcm@openssh.com",) * 2
+        remote_cipher = session.remote_cipher  # type: ignore[attr-defined]  # paramiko sets it; its stubs lack it
+        assert (session.local_cipher, remote_cipher) == ("aes128-gcm@openssh.com",) * 2
     finally:
         channel.close()
-
-
-def test_local_host_goes_through_the_local_transport(tmp_path: Path) -> None:
-    src = tmp_path / "app"
-    write(src, {"main.py": "print(1)\n", "data/readme.txt": "x\n"})
-    host = Host(address="localhost", name="localhost", workdir=str(tmp_path / "dst"))
-    (summary,) = push(HostRouter(remote=None), [host], code_dir=src, project="renamed")
-    assert summary.files_sent == 2
-    assert tree(tmp_path / "dst" / "renamed") == {"data/readme.txt": b"x\n", "main.py": b"print(1)\n"}
 
 
 # --------------------------------------------------------------------------- data shards
 
 
-def test_shards_for_every_policy_land_disjoint_and_complete_on_three_hosts(  # type: ignore[no-untyped-def]
-    cluster, transport, tmp_path: Path
+def test_shards_for_every_policy_land_disjoint_and_complete_on_three_hosts(
+    cluster: SshdCluster, transport: HostRouter, tmp_path: Path
 ) -> None:
     data = tmp_path / "dataset"
     files = {f"part/{i:02d}.npy": os.urandom(100 + 37 * i) for i in range(10)}
@@ -161,7 +158,7 @@ def test_shards_for_every_policy_land_disjoint_and_complete_on_three_hosts(  # t
             assert (doc["policy"], doc["index"], doc["count"]) == (policy, index, 3)
             assert [f["path"] for f in doc["files"]] == sorted(got) == [k for k in got if k.startswith("part/")]
             for item in doc["files"]:
-                assert item["sha256"] == sha(got[item["path"]]) == sha(files[item["path"]])  # type: ignore[arg-type]
+                assert item["sha256"] == sha(got[item["path"]]) == sha(files[item["path"]])
             seen += list(got)
             env = shard_env(index, 3, hosts[index], data_dir=summary.data_dir)
             assert env == {"DLRUN_DATA_DIR": str(remote), "DLRUN_SHARD_INDEX": str(index),
@@ -172,7 +169,7 @@ def test_shards_for_every_policy_land_disjoint_and_complete_on_three_hosts(  # t
             assert sorted(seen) == sorted(files)  # complete and pairwise disjoint
 
 
-def test_split_lines_with_code_in_one_push(cluster, transport, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_split_lines_with_code_in_one_push(cluster: SshdCluster, transport: HostRouter, tmp_path: Path) -> None:
     body = "".join(f"{i},{i % 7}\n" for i in range(2000)).encode()
     write(tmp_path, {"train.csv": b"x,label\n" + body, "code/train.py": "pass\n"})
     hosts = hosts_in(cluster, 3, "split")
@@ -212,8 +209,8 @@ push(HostRouter(remote=SSHTransport(config_file={config!r})), [host], code_dir=P
 """
 
 
-def test_killed_push_leaves_no_partial_file_and_the_next_push_resumes(  # type: ignore[no-untyped-def]
-    cluster, transport, tmp_path: Path
+def test_killed_push_leaves_no_partial_file_and_the_next_push_resumes(
+    cluster: SshdCluster, transport: HostRouter, tmp_path: Path
 ) -> None:
     src = tmp_path / "big"
     size = 512 * 1024
@@ -248,8 +245,8 @@ def test_killed_push_leaves_no_partial_file_and_the_next_push_resumes(  # type: 
 
 
 @pytest.mark.parametrize("when", ["after connecting", "while sending"])
-def test_a_host_that_goes_silent_fails_the_push_within_the_host_timeout(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path, when: str) -> None:
+def test_a_host_that_goes_silent_fails_the_push_within_the_host_timeout(
+        cluster: SshdCluster, tmp_path: Path, when: str) -> None:
     src = tmp_path / "proj"
     write(src, {f"f{i}.bin": os.urandom(1 << 20) for i in range(16)})
     sub = "silent-" + when.replace(" ", "-")
@@ -279,8 +276,8 @@ def test_a_host_that_goes_silent_fails_the_push_within_the_host_timeout(  # type
     assert all(path.read_bytes() == (src / path.name).read_bytes() for path in remote.glob("f*.bin"))
 
 
-def test_not_enough_space_is_refused_before_anything_is_written(  # type: ignore[no-untyped-def]
-    cluster, transport, tmp_path: Path
+def test_not_enough_space_is_refused_before_anything_is_written(
+    cluster: SshdCluster, transport: HostRouter, tmp_path: Path
 ) -> None:
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root (the check itself: test_sync.py)")
@@ -308,7 +305,7 @@ def test_not_enough_space_is_refused_before_anything_is_written(  # type: ignore
         subprocess.run(["umount", "-l", str(small)], check=False)
 
 
-def test_permission_denied_names_host_and_path(cluster, transport, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_permission_denied_names_host_and_path(cluster: SshdCluster, transport: HostRouter, tmp_path: Path) -> None:
     if cluster.user == "root":
         pytest.skip("the hosts log in as root, who may write anywhere")
     uid, gid = login_ids(cluster)
@@ -343,9 +340,7 @@ def test_permission_denied_names_host_and_path(cluster, transport, tmp_path: Pat
     assert list(locked.iterdir()) == []
 
 
-def test_launch_with_data_gives_each_rank_its_shard(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from conftest import hosts_toml, run_dlrun, shared_script
-
+def test_launch_with_data_gives_each_rank_its_shard(cluster: SshdCluster, tmp_path: Path) -> None:
     data = tmp_path / "dataset"
     data.mkdir()
     for i in range(6):
@@ -363,11 +358,10 @@ def test_launch_with_data_gives_each_rank_its_shard(cluster, tmp_path: Path) -> 
                      "2 3 ['part-2.csv', 'part-5.csv'] files"]
 
 
-def test_launch_opens_a_push_session_only_where_the_code_changed(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+def test_launch_opens_a_push_session_only_where_the_code_changed(
+        cluster: SshdCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
     from dlrun.run.launch import LaunchConfig, SSHOptions, launch
-
-    from conftest import hosts_toml
 
     code = tmp_path / f"proj-{os.getpid()}-{time.monotonic_ns()}"
     write(code, {"job.py": "import util\nprint('VERSION', util.V)\n", "util.py": "V = 1\n"})
@@ -375,7 +369,7 @@ def test_launch_opens_a_push_session_only_where_the_code_changed(  # type: ignor
     opened: list[str] = []
 
     class Counting(SSHTransport):
-        def open(self, host: Host, argv):  # type: ignore[no-untyped-def]
+        def open(self, host: Host, argv: Sequence[str]) -> Channel:
             opened.append("push" if "dlrun-push_helper" in argv else "agent")
             return super().open(host, argv)
 
@@ -410,7 +404,7 @@ def test_launch_opens_a_push_session_only_where_the_code_changed(  # type: ignor
 # --------------------------------------------------------------------------- a real project, pushed safely (issue 19)
 
 
-def project_hosts(cluster, path: Path, n: int, *, defaults: str = "",  # type: ignore[no-untyped-def]
+def project_hosts(cluster: SshdCluster, path: Path, n: int, *, defaults: str = "",
                   per_host: dict[int, str] | None = None) -> Path:
     """An inventory of the first n hosts; ``defaults`` and ``per_host[i]`` are extra TOML lines."""
     lines = [f'[defaults]\npython = "{cluster.python}"\n{defaults}']
@@ -428,14 +422,12 @@ def new_project(tmp_path: Path, files: dict[str, bytes | str]) -> Path:
     return code
 
 
-def pushed_tree(cluster, code: Path, n: int) -> list[dict[str, bytes | str]]:  # type: ignore[no-untyped-def]
+def pushed_tree(cluster: SshdCluster, code: Path, n: int) -> list[dict[str, bytes | str]]:
     return [tree(h.workdir / code.name) for h in cluster.hosts[:n]]
 
 
-def test_a_project_with_a_venv_caches_and_logs_sends_only_its_code(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path) -> None:
-    from conftest import run_dlrun
-
+def test_a_project_with_a_venv_caches_and_logs_sends_only_its_code(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     code = new_project(tmp_path, {
         "train.py": "import os\nprint('CWD', sorted(os.listdir('.')))\n",
         "lib/util.py": "V = 1\n",
@@ -463,10 +455,8 @@ def test_a_project_with_a_venv_caches_and_logs_sends_only_its_code(  # type: ign
     assert out.stdout.count("CWD ['.dlrunignore', 'lib', 'mlruns', 'train.py']") == 2, out.stdout
 
 
-def test_an_installed_program_is_run_as_given_and_nothing_is_pushed(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path) -> None:
-    from conftest import run_dlrun
-
+def test_an_installed_program_is_run_as_given_and_nothing_is_pushed(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     hosts = project_hosts(cluster, tmp_path / "hosts.toml", 2)
     before = [sorted(p.name for p in h.workdir.iterdir()) for h in cluster.hosts[:2]]
     out = run_dlrun("launch", "--plain", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
@@ -476,9 +466,7 @@ def test_an_installed_program_is_run_as_given_and_nothing_is_pushed(  # type: ig
     assert "sent" not in out.stderr  # no push summary at all
 
 
-def test_a_script_directly_in_the_home_folder_is_refused(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from conftest import run_dlrun
-
+def test_a_script_directly_in_the_home_folder_is_refused(cluster: SshdCluster, tmp_path: Path) -> None:
     home = tmp_path / "home"
     write(home, {"train.py": "print('RAN')\n", "big-download.bin": b"x" * 1000})
     hosts = project_hosts(cluster, tmp_path / "hosts.toml", 2)
@@ -492,10 +480,8 @@ def test_a_script_directly_in_the_home_folder_is_refused(cluster, tmp_path: Path
     assert [sorted(p.name for p in h.workdir.iterdir()) for h in cluster.hosts[:2]] == before
 
 
-def test_an_oversized_code_push_stops_before_anything_is_read_or_written(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path) -> None:
-    from conftest import run_dlrun
-
+def test_an_oversized_code_push_stops_before_anything_is_read_or_written(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     code = new_project(tmp_path, {"train.py": "print('RAN')\n", "src/model.py": "M = 1\n"})
     (code / "checkpoints").mkdir()
     for i in range(3):
@@ -521,10 +507,8 @@ def test_an_oversized_code_push_stops_before_anything_is_read_or_written(  # typ
     assert json.loads(out.stdout)["total"]["bytes_sent"] == 2 * (300 * 1024 * 1024 + 19)
 
 
-def test_a_dry_run_writes_nothing_and_lists_what_the_push_then_sends(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path) -> None:
-    from conftest import run_dlrun
-
+def test_a_dry_run_writes_nothing_and_lists_what_the_push_then_sends(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     code = new_project(tmp_path, {"train.py": "print('TRAINED')\n", "keep.py": "K = 1\n", "gone.py": "G = 1\n",
                                   "change.py": "C = 1\n"})
     hosts = project_hosts(cluster, tmp_path / "hosts.toml", 2)
@@ -566,10 +550,8 @@ def test_a_dry_run_writes_nothing_and_lists_what_the_push_then_sends(  # type: i
         [(h["files_sent"], h["bytes_sent"], h["files_deleted"]) for h in planned["hosts"]]
 
 
-def test_the_setup_runs_once_then_only_when_the_pushed_files_change(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path) -> None:
-    from conftest import run_dlrun
-
+def test_the_setup_runs_once_then_only_when_the_pushed_files_change(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     code = new_project(tmp_path, {"requirements.txt": "numpy\n",
                                   "train.py": "print('SETUP-BEFORE-RANK', open('setup-runs.txt').read().split())\n"})
     setup = 'setup = "echo run-$(cat requirements.txt) >> setup-runs.txt; echo installing"'
@@ -598,10 +580,8 @@ def test_the_setup_runs_once_then_only_when_the_pushed_files_change(  # type: ig
     assert forced.stdout.count("installing") == 2, forced.stdout + forced.stderr
 
 
-def test_a_failing_setup_starts_no_rank_and_names_the_host(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path) -> None:
-    from conftest import run_dlrun
-
+def test_a_failing_setup_starts_no_rank_and_names_the_host(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     code = new_project(tmp_path, {"train.py": "open('rank-ran.txt', 'w').write('yes')\n"})
     hosts = project_hosts(cluster, tmp_path / "hosts.toml", 2, per_host={
         0: 'setup = "echo fine"', 1: 'setup = "echo pip says no >&2; echo last words; exit 3"'})

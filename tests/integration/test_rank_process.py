@@ -21,7 +21,9 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
+from support.cli import REPO, dlrun_argv, run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script
+from support.sshd_cluster import SshdCluster
 
 FACTS = r"""
 import json, os, resource, stat, sys
@@ -88,6 +90,7 @@ def unshare_works() -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pidns", [True, False], ids=["pidns", "no-pidns"])
 def test_localhost_ranks_see_their_own_proc_devices_shm_and_limits(tmp_path: Path, pidns: bool) -> None:
     script = tmp_path / "facts.py"
@@ -145,7 +148,7 @@ def test_a_mount_made_after_the_start_reaches_the_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.ssh
-def test_ssh_ranks_see_their_own_proc_as_the_login_user(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_ssh_ranks_see_their_own_proc_as_the_login_user(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "facts.py", FACTS)
     plain_run = cluster.run(0, f"{cluster.python} {script}")
     assert plain_run.returncode == 0, plain_run.stderr

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, hosts_toml, run_dlrun, shared_script, start_ssh_job
-from support.sshd_cluster import wait_job_processes_gone
+from support.cli import REPO, run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script, start_ssh_job
+from support.sshd_cluster import SshdCluster, wait_job_processes_gone
 
 pytestmark = pytest.mark.ssh
 
@@ -35,7 +36,7 @@ print("world", os.environ["DLRUN_WORLD_SIZE"], "rank", os.environ["DLRUN_RANK"],
 SLEEPER = "import time\nprint('ready', flush=True)\ntime.sleep(600)\n"
 
 
-def ssh_args(cluster) -> list[str]:  # type: ignore[no-untyped-def]
+def ssh_args(cluster: SshdCluster) -> list[str]:
     return ["--ssh-config", str(cluster.ssh_config)]
 
 
@@ -50,7 +51,8 @@ def no_process_left(job_id: str, attempts: int) -> None:
         assert wait_job_processes_gone(job_id if k == 0 else f"{job_id}-r{k}", timeout=15) == []
 
 
-def test_a_failed_attempt_runs_again_with_its_restart_count(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.slow
+def test_a_failed_attempt_runs_again_with_its_restart_count(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "flaky.py", FLAKY)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     out = run_dlrun("launch", "--plain", "--framework", "torch", "--max-restarts", "1", "--hosts", str(hosts),
@@ -76,7 +78,8 @@ def test_a_failed_attempt_runs_again_with_its_restart_count(cluster, tmp_path: P
     no_process_left(job, 1)
 
 
-def test_a_lost_host_is_left_out_with_min_hosts(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.slow
+def test_a_lost_host_is_left_out_with_min_hosts(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "wait_then_report.py", WAIT_THEN_REPORT)
     proc, lines = start_ssh_job(cluster, tmp_path, 3, "--max-restarts", "1", "--min-hosts", "2", str(script), ready=3)
     try:
@@ -95,7 +98,8 @@ def test_a_lost_host_is_left_out_with_min_hosts(cluster, tmp_path: Path) -> None
     no_process_left(job, 2)
 
 
-def test_without_min_hosts_a_lost_host_is_reconnected(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.slow
+def test_without_min_hosts_a_lost_host_is_reconnected(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "wait_then_report.py", WAIT_THEN_REPORT)
     proc, lines = start_ssh_job(cluster, tmp_path, 2, "--max-restarts", "1", str(script), ready=2)
     cluster.kill_sessions(1)  # the connection drops; the host can be reached again
@@ -108,7 +112,7 @@ def test_without_min_hosts_a_lost_host_is_reconnected(cluster, tmp_path: Path) -
     no_process_left(job_of(out), 2)
 
 
-def test_too_few_hosts_left_ends_the_job(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_too_few_hosts_left_ends_the_job(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "wait_then_report.py", WAIT_THEN_REPORT)
     proc, lines = start_ssh_job(cluster, tmp_path, 2, "--max-restarts", "2", "--min-hosts", "2", str(script), ready=2)
     try:
@@ -122,8 +126,9 @@ def test_too_few_hosts_left_ends_the_job(cluster, tmp_path: Path) -> None:  # ty
     no_process_left(job_of(out), 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_an_interrupt_never_restarts(cluster, tmp_path: Path, sig: signal.Signals) -> None:  # type: ignore[no-untyped-def]
+def test_an_interrupt_never_restarts(cluster: SshdCluster, tmp_path: Path, sig: signal.Signals) -> None:
     script = shared_script(cluster, "sleep.py", SLEEPER)
     proc, lines = start_ssh_job(cluster, tmp_path, 2, "--max-restarts", "3", str(script), ready=2)
     proc.send_signal(sig)
@@ -147,7 +152,8 @@ def test_dry_run_shows_the_restart_policy(tmp_path: Path) -> None:
     assert out.returncode == 2 and "--min-hosts goes with --max-restarts" in out.stderr
 
 
-def test_the_torch_example_resumes_from_its_checkpoint(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.slow
+def test_the_torch_example_resumes_from_its_checkpoint(cluster: SshdCluster, tmp_path: Path) -> None:
     pytest.importorskip("torch")
     script = shared_script(cluster, "train_torch_ddp.py", (REPO / "examples" / "train_torch_ddp.py").read_text())
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)

@@ -13,7 +13,7 @@ import pytest
 import dlrun
 from dlrun.run.view import PlainView, root_cause_lines
 
-from conftest import run_dlrun
+from support.cli import run_dlrun
 
 
 def root_cause_block(stdout: str) -> str:

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hosts_toml, run_dlrun
+from support.cli import run_dlrun
+from support.ssh_jobs import hosts_toml
+from support.sshd_cluster import SshdCluster
 
 pytestmark = pytest.mark.ssh
 
 
-def test_three_hosts_with_one_workdir_get_one_push(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_three_hosts_with_one_workdir_get_one_push(cluster: SshdCluster, tmp_path: Path) -> None:
     project = cluster.root / f"shared-{tmp_path.name}"  # readable by the hosts' login user
     project.mkdir()
     project.chmod(0o755)

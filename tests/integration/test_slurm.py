@@ -11,13 +11,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, shared_script
+from support.cli import REPO, dlrun_argv
+from support.gpu_stub import FOUR_GPUS, WAIT_FOR_SAMPLES, printing, stub
 from support.slurm_cluster import SlurmCluster
-from support.sshd_cluster import count_job_processes, wait_job_processes_gone
+from support.ssh_jobs import shared_script
+from support.sshd_cluster import SshdCluster, count_job_processes, wait_job_processes_gone
 
 pytestmark = pytest.mark.slurm
 
@@ -104,7 +107,7 @@ def test_the_allocation_is_the_inventory_and_srun_steps_the_default_transport(sl
         assert env["SLURM_JOB_ID"] is not None
 
 
-def test_over_ssh_inside_the_allocation(slurm: SlurmCluster, cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_over_ssh_inside_the_allocation(slurm: SlurmCluster, cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "slurm_report.py", REPORT)
     out = run_in_allocation(slurm, TWO_BY_TWO, "launch", "--plain", "--framework", "torch",
                             "--transport", "ssh", "--ssh-config", str(cluster.ssh_config), str(script),
@@ -190,7 +193,7 @@ def finish_held(slurm: SlurmCluster, proc: subprocess.Popen[str], lines: list[st
 
 
 @pytest.fixture
-def ended(slurm: SlurmCluster):  # type: ignore[no-untyped-def]
+def ended(slurm: SlurmCluster) -> Iterator[list[subprocess.Popen[str]]]:
     """Ends every allocation a test left (the holders wait for their stdin to close)."""
     procs: list[subprocess.Popen[str]] = []
     yield procs
@@ -307,8 +310,6 @@ def test_detached_jobs_live_in_steps_and_end_with_the_allocation(slurm: SlurmClu
 
 
 def test_the_gpu_view_samples_every_node_through_its_step(slurm: SlurmCluster, tmp_path: Path) -> None:
-    from test_gpu_view import FOUR_GPUS, WAIT_FOR_SAMPLES, printing, stub
-
     calls = tmp_path / "calls"
     stub_dir = stub(tmp_path / "bin", calls, printing(FOUR_GPUS))  # srun hands PATH to each step
     folder = project(tmp_path, "wait.py", WAIT_FOR_SAMPLES)

@@ -18,6 +18,10 @@ from dlrun.render import mask_env
 from dlrun.run.rendezvous import RendezvousServer
 from dlrun.tls import make_job_tls
 
+from support.cli import run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script
+from support.sshd_cluster import SshdCluster
+
 MALLORY = "127.0.0.66"  # the neighbour's own source address (any 127/8 address is this host's)
 
 
@@ -178,12 +182,12 @@ time.sleep(300)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_a_detached_horovod_rendezvous_listens_on_host0_and_wants_the_key(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path, horovod: None) -> None:
+def test_a_detached_horovod_rendezvous_listens_on_host0_and_wants_the_key(
+        cluster: SshdCluster, tmp_path: Path, horovod: None) -> None:
     """Real Horovod ranks meet at the leader keeper's rendezvous (their requests carry the key);
     mallory, on the same host, can neither reach it on another address nor read or write it."""
-    from conftest import hosts_toml, run_dlrun, shared_script
     from support.sshd_cluster import TEST_USER_HOME
 
     script = shared_script(cluster, "hvd_waits.py", HOROVOD_WAITS)

@@ -41,11 +41,9 @@ from dlrun.spark.driver import (
 )
 from dlrun.spark.task import interface_holding, rank_environ, task_main
 
-from conftest import REPO, run_dlrun
+from support.cli import REPO, run_dlrun
 from support.spark import spark_test_context
 from support.sshd_cluster import count_job_processes as job_processes
-
-pytestmark = pytest.mark.spark
 
 pyspark = pytest.importorskip("pyspark", reason="pip install 'dlrun[spark]'")
 needs_java = pytest.mark.skipif(shutil.which("java") is None and not os.environ.get("JAVA_HOME"),
@@ -106,6 +104,7 @@ class ActOnReady(PlainView):
 
     def __init__(self, out: Recorder, ranks: int, act: Any) -> None:
         super().__init__(out)
+        self.recorder = out
         self.waiting = set(range(ranks))
         self.act = act
 
@@ -118,7 +117,7 @@ class ActOnReady(PlainView):
         if text == "ready" and rank in self.waiting:
             self.waiting.discard(rank)
             if not self.waiting:
-                self.act(job_id_of(self.out.getvalue()))  # type: ignore[attr-defined]
+                self.act(job_id_of(self.recorder.getvalue()))
 
 
 def task_process_of(pid: int) -> int:
@@ -372,6 +371,7 @@ def local_sc() -> Iterator[Any]:
 
 @needs_java
 @pytest.mark.usefixtures("local_sc")
+@pytest.mark.spark  # a Spark session (17-27 s to start) and stages
 class TestLocal:
     MASTER = "local[3]"
 
@@ -517,6 +517,7 @@ def cluster_sc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @needs_java
 @pytest.mark.usefixtures("cluster_sc")
+@pytest.mark.spark  # a Spark session (17-27 s to start) and stages
 class TestLocalCluster:
     MASTER = "local-cluster[2,1,1024]"
 

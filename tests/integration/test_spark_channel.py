@@ -35,7 +35,7 @@ from dlrun.run.view import PlainView
 from dlrun.spark.driver import SparkConfig, run_spark
 from dlrun.spark.tls import client_context, make_job_tls
 
-from conftest import REPO
+from support.cli import REPO
 from support.spark import spark_test_context
 
 pytestmark = pytest.mark.spark

@@ -9,11 +9,16 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script, start_ssh_job
-from support.sshd_cluster import count_job_processes, wait_job_processes_gone
+from dlrun.inventory import Host
+from dlrun.transport.base import Transport
+
+from support.cli import REPO, dlrun_argv, run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script, start_ssh_job
+from support.sshd_cluster import SshdCluster, count_job_processes, wait_job_processes_gone
 
 pytestmark = pytest.mark.ssh
 
@@ -26,18 +31,19 @@ time.sleep(600)
 """
 
 
-def ssh_args(cluster) -> list[str]:  # type: ignore[no-untyped-def]
+def ssh_args(cluster: SshdCluster) -> list[str]:
     return ["--ssh-config", str(cluster.ssh_config)]
 
 
-def start_job(cluster, tmp_path: Path, n: int, *script: str, ready: int) -> tuple[subprocess.Popen[str], str]:  # type: ignore[no-untyped-def]
+def start_job(
+        cluster: SshdCluster, tmp_path: Path, n: int, *script: str, ready: int) -> tuple[subprocess.Popen[str], str]:
     proc, lines = start_ssh_job(cluster, tmp_path, n, *script, ready=ready)
     job_id = next((m.group(1) for line in lines if (m := re.search(r"logs in dlrun-logs/([\w-]+)/", line))), None)
     assert job_id, "".join(lines)
     return proc, job_id
 
 
-def test_hello_across_hosts_uses_each_hosts_env(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_hello_across_hosts_uses_each_hosts_env(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "env.py", "import json, os, socket\n"
                            "print(json.dumps({k: os.environ.get(k) for k in ('DLRUN_RANK', 'DLRUN_HOST', 'USER',"
                            " 'DLRUN_LOCAL_RANK', 'TF_CONFIG')}), os.getcwd())\n")
@@ -60,7 +66,7 @@ def test_hello_across_hosts_uses_each_hosts_env(cluster, tmp_path: Path) -> None
     assert tf["cluster"]["worker"][2].startswith(cluster.hosts[1].address + ":")
 
 
-def test_each_hosts_ranks_get_its_socket_interface(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_each_hosts_ranks_get_its_socket_interface(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "ifname.py", "import os\nprint('ifname', os.environ.get('GLOO_SOCKET_IFNAME'))\n")
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     hosts.write_text(hosts.read_text().replace('address = "host1"', 'address = "host1"\niface = "lo:1"', 1))
@@ -71,7 +77,7 @@ def test_each_hosts_ranks_get_its_socket_interface(cluster, tmp_path: Path) -> N
     assert "[0 host0] ifname lo" in out.stdout and "[1 host1] ifname lo:1" in out.stdout, out.stdout
 
 
-def test_failing_rank_stops_every_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_failing_rank_stops_every_host(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "fail2.py", "import os, sys, time\nprint('ready', flush=True)\n"
                            "time.sleep(1.5)\nsys.exit(7) if os.environ['DLRUN_RANK'] == '2' else time.sleep(600)\n")
     proc, job_id = start_job(cluster, tmp_path, 4, str(script), ready=4)
@@ -83,7 +89,7 @@ def test_failing_rank_stops_every_host(cluster, tmp_path: Path) -> None:  # type
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
-def test_dlrun_killed_leaves_nothing_on_any_host(cluster, tmp_path: Path, sig: signal.Signals) -> None:  # type: ignore[no-untyped-def]
+def test_dlrun_killed_leaves_nothing_on_any_host(cluster: SshdCluster, tmp_path: Path, sig: signal.Signals) -> None:
     script = shared_script(cluster, "sleep.py", SLEEPER)
     proc, job_id = start_job(cluster, tmp_path, 3, str(script), ready=3)
     assert len(count_job_processes(job_id)) >= 3
@@ -94,7 +100,7 @@ def test_dlrun_killed_leaves_nothing_on_any_host(cluster, tmp_path: Path, sig: s
     assert wait_job_processes_gone(job_id, timeout=10) == []
 
 
-def test_dropped_ssh_session_kills_that_hosts_ranks_and_fails_the_job(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_dropped_ssh_session_kills_that_hosts_ranks_and_fails_the_job(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "sleep.py", SLEEPER)
     proc, job_id = start_job(cluster, tmp_path, 2, str(script), ready=2)
     cluster.kill_sessions(1)
@@ -104,7 +110,7 @@ def test_dropped_ssh_session_kills_that_hosts_ranks_and_fails_the_job(cluster, t
     assert wait_job_processes_gone(job_id, timeout=10) == []
 
 
-def test_silent_host_is_lost_within_the_host_timeout_and_both_sides_stop(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_silent_host_is_lost_within_the_host_timeout_and_both_sides_stop(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "sleep.py", SLEEPER)
     proc, job_id = start_job(cluster, tmp_path, 2, "--host-timeout", "3", str(script), ready=2)
     frozen = cluster.freeze_sessions(1)  # host1: no FIN, no reset, no byte either way
@@ -119,7 +125,8 @@ def test_silent_host_is_lost_within_the_host_timeout_and_both_sides_stop(cluster
         cluster.thaw(frozen)
 
 
-def test_without_pid_namespaces_hosts_on_one_machine_do_not_kill_each_other(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_without_pid_namespaces_hosts_on_one_machine_do_not_kill_each_other(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     # every test host is this machine: one agent's final sweep must not touch another host's ranks
     script = shared_script(cluster, "staggered.py", "import os, time\n"
                            "time.sleep(0.2 + 1.0 * int(os.environ['DLRUN_RANK']))\nprint('finished')\n")
@@ -130,7 +137,7 @@ def test_without_pid_namespaces_hosts_on_one_machine_do_not_kill_each_other(clus
     assert out.stdout.count("] finished") == 3
 
 
-def test_workdir_with_tilde_is_expanded_on_the_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_workdir_with_tilde_is_expanded_on_the_host(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "cwd.py", "import os\nprint('CWD', os.getcwd())\n")
     hosts = tmp_path / "hosts.toml"
     hosts.write_text(f'[[hosts]]\naddress = "host0"\npython = "{cluster.python}"\nworkdir = "~"\n')
@@ -140,7 +147,7 @@ def test_workdir_with_tilde_is_expanded_on_the_host(cluster, tmp_path: Path) -> 
     assert "CWD /" in out.stdout and "~" not in out.stdout.split("CWD", 1)[1].splitlines()[0]
 
 
-def test_setsid_child_dies_in_pid_namespace(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_setsid_child_dies_in_pid_namespace(cluster: SshdCluster, tmp_path: Path) -> None:
     probe = cluster.run(0, "unshare --user --map-current-user --pid --fork --kill-child true")
     if probe.returncode != 0:
         pytest.skip(f"unprivileged PID namespaces are refused here: {probe.stderr.strip()}")
@@ -152,7 +159,7 @@ def test_setsid_child_dies_in_pid_namespace(cluster, tmp_path: Path) -> None:  #
     assert wait_job_processes_gone(job_id, timeout=10) == []
 
 
-def test_hostile_values_arrive_verbatim(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_hostile_values_arrive_verbatim(cluster: SshdCluster, tmp_path: Path) -> None:
     marker = Path("/tmp/pwned-by-dlrun-test")
     marker.unlink(missing_ok=True)
     spaced = cluster.scripts / "dir with spaces"
@@ -179,7 +186,7 @@ def test_hostile_values_arrive_verbatim(cluster, tmp_path: Path) -> None:  # typ
     assert not marker.exists()
 
 
-def test_job_through_a_proxyjump_bastion(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_job_through_a_proxyjump_bastion(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "hi.py", "import os\nprint('hi from', os.environ['DLRUN_RANK'])\n")
     hosts = tmp_path / "hosts.toml"
     hosts.write_text(f'[defaults]\npython = "{cluster.python}"\n'
@@ -191,7 +198,7 @@ def test_job_through_a_proxyjump_bastion(cluster, tmp_path: Path) -> None:  # ty
     assert "hi from 0" in out.stdout and "hi from 1" in out.stdout
 
 
-def test_unknown_host_key_refused_then_accepted_on_request(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_host_key_refused_then_accepted_on_request(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "hi.py", "print('hi')\n")
     empty = tmp_path / "known_hosts"
     empty.write_text("")
@@ -208,7 +215,7 @@ def test_unknown_host_key_refused_then_accepted_on_request(cluster, tmp_path: Pa
     assert out.returncode == 0, out.stderr
 
 
-def test_changed_host_key_always_refused(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_changed_host_key_always_refused(cluster: SshdCluster, tmp_path: Path) -> None:
     known = tmp_path / "known_hosts"
     other = cluster.hosts[1].public_key
     known.write_text(f"{cluster.hosts[0].known_hosts_name} {other}\n")
@@ -221,7 +228,7 @@ def test_changed_host_key_always_refused(cluster, tmp_path: Path) -> None:  # ty
         assert "HOST KEY CHANGED" in out.stderr
 
 
-def test_unreachable_host_named_quickly_and_nothing_started(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_unreachable_host_named_quickly_and_nothing_started(cluster: SshdCluster, tmp_path: Path) -> None:
     marker = cluster.hosts[0].workdir / "started-marker"
     script = shared_script(cluster, "mark.py", f"open({str(marker)!r}, 'w').write('x')\n")
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
@@ -239,7 +246,7 @@ def test_unreachable_host_named_quickly_and_nothing_started(cluster, tmp_path: P
     assert not marker.exists()
 
 
-def test_wrong_key_is_an_authentication_error(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_wrong_key_is_an_authentication_error(cluster: SshdCluster, tmp_path: Path) -> None:
     key = tmp_path / "other_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1, extra=f'identity_file = "{key}"')
@@ -250,7 +257,7 @@ def test_wrong_key_is_an_authentication_error(cluster, tmp_path: Path) -> None: 
 
 
 @pytest.mark.slow
-def test_tf_example_across_two_ssh_hosts_resumes_after_a_restart(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_tf_example_across_two_ssh_hosts_resumes_after_a_restart(cluster: SshdCluster, tmp_path: Path) -> None:
     """The first attempt fails after epoch 1; the restart goes on from the chief's checkpoint on
     both hosts (host1 has none of its own: the all-reduce sent it) and trains to the end."""
     pytest.importorskip("tf_keras")
@@ -309,7 +316,7 @@ def test_a_port_that_is_no_ssh_server_is_named_without_a_traceback(tmp_path: Pat
     assert "Traceback" not in out.stderr and "Exception (client)" not in out.stderr  # paramiko's own log
 
 
-def test_stderr_from_the_hosts_python_wrapper_does_not_break_the_job(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_stderr_from_the_hosts_python_wrapper_does_not_break_the_job(cluster: SshdCluster, tmp_path: Path) -> None:
     # a wrapper (or a login rc file) writing to stderr while the agent talks on stdout once made
     # dlrun's reader thread die on the second chunk, and a healthy host was declared lost
     wrapper = cluster.hosts[0].workdir / "py-wrapper.sh"
@@ -327,7 +334,8 @@ def test_stderr_from_the_hosts_python_wrapper_does_not_break_the_job(cluster, tm
     assert "[0 host0] tick 2" in out.stdout
 
 
-def test_known_hosts_markers_odd_lines_and_a_missing_final_newline(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.slow
+def test_known_hosts_markers_odd_lines_and_a_missing_final_newline(cluster: SshdCluster, tmp_path: Path) -> None:
     h0, h1 = cluster.hosts[0], cluster.hosts[1]
     known = tmp_path / "known_hosts"
     known.write_text(f"# hosts\n@cert-authority *.example.org {h1.public_key}\nnot a key line\n"
@@ -365,7 +373,7 @@ def test_known_hosts_markers_odd_lines_and_a_missing_final_newline(cluster, tmp_
     assert oct(created.stat().st_mode & 0o777) == "0o600"
 
 
-def test_hosts_behind_a_frozen_bastion_fail_together_each_named(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_hosts_behind_a_frozen_bastion_fail_together_each_named(cluster: SshdCluster, tmp_path: Path) -> None:
     assert cluster.bastion is not None and cluster.bastion.pid is not None
     hosts = tmp_path / "hosts.toml"
     hosts.write_text("".join(f'[[hosts]]\naddress = "{cluster.jump_alias(i)}"\n' for i in range(3)))
@@ -382,7 +390,7 @@ def test_hosts_behind_a_frozen_bastion_fail_together_each_named(cluster, tmp_pat
         assert f"{cluster.jump_alias(i)}: bastion bastion: no SSH answer" in out.stderr, out.stderr
 
 
-def test_ssh_config_include_global_known_hosts_and_proxycommand(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_ssh_config_include_global_known_hosts_and_proxycommand(cluster: SshdCluster, tmp_path: Path) -> None:
     h0, h1 = cluster.hosts[0], cluster.hosts[1]
     known = tmp_path / "global_known_hosts"
     known.write_text(f"{h0.known_hosts_line}\n{h1.known_hosts_line}\n")
@@ -439,7 +447,7 @@ def test_ssh_config_loops_and_include_scope_are_read_as_openssh_reads_them(tmp_p
     assert target.proxy_command == "ssh -W gpu1:2222 bob@jump"
 
 
-def test_push_to_sshd_survives_rekeys_mid_stream(cluster, tmp_path: Path,  # type: ignore[no-untyped-def]
+def test_push_to_sshd_survives_rekeys_mid_stream(cluster: SshdCluster, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Each connection rekeys several times while the files stream (OpenSSH on the other end)."""
     from paramiko.packet import Packetizer
@@ -454,9 +462,9 @@ def test_push_to_sshd_survives_rekeys_mid_stream(cluster, tmp_path: Path,  # typ
     keyed: dict[int, int] = {}  # packetizer -> outbound keys set (1 = the first key exchange only)
     set_keys = Packetizer.set_outbound_cipher
 
-    def counted(self: Packetizer, *args: object, **kwargs: object) -> None:
+    def counted(self: Packetizer, *args: Any, **kwargs: Any) -> None:
         keyed[id(self)] = keyed.get(id(self), 0) + 1
-        set_keys(self, *args, **kwargs)  # type: ignore[arg-type]
+        set_keys(self, *args, **kwargs)
 
     monkeypatch.setattr(Packetizer, "set_outbound_cipher", counted)
     src = tmp_path / "big"
@@ -481,18 +489,18 @@ def test_push_to_sshd_survives_rekeys_mid_stream(cluster, tmp_path: Path,  # typ
 # --------------------------------------------------------------------------- ssh config read as OpenSSH reads it
 
 
-def _common(cluster, known: Path | str) -> str:  # type: ignore[no-untyped-def]
+def _common(cluster: SshdCluster, known: Path | str) -> str:
     """The options every cluster host needs, for a ``Host *`` (or Match) block."""
     return (f"    User {cluster.user}\n    IdentityFile {cluster.client_key}\n    IdentitiesOnly yes\n"
             f"    UserKnownHostsFile {known}\n    GlobalKnownHostsFile /dev/null\n")
 
 
-def _hosts(cluster, prefix: str, n: int = 2) -> str:  # type: ignore[no-untyped-def]
+def _hosts(cluster: SshdCluster, prefix: str, n: int = 2) -> str:
     return "".join(f"Host {prefix}{i}\n    HostName {h.address}\n    Port {h.port}\n"
                    for i, h in enumerate(cluster.hosts[:n]))
 
 
-def _run(transport, host, *argv: str) -> str:  # type: ignore[no-untyped-def]
+def _run(transport: Transport, host: Host, *argv: str) -> str:
     channel = transport.open(host, list(argv))
     out = b""
     while chunk := channel.recv():
@@ -501,7 +509,8 @@ def _run(transport, host, *argv: str) -> str:  # type: ignore[no-untyped-def]
     return out.decode()
 
 
-def test_match_include_and_proxyjump_together_reach_hosts_through_the_bastion(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_match_include_and_proxyjump_together_reach_hosts_through_the_bastion(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     from dlrun.inventory import Host
     from dlrun.transport.ssh import SSHTransport
 
@@ -527,7 +536,7 @@ def test_match_include_and_proxyjump_together_reach_hosts_through_the_bastion(cl
         transport.close()
 
 
-def test_hostfile_and_inline_user_at_host_set_the_login_user(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_hostfile_and_inline_user_at_host_set_the_login_user(cluster: SshdCluster, tmp_path: Path) -> None:
     config = tmp_path / "config"
     config.write_text(_hosts(cluster, "plain") + "Host *\n" + _common(cluster, cluster.known_hosts).replace(
         f"    User {cluster.user}\n", "    User nobody-such\n"))  # the config's user would fail
@@ -542,7 +551,8 @@ def test_hostfile_and_inline_user_at_host_set_the_login_user(cluster, tmp_path: 
         assert f"login {cluster.user} plain0" in out.stdout and f"login {cluster.user} plain1" in out.stdout
 
 
-def test_without_ssh_on_path_the_fallback_parser_is_used_and_ssh_g_errors_stop_dlrun(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_without_ssh_on_path_the_fallback_parser_is_used_and_ssh_g_errors_stop_dlrun(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     config = tmp_path / "config"
     (tmp_path / "hosts.conf").write_text(_hosts(cluster, "fb"))
     # OpenSSH refuses the unknown option (file and line named, exit 2); paramiko passes it by
@@ -566,7 +576,7 @@ def test_without_ssh_on_path_the_fallback_parser_is_used_and_ssh_g_errors_stop_d
     assert "marked" in out.stdout and marker.exists()
 
 
-def test_known_hosts_by_alias_hashed_names_and_strict_host_key_checking(cluster, tmp_path: Path,  # type: ignore[no-untyped-def]
+def test_known_hosts_by_alias_hashed_names_and_strict_host_key_checking(cluster: SshdCluster, tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     import paramiko
 

@@ -15,6 +15,8 @@ import pytest
 from dlrun.errors import UsageError
 from dlrun.transport.ssh_config import HostConfig, Request, SSHConfigReader
 
+from support.cli import run_dlrun
+
 SSH = shutil.which("ssh")
 pytestmark = pytest.mark.skipif(SSH is None, reason="no ssh binary (OpenSSH client)")
 HOME = os.path.expanduser("~")
@@ -281,12 +283,11 @@ def test_timeouts_and_strict_host_key_checking_from_the_config_where_dlrun_sets_
     assert given.target("b").accept_new
 
 
+@pytest.mark.slow
 def test_the_command_line_uses_the_configs_connect_timeout_unless_given(tmp_path: Path) -> None:
     """A port that accepts and never speaks SSH: the wait is the ssh config's ConnectTimeout,
     unless --connect-timeout says otherwise."""
     import socket
-
-    from conftest import run_dlrun
 
     silent = socket.create_server(("127.0.0.1", 0))
     try:

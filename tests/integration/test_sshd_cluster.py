@@ -13,12 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_until
-
-try:
-    from tests.support import sshd_cluster as sc
-except ImportError:  # tests/ run as rootdir-relative modules
-    from support import sshd_cluster as sc  # type: ignore[no-redef]
+from support import sshd_cluster as sc
+from support.wait import wait_until
 
 pytestmark = pytest.mark.skipif(
     sc.find_sshd() is None,
@@ -38,7 +34,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sc.SshdCluster
 
 def _ssh(
     cluster: sc.SshdCluster, alias: str, cmd: str, *options: str
-) -> subprocess.CompletedProcess:
+) -> subprocess.CompletedProcess[str]:
     """Plain OpenSSH client with the cluster's ssh_config: nothing but -F and the options given."""
     argv = ["ssh", "-F", str(cluster.ssh_config), "-o", "BatchMode=yes", *options, alias, cmd]
     return subprocess.run(

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dlrun_argv, hosts_toml, run_dlrun, shared_script
-from support.sshd_cluster import wait_job_processes_gone
+from support.cli import REPO, dlrun_argv, run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script
+from support.sshd_cluster import SshdCluster, wait_job_processes_gone
 
 DEADLOCK = """
 import datetime, os, sys, threading, time
@@ -64,6 +65,13 @@ STACK_LINES = (r"^rank 1 \(\S+\): .*stuck_in_data_loading \(deadlock\.py:\d+\)\s
                r"^rank 0 \(\S+\): all_reduce ← train_step \(deadlock\.py:\d+\)\s+\[same in both samples\]$")
 
 
+def found(pattern: str, text: str) -> str:
+    """The first group of ``pattern``'s first match in ``text`` (which must have one)."""
+    match = re.search(pattern, text)
+    assert match, text
+    return match.group(1)
+
+
 def start(argv: list[str], cwd: Path) -> tuple[subprocess.Popen[str], str, list[str]]:
     """A ``dlrun launch`` left running once both ranks printed ``ready``: the process, its
     job id (from its log folder) and its lines so far."""
@@ -109,13 +117,14 @@ def files_of(folder: Path) -> dict[str, str]:
 # --------------------------------------------------------------------------- localhost
 
 
+@pytest.mark.slow
 def test_stack_of_a_local_attached_job_from_another_process(tmp_path: Path) -> None:
     (tmp_path / "deadlock.py").write_text(DEADLOCK)
     proc, job, _ = start(dlrun_argv("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch",
                                     "deadlock.py"), tmp_path)
     try:
         out = stack_from_another_process(job, tmp_path)
-        folder = tmp_path / re.search(r"full stacks in (\S+)/$", out, re.M).group(1)  # type: ignore[union-attr]
+        folder = tmp_path / found(r"(?m)full stacks in (\S+)/$", out)
         files = files_of(folder)
         assert "stuck_in_data_loading (deadlock.py:" in files["rank-1.txt"], files
         assert "all_reduce (torch/distributed/" in files["rank-0.txt"], files
@@ -137,6 +146,7 @@ if os.environ["RANK"] == "0":
 """
 
 
+@pytest.mark.slow
 def test_stack_asks_nccl_ras_at_the_jobs_own_address_once(tmp_path: Path) -> None:
     (tmp_path / "deadlock.py").write_text(RAS_STANDIN + DEADLOCK)
     proc, job, lines = start(dlrun_argv("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch",
@@ -154,6 +164,7 @@ def test_stack_asks_nccl_ras_at_the_jobs_own_address_once(tmp_path: Path) -> Non
         stop(proc, job)
 
 
+@pytest.mark.slow
 def test_hang_timeout_stops_a_local_deadlock_and_names_the_odd_rank(tmp_path: Path) -> None:
     (tmp_path / "deadlock.py").write_text(DEADLOCK)
     out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch", "--hang-timeout", "15",
@@ -163,10 +174,11 @@ def test_hang_timeout_stops_a_local_deadlock_and_names_the_odd_rank(tmp_path: Pa
                      r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce$", out.stdout, re.M), out.stdout
     assert re.search(r"^dlrun: no output for \d+ s; --hang-timeout 15 s", out.stdout, re.M), out.stdout
     assert "dlrun: job hung; every rank stopped (--hang-timeout); exit code 124" in out.stdout, out.stdout
-    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    job = found(r"logs in dlrun-logs/([\w-]+)/", out.stdout)
     assert wait_job_processes_gone(job, timeout=30) == []
 
 
+@pytest.mark.slow
 def test_a_rank_that_prints_regularly_is_never_taken_for_hung(tmp_path: Path) -> None:
     (tmp_path / "chatty.py").write_text(CHATTY)
     out = run_dlrun("launch", "--plain", "--np", "2", "--framework", "none", "--hang-timeout", "6", "chatty.py",
@@ -185,8 +197,9 @@ def test_stack_of_a_job_that_is_not_there_says_so(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- two sshd hosts
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_stack_of_a_two_host_deadlock_from_another_process(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_stack_of_a_two_host_deadlock_from_another_process(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "deadlock.py", DEADLOCK)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     proc, job, _ = start(dlrun_argv("launch", "--plain", "--grace", "2", "--hosts", str(hosts), "--ssh-config",
@@ -201,8 +214,9 @@ def test_stack_of_a_two_host_deadlock_from_another_process(cluster, tmp_path: Pa
         stop(proc, job)
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_hang_timeout_ends_a_two_host_deadlock_by_itself(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_hang_timeout_ends_a_two_host_deadlock_by_itself(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "deadlock.py", DEADLOCK)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     out = run_dlrun("launch", "--plain", "--grace", "2", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
@@ -210,14 +224,15 @@ def test_hang_timeout_ends_a_two_host_deadlock_by_itself(cluster, tmp_path: Path
     assert out.returncode == 124, out.stdout + out.stderr
     assert re.search(r"^dlrun: root cause: job hung: rank 1 on host1 is in stuck_in_data_loading "
                      r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce$", out.stdout, re.M), out.stdout
-    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    job = found(r"logs in dlrun-logs/([\w-]+)/", out.stdout)
     assert wait_job_processes_gone(job, timeout=30) == []
     folders = list((tmp_path / "dlrun-logs" / job).glob("stacks-*"))
     assert len(folders) == 1 and {"rank-0.txt", "rank-1.txt", "summary.txt"} <= set(files_of(folders[0]))
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_stack_of_a_detached_two_host_deadlock(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_stack_of_a_detached_two_host_deadlock(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "deadlock.py", DEADLOCK)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
@@ -280,8 +295,9 @@ def test_a_host_without_py_spy_says_so_for_each_rank(tmp_path: Path) -> None:
     assert answer["ranks"]["0"]["error"] == "no py-spy on this host (none shipped for its machine, none on PATH)"
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_hang_timeout_ends_a_detached_two_host_deadlock_by_itself(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_hang_timeout_ends_a_detached_two_host_deadlock_by_itself(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "deadlock.py", DEADLOCK)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
@@ -297,6 +313,7 @@ def test_hang_timeout_ends_a_detached_two_host_deadlock_by_itself(cluster, tmp_p
     assert wait_job_processes_gone(job, timeout=30) == []
 
 
+@pytest.mark.slow
 def test_without_py_spy_the_hang_stop_takes_faulthandler_dumps_into_the_logs(tmp_path: Path) -> None:
     (tmp_path / "deadlock.py").write_text(DEADLOCK)
     env = {"DLRUN_PY_SPY": "", "PATH": "/usr/bin:/bin"}  # none shipped, none on the host's PATH
@@ -305,7 +322,7 @@ def test_without_py_spy_the_hang_stop_takes_faulthandler_dumps_into_the_logs(tmp
     assert out.returncode == 124, out.stdout + out.stderr
     assert "ranks 0-1 (localhost): no stack: no py-spy on this host" in out.stdout, out.stdout
     assert "dlrun: localhost: SIGABRT to ranks [0, 1]: faulthandler prints their stacks to their logs" in out.stdout
-    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    job = found(r"logs in dlrun-logs/([\w-]+)/", out.stdout)
     logs = tmp_path / "dlrun-logs" / job
     assert re.search(r'File ".*deadlock\.py", line \d+ in stuck_in_data_loading', (logs / "rank-1.log").read_text())
     assert re.search(r'File ".*deadlock\.py", line \d+ in train_step', (logs / "rank-0.log").read_text())
@@ -362,6 +379,7 @@ sys.exit(3)
 """
 
 
+@pytest.mark.slow
 def test_flight_recorder_dumps_come_back_and_name_the_rank_behind(tmp_path: Path) -> None:
     (tmp_path / "recorded.py").write_text(RECORDED)
     out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "3", "--framework", "torch", "recorded.py",
@@ -369,14 +387,15 @@ def test_flight_recorder_dumps_come_back_and_name_the_rank_behind(tmp_path: Path
     assert out.returncode == 3, out.stdout + out.stderr
     assert ("  flight recorder: rank 1 is behind in process group 0: last collective #2 gloo:all_reduce, while ranks"
             " 0,2 entered #3 gloo:broadcast\n") in out.stdout, out.stdout
-    job = re.search(r"logs in dlrun-logs/([\w-]+)/", out.stdout).group(1)  # type: ignore[union-attr]
+    job = found(r"logs in dlrun-logs/([\w-]+)/", out.stdout)
     folder = tmp_path / "dlrun-logs" / job / "flight-recorder"
     assert sorted(p.name for p in folder.iterdir()) == ["trace_rank_0", "trace_rank_1", "trace_rank_2"]
     assert not Path(f"/tmp/dlrun-{job}").exists()  # the host's copies went with the job
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster: SshdCluster, tmp_path: Path) -> None:
     from support.sshd_cluster import TEST_USER_HOME
 
     script = shared_script(cluster, "recorded.py", RECORDED)
@@ -394,8 +413,9 @@ def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster, tmp_p
     assert wait_job_processes_gone(job, timeout=30) == []
 
 
+@pytest.mark.slow
 @pytest.mark.ssh
-def test_a_detached_hang_without_py_spy_leaves_faulthandler_dumps(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_detached_hang_without_py_spy_leaves_faulthandler_dumps(cluster: SshdCluster, tmp_path: Path) -> None:
     script = shared_script(cluster, "deadlock.py", DEADLOCK)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hosts_toml, run_dlrun, shared_script
+from support.cli import run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script
+from support.sshd_cluster import SshdCluster
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +44,8 @@ print(f"lightning global rank {trainer.global_rank} of {trainer.world_size}", fl
 
 @pytest.mark.ssh
 @pytest.mark.parametrize("num_nodes", [1, 2])
-def test_lightning_on_two_hosts_checks_num_nodes_like_under_torchrun(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path, num_nodes: int) -> None:
+def test_lightning_on_two_hosts_checks_num_nodes_like_under_torchrun(
+        cluster: SshdCluster, tmp_path: Path, num_nodes: int) -> None:
     """Without TORCHELASTIC_RUN_ID, a wrong num_nodes hung or 'succeeded' on one host; with
     torchrun's contract, Lightning's own check names devices and num_nodes."""
     pytest.importorskip("lightning")

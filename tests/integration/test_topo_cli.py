@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from conftest import hosts_toml, run_dlrun, shared_script
+from support.cli import run_dlrun
+from support.ssh_jobs import hosts_toml, shared_script
+from support.sshd_cluster import SshdCluster
 from support.topo_fixtures import FIXTURES, env_with_path, write_fake_tool
 
 SYSFS = FIXTURES / "sysfs-ib" / "gpud-h100-testdata"
@@ -35,7 +38,7 @@ GPU_KEYS = {"index", "name", "uuid", "pci_bus_id", "memory_mib", "driver", "mig"
 NIC_KEYS = {"name", "port", "state", "rate_gbps", "link_layer", "netdev"}
 
 
-def check_shape(doc: dict) -> None:  # type: ignore[type-arg]
+def check_shape(doc: dict[str, Any]) -> None:
     assert set(doc) >= {"hosts", "findings"}
     for host in doc["hosts"]:
         assert set(host) >= HOST_KEYS
@@ -90,7 +93,7 @@ def test_local_topo_without_gpus_is_clean(tmp_path: Path) -> None:
     assert names and all(name in line for name in names)  # what --iface may name, shown per host
 
 
-def fake_gpu_python(cluster, tmp: Path, replies: dict[str, str]) -> str:  # type: ignore[no-untyped-def]
+def fake_gpu_python(cluster: SshdCluster, tmp: Path, replies: dict[str, str]) -> str:
     """A host `python` that sees fake nvidia-smi and the fixture sysfs: what the probe and ranks run."""
     bin_dir = cluster.scripts / f"fake-bin-{tmp.name}"
     bin_dir.mkdir(exist_ok=True)
@@ -100,7 +103,7 @@ def fake_gpu_python(cluster, tmp: Path, replies: dict[str, str]) -> str:  # type
 
 
 @pytest.mark.ssh
-def test_topo_over_ssh_reports_each_host_and_unreachable_ones(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_topo_over_ssh_reports_each_host_and_unreachable_ones(cluster: SshdCluster, tmp_path: Path) -> None:
     python = fake_gpu_python(cluster, tmp_path, LEGEND)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2, python=python)
     with hosts.open("a") as fh:
@@ -117,7 +120,7 @@ def test_topo_over_ssh_reports_each_host_and_unreachable_ones(cluster, tmp_path:
 
 
 @pytest.mark.ssh
-def test_preflight_sets_slots_and_cuda_visible_devices(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_preflight_sets_slots_and_cuda_visible_devices(cluster: SshdCluster, tmp_path: Path) -> None:
     python = fake_gpu_python(cluster, tmp_path, MIG)
     script = shared_script(cluster, "gpus.py", "import os\nprint('GPU', os.environ['DLRUN_LOCAL_RANK'], "
                            "os.environ.get('CUDA_VISIBLE_DEVICES'))\n")
@@ -133,7 +136,7 @@ def test_preflight_sets_slots_and_cuda_visible_devices(cluster, tmp_path: Path) 
 
 
 @pytest.mark.ssh
-def test_preflight_error_stops_launch_before_anything_starts(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_preflight_error_stops_launch_before_anything_starts(cluster: SshdCluster, tmp_path: Path) -> None:
     python = fake_gpu_python(cluster, tmp_path, LEGEND)
     marker = cluster.hosts[0].workdir / "preflight-started"
     script = shared_script(cluster, "mark2.py", f"open({str(marker)!r}, 'w').write('x')\n")

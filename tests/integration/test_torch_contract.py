@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from conftest import run_dlrun
+from support.cli import run_dlrun
+
+pytestmark = pytest.mark.slow  # 9-21 s each (2 loaded cores)
 
 pytest.importorskip("torch")
 

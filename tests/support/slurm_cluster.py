@@ -111,9 +111,9 @@ class SlurmCluster:
         env["SLURM_CONF"] = str(self.conf)
         return env
 
-    def run(self, argv: Sequence[str], timeout: float = 60, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    def run(self, argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(list(argv), env=self.env(), capture_output=True, text=True, timeout=timeout,
-                              check=False, **kwargs)  # type: ignore[call-overload, no-any-return]
+                              check=False)
 
     def jobs(self) -> list[str]:
         """The ids of this cluster's jobs that have not ended."""

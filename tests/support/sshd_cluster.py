@@ -511,6 +511,11 @@ class SshdCluster:
         return Path(self._login_pw.pw_dir)
 
     @property
+    def scripts(self) -> Path:
+        """``<root>/scripts``: where tests put scripts every host's login user can read."""
+        return self.root / "scripts"
+
+    @property
     def all_hosts(self) -> list[SshdHost]:
         """The hosts plus the bastion, if any."""
         return self.hosts + ([self.bastion] if self.bastion else [])

@@ -41,7 +41,7 @@ def test_every_api_function_takes_the_one_ssh_record() -> None:
 def test_the_records_are_frozen_and_exported() -> None:
     for record in RECORDS.values():
         assert getattr(dlrun, record.__name__) is record and record.__name__ in dlrun.__all__
-        assert record.__dataclass_params__.frozen  # type: ignore[attr-defined]
+        assert record.__dataclass_params__.frozen
     with pytest.raises(dataclasses.FrozenInstanceError):
         JobOptions().grace = 1  # type: ignore[misc]
 
@@ -188,7 +188,7 @@ def test_dlrun_stacks_json_answer_is_read_into_one_record() -> None:
                 "notes": {"b": "py-spy not shipped"}, "methods": ["py-spy"]}
     assert stack_report(attached) == StackReport(("ranks 0-1: train.py:3",), "rank 1", ("/tmp/logs/stacks",),
                                                  {"b": "py-spy not shipped"}, ("py-spy",))
-    detached = {"summary": [], "cause": None, "folder": None, "notes": {}, "methods": [],
+    detached: dict[str, Any] = {"summary": [], "cause": None, "folder": None, "notes": {}, "methods": [],
                 "folders": ["a:/j/stacks", "b:/j/stacks"]}
     assert stack_report(detached) == StackReport(folders=("a:/j/stacks", "b:/j/stacks"))
     assert inspect.signature(api.stack).return_annotation == "StackReport"

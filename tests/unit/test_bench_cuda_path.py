@@ -43,10 +43,14 @@ class Event:
         return (end.at - self.at) * 1000
 
 
+def fake_module(name: str, **attrs: object) -> types.ModuleType:
+    """A module named ``name`` holding ``attrs``."""
+    made = types.ModuleType(name)
+    vars(made).update(attrs)
+    return made
+
+
 def fake_torch(devices: int) -> dict[str, types.ModuleType]:
-    torch = types.ModuleType("torch")
-    cuda = types.ModuleType("torch.cuda")
-    nccl = types.ModuleType("torch.cuda.nccl")
     calls: list[str] = []
 
     def all_reduce(tensors: list[Tensor]) -> None:
@@ -58,23 +62,15 @@ def fake_torch(devices: int) -> dict[str, types.ModuleType]:
         time.sleep(0.001)
         return out or Tensor()
 
-    nccl.all_reduce = all_reduce  # type: ignore[attr-defined]
-    cuda.nccl = nccl  # type: ignore[attr-defined]
-    cuda.is_available = lambda: True  # type: ignore[attr-defined]
-    cuda.device_count = lambda: devices  # type: ignore[attr-defined]
-    cuda.set_device = lambda index: None  # type: ignore[attr-defined]
-    cuda.get_device_properties = lambda index: types.SimpleNamespace(  # type: ignore[attr-defined]
-        name="NVIDIA H100 80GB HBM3", pci_bus_id=0x18 + index, pci_device_id=0, pci_domain_id=0)
-    cuda.Event = Event  # type: ignore[attr-defined]
-    cuda.synchronize = lambda *device: None  # type: ignore[attr-defined]
-    cuda.empty_cache = lambda: None  # type: ignore[attr-defined]
-    torch.cuda = cuda  # type: ignore[attr-defined]
-    torch.__version__ = "2.11.0+cu130"  # type: ignore[attr-defined]
-    for name in ("bfloat16", "uint8", "float32", "int32"):
-        setattr(torch, name, name)
-    torch.randn = torch.empty = torch.ones = torch.zeros = Tensor  # type: ignore[attr-defined]
-    torch.matmul = matmul  # type: ignore[attr-defined]
-    torch.calls = calls  # type: ignore[attr-defined]
+    nccl = fake_module("torch.cuda.nccl", all_reduce=all_reduce)
+    cuda = fake_module(
+        "torch.cuda", nccl=nccl, is_available=lambda: True, device_count=lambda: devices,
+        set_device=lambda index: None, Event=Event, synchronize=lambda *device: None, empty_cache=lambda: None,
+        get_device_properties=lambda index: types.SimpleNamespace(
+            name="NVIDIA H100 80GB HBM3", pci_bus_id=0x18 + index, pci_device_id=0, pci_domain_id=0))
+    torch = fake_module(
+        "torch", cuda=cuda, __version__="2.11.0+cu130", randn=Tensor, empty=Tensor, ones=Tensor, zeros=Tensor,
+        matmul=matmul, calls=calls, **{name: name for name in ("bfloat16", "uint8", "float32", "int32")})
     return {"torch": torch, "torch.cuda": cuda, "torch.cuda.nccl": nccl}
 
 
@@ -100,7 +96,7 @@ def test_the_gpu_request_runs_every_step_and_says_what_it_measured(monkeypatch: 
         assert g["pci_bus_id"] == f"0000:{0x18 + g['index']:02x}:00.0" and isinstance(g["pcie"], dict)
     assert set(doc["what"]) == {"gemm", "memory", "h2d", "d2h"}
     assert doc["allreduce"]["busbw"] > 0 and doc["allreduce"]["ranks"] == 2 and "NCCL" in doc["allreduce"]["what"]
-    assert "nccl" in modules["torch"].calls  # type: ignore[attr-defined]
+    assert "nccl" in modules["torch"].calls
 
     # the controller's side: expected values from the model's peaks and the host's NVLinks
     labels = ["GPU0", "GPU1"]
@@ -120,7 +116,7 @@ def test_the_gpu_request_runs_every_step_and_says_what_it_measured(monkeypatch: 
 
 def test_no_cuda_is_an_answer_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
     modules = fake_torch(devices=0)
-    modules["torch.cuda"].is_available = lambda: False  # type: ignore[attr-defined]
+    vars(modules["torch.cuda"])["is_available"] = lambda: False
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     program = host_program()

@@ -207,7 +207,8 @@ def streamed(job: str, offsets: dict[str, int], since: float | None = None, whol
     """The jobs program's streamed logs answer: records, each file's bytes, where each file ended."""
     out = io.BytesIO()
     jobs.stream_logs(job, offsets, since, whole, out)
-    data, pieces = out.getvalue(), {}
+    data = out.getvalue()
+    pieces: dict[str, bytes] = {}
     records: list[dict[str, object]] = []
     while data:
         line, _, data = data.partition(b"\n")

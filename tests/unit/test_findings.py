@@ -7,6 +7,7 @@ import io
 import json
 import os
 from dataclasses import replace
+from typing import Any, TypedDict
 
 import pytest
 from rich.console import Console
@@ -39,7 +40,7 @@ def host(
     nics: tuple[Nic, ...] = (),
     sysfs: str | None = None,
     ibstat: str | None = None,
-    **facts: object,
+    **facts: Any,
 ) -> HostReport:
     """A reachable host whose matrix and NICs come from captures; GPUs follow the matrix."""
     m = parse_topo_matrix(fixture(f"topo-m/{topo}")) if topo else parse_topo_matrix("")
@@ -60,7 +61,7 @@ def host(
         topo=m,
         interfaces=(NetInterface("lo", ("127.0.0.1",)), NetInterface("eth0", ("10.0.0.1",), True)),
     )
-    return replace(base, **facts)  # type: ignore[arg-type]
+    return replace(base, **facts)
 
 
 DGX1 = "dgx1-v100-hybrid-cube-mesh-nv1-nv2-4nic-raw-tabs.txt"  # NV1/NV2 mesh, each NIC at PIX to 2 GPUs
@@ -364,6 +365,16 @@ REPORTS = FIXTURES / "report"
 UPDATE = os.environ.get("DLRUN_UPDATE_REPORTS") == "1"  # rewrite the expected reports (then review the diff)
 
 
+class Captures(TypedDict, total=False):
+    """Which captures (under tests/fixtures/topology) a host's tools print: ``probe_doc``'s keywords."""
+
+    query: str
+    topo: str
+    listing: str
+    header: str
+    ibstat: str
+
+
 def probe_doc(
     name: str,
     *,
@@ -405,7 +416,7 @@ def probe_doc(
     return json.dumps(doc)
 
 
-VM = {  # the project's own capture: one H100 in a VM, driver 580.159.04
+VM: Captures = {  # the project's own capture: one H100 in a VM, driver 580.159.04
     "query": "query-gpu-csv/h100-80gb-hbm3-vm-probe-fields-drv580.csv.txt",
     "topo": "topo-m/h100-80gb-hbm3-vm-single-gpu-raw-tabs-drv580.txt",
     "listing": "smi-L/h100-80gb-hbm3-vm-no-mig-drv580.txt",

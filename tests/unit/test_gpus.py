@@ -8,7 +8,7 @@ from rich.console import Console
 
 from dlrun.inventory import parse_inline
 from dlrun.plan import make_plan
-from dlrun.render import worker_commands
+from dlrun.render import WorkerCommand, worker_commands
 from dlrun.run.gpus import (
     GpuStats,
     IdleWatch,
@@ -109,7 +109,7 @@ def test_a_hosts_plain_line_is_due_at_its_first_sample_then_every_30_s_of_its_cl
     assert not throttle.due(())
 
 
-def _commands():  # type: ignore[no-untyped-def]
+def _commands() -> tuple[WorkerCommand, ...]:
     plan = make_plan(parse_inline("h1:1"), job_id="j")
     return worker_commands(plan, "train.py", [], python_for={"h1": ["python3"]})
 
@@ -138,7 +138,8 @@ def test_the_plain_view_shows_gpu_lines_and_the_summary_repeats_the_warning() ->
 
 
 def test_the_live_table_has_a_line_per_host_with_its_gpus() -> None:
-    console = Console(file=io.StringIO(), width=120, color_system=None)
+    out = io.StringIO()
+    console = Console(file=out, width=120, color_system=None)
     view = LiveView(console)
     view.start(_commands(), None)
     view.gpus("h1", parse_sample("h1", {"time": 0.0, "csv": BUSY_ON_0}))
@@ -148,7 +149,7 @@ def test_the_live_table_has_a_line_per_host_with_its_gpus() -> None:
     table = cap.get().splitlines()
     assert table[2].split()[:2] == ["gpu", "h1"]
     assert table[2].rstrip().endswith("  0 █ 97% 70.0G  1 ▁ 0% 0.0G  2 ▁ 0% 0.0G  3 ▁ 0% 0.0G  /80 GiB")
-    shown = " ".join(console.file.getvalue().split())  # type: ignore[attr-defined]
+    shown = " ".join(out.getvalue().split())
     assert f"dlrun: warning: {WARNING}" in shown and "gpu h1: util 97 0 % (mean)" in shown
 
 

@@ -70,7 +70,7 @@ def test_a_piece_becomes_prefixed_lines_byte_for_byte(data: bytes) -> None:
     lines = bytes(data).split(b"\n")
     if bytes(data).endswith(b"\n"):
         lines.pop()
-    assert out.buffer.getvalue() == b"".join(b"[3 h] " + line + b"\n" for line in lines)  # type: ignore[attr-defined]
+    assert out.buffer.getvalue() == b"".join(b"[3 h] " + line + b"\n" for line in lines)
 
 
 def test_hosts_that_share_a_home_each_send_only_their_own_folder(tmp_path: Path,

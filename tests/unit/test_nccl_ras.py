@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from dlrun.remote.stack_groups import ras_findings, ras_lines
 from dlrun.remote.stacks import ask_ras, write_out
@@ -44,8 +46,9 @@ def test_errors_come_before_warnings_one_line_per_block() -> None:
 
 
 def test_the_first_host_that_got_an_answer_speaks_and_failures_stay_out_of_the_summary() -> None:
-    answers = [("h1", {"ranks": {}}), ("h2", {"nccl_ras": {"addr": "a", "error": "nothing listens there"}}),
-               ("h3", {"nccl_ras": {"addr": "b", "text": fixture("healthy-32gpu-4node.txt")}})]
+    answers: list[tuple[str, Mapping[str, Any]]] = [
+        ("h1", {"ranks": {}}), ("h2", {"nccl_ras": {"addr": "a", "error": "nothing listens there"}}),
+        ("h3", {"nccl_ras": {"addr": "b", "text": fixture("healthy-32gpu-4node.txt")}})]
     assert ras_lines(answers) == ["NCCL RAS (h3): every communicator RUNNING OK"]
     assert ras_lines(answers[:2]) == []
 

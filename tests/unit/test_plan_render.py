@@ -1,17 +1,18 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from dlrun.errors import PlanError
 from dlrun.inventory import Host, Inventory, parse_inline, parse_toml_inventory
-from dlrun.plan import make_plan
+from dlrun.plan import Plan, make_plan
 from dlrun.render import dlrun_env, mask_env, plan_to_json, tf_config, torch_env, worker_argv, worker_commands
 
 
-def plan_for(spec: str, **kw: object):  # type: ignore[no-untyped-def]
-    return make_plan(parse_inline(spec), job_id="job1", **kw)  # type: ignore[arg-type]
+def plan_for(spec: str, **kw: Any) -> Plan:
+    return make_plan(parse_inline(spec), job_id="job1", **kw)
 
 
 def test_ranks_host_by_host_with_horovod_cross_ranks() -> None:

@@ -1,4 +1,4 @@
-"""mypy --strict and ruff over the package, as part of the suite."""
+"""mypy --strict over the package and its tests, and ruff, as part of the suite."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from support.cli import REPO
 
 
 def tool(name: str) -> list[str]:
@@ -23,6 +23,12 @@ def tool(name: str) -> list[str]:
 
 def test_mypy_strict_is_clean() -> None:
     out = subprocess.run([*tool("mypy"), "--strict", "dlrun"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-4000:]
+
+
+def test_the_tests_type_check_under_the_same_rules() -> None:
+    """tests/ under pyproject's [tool.mypy] (strict; an ignore names its error code)."""
+    out = subprocess.run([*tool("mypy"), "tests"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-4000:]
 
 

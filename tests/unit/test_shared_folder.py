@@ -14,7 +14,7 @@ from pathlib import Path
 from dlrun.run.agents import AgentAnswer
 from dlrun.run.launch import claiming, sharing_hosts
 
-from conftest import REPO
+from support.cli import REPO
 
 HELPER = REPO / "dlrun" / "remote" / "push_helper.py"
 CLAIM = """

@@ -6,27 +6,29 @@ import io
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from dlrun.inventory import parse_inline
 from dlrun.plan import make_plan
 from dlrun.remote import source_of
-from dlrun.render import worker_commands
-from dlrun.run.result import RankState
+from dlrun.render import WorkerCommand, worker_commands
+from dlrun.run.result import RankState, RunResult
 from dlrun.run.supervisor import Supervisor
 from dlrun.run.view import PlainView
 from dlrun.testing import FakeRank, FakeTransport
 
-from conftest import wait_until
+from support.wait import wait_until
 
 
-def commands(spec: str = "a:2,b:2", framework: str = "tf"):  # type: ignore[no-untyped-def]
+def commands(spec: str = "a:2,b:2", framework: str = "tf") -> tuple[WorkerCommand, ...]:
     plan = make_plan(parse_inline(spec), job_id="job", framework=framework)
     return worker_commands(plan, "t.py", [], python_for={h.name: ["python3"] for h in plan.hosts})
 
 
-def run(transport: FakeTransport, tmp_path: Path, spec: str = "a:2,b:2", **kw: object):  # type: ignore[no-untyped-def]
+def run(transport: FakeTransport, tmp_path: Path, spec: str = "a:2,b:2", **kw: Any,
+        ) -> tuple[Supervisor, RunResult, str]:
     out = io.StringIO()
-    sup = Supervisor(transport, commands(spec), PlainView(out), log_dir=tmp_path / "logs", grace=0.2, **kw)  # type: ignore[arg-type]
+    sup = Supervisor(transport, commands(spec), PlainView(out), log_dir=tmp_path / "logs", grace=0.2, **kw)
     return sup, sup.run(), out.getvalue()
 
 
@@ -172,11 +174,11 @@ def test_the_loops_events_are_typed_records(tmp_path: Path) -> None:
     seen: list[object] = []
     put = sup.events.put
 
-    def record(event: Event, *args: object, **kwargs: object) -> None:
+    def record(event: Event, block: bool = True, timeout: float | None = None) -> None:
         seen.append(event)
         put(event)
 
-    sup.events.put = record  # type: ignore[method-assign]
+    setattr(sup.events, "put", record)  # noqa: B010 (a test spy on the queue)
     sup.notify("between the lines")
     result = sup.run()
     assert result.exit_code == 3 and "between the lines" in out.getvalue()

@@ -1,18 +1,20 @@
 from __future__ import annotations
 
 import io
+from typing import Any
 
+import pytest
 from rich.console import Console
 
 from dlrun.inventory import parse_inline, parse_toml_inventory
 from dlrun.plan import make_plan
-from dlrun.render import worker_commands
+from dlrun.render import WorkerCommand, worker_commands
 from dlrun.run.live import LiveView
 from dlrun.run.result import RankResult, RankState, RunResult
 from dlrun.run.view import PlainView, root_cause_lines, summary_lines
 
 
-def cmds():  # type: ignore[no-untyped-def]
+def cmds() -> tuple[WorkerCommand, ...]:
     plan = make_plan(parse_inline("gpu-a:1,gpu-b:1"), job_id="j")
     return worker_commands(plan, "train.py", ["--lr", "0.1"], python_for={"gpu-a": ["python3"], "gpu-b": ["python3"]})
 
@@ -83,14 +85,19 @@ def test_live_view_renders_status_table_and_colored_prefixes() -> None:
     assert "root cause" in out
 
 
-def test_live_view_prints_a_chunk_of_lines_at_once() -> None:
+def test_live_view_prints_a_chunk_of_lines_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # each print redraws the status table: one per line held dlrun to ~1000 lines/s on a terminal
     console = Console(file=io.StringIO(), width=100, force_terminal=True, color_system="standard")
     view = LiveView(console)
     view.start(cmds(), None)
-    prints = []
+    prints: list[tuple[Any, ...]] = []
     real = console.print
-    console.print = lambda *a, **k: (prints.append(a), real(*a, **k))  # type: ignore[method-assign]
+
+    def counted(*a: Any, **k: Any) -> None:
+        prints.append(a)
+        real(*a, **k)
+
+    monkeypatch.setattr(console, "print", counted)
     view.lines(1, ["step 1", "step 2", "step 3"], "stdout")
     view.finish(FAILED)
     assert len(prints[0]) == 1 and prints[0][0].plain.splitlines() == [
@@ -100,7 +107,8 @@ def test_live_view_prints_a_chunk_of_lines_at_once() -> None:
 
 def test_live_table_keeps_rank_host_and_state_whole_and_rank_colors_closed() -> None:
     for width in (40, 80):
-        console = Console(file=io.StringIO(), width=width, color_system=None)
+        out = io.StringIO()
+        console = Console(file=out, width=width, color_system=None)
         view = LiveView(console)
         view.start(cmds(), None)
         view.state(0, RankState.RUNNING, None)
@@ -111,7 +119,7 @@ def test_live_table_keeps_rank_host_and_state_whole_and_rank_colors_closed() -> 
         table = cap.get().splitlines()
         assert table[0].startswith("rank  host   state") and table[1].startswith("0     gpu-a  running")
         assert all(len(line) <= width for line in table) and "\x1b" not in cap.get()
-        assert "[0 gpu-a] WARNING xxx" in console.file.getvalue()  # type: ignore[attr-defined]
+        assert "[0 gpu-a] WARNING xxx" in out.getvalue()
 
 
 def test_names_that_look_like_markup_are_shown_as_written(tmp_path: object) -> None:
