@@ -23,12 +23,12 @@ if TYPE_CHECKING:
     from dlrun.push.pull import HostPullSummary
     from dlrun.push.session import HostPushSummary
     from dlrun.run.detach import JobHosts, JobRecord
-    from dlrun.run.launch import SSHOptions
     from dlrun.run.supervisor import View
     from dlrun.topo.bench import BenchResult
     from dlrun.topo.findings import Finding
     from dlrun.topo.records import HostReport
     from dlrun.transport.base import Transport
+    from dlrun.transport.factory import SSHOptions
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def ssh_options(
     (``ConnectTimeout``, ``ServerAliveInterval`` × ``ServerAliveCountMax``), else 10 s and 30 s.
     ``transport``: ``ssh``, ``srun`` (Slurm steps, inside an allocation) or ``auto`` (srun for
     the allocation's own nodes, else ssh)."""
-    from dlrun.run.launch import TRANSPORTS, SSHOptions
+    from dlrun.transport.factory import TRANSPORTS, SSHOptions
 
     if transport not in TRANSPORTS:
         raise UsageError(f"--transport {transport}: expected one of {', '.join(TRANSPORTS)}")
@@ -145,7 +145,8 @@ def launch(
     workdir or project folder. ``env_file``: files of ``NAME=VALUE`` lines that only their owner
     can read (``--env-file``); ``env`` wins over them.
     """
-    from dlrun.run.launch import LaunchConfig, run_job
+    from dlrun.run.config import LaunchConfig
+    from dlrun.run.pipeline import run_job
     from dlrun.userenv import rank_env
 
     if str(script).startswith("-"):  # an option dlrun lacks would run as the command on every rank
@@ -230,10 +231,10 @@ def topo(
     ``bench_seconds`` (``dlrun topo --bench``; ``progress`` hears what it is doing)."""
     from dlrun.inventory import load_inventory
     from dlrun.run.addresses import host_ifaces, interfaces_at, reachable_addresses
-    from dlrun.run.launch import default_hosts, make_transport, resolve_inventory
     from dlrun.topo.findings import analyse, exit_code, socket_note, suggested_env
     from dlrun.topo.preflight import probe_hosts
     from dlrun.topo.probe import probe_local
+    from dlrun.transport.factory import default_hosts, make_transport, resolve_inventory
 
     if bench_seconds <= 0:
         raise UsageError("--bench-seconds takes a positive number of seconds")
@@ -297,7 +298,7 @@ def push(
     from dlrun.push.session import push as push_to
     from dlrun.push.tree import PushLimit, parse_size
     from dlrun.push.view import PushView
-    from dlrun.run.launch import make_transport, resolve_inventory
+    from dlrun.transport.factory import make_transport, resolve_inventory
 
     limit = parse_size(max_push_size) if max_push_size is not None else PushLimit()
     if code is None and data is None:
@@ -361,7 +362,7 @@ def pull(
     from dlrun.push.pull import summary_line
     from dlrun.push.tree import PushLimit, parse_size
     from dlrun.push.view import PushView
-    from dlrun.run.launch import make_transport, resolve_inventory
+    from dlrun.transport.factory import make_transport, resolve_inventory
 
     limit = parse_size(max_size) if max_size is not None else PushLimit()
     inventory = resolve_inventory(hosts, None)  # a hosts file, a list, or the Slurm allocation
@@ -391,7 +392,7 @@ def pull(
 @contextmanager
 def _job_hosts(hosts: str | None, ssh: Mapping[str, Any]) -> Iterator[JobHosts]:
     from dlrun.run.detach import JobHosts
-    from dlrun.run.launch import default_hosts, make_transport, resolve_inventory
+    from dlrun.transport.factory import default_hosts, make_transport, resolve_inventory
 
     inventory = resolve_inventory(default_hosts(hosts), 1)
     transport = make_transport(inventory, ssh_options(**ssh))

@@ -34,7 +34,8 @@ from dlrun.run.supervisor import View, agent_spec
 from dlrun.transport.base import Transport, default_python
 
 if TYPE_CHECKING:
-    from dlrun.run.launch import HostsEngine, LaunchConfig
+    from dlrun.run.config import LaunchConfig
+    from dlrun.run.hosts import HostsEngine
 
 START_TIMEOUT = 120.0  # seconds for every rank of a detached job to start
 POLL = 0.5  # seconds between two looks at the hosts (start, --follow, attach, stop)

@@ -1,9 +1,9 @@
 """What an engine is to the launch pipeline: the part that places a job's ranks.
 
-``dlrun.run.launch.run_job`` checks the options, shows the view, supervises every attempt,
+``dlrun.run.pipeline.run_job`` checks the options, shows the view, supervises every attempt,
 restarts and turns the result into an exit code, once for every engine. An engine decides
 where the ranks run and how their hosts' agents are reached: the hosts engine
-(``dlrun.run.launch.HostsEngine``: the inventory's hosts over SSH or on this machine) or the
+(``dlrun.run.hosts.HostsEngine``: the inventory's hosts over SSH or on this machine) or the
 Spark engine (``dlrun.spark.driver.SparkEngine``: the tasks of a barrier stage). Each attempt
 is one ``place``: the engine yields a ``Placement``, the pipeline supervises it, and the
 placement hears how it ended (``done``) before the engine cleans up. A restart is the next
@@ -26,7 +26,7 @@ from dlrun.run.result import RankState, RunResult
 
 if TYPE_CHECKING:
     from dlrun.run.agents import HostAgents
-    from dlrun.run.launch import LaunchConfig
+    from dlrun.run.config import LaunchConfig
     from dlrun.run.supervisor import View
     from dlrun.transport.base import Transport
 

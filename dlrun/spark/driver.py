@@ -1,6 +1,6 @@
 """``--backend spark``: the Spark engine places a job's ranks as the tasks of one barrier stage.
 
-Everything above placing is the launch pipeline's (``dlrun.run.launch.run_job``): the ranks get
+Everything above placing is the launch pipeline's (``dlrun.run.pipeline.run_job``): the ranks get
 the same env (``worker_commands``), the same ``Supervisor`` runs them (live view, per-rank
 logs, fail fast, root cause, exit codes, ``--max-restarts``); only the way a "host" is reached
 differs. Each barrier task is one host with one slot. ``SparkEngine.session`` holds the Spark
@@ -79,8 +79,10 @@ from dlrun.remote import agent
 from dlrun.render import Rendezvous, WorkerCommand, worker_argv, worker_commands
 from dlrun.run.addresses import socket_ifaces
 from dlrun.run.agents import agent_argv
+from dlrun.run.checks import check_ranks_shown
+from dlrun.run.config import LaunchConfig
 from dlrun.run.engine import Placement
-from dlrun.run.launch import LaunchConfig, check_ranks_shown, run_job
+from dlrun.run.pipeline import run_job
 from dlrun.run.result import RankState, RunResult
 from dlrun.run.supervisor import View
 from dlrun.spark import task

@@ -365,7 +365,9 @@ def test_launch_with_data_gives_each_rank_its_shard(cluster, tmp_path: Path) -> 
 
 def test_launch_opens_a_push_session_only_where_the_code_changed(  # type: ignore[no-untyped-def]
         cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
-    from dlrun.run.launch import LaunchConfig, SSHOptions, launch
+    from dlrun.run.config import LaunchConfig
+    from dlrun.run.pipeline import launch
+    from dlrun.transport.factory import SSHOptions
 
     from conftest import hosts_toml
 
@@ -379,7 +381,7 @@ def test_launch_opens_a_push_session_only_where_the_code_changed(  # type: ignor
             opened.append("push" if "dlrun-push_helper" in argv else "agent")
             return super().open(host, argv)
 
-    monkeypatch.setattr("dlrun.run.launch.make_transport",
+    monkeypatch.setattr("dlrun.run.hosts.make_transport",
                         lambda inventory, ssh: HostRouter(remote=Counting(config_file=str(cluster.ssh_config))))
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     config = LaunchConfig(script=str(code / "job.py"), hosts=str(hosts), plain=True, framework="torch",

@@ -17,6 +17,7 @@ import pytest
 from dlrun.errors import UsageError
 from dlrun.inventory import load_inventory
 from dlrun.remote import agent, jobs, keeper, rankpolicy, source_of
+from dlrun.run.config import LaunchConfig
 from dlrun.run.detach import (
     check_detach,
     keeper_configs,
@@ -29,7 +30,7 @@ from dlrun.run.detach import (
     summary_lines,
     view_commands,
 )
-from dlrun.run.launch import LaunchConfig, render_commands
+from dlrun.run.hosts import render_commands
 from dlrun.run.result import RankState
 
 
@@ -154,7 +155,7 @@ def test_the_keeper_reads_the_agents_frames() -> None:
     # each host program ships alone, so these are copies: they must stay equal
     import inspect
 
-    from dlrun.run.launch import RESTART_PAUSE
+    from dlrun.run.pipeline import RESTART_PAUSE
 
     assert keeper.RESTART_PAUSE == RESTART_PAUSE
     for name in ("jobs_root", "boot_id"):
@@ -322,8 +323,8 @@ def test_detach_needs_a_host_timeout_and_the_leaders_key_loads_from_memory() -> 
     import socket
     import threading
 
-    from dlrun.run.launch import SSHOptions
     from dlrun.tls import make_job_tls
+    from dlrun.transport.factory import SSHOptions
 
     with pytest.raises(UsageError, match="--host-timeout"):
         check_detach(LaunchConfig(script="t.py", framework="torch", ssh=SSHOptions(host_timeout=0)), True)
