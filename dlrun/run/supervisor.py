@@ -147,13 +147,9 @@ class Supervisor:
         hosts = {c.host_name: c.spec.host for c in commands}
         if agents is None:
             agents = HostAgents(transport, tuple(hosts.values()), pidns=pidns, host_timeout=host_timeout)
-        else:  # agents started earlier (dlrun launch): hosts the plan does not use end now
-            agents.release([name for name in agents.links if name not in hosts])
-            agents.links.update({h.name: HostLink(h) for name, h in hosts.items() if name not in agents.links})
+        agents.assign([(c.spec.host, c.rank) for c in commands])  # agents started early: unused hosts end
         self.agents = agents
         self.links = agents.links
-        for c in commands:
-            self.links[c.host_name].ranks.append(c.rank)
         self.events = agents.events
         self.stopping = False
         self.stop_deadline: float | None = None
@@ -212,10 +208,7 @@ class Supervisor:
         finally:
             self.control.close()
             stop_beating.set()
-            self.agents.quiet.set()
-            for link in self.links.values():
-                if link.channel is not None and not link.silent:  # a silent link is closed aside
-                    link.channel.close()
+            self.agents.hang_up()
             for rank in self.ranks.values():
                 if rank.log is not None:
                     rank.log.close()

@@ -83,6 +83,16 @@ def test_transport_imports_nothing_from_the_stages_above_it() -> None:
             assert not bad, f"{rel(path)} imports {bad}"
 
 
+def test_push_and_topo_reach_hosts_without_the_launch_pipeline() -> None:
+    """``push/`` and ``topo/`` come before ``run/`` in the data flow: they get their transport
+    from ``transport/factory``; the one rule they share with the launch is which interface and
+    address a host's ranks use (``run/addresses``)."""
+    for path in modules():
+        if rel(path).startswith(("push/", "topo/", "transport/")):
+            bad = {n for n in imports_of(path) if under(n, "dlrun.run") and not under(n, "dlrun.run.addresses")}
+            assert not bad, f"{rel(path)} imports {bad}"
+
+
 def test_test_modules_have_unique_names() -> None:
     """pytest imports test modules by basename (rootdir-relative, no packages): two
     ``test_x.py`` in different folders stop the whole run at collection."""
