@@ -25,6 +25,7 @@ from dlrun.run.gpus import GpuSample
 from dlrun.run.result import RankState, RunResult
 
 if TYPE_CHECKING:
+    from dlrun.push.session import HostPushSummary
     from dlrun.run.agents import HostAgents
     from dlrun.run.config import LaunchConfig
     from dlrun.run.supervisor import View
@@ -50,6 +51,26 @@ class Placement:
     notes: tuple[str, ...] = ()  # said on the attempt's line (a restart's checkpoint copies: time and bytes)
 
 
+@dataclass(frozen=True)
+class DryRun:
+    """What ``--dry-run`` shows: each rank's command, what the code push would send and delete
+    (``pushes``: none where nothing is pushed), and whether the ports are free ones dlrun chose
+    now (``ports_chosen``: a launch asks the hosts again and may get others)."""
+
+    commands: tuple[WorkerCommand, ...]
+    pushes: tuple[HostPushSummary, ...] = ()
+    ports_chosen: bool = False
+
+
+@dataclass(frozen=True)
+class Regrouped:
+    """How the engine met a failed attempt's lost hosts: ``refused`` says why the job cannot
+    restart (None: it goes on); ``dropped``: hosts left out from the next attempt on."""
+
+    refused: str | None = None
+    dropped: tuple[str, ...] = ()
+
+
 class Engine(Protocol):
     """Places the ranks; everything above placing is the pipeline's."""
 
@@ -57,13 +78,29 @@ class Engine(Protocol):
     restart_unit: str
     #: the hosts known before anything starts (options' checks and warnings; Spark: a stand-in)
     inventory: Inventory
+    #: whether ``detach`` can hand the job to its hosts (``launch --detach``)
+    detaches: bool
+    #: what the session warned about before the start, repeated in a failed attempt's root cause
+    warnings: tuple[str, ...]
 
     def prepare(self, config: LaunchConfig) -> LaunchConfig:
         """Refuse what cannot work before anything starts; the config as this engine runs it."""
         ...
 
-    def dry_run(self, config: LaunchConfig, job_id: str) -> tuple[WorkerCommand, ...]:
+    def probes(self, config: LaunchConfig) -> bool:
+        """Does the session probe the hosts (and so warn about their own Keras, not this machine's)?"""
+        ...
+
+    def dry_run(self, config: LaunchConfig, job_id: str) -> DryRun:
         """The commands a launch would run, started nowhere."""
+        ...
+
+    def regroup(self, config: LaunchConfig, failed: RunResult) -> Regrouped:
+        """After a failed attempt that will be restarted: where the next one runs."""
+        ...
+
+    def detach(self, config: LaunchConfig, job_id: str, view: View) -> RunResult:
+        """Inside ``session``: hand every attempt's ranks to the hosts and return once they run."""
         ...
 
     def session(self, config: LaunchConfig, job_id: str) -> AbstractContextManager[LaunchConfig]:

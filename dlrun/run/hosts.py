@@ -16,7 +16,7 @@ import secrets
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,8 +29,8 @@ from dlrun.render import Rendezvous, WorkerCommand, worker_commands
 from dlrun.run.addresses import facing_address, interfaces_at, local_base_port, reachable_addresses, socket_ifaces
 from dlrun.run.agents import AgentAnswer, HostAgents
 from dlrun.run.checks import check_ports_free, keras_warning
-from dlrun.run.config import DEFAULT_LOG_DIR, LaunchConfig
-from dlrun.run.engine import Placement
+from dlrun.run.config import DEFAULT_LOG_DIR, LaunchConfig, say_framework
+from dlrun.run.engine import DryRun, Placement, Regrouped
 from dlrun.run.pushstep import (
     claiming,
     code_dir_to_push,
@@ -72,8 +72,11 @@ def render_commands(
     gpus_for: Mapping[str, Sequence[str]] | None = None,
     found_ifaces: Mapping[str, str] | None = None,
     ports: Mapping[int, int] | None = None,
+    plan: Plan | None = None,
 ) -> tuple[Plan, tuple[WorkerCommand, ...]]:
-    plan = job_plan(config, inventory, job_id, addresses, ports)
+    """Every rank's command: ``plan`` where the caller has it (made by ``job_plan`` with the
+    same arguments), else planned here."""
+    plan = plan or job_plan(config, inventory, job_id, addresses, ports)
     if cwd_for is None:
         cwd_for = {h.name: (os.getcwd() if h.is_local else h.workdir) for h in plan.hosts}
     commands = worker_commands(
@@ -162,6 +165,7 @@ class HostsEngine:
     """
 
     restart_unit = "the job"
+    detaches = True
 
     def __init__(self) -> None:
         self.inventory = Inventory(hosts=())
@@ -178,7 +182,6 @@ class HostsEngine:
         self.dry_run_pushes: tuple[HostPushSummary, ...] = ()  # what --dry-run's push would send
         self.ports_chosen = False  # dlrun chose the base port (no --base-port): a restart chooses again
         self.reconnect: tuple[Host, ...] = ()  # hosts lost in the last attempt: reconnected, probed again
-        self.dropped: tuple[str, ...] = ()  # hosts lost and left out (--min-hosts)
         self.job_secret = secrets.token_hex(32)  # a detached job's keepers' token (and rendezvous key's root)
         self.failed_at: float | None = None  # when the last attempt failed (its copies then may be half written)
 
@@ -197,9 +200,24 @@ class HostsEngine:
         else:  # validate the plan before any connection
             _, trial = render_commands(config, self.inventory, "plan-check")
             self.used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
+        if config.min_hosts is not None and config.min_hosts > len(self.used_hosts):
+            raise UsageError(f"--min-hosts {config.min_hosts}: the job has {len(self.used_hosts)} hosts")
         return config
 
-    def dry_run(self, config: LaunchConfig, job_id: str) -> tuple[WorkerCommand, ...]:
+    def probes(self, config: LaunchConfig) -> bool:
+        """The preflight probes the hosts (a dry run's too, unless its ranks all run here)."""
+        return config.preflight and (not config.dry_run or not self.inventory.all_local)
+
+    def dry_run(self, config: LaunchConfig, job_id: str) -> DryRun:
+        """``--dry-run``: the one usage check before it reaches the hosts (it writes nothing),
+        then the commands (``dry_commands``), what the push would send and whether dlrun chose
+        the ports."""
+        code_dir = code_dir_to_push(config, strict=not self.inventory.all_local)
+        say_framework(config)
+        commands = self.dry_commands(config, job_id, code_dir)
+        return DryRun(commands, self.dry_run_pushes, ports_chosen=self.ports is not None)
+
+    def dry_commands(self, config: LaunchConfig, job_id: str, code_dir: Path | None) -> tuple[WorkerCommand, ...]:
         """Each rank's command as the launch would start it, nothing started or written. With a
         host to reach over the network, the launch's own ``session`` runs (connect, agents with
         the probe, the push survey and the free ports, the preflight, a push that writes
@@ -211,7 +229,7 @@ class HostsEngine:
 
             try:
                 with self.session(config, job_id) as placed:
-                    return self._dry_commands(placed, job_id)
+                    return self._render_dry(placed, job_id)
             except TransportError as exc:
                 print("dlrun: warning: showing the plan as written, without the addresses, interfaces, GPUs and"
                       f" free ports the hosts would give: {exc}", file=sys.stderr)
@@ -220,17 +238,17 @@ class HostsEngine:
                 if warning and not config.json_output:
                     print(f"dlrun: warning: {warning}", file=sys.stderr)
                 planned_hosts = job_plan(config, self.inventory, job_id).hosts
-                pushed = planned_push(config, planned_hosts)
+                pushed = planned_push(config, planned_hosts, code_dir=code_dir)
         else:
             planned_hosts = job_plan(config, self.inventory, job_id).hosts
-            pushed = dry_run_push(config, self.inventory, planned_hosts)
+            pushed = dry_run_push(config, self.inventory, planned_hosts, code_dir=code_dir)
         self.dry_run_pushes = pushed.summaries
         self.inventory, self.cwd_for = pushed.apply(self.inventory), pushed.cwd_for
         self.addresses = reachable_addresses(planned_hosts, {})
-        return self._dry_commands(replace(config, script=pushed.script) if pushed.script is not None else config,
+        return self._render_dry(replace(config, script=pushed.script) if pushed.script is not None else config,
                                   job_id)
 
-    def _dry_commands(self, config: LaunchConfig, job_id: str) -> tuple[WorkerCommand, ...]:
+    def _render_dry(self, config: LaunchConfig, job_id: str) -> tuple[WorkerCommand, ...]:
         """``--dry-run``'s commands, rendered as ``place`` renders them (``render``); Horovod's
         rendezvous server is not started: its port is named, not chosen."""
         plan, commands = self.render(config, job_id)
@@ -317,11 +335,12 @@ class HostsEngine:
             settled.update(sharing_hosts(targets, answers, settled, [h.name for h in plan.hosts]))
             if config.dry_run:  # what a push would do: survey only, nothing written
                 settled = {name: replace(summary, dry_run=True) for name, summary in settled.items()}
-            pushed = push_for_launch(config, transport, plan.hosts, settled, dry_run=config.dry_run)
+            pushed = push_for_launch(config, transport, plan.hosts, settled, code_dir=code_dir,
+                                     dry_run=config.dry_run)
             self.dry_run_pushes = pushed.summaries if config.dry_run else ()
             if not config.dry_run:
                 run_setup_step(config, transport, plan.hosts, pushed, job_id,
-                               manifest.result() if manifest is not None else None)
+                               manifest.result() if manifest is not None else None, code_dir=code_dir)
             self.inventory, self.transport, self.agents = pushed.apply(inventory), transport, agents
             self.addresses, self.cwd_for = addresses, pushed.cwd_for
             yield config if pushed.script is None else replace(config, script=pushed.script)
@@ -330,27 +349,27 @@ class HostsEngine:
             agents.close()
             transport.close()
 
-    def regroup(self, config: LaunchConfig, failed: RunResult) -> str | None:
+    def regroup(self, config: LaunchConfig, failed: RunResult) -> Regrouped:
         """After a failed attempt: the hosts it lost are reconnected (and probed) by the next
-        ``place``, or with ``--min-hosts`` left out while enough remain. None: go on; else why not."""
+        ``place``, or with ``--min-hosts`` left out while enough remain."""
         self.failed_at = failed.stopped_at  # copies modified since then may be half written
         lost = [h for h in self.inventory.hosts if h.name in failed.lost_hosts]
         if not lost:
-            return None
+            return Regrouped()
         if config.min_hosts is None:
             self.reconnect = tuple(lost)
-            return None
+            return Regrouped()
         names = {h.name for h in lost}
         remaining = replace(self.inventory, hosts=tuple(h for h in self.inventory.hosts if h.name not in names))
         try:
             hosts = job_plan(self.shrunk(config, remaining), remaining, "regroup").hosts if remaining.hosts else ()
         except DlrunError as exc:
-            return f"without {', '.join(sorted(names))} the job cannot be planned: {exc}"
+            return Regrouped(f"without {', '.join(sorted(names))} the job cannot be planned: {exc}")
         if len(hosts) < config.min_hosts:
-            return (f"{len(hosts)} host{'s' if len(hosts) != 1 else ''} left without {', '.join(sorted(names))},"
-                    f" fewer than --min-hosts {config.min_hosts}")
-        self.inventory, self.dropped = remaining, (*self.dropped, *sorted(names))
-        return None
+            return Regrouped(f"{len(hosts)} host{'s' if len(hosts) != 1 else ''} left without"
+                             f" {', '.join(sorted(names))}, fewer than --min-hosts {config.min_hosts}")
+        self.inventory = remaining
+        return Regrouped(dropped=tuple(sorted(names)))
 
     @staticmethod
     def shrunk(config: LaunchConfig, inventory: Inventory) -> LaunchConfig:
@@ -380,16 +399,40 @@ class HostsEngine:
             raise
         return agents
 
-    def render(self, config: LaunchConfig, job_id: str,
-               rendezvous: Rendezvous | None = None) -> tuple[Plan, tuple[WorkerCommand, ...]]:
+    def render(self, config: LaunchConfig, job_id: str, rendezvous: Rendezvous | None = None,
+               plan: Plan | None = None) -> tuple[Plan, tuple[WorkerCommand, ...]]:
         """Every rank's command from what the session found: addresses, run folders, GPUs,
-        interfaces and ports (``place`` and ``--dry-run`` alike)."""
+        interfaces and ports (``place`` and ``--dry-run`` alike); ``plan``: the attempt's, made
+        from the same (else made here)."""
         return render_commands(config, self.inventory, job_id, addresses=self.addresses, cwd_for=self.cwd_for,
                                rendezvous=rendezvous, gpus_for=self.gpus, found_ifaces=self.found_ifaces,
-                               ports=self.ports)
+                               ports=self.ports, plan=plan)
+
+    def place(self, config: LaunchConfig, job_id: str, view: View) -> AbstractContextManager[Placement]:
+        """One attempt's ranks: planned, their checkpoints synced, rendered (Horovod's
+        rendezvous server started); the first attempt's go to the agents started early."""
+        return self._place(config, job_id, detached=False)
+
+    def detach(self, config: LaunchConfig, job_id: str, view: View) -> RunResult:
+        """``launch --detach``: every attempt's ranks rendered now (restart count, ports), then
+        handed to the hosts' keepers (``dlrun.run.detach.start_detached``)."""
+        from dlrun.run.detach import Handover, start_detached
+
+        attempts: list[tuple[str, tuple[WorkerCommand, ...]]] = []
+        ends_job = None
+        for k in range(config.max_restarts + 1):
+            attempt_id = job_id if k == 0 else f"{job_id}-r{k}"
+            with self._place(replace(config, attempt=k, run_id=job_id), attempt_id, detached=True) as placement:
+                if placement.agents is not None:
+                    placement.agents.close()  # the keepers start their own agents
+                attempts.append((attempt_id, placement.commands))
+                ends_job = placement.ends_job
+        assert self.transport is not None
+        return start_detached(config, Handover(self.transport, tuple(attempts), self.job_secret, self.addresses,
+                                               ends_job), job_id)
 
     @contextmanager
-    def place(self, config: LaunchConfig, job_id: str, view: View, *, detached: bool = False) -> Iterator[Placement]:
+    def _place(self, config: LaunchConfig, job_id: str, *, detached: bool) -> Iterator[Placement]:
         """``detached``: Horovod's rendezvous is the leader keeper's, on host 0: the ranks get its
         address and the port ``0``, which the keepers fill in (``docs/detach.md``)."""
         assert self.transport is not None, "place() runs inside session()"
@@ -420,7 +463,7 @@ class HostsEngine:
                         hint="give host 0 an IPv4 address in --hosts")
             elif config.framework == "horovod":
                 rendezvous = stack.enter_context(horovod_rendezvous(plan))
-            _, commands = self.render(config, job_id, rendezvous)
+            _, commands = self.render(config, job_id, rendezvous, plan)  # one plan per attempt
             yield Placement(self.transport, commands, agents,
                             ends_job=(lambda c: c.spec.task_type == "chief") if config.framework == "tf-ps" else None,
                             notes=synced)

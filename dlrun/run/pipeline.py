@@ -21,7 +21,6 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
-from dlrun.errors import UsageError
 from dlrun.render import WorkerCommand, mask_argv, mask_env, plan_to_json, printable
 from dlrun.run.checks import (
     check_local_inputs,
@@ -32,9 +31,8 @@ from dlrun.run.checks import (
     warn_replaced_env,
 )
 from dlrun.run.config import DEFAULT_LOG_DIR, LaunchConfig, new_job_id, resolve_framework, say_framework
-from dlrun.run.engine import Engine, HeldView
+from dlrun.run.engine import Engine, HeldView, Regrouped
 from dlrun.run.hosts import HostsEngine
-from dlrun.run.pushstep import code_dir_to_push
 from dlrun.run.result import Attempt, RunResult
 from dlrun.run.screen import make_view
 from dlrun.run.supervisor import Supervisor, View
@@ -124,40 +122,31 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
     engine = engine or HostsEngine()
     check_script(config)
     check_restart_options(config)
-    config = engine.prepare(resolve_framework(config))
-    if isinstance(engine, HostsEngine) and config.min_hosts is not None and config.min_hosts > len(engine.used_hosts):
-        raise UsageError(f"--min-hosts {config.min_hosts}: the job has {len(engine.used_hosts)} hosts")
+    config = engine.prepare(resolve_framework(config))  # the engine's own usage checks (--min-hosts)
     if config.detach:
         from dlrun.run.detach import check_detach
 
-        check_detach(config, isinstance(engine, HostsEngine))
+        check_detach(config, engine.detaches)
     job_id = new_job_id()
-    # with a preflight, the hosts' own Keras decides (HostsEngine.session warns then)
-    probed = isinstance(engine, HostsEngine) and config.preflight and (
-        not config.dry_run or not engine.inventory.all_local)  # a dry run on hosts runs the session too
-    warning = None if probed else keras_warning(config, engine.inventory)
+    # with a preflight, the hosts' own Keras decides (the engine's session warns then)
+    warning = None if engine.probes(config) else keras_warning(config, engine.inventory)
     if config.dry_run:
-        hosts_engine = isinstance(engine, HostsEngine)
-        if hosts_engine:  # the dry run's one usage check before it reaches the hosts (it writes nothing)
-            code_dir_to_push(config, strict=not engine.inventory.all_local)
-            say_framework(config)
-        commands = engine.dry_run(config, job_id)  # Spark's refuses
-        if not hosts_engine:
-            say_framework(config)
+        planned = engine.dry_run(config, job_id)  # Spark's refuses; the hosts engine says the framework first
+        commands = planned.commands
         warn_replaced_env(config, commands)
         if config.json_output:
             document = plan_to_json(commands)
             document["restarts"] = restart_policy(config)
-            if isinstance(engine, HostsEngine) and engine.dry_run_pushes:  # Spark ships a zip, no push
+            if planned.pushes:  # Spark ships a zip, no push
                 from dlrun.push.view import summary_json
 
-                document["push"] = summary_json(engine.dry_run_pushes)
+                document["push"] = summary_json(planned.pushes)
             print(json.dumps(document, indent=2))
         else:
             if warning:
                 print(f"dlrun: warning: {warning}", file=sys.stderr)
             print(dry_run_text(commands))
-            if isinstance(engine, HostsEngine) and engine.ports is not None and config.base_port is None:
+            if planned.ports_chosen and config.base_port is None:
                 print("ports: free on each host now; a launch asks again and may get others (--base-port P fixes them)")
             print(restart_policy_text(config))
         return RunResult(ranks=(), exit_code=0, commands=commands, job_id=job_id, attempts=0)
@@ -169,11 +158,9 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
     logs = Path(config.log_dir or DEFAULT_LOG_DIR) / job_id
     history: list[Attempt] = []
     with engine.session(config, job_id) as config:
-        if config.detach and isinstance(engine, HostsEngine):
-            from dlrun.run.detach import start_detached
-
-            return start_detached(config, engine, job_id, shown)
-        warnings = (warning,) if warning else getattr(engine, "warnings", ())
+        if config.detach:
+            return engine.detach(config, job_id, shown)
+        warnings = (warning,) if warning else engine.warnings
         logs.mkdir(parents=True, exist_ok=True)
         logs.chmod(0o700)  # private, as the hosts' job folders are: the ranks' lines may hold secrets
         attempt = 0
@@ -186,14 +173,15 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
                                    result.exit_code, result.root_cause, result.interrupted_by, dropped))
             final = replace(result, job_id=job_id, attempts=attempt + 1, history=tuple(history))
             last = result.ok or result.interrupted_by is not None or attempt == config.max_restarts
-            why_not = None if last or not isinstance(engine, HostsEngine) else engine.regroup(config, result)
+            regrouped = Regrouped() if last else engine.regroup(config, result)
+            why_not = regrouped.refused
             if why_not is not None:
                 shown.notice(f"not restarting: {why_not}")
             shown.finish(final)
             if last or why_not is not None:
                 return final
             attempt += 1
-            newly = tuple(engine.dropped[len(dropped):]) if isinstance(engine, HostsEngine) else ()
+            newly = regrouped.dropped
             dropped = (*dropped, *newly)
             where = f" without {', '.join(newly)} (lost)" if newly else ""
             shown.notice(f"attempt {attempt} failed (exit code {result.exit_code}): relaunching {engine.restart_unit}"

@@ -108,14 +108,16 @@ def push_limit(config: LaunchConfig) -> PushLimit:
 
 
 def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[Host],
-                    settled: Mapping[str, HostPushSummary] | None = None, *, dry_run: bool = False) -> Pushed:
+                    settled: Mapping[str, HostPushSummary] | None = None, *, code_dir: Path | None,
+                    dry_run: bool = False) -> Pushed:
     """Push each host's data shard (``--data``) and the script's directory (remote hosts).
 
     With code pushed, every rank runs in ``<workdir>/<script dir name>`` on its host and the
     script is named relative to it; local hosts run in the script's directory for the same
     relative name. ``settled``: hosts whose agent's survey found the code already in place
     (``dlrun.push.session.settled_push``); no push session is opened there. ``dry_run``: each
-    host is surveyed and what would be sent is shown; nothing is written.
+    host is surveyed and what would be sent is shown; nothing is written. ``code_dir``: the
+    folder pushed as code (``code_dir_to_push``, computed once by the caller).
     """
     from dlrun.push.session import push, shard_env
     from dlrun.push.view import PushView
@@ -132,7 +134,6 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
             shown += summaries
         for index, (host, summary) in enumerate(zip(hosts, summaries, strict=True)):
             env_for[host.name] = shard_env(index, len(hosts), host, data_dir=summary.data_dir)
-    code_dir = code_dir_to_push(config)
     remote = [h for h in hosts if not h.is_local]
     if code_dir is None or not remote:
         return Pushed(env_for, local_cwd(config, code_dir, hosts), summaries=tuple(shown))
@@ -152,28 +153,28 @@ def push_for_launch(config: LaunchConfig, transport: Transport, hosts: Sequence[
     return Pushed(env_for, cwd_for, script_in_push(config, code_dir), tuple(shown))
 
 
-def dry_run_push(config: LaunchConfig, inventory: Inventory, hosts: Sequence[Host]) -> Pushed:
+def dry_run_push(config: LaunchConfig, inventory: Inventory, hosts: Sequence[Host], *,
+                 code_dir: Path | None) -> Pushed:
     """``--dry-run``: survey each host and show what the push would send and delete (nothing is
     written); where the hosts cannot be reached, what ``planned_push`` says, with a warning."""
     from dlrun.errors import TransportError
 
-    code_dir = code_dir_to_push(config, strict=any(not h.is_local for h in hosts))
     if not config.data and (code_dir is None or all(h.is_local for h in hosts)):
-        return planned_push(config, hosts)
+        return planned_push(config, hosts, code_dir=code_dir)
     transport = make_transport(inventory, config.ssh)
     try:
         transport.connect(hosts)
-        return push_for_launch(config, transport, hosts, dry_run=True)
+        return push_for_launch(config, transport, hosts, code_dir=code_dir, dry_run=True)
     except TransportError as exc:
         print(f"dlrun: warning: cannot survey the hosts for the push ({exc}); showing the plan only",
               file=sys.stderr)
-        return planned_push(config, hosts)
+        return planned_push(config, hosts, code_dir=code_dir)
     finally:
         transport.close()
 
 
 def run_setup_step(config: LaunchConfig, transport: Transport, hosts: Sequence[Host], pushed: Pushed, job_id: str,
-                   manifest: Manifest | None) -> None:
+                   manifest: Manifest | None, *, code_dir: Path | None) -> None:
     """The setup command (``--setup`` or the inventory's ``setup``) on every host, in its run
     folder, after the push and before any rank (``dlrun.push.setup``); a failure raises."""
     from dlrun.push.setup import run_setup, setup_commands, setup_key
@@ -181,7 +182,6 @@ def run_setup_step(config: LaunchConfig, transport: Transport, hosts: Sequence[H
     commands = setup_commands(hosts, config.setup)
     if not commands:
         return
-    code_dir = code_dir_to_push(config)
     if manifest is None and code_dir is not None:
         from dlrun.push.session import scan_code
 
@@ -194,13 +194,12 @@ def run_setup_step(config: LaunchConfig, transport: Transport, hosts: Sequence[H
               always=config.setup_always)
 
 
-def planned_push(config: LaunchConfig, hosts: Sequence[Host]) -> Pushed:
+def planned_push(config: LaunchConfig, hosts: Sequence[Host], *, code_dir: Path | None) -> Pushed:
     """What ``push_for_launch`` would change, without pushing (``--dry-run``): the shard env
     and, for a pushed script, each host's run directory as written (``~`` as on the host)."""
     from dlrun.push.session import code_dir_on, shard_env
 
     env_for = {h.name: shard_env(i, len(hosts), h) for i, h in enumerate(hosts)} if config.data else {}
-    code_dir = code_dir_to_push(config)
     if code_dir is None or all(h.is_local for h in hosts):
         return Pushed(env_for, local_cwd(config, code_dir, hosts))
     cwd_for = {h.name: str(code_dir) if h.is_local else code_dir_on(h, code_dir) for h in hosts}

@@ -81,7 +81,7 @@ from dlrun.run.addresses import socket_ifaces
 from dlrun.run.agents import agent_argv
 from dlrun.run.checks import check_ranks_shown
 from dlrun.run.config import LaunchConfig
-from dlrun.run.engine import Placement
+from dlrun.run.engine import DryRun, Placement, Regrouped
 from dlrun.run.pipeline import run_job
 from dlrun.run.result import RankState, RunResult
 from dlrun.run.supervisor import View
@@ -149,6 +149,8 @@ class SparkEngine:
     docstring); the session holds the Spark context and the shipped script."""
 
     restart_unit = "the barrier stage"
+    detaches = False  # a Spark stage lives with its driver
+    warnings: tuple[str, ...] = ()
 
     def __init__(self, spark: SparkConfig) -> None:
         self.spark = spark
@@ -164,8 +166,17 @@ class SparkEngine:
         # runs as given on the executors (the logs are written here)
         return replace(config, push=False)
 
-    def dry_run(self, config: LaunchConfig, job_id: str) -> tuple[WorkerCommand, ...]:
+    def probes(self, config: LaunchConfig) -> bool:
+        return False  # the tasks' hosts are known once the stage runs
+
+    def dry_run(self, config: LaunchConfig, job_id: str) -> DryRun:
         raise UsageError("--dry-run is not available with --backend spark: tasks pick hosts and ports when they run")
+
+    def regroup(self, config: LaunchConfig, failed: RunResult) -> Regrouped:
+        return Regrouped()  # the next stage runs wherever Spark places its tasks
+
+    def detach(self, config: LaunchConfig, job_id: str, view: View) -> RunResult:
+        raise UsageError("--detach goes with the SSH backend (a Spark stage lives with its driver)")
 
     @contextmanager
     def session(self, config: LaunchConfig, job_id: str) -> Iterator[LaunchConfig]:
