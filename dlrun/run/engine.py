@@ -76,12 +76,18 @@ class Engine(Protocol):
 
     #: what a restart relaunches, in the notice ("the job", "the barrier stage")
     restart_unit: str
-    #: the hosts known before anything starts (options' checks and warnings; Spark: a stand-in)
-    inventory: Inventory
     #: whether ``detach`` can hand the job to its hosts (``launch --detach``)
     detaches: bool
-    #: what the session warned about before the start, repeated in a failed attempt's root cause
-    warnings: tuple[str, ...]
+
+    @property
+    def inventory(self) -> Inventory:
+        """The hosts known before anything starts (options' checks and warnings; Spark: a stand-in)."""
+        ...
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What the session warned about before the start, repeated in a failed attempt's root cause."""
+        ...
 
     def prepare(self, config: LaunchConfig) -> LaunchConfig:
         """Refuse what cannot work before anything starts; the config as this engine runs it."""

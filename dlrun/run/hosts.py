@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -155,6 +155,35 @@ def _probe_source() -> str:
     return source_of("probe")
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What ``prepare`` settled before any connection: the options' inventory, the hosts the
+    job may use (all, when the probe counts slots), whether ``--base-port`` was given, and
+    whether dlrun chose the base port here (a restart then chooses again)."""
+
+    inventory: Inventory
+    used_hosts: tuple[Host, ...] = ()
+    base_port_given: bool = False
+    ports_chosen: bool = False
+
+
+@dataclass(frozen=True)
+class Found:
+    """What the session found and did, which every attempt's render reads: the hosts as the job
+    runs them (the preflight's slots, the data shards' env), each host's address, run folder,
+    GPUs and socket interface, the ports dlrun chose (rank → port), what the preflight warned
+    (repeated in a failed attempt's root cause) and, for ``--dry-run``, what the push would send."""
+
+    inventory: Inventory
+    addresses: Mapping[str, str] = field(default_factory=dict)
+    cwd_for: Mapping[str, str | None] | None = None
+    gpus: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    ifaces: Mapping[str, str] = field(default_factory=dict)
+    ports: Mapping[int, int] | None = None
+    warnings: tuple[str, ...] = ()
+    pushes: tuple[HostPushSummary, ...] = ()
+
+
 class HostsEngine:
     """The inventory's hosts (SSH hosts, this machine) over a transport.
 
@@ -168,40 +197,42 @@ class HostsEngine:
     detaches = True
 
     def __init__(self) -> None:
-        self.inventory = Inventory(hosts=())
-        self.used_hosts: tuple[Host, ...] = ()  # the hosts the job may use (all, when the probe counts slots)
-        self.transport: Transport | None = None
+        self.prepared = Prepared(Inventory(hosts=()))
+        self.found = Found(Inventory(hosts=()))
+        self.transport: Transport | None = None  # the session's
         self.agents: HostAgents | None = None  # started early; handed to the first attempt
-        self.addresses: Mapping[str, str] = {}
-        self.cwd_for: Mapping[str, str | None] | None = None
-        self.gpus: Mapping[str, Sequence[str]] = {}
-        self.found_ifaces: Mapping[str, str] = {}
-        self.base_port_given = False
-        self.ports: Mapping[int, int] | None = None  # rank -> port, where dlrun chose free ones
-        self.warnings: tuple[str, ...] = ()  # printed before the start, repeated in a failure's root cause
-        self.dry_run_pushes: tuple[HostPushSummary, ...] = ()  # what --dry-run's push would send
-        self.ports_chosen = False  # dlrun chose the base port (no --base-port): a restart chooses again
         self.reconnect: tuple[Host, ...] = ()  # hosts lost in the last attempt: reconnected, probed again
         self.job_secret = secrets.token_hex(32)  # a detached job's keepers' token (and rendezvous key's root)
         self.failed_at: float | None = None  # when the last attempt failed (its copies then may be half written)
+
+    @property
+    def inventory(self) -> Inventory:
+        """The hosts as the job runs them: the options' until the session found more."""
+        return self.found.inventory
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        return self.found.warnings
 
     def prepare(self, config: LaunchConfig) -> LaunchConfig:
         config = replace(config, hosts=default_hosts(config.hosts))
         if config.hosts is None and config.np is not None and config.np < 1:
             raise UsageError("--np must be at least 1")
-        self.inventory = resolve_inventory(config.hosts, config.np)
-        self.base_port_given = config.base_port is not None
-        if config.base_port is None and self.inventory.all_local:
-            self.ports_chosen = True
-            config = replace(config, base_port=local_base_port(self.inventory, config.np))
-        slots_from_gpus = config.preflight and any(h.slots is None for h in self.inventory.hosts)
+        inventory = resolve_inventory(config.hosts, config.np)
+        base_port_given, ports_chosen = config.base_port is not None, False
+        if config.base_port is None and inventory.all_local:
+            ports_chosen = True
+            config = replace(config, base_port=local_base_port(inventory, config.np))
+        slots_from_gpus = config.preflight and any(h.slots is None for h in inventory.hosts)
         if slots_from_gpus:  # slots come from the probe: every host may be used
-            self.used_hosts = self.inventory.hosts
+            used_hosts = inventory.hosts
         else:  # validate the plan before any connection
-            _, trial = render_commands(config, self.inventory, "plan-check")
-            self.used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
-        if config.min_hosts is not None and config.min_hosts > len(self.used_hosts):
-            raise UsageError(f"--min-hosts {config.min_hosts}: the job has {len(self.used_hosts)} hosts")
+            _, trial = render_commands(config, inventory, "plan-check")
+            used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
+        if config.min_hosts is not None and config.min_hosts > len(used_hosts):
+            raise UsageError(f"--min-hosts {config.min_hosts}: the job has {len(used_hosts)} hosts")
+        self.prepared = Prepared(inventory, used_hosts, base_port_given, ports_chosen)
+        self.found = Found(inventory)
         return config
 
     def probes(self, config: LaunchConfig) -> bool:
@@ -215,7 +246,7 @@ class HostsEngine:
         code_dir = code_dir_to_push(config, strict=not self.inventory.all_local)
         say_framework(config)
         commands = self.dry_commands(config, job_id, code_dir)
-        return DryRun(commands, self.dry_run_pushes, ports_chosen=self.ports is not None)
+        return DryRun(commands, self.found.pushes, ports_chosen=self.found.ports is not None)
 
     def dry_commands(self, config: LaunchConfig, job_id: str, code_dir: Path | None) -> tuple[WorkerCommand, ...]:
         """Each rank's command as the launch would start it, nothing started or written. With a
@@ -233,7 +264,7 @@ class HostsEngine:
             except TransportError as exc:
                 print("dlrun: warning: showing the plan as written, without the addresses, interfaces, GPUs and"
                       f" free ports the hosts would give: {exc}", file=sys.stderr)
-                self.addresses, self.gpus, self.found_ifaces, self.ports = {}, {}, {}, None
+                self.found = Found(self.inventory)  # nothing found
                 warning = keras_warning(config, self.inventory)
                 if warning and not config.json_output:
                     print(f"dlrun: warning: {warning}", file=sys.stderr)
@@ -242,9 +273,8 @@ class HostsEngine:
         else:
             planned_hosts = job_plan(config, self.inventory, job_id).hosts
             pushed = dry_run_push(config, self.inventory, planned_hosts, code_dir=code_dir)
-        self.dry_run_pushes = pushed.summaries
-        self.inventory, self.cwd_for = pushed.apply(self.inventory), pushed.cwd_for
-        self.addresses = reachable_addresses(planned_hosts, {})
+        self.found = Found(pushed.apply(self.inventory), reachable_addresses(planned_hosts, {}), pushed.cwd_for,
+                           pushes=pushed.summaries)
         return self._render_dry(replace(config, script=pushed.script) if pushed.script is not None else config,
                                   job_id)
 
@@ -263,7 +293,7 @@ class HostsEngine:
         """Connect, start the agents (probe and survey first), check the preflight, plan, push.
         With ``config.dry_run`` (``dry_run``): the push surveys and writes nothing, no setup runs,
         and the agents are closed before they get any rank."""
-        inventory, used_hosts = self.inventory, self.used_hosts
+        inventory, used_hosts = self.inventory, self.prepared.used_hosts
         transport = make_transport(inventory, config.ssh)
         agents = HostAgents(transport, used_hosts, pidns=config.pidns, host_timeout=config.ssh.host_timeout)
         code_dir = code_dir_to_push(config)
@@ -289,9 +319,13 @@ class HostsEngine:
                            for name, target in targets.items()}
             # the agents start while we plan; each runs the probe, answers the push survey and
             # says which ports are free first
-            ports_asked = ports_to_ask(config, inventory, used_hosts, given=self.base_port_given)
+            ports_asked = ports_to_ask(config, inventory, used_hosts, given=self.prepared.base_port_given)
             agents.start(probe=_probe_source() if config.preflight else None, surveys=surveys, ports=ports_asked)
             answers: Mapping[str, AgentAnswer] = {}
+            gpus: Mapping[str, Sequence[str]] = {}
+            ifaces: Mapping[str, str] = {}
+            warned: list[str] = []  # repeated in the root cause of a job that then fails
+            ports: Mapping[int, int] | None = None  # rank -> port, where dlrun chose free ones
             if config.preflight or targets or ports_asked:
                 from dlrun.topo.preflight import PROBE_TIMEOUT  # the agents' answers wait as long as a probe
 
@@ -304,20 +338,18 @@ class HostsEngine:
                     inventory = default_ranks_for_gpus(inventory, reports)
                 # an error finding raises here
                 preflight = check_preflight(inventory, used_hosts, reports, framework=config.framework)
-                warned: list[str] = []  # repeated in the root cause of a job that then fails
                 for finding in preflight.findings:
                     if finding.severity == "warning":
                         where = f"{finding.host}: " if finding.host else ""
                         print(f"dlrun: preflight warning: {where}{finding.message}", file=sys.stderr)
                         warned.append(f"preflight: {where}{finding.message}")
                 inventory = inventory.with_slots(preflight.gpu_slots())
-                self.gpus = preflight.devices()
-                self.found_ifaces = interfaces_at(reports, addresses)
+                gpus = preflight.devices()
+                ifaces = interfaces_at(reports, addresses)
                 warning = keras_warning(config, inventory, reports)
                 if warning:
                     print(f"dlrun: warning: {warning}", file=sys.stderr)
                     warned.append(warning)
-                self.warnings = tuple(warned)
                 if config.bench and config.attempt == 0:  # a restart does not measure again
                     from dlrun.topo.benchrun import check_bench
 
@@ -327,8 +359,8 @@ class HostsEngine:
                 free = {name: a.free_ports for name, a in answers.items()
                         if name in ports_asked and a.free_ports is not None}
                 if config.base_port is None:  # dlrun picks: free on each host that listens
-                    self.ports = choose_ports(config.framework, plan.ranks, free)
-                    plan = job_plan(config, inventory, job_id, addresses, self.ports)
+                    ports = choose_ports(config.framework, plan.ranks, free)
+                    plan = job_plan(config, inventory, job_id, addresses, ports)
                 else:
                     check_ports_free(plan, free)
             settled = settled_hosts(targets, answers)
@@ -337,12 +369,12 @@ class HostsEngine:
                 settled = {name: replace(summary, dry_run=True) for name, summary in settled.items()}
             pushed = push_for_launch(config, transport, plan.hosts, settled, code_dir=code_dir,
                                      dry_run=config.dry_run)
-            self.dry_run_pushes = pushed.summaries if config.dry_run else ()
             if not config.dry_run:
                 run_setup_step(config, transport, plan.hosts, pushed, job_id,
                                manifest.result() if manifest is not None else None, code_dir=code_dir)
-            self.inventory, self.transport, self.agents = pushed.apply(inventory), transport, agents
-            self.addresses, self.cwd_for = addresses, pushed.cwd_for
+            self.transport, self.agents = transport, agents
+            self.found = Found(pushed.apply(inventory), addresses, pushed.cwd_for, gpus, ifaces, ports, tuple(warned),
+                               pushed.summaries if config.dry_run else ())
             yield config if pushed.script is None else replace(config, script=pushed.script)
         finally:
             pusher.shutdown(wait=False, cancel_futures=True)
@@ -368,7 +400,7 @@ class HostsEngine:
         if len(hosts) < config.min_hosts:
             return Regrouped(f"{len(hosts)} host{'s' if len(hosts) != 1 else ''} left without"
                              f" {', '.join(sorted(names))}, fewer than --min-hosts {config.min_hosts}")
-        self.inventory = remaining
+        self.found = replace(self.found, inventory=remaining)
         return Regrouped(dropped=tuple(sorted(names)))
 
     @staticmethod
@@ -383,7 +415,8 @@ class HostsEngine:
         now and run the probe again (the other hosts' agents start with the ranks)."""
         hosts, self.reconnect = self.reconnect, ()
         assert self.transport is not None
-        self.addresses = {**self.addresses, **reachable_addresses(hosts, self.transport.reconnect(hosts))}
+        reached = reachable_addresses(hosts, self.transport.reconnect(hosts))
+        self.found = replace(self.found, addresses={**self.found.addresses, **reached})
         if not config.preflight:
             return None
         from dlrun.topo.preflight import PROBE_TIMEOUT, check_preflight, report_from_answer
@@ -404,9 +437,10 @@ class HostsEngine:
         """Every rank's command from what the session found: addresses, run folders, GPUs,
         interfaces and ports (``place`` and ``--dry-run`` alike); ``plan``: the attempt's, made
         from the same (else made here)."""
-        return render_commands(config, self.inventory, job_id, addresses=self.addresses, cwd_for=self.cwd_for,
-                               rendezvous=rendezvous, gpus_for=self.gpus, found_ifaces=self.found_ifaces,
-                               ports=self.ports, plan=plan)
+        found = self.found
+        return render_commands(config, found.inventory, job_id, addresses=found.addresses, cwd_for=found.cwd_for,
+                               rendezvous=rendezvous, gpus_for=found.gpus, found_ifaces=found.ifaces,
+                               ports=found.ports, plan=plan)
 
     def place(self, config: LaunchConfig, job_id: str, view: View) -> AbstractContextManager[Placement]:
         """One attempt's ranks: planned, their checkpoints synced, rendered (Horovod's
@@ -428,7 +462,7 @@ class HostsEngine:
                 attempts.append((attempt_id, placement.commands))
                 ends_job = placement.ends_job
         assert self.transport is not None
-        return start_detached(config, Handover(self.transport, tuple(attempts), self.job_secret, self.addresses,
+        return start_detached(config, Handover(self.transport, tuple(attempts), self.job_secret, self.found.addresses,
                                                ends_job), job_id)
 
     @contextmanager
@@ -439,12 +473,12 @@ class HostsEngine:
         agents, self.agents = self.agents, None  # a restart's ranks get fresh agents
         if config.attempt:
             config = self.shrunk(config, self.inventory)
-            if self.ports_chosen:  # a fresh run of free ports (the last attempt's may still be held)
+            if self.prepared.ports_chosen:  # a fresh run of free ports (the last attempt's may still be held)
                 config = replace(config, base_port=local_base_port(self.inventory, config.np))
             if self.reconnect:
                 agents = self.rejoin(config)
         with ExitStack() as stack:
-            plan = job_plan(config, self.inventory, job_id, self.addresses, self.ports)
+            plan = job_plan(config, self.inventory, job_id, self.found.addresses, self.found.ports)
             synced: tuple[str, ...] = ()
             if config.checkpoint_dirs and not (detached and config.attempt):  # keepers restart on their own
                 synced = self.sync_checkpoints(config, plan.hosts)
@@ -474,12 +508,12 @@ class HostsEngine:
         from dlrun.push.checkpoint import sync_folders
 
         assert self.transport is not None
-        cwd_for = self.cwd_for or {}
+        cwd_for = self.found.cwd_for or {}
 
         def cwd_of(host: Host) -> str:
             return cwd_for.get(host.name) or (os.getcwd() if host.is_local else host.workdir or "")
 
         done = sync_folders(self.transport, hosts, cwd_of, config.checkpoint_dirs,
                             failed_at=self.failed_at if config.attempt else None,
-                            addresses=self.addresses if len(hosts) > 1 else None)
+                            addresses=self.found.addresses if len(hosts) > 1 else None)
         return tuple(d.line() for d in done)
