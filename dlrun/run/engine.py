@@ -13,16 +13,14 @@ attempt lost (``HostsEngine.regroup``: reconnect them, or leave them out with ``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from dlrun.inventory import Inventory
 from dlrun.render import WorkerCommand
-from dlrun.run.gpus import GpuSample
-from dlrun.run.result import RankState, RunResult
+from dlrun.run.result import RunResult
 
 if TYPE_CHECKING:
     from dlrun.push.session import HostPushSummary
@@ -117,35 +115,3 @@ class Engine(Protocol):
     def place(self, config: LaunchConfig, job_id: str, view: View) -> AbstractContextManager[Placement]:
         """One attempt's ranks, placed and rendered; cleaned up when the attempt ends."""
         ...
-
-
-class HeldView:
-    """Passes everything to ``view`` but the summary, which the pipeline shows once the
-    placement is cleaned up (a Spark stage's own failure lines come before dlrun's summary)."""
-
-    def __init__(self, view: View) -> None:
-        self.view = view
-
-    def start(self, commands: Sequence[WorkerCommand], log_dir: Path | None) -> None:
-        self.view.start(commands, log_dir)
-
-    def line(self, rank: int, text: str, stream: str) -> None:
-        self.view.line(rank, text, stream)
-
-    def lines(self, rank: int, texts: Sequence[str], stream: str) -> None:
-        self.view.lines(rank, texts, stream)
-
-    def state(self, rank: int, state: RankState, exit_code: int | None) -> None:
-        self.view.state(rank, state, exit_code)
-
-    def notice(self, text: str) -> None:
-        self.view.notice(text)
-
-    def gpus(self, host: str, samples: Sequence[GpuSample]) -> None:
-        self.view.gpus(host, samples)
-
-    def flush(self) -> None:
-        self.view.flush()
-
-    def finish(self, result: RunResult) -> None:
-        pass

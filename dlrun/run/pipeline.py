@@ -5,7 +5,9 @@
 to place each attempt's ranks, supervises them, shows them, restarts a failed job
 (``max_restarts``) and returns the ``RunResult``; ``--dry-run`` stops after render (on SSH
 hosts after the same session as a launch, with a push that writes nothing). It first
-resolves ``--framework auto`` from the script's imports (``resolve_framework``).
+resolves ``--framework auto`` from the script's imports (``resolve_framework``). The view's
+summary is the pipeline's: the supervisor only supervises (``Supervisor.supervise``), and
+``run_job`` shows each attempt's summary once the engine has cleaned up.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dlrun.run.checks import (
     warn_replaced_env,
 )
 from dlrun.run.config import DEFAULT_LOG_DIR, LaunchConfig, new_job_id, resolve_framework, say_framework
-from dlrun.run.engine import Engine, HeldView, Regrouped
+from dlrun.run.engine import Engine, Regrouped
 from dlrun.run.hosts import HostsEngine
 from dlrun.run.result import Attempt, RunResult
 from dlrun.run.screen import make_view
@@ -230,7 +232,7 @@ def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, log_
         supervisor = Supervisor(
             placement.transport,
             placement.commands,
-            HeldView(view),
+            view,
             log_dir=log_dir,
             grace=config.grace,
             host_timeout=config.ssh.host_timeout,
@@ -243,7 +245,7 @@ def _attempt(config: LaunchConfig, engine: Engine, job_id: str, view: View, log_
             control_id=config.run_id or job_id,
         )
         with forward_signals(supervisor), placement.watch():
-            result = supervisor.run()
+            result = supervisor.supervise()  # the summary is shown by run_job, after the engine cleaned up
         placement.done(result)
     result = replace(result, warnings=warnings)  # repeated in a failure's root cause
     return result

@@ -192,6 +192,14 @@ class Supervisor:
         self.events.put(("notice", text))
 
     def run(self) -> RunResult:
+        """Supervise the ranks until the job ends, then show its summary (``view.finish``)."""
+        result = self.supervise()
+        self.view.finish(result)
+        return result
+
+    def supervise(self) -> RunResult:
+        """Supervise the ranks until the job ends; the summary is the caller's to show (the
+        launch pipeline shows it once the engine cleaned up, and once for all attempts)."""
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             for number, rank in self.ranks.items():
@@ -214,9 +222,7 @@ class Supervisor:
                     rank.log.close()
             if self.gpu_csv is not None:
                 self.gpu_csv.close()
-        result = self._result()
-        self.view.finish(result)
-        return result
+        return self._result()
 
     # --------------------------------------------------------------------- start
     def _start_all(self) -> None:
