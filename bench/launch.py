@@ -350,8 +350,9 @@ def mark(kind, what=""):
 mark("interpreter")
 import dlrun.cli as cli
 mark("import dlrun.cli")
-import dlrun.run.launch as launch_mod
-mark("import dlrun.run.launch")
+import dlrun.run.pipeline as launch_mod
+import dlrun.run.hosts as hosts_mod
+mark("import dlrun.run.pipeline")
 import dlrun.transport.ssh as ssh_mod
 import dlrun.run.supervisor as sup
 mark("import dlrun.transport.ssh")
@@ -368,9 +369,10 @@ def wrap(owner, name, label, host_arg=False):
             mark("< " + label, host)
     setattr(owner, name, wrapper)
 wrap(launch_mod, "keras_warning", "keras check")
+wrap(hosts_mod, "keras_warning", "keras check")
 wrap(sup.HostAgents, "start", "agents start")
 wrap(sup.HostAgents, "answers", "preflight + survey")
-wrap(launch_mod, "push_for_launch", "push")
+wrap(hosts_mod, "push_for_launch", "push")
 wrap(ssh_mod.SSHTransport, "connect", "connect")
 wrap(ssh_mod.SSHTransport, "_client", "handshake", host_arg=True)
 wrap(ssh_mod.SSHTransport, "open", "open channel", host_arg=True)
@@ -471,10 +473,10 @@ def summarize_trace(trace: dict[str, Any]) -> list[tuple[str, float]]:
     return [
         ("interpreter up (python + site)", first("interpreter")),
         ("import click + dlrun.cli", first("import dlrun.cli") - first("interpreter")),
-        ("import dlrun.run.launch (view→rich, supervisor, importlib.metadata)",
-         first("import dlrun.run.launch") - first("import dlrun.cli")),
+        ("import dlrun.run.pipeline (view→rich, supervisor, importlib.metadata)",
+         first("import dlrun.run.pipeline") - first("import dlrun.cli")),
         ("import dlrun.transport.ssh (paramiko→invoke, cryptography)",
-         first("import dlrun.transport.ssh") - first("import dlrun.run.launch")),
+         first("import dlrun.transport.ssh") - first("import dlrun.run.pipeline")),
         ("inventory, keras check, plan, render", first("> connect") - first("import dlrun.transport.ssh")),
         ("connect: all hosts (parallel)", first("< connect") - first("> connect")),
         ("  one handshake, median", per_host("> handshake", "< handshake")),

@@ -26,9 +26,8 @@ if TYPE_CHECKING:
     from dlrun.inventory import Host
     from dlrun.push.pull import HostPullSummary
     from dlrun.push.session import HostPushSummary
+    from dlrun.run.config import LaunchConfig
     from dlrun.run.detach import JobHosts, JobRecord
-    from dlrun.run.launch import LaunchConfig
-    from dlrun.run.launch import SSHOptions as SSHSettings
     from dlrun.run.stackcmd import StackReport
     from dlrun.run.supervisor import View
     from dlrun.spark.driver import SparkConfig
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
     from dlrun.topo.findings import Finding
     from dlrun.topo.records import HostReport
     from dlrun.transport.base import Transport
+    from dlrun.transport.factory import SSHOptions as SSHSettings
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class TopoResult:
 def ssh_settings(ssh: SSHOptions | None) -> SSHSettings:
     """The transport's SSH settings from the API's record (a host timeout left None: the
     default, and SSH liveness follows each host's ssh config)."""
-    from dlrun.run.launch import SSHOptions as SSHSettings
+    from dlrun.transport.factory import SSHOptions as SSHSettings
 
     ssh = ssh or SSHOptions()
     return SSHSettings(config_file=ssh.ssh_config, accept_new_host_keys=ssh.accept_new_host_keys,
@@ -94,7 +94,8 @@ def launch(
     """
     config = launch_config(script, args, hosts=hosts, np=np, framework=framework, env=env, job=job,
                            output=output, ssh=ssh, push=push, spark=spark)
-    from dlrun.run.launch import HostsEngine, run_job
+    from dlrun.run.hosts import HostsEngine
+    from dlrun.run.pipeline import run_job
 
     if spark is None:
         return run_job(config, HostsEngine(), view=view)
@@ -128,7 +129,7 @@ def launch_config(
 ) -> LaunchConfig:
     """The launch pipeline's config from ``launch``'s arguments, after the checks that need no
     host (``--env-file`` files are read here)."""
-    from dlrun.run.launch import LaunchConfig
+    from dlrun.run.config import LaunchConfig
     from dlrun.userenv import rank_env
 
     job, output, push = job or JobOptions(), output or OutputOptions(), push or PushOptions()
@@ -189,10 +190,10 @@ def topo(
     ``bench_seconds`` (``dlrun topo --bench``; ``progress`` hears what it is doing)."""
     from dlrun.inventory import load_inventory
     from dlrun.run.addresses import host_ifaces, interfaces_at, reachable_addresses
-    from dlrun.run.launch import default_hosts, make_transport, resolve_inventory
     from dlrun.topo.findings import analyse, exit_code, socket_note, suggested_env
     from dlrun.topo.preflight import probe_hosts
     from dlrun.topo.probe import probe_local
+    from dlrun.transport.factory import default_hosts, make_transport, resolve_inventory
 
     if bench_seconds <= 0:
         raise UsageError("--bench-seconds takes a positive number of seconds")
@@ -249,7 +250,7 @@ def push(
     from dlrun.push.session import push as push_to
     from dlrun.push.tree import PushLimit, parse_size
     from dlrun.push.view import PushView
-    from dlrun.run.launch import make_transport, resolve_inventory
+    from dlrun.transport.factory import make_transport, resolve_inventory
 
     limit = parse_size(max_push_size) if max_push_size is not None else PushLimit()
     if code is None and data is None:
@@ -306,7 +307,7 @@ def pull(
     from dlrun.push.pull import summary_line
     from dlrun.push.tree import PushLimit, parse_size
     from dlrun.push.view import PushView
-    from dlrun.run.launch import make_transport, resolve_inventory
+    from dlrun.transport.factory import make_transport, resolve_inventory
 
     limit = parse_size(max_size) if max_size is not None else PushLimit()
     inventory = resolve_inventory(hosts, None)  # a hosts file, a list, or the Slurm allocation
@@ -334,7 +335,7 @@ def pull(
 @contextmanager
 def _job_hosts(hosts: str | None, ssh: SSHOptions | None) -> Iterator[JobHosts]:
     from dlrun.run.detach import JobHosts
-    from dlrun.run.launch import default_hosts, make_transport, resolve_inventory
+    from dlrun.transport.factory import default_hosts, make_transport, resolve_inventory
 
     inventory = resolve_inventory(default_hosts(hosts), 1)
     transport = make_transport(inventory, ssh_settings(ssh))

@@ -224,6 +224,23 @@ class HostAgents:
         return {name: AgentAnswer(name, probes.get(name), None if name in probes else errors.get(name),
                                   surveys.get(name), free.get(name)) for name in self.links}
 
+    def assign(self, ranks: Sequence[tuple[Host, int]]) -> None:
+        """This attempt's ranks (host, rank), for agents started before the plan was known: the
+        hosts it does not use end now, hosts not started yet get a link, each link its ranks."""
+        hosts = {host.name: host for host, _rank in ranks}
+        self.release([name for name in self.links if name not in hosts])
+        self.links.update({name: HostLink(host) for name, host in hosts.items() if name not in self.links})
+        for host, rank in ranks:
+            self.links[host.name].ranks.append(rank)
+
+    def hang_up(self) -> None:
+        """The job ended: the pingers stop, and every channel closes but a silent host's (it was
+        closed aside when it fell silent: closing it here could block on a dead connection)."""
+        self.quiet.set()
+        for link in self.links.values():
+            if link.channel is not None and not link.silent:
+                link.channel.close()
+
     def release(self, names: Sequence[str]) -> None:
         """Close these hosts' channels: their agents exit without starting anything."""
         for name in names:

@@ -1,11 +1,12 @@
 """Detached jobs from the client's side: ``launch --detach``, ``ps``, ``logs``, ``attach``, ``stop``.
 
-``start_detached`` runs inside ``HostsEngine.session`` (inventory, preflight, push, setup and
-ports are a launch's), renders the ranks, closes the early agents and hands each host's ranks
-to a keeper (``dlrun.remote.keeper``): host 0's first (the leader: it listens for the others
-over TLS with the job's pinned certificate), then the rest in parallel. It returns once the
-leader says every rank started. The other commands run ``dlrun.remote.jobs`` on each host
-and merge the answers. Mechanism and files: ``docs/detach.md``.
+``start_detached`` runs inside the engine's session (``HostsEngine.detach``: inventory,
+preflight, push, setup and ports are a launch's, and every attempt's ranks are rendered there,
+the early agents closed) and hands each host's ranks to a keeper (``dlrun.remote.keeper``): host
+0's first (the leader: it listens for the others over TLS with the job's pinned certificate),
+then the rest in parallel. It returns once the leader says every rank started. The other
+commands run ``dlrun.remote.jobs`` on each host and merge the answers. Mechanism and files:
+``docs/detach.md``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from dlrun.run.view import summary_lines as view_summary
 from dlrun.transport.base import Transport, default_python
 
 if TYPE_CHECKING:
-    from dlrun.run.launch import HostsEngine, LaunchConfig
+    from dlrun.run.config import LaunchConfig
 
 START_TIMEOUT = 120.0  # seconds for every rank of a detached job to start
 POLL = 0.5  # seconds between two looks at the hosts (start, --follow, attach, stop)
@@ -328,37 +329,43 @@ def summary_lines(record: JobRecord, result: RunResult | None = None) -> list[st
             *root_cause_lines(result, view_commands(record)), *view_summary(result), job_line(record)]
 
 
-def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view: View) -> RunResult:
+@dataclass(frozen=True)
+class Handover:
+    """What the engine hands the keepers: the transport that reaches the hosts, every attempt's
+    id and rendered ranks (restart count and ports in their env), the job's secret (the keepers'
+    token and the rendezvous key's root), the hosts' addresses as the session found them, and
+    which rank's end ends the job."""
+
+    transport: Transport
+    attempts: tuple[tuple[str, tuple[WorkerCommand, ...]], ...]
+    secret: str
+    addresses: Mapping[str, str]
+    ends_job: Callable[[WorkerCommand], bool] | None = None
+
+
+def start_detached(config: LaunchConfig, job: Handover, job_id: str) -> RunResult:
     """Hand the job to the hosts' keepers; return once every rank started (exit code 0) or the
     job already failed (its exit code)."""
     from dlrun.tls import make_job_tls
 
-    attempts: list[tuple[str, Sequence[WorkerCommand]]] = []
-    for k in range(config.max_restarts + 1):  # every attempt's ranks, rendered now (restart count, ports)
-        attempt_id = rankpolicy.attempt_job_id(job_id, k)
-        with engine.place(replace(config, attempt=k, run_id=job_id), attempt_id, view, detached=True) as placement:
-            if placement.agents is not None:
-                placement.agents.close()  # the keepers start their own agents
-            attempts.append((attempt_id, placement.commands))
-    transport = placement.transport
+    transport, commands = job.transport, job.attempts[-1][1]
     tls = make_job_tls(job_id)
-    hosts = {c.host_name: c.spec.host for c in placement.commands}
+    hosts = {c.host_name: c.spec.host for c in commands}
     configs = keeper_configs(
-        job_id, attempts, agent_argv_of=lambda h: agent_argv(default_python(h), pidns=config.pidns),
-        token=engine.job_secret, cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
+        job_id, list(job.attempts), agent_argv_of=lambda h: agent_argv(default_python(h), pidns=config.pidns),
+        token=job.secret, cert_pem=tls.cert_pem, key_pem=tls.key_pem, grace=config.grace,
         host_timeout=config.ssh.host_timeout,
         script=" ".join(mask_argv(["-m"] * config.module + [config.script, *config.args]))[:200],
         pidns_source=source_of("agent"), gpu_every=config.gpu_every,
         rendezvous_source=source_of("rendezvous") if config.framework == "horovod" else None,
-        ends_job=placement.ends_job, hang=hang_config(config, transport, list(
-            {c.host_name: c.spec.host for c in placement.commands}.values())))
+        ends_job=job.ends_job, hang=hang_config(config, transport, list(hosts.values())))
     names = list(configs)
-    for name, checkpoint in checkpoint_configs(config, engine, placement.commands).items():
+    for name, checkpoint in checkpoint_configs(config, job.addresses, commands).items():
         configs[name]["checkpoint"] = checkpoint
     for name in names:  # a Slurm step holds its keeper: one that detached would leave the job
         configs[name]["stay"] = transport.holds_programs(hosts[name])
     leader = hosts[names[0]]
-    address = engine.addresses.get(leader.name, leader.address)
+    address = job.addresses.get(leader.name, leader.address)
     configs[names[0]]["bind"] = address  # the leader listens where its followers reach it, not everywhere
     try:
         answer = run_program(transport, leader, "keeper", configs[names[0]], job_id, lasting=True)
@@ -386,7 +393,7 @@ def start_detached(config: LaunchConfig, engine: HostsEngine, job_id: str, view:
     return RunResult(ranks=(), exit_code=0, job_id=job_id)
 
 
-def checkpoint_configs(config: LaunchConfig, engine: HostsEngine,
+def checkpoint_configs(config: LaunchConfig, addresses: Mapping[str, str],
                        commands: Sequence[WorkerCommand]) -> dict[str, dict[str, Any]]:
     """``--checkpoint-dir`` with restarts: each keeper's ``checkpoint`` (``dlrun.remote.ckptsync``):
     its job folder and push helper; the leader's also every host's address and a certificate
@@ -409,7 +416,7 @@ def checkpoint_configs(config: LaunchConfig, engine: HostsEngine,
                      "helper_source": source_of("push_helper"), "owner_check": not config.insecure_workdir}
         if i == 0:  # the leader
             out[name].update(cert=tls.cert_pem, key=tls.key_pem,
-                             addresses={n: engine.addresses.get(n, h.address) for n, (h, _) in hosts.items()})
+                             addresses={n: addresses.get(n, h.address) for n, (h, _) in hosts.items()})
     return out
 
 

@@ -1,9 +1,9 @@
 """What an engine is to the launch pipeline: the part that places a job's ranks.
 
-``dlrun.run.launch.run_job`` checks the options, shows the view, supervises every attempt,
+``dlrun.run.pipeline.run_job`` checks the options, shows the view, supervises every attempt,
 restarts and turns the result into an exit code, once for every engine. An engine decides
 where the ranks run and how their hosts' agents are reached: the hosts engine
-(``dlrun.run.launch.HostsEngine``: the inventory's hosts over SSH or on this machine) or the
+(``dlrun.run.hosts.HostsEngine``: the inventory's hosts over SSH or on this machine) or the
 Spark engine (``dlrun.spark.driver.SparkEngine``: the tasks of a barrier stage). Each attempt
 is one ``place``: the engine yields a ``Placement``, the pipeline supervises it, and the
 placement hears how it ended (``done``) before the engine cleans up. A restart is the next
@@ -13,20 +13,19 @@ attempt lost (``HostsEngine.regroup``: reconnect them, or leave them out with ``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from dlrun.inventory import Inventory
 from dlrun.render import WorkerCommand
-from dlrun.run.gpus import GpuSample
-from dlrun.run.result import RankState, RunResult
+from dlrun.run.result import RunResult
 
 if TYPE_CHECKING:
+    from dlrun.push.session import HostPushSummary
     from dlrun.run.agents import HostAgents
-    from dlrun.run.launch import LaunchConfig
+    from dlrun.run.config import LaunchConfig
     from dlrun.run.supervisor import View
     from dlrun.transport.base import Transport
 
@@ -50,20 +49,62 @@ class Placement:
     notes: tuple[str, ...] = ()  # said on the attempt's line (a restart's checkpoint copies: time and bytes)
 
 
+@dataclass(frozen=True)
+class DryRun:
+    """What ``--dry-run`` shows: each rank's command, what the code push would send and delete
+    (``pushes``: none where nothing is pushed), and whether the ports are free ones dlrun chose
+    now (``ports_chosen``: a launch asks the hosts again and may get others)."""
+
+    commands: tuple[WorkerCommand, ...]
+    pushes: tuple[HostPushSummary, ...] = ()
+    ports_chosen: bool = False
+
+
+@dataclass(frozen=True)
+class Regrouped:
+    """How the engine met a failed attempt's lost hosts: ``refused`` says why the job cannot
+    restart (None: it goes on); ``dropped``: hosts left out from the next attempt on."""
+
+    refused: str | None = None
+    dropped: tuple[str, ...] = ()
+
+
 class Engine(Protocol):
     """Places the ranks; everything above placing is the pipeline's."""
 
     #: what a restart relaunches, in the notice ("the job", "the barrier stage")
     restart_unit: str
-    #: the hosts known before anything starts (options' checks and warnings; Spark: a stand-in)
-    inventory: Inventory
+    #: whether ``detach`` can hand the job to its hosts (``launch --detach``)
+    detaches: bool
+
+    @property
+    def inventory(self) -> Inventory:
+        """The hosts known before anything starts (options' checks and warnings; Spark: a stand-in)."""
+        ...
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What the session warned about before the start, repeated in a failed attempt's root cause."""
+        ...
 
     def prepare(self, config: LaunchConfig) -> LaunchConfig:
         """Refuse what cannot work before anything starts; the config as this engine runs it."""
         ...
 
-    def dry_run(self, config: LaunchConfig, job_id: str) -> tuple[WorkerCommand, ...]:
+    def probes(self, config: LaunchConfig) -> bool:
+        """Does the session probe the hosts (and so warn about their own Keras, not this machine's)?"""
+        ...
+
+    def dry_run(self, config: LaunchConfig, job_id: str) -> DryRun:
         """The commands a launch would run, started nowhere."""
+        ...
+
+    def regroup(self, config: LaunchConfig, failed: RunResult) -> Regrouped:
+        """After a failed attempt that will be restarted: where the next one runs."""
+        ...
+
+    def detach(self, config: LaunchConfig, job_id: str, view: View) -> RunResult:
+        """Inside ``session``: hand every attempt's ranks to the hosts and return once they run."""
         ...
 
     def session(self, config: LaunchConfig, job_id: str) -> AbstractContextManager[LaunchConfig]:
@@ -74,35 +115,3 @@ class Engine(Protocol):
     def place(self, config: LaunchConfig, job_id: str, view: View) -> AbstractContextManager[Placement]:
         """One attempt's ranks, placed and rendered; cleaned up when the attempt ends."""
         ...
-
-
-class HeldView:
-    """Passes everything to ``view`` but the summary, which the pipeline shows once the
-    placement is cleaned up (a Spark stage's own failure lines come before dlrun's summary)."""
-
-    def __init__(self, view: View) -> None:
-        self.view = view
-
-    def start(self, commands: Sequence[WorkerCommand], log_dir: Path | None) -> None:
-        self.view.start(commands, log_dir)
-
-    def line(self, rank: int, text: str, stream: str) -> None:
-        self.view.line(rank, text, stream)
-
-    def lines(self, rank: int, texts: Sequence[str], stream: str) -> None:
-        self.view.lines(rank, texts, stream)
-
-    def state(self, rank: int, state: RankState, exit_code: int | None) -> None:
-        self.view.state(rank, state, exit_code)
-
-    def notice(self, text: str) -> None:
-        self.view.notice(text)
-
-    def gpus(self, host: str, samples: Sequence[GpuSample]) -> None:
-        self.view.gpus(host, samples)
-
-    def flush(self) -> None:
-        self.view.flush()
-
-    def finish(self, result: RunResult) -> None:
-        pass

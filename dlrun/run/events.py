@@ -9,11 +9,24 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from pathlib import Path
 
-if TYPE_CHECKING:
-    from dlrun.run.hang import StackAnswer
+from dlrun.remote.stack_groups import RankStacks, group_ranks, summary_lines
+
+
+@dataclass(frozen=True)
+class StackAnswer:
+    """Every rank's stacks (host answers parsed), the folder they went to, notes per host, and
+    what NCCL's RAS said of the job's communicators (``ras_lines``)."""
+
+    stacks: tuple[RankStacks, ...]
+    folder: Path | None
+    notes: Mapping[str, str] = field(default_factory=dict)
+    ras: tuple[str, ...] = ()
+
+    def summary(self) -> list[str]:
+        return summary_lines(group_ranks(self.stacks)) + list(self.ras)
 
 
 @dataclass(frozen=True)

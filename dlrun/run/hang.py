@@ -31,27 +31,13 @@ from dlrun.remote.stack_groups import (
     ras_lines,
     summary_lines,
 )
-from dlrun.run.events import EventQueue, StacksReady
+from dlrun.run.events import EventQueue, StackAnswer, StacksReady
 from dlrun.run.tools import ship_pyspy
 from dlrun.transport.base import Transport
 
 SAMPLES = 2
 INTERVAL = 3.0  # seconds between a request's two samples: "hung" (same place) or "slow" (moved)
 ANSWER_TIMEOUT = 90.0  # seconds for every host's answer, shipping py-spy included
-
-
-@dataclass(frozen=True)
-class StackAnswer:
-    """Every rank's stacks (host answers parsed), the folder they went to, notes per host, and
-    what NCCL's RAS said of the job's communicators (``ras_lines``)."""
-
-    stacks: tuple[RankStacks, ...]
-    folder: Path | None
-    notes: Mapping[str, str] = field(default_factory=dict)
-    ras: tuple[str, ...] = ()
-
-    def summary(self) -> list[str]:
-        return summary_lines(group_ranks(self.stacks)) + list(self.ras)
 
 
 def stacks_message(request_id: str, sha256: str, *, samples: int = SAMPLES,

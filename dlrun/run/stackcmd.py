@@ -87,7 +87,7 @@ def detached_stacks(job_hosts: JobHosts, job_id: str) -> dict[str, Any]:
                 stacks += rank_stacks(str(item.get("host")), item["answer"])
                 answered.append((str(item.get("host")), item["answer"]))
                 folders.append(f"{host.name}:{item.get('folder')}")
-    from dlrun.run.hang import StackAnswer
+    from dlrun.run.events import StackAnswer
 
     stacks.sort(key=lambda r: r.rank)
     document = answer_json(StackAnswer(tuple(stacks), None, notes, tuple(ras_lines(answered))))

@@ -73,6 +73,7 @@ from dlrun.run.events import (
     Interrupt,
     Notice,
     Silent,
+    StackAnswer,
     StacksAsked,
     StacksReady,
     Tick,
@@ -80,7 +81,7 @@ from dlrun.run.events import (
 )
 from dlrun.run.flight import lagging_lines, rank_of, read_dump
 from dlrun.run.gpus import GpuSample, GpuStats, IdleWatch, csv_rows, parse_sample, visible_gpus
-from dlrun.run.hang import HangWatch, StackAnswer, StackRequests, answer_json, hang_lines
+from dlrun.run.hang import HangWatch, StackRequests, answer_json, hang_lines
 from dlrun.run.result import RankResult, RankState, RunResult, rank_state
 from dlrun.transport.base import Transport
 
@@ -163,13 +164,9 @@ class Supervisor:
         hosts = {c.host_name: c.spec.host for c in commands}
         if agents is None:
             agents = HostAgents(transport, tuple(hosts.values()), pidns=pidns, host_timeout=host_timeout)
-        else:  # agents started earlier (dlrun launch): hosts the plan does not use end now
-            agents.release([name for name in agents.links if name not in hosts])
-            agents.links.update({h.name: HostLink(h) for name, h in hosts.items() if name not in agents.links})
+        agents.assign([(c.spec.host, c.rank) for c in commands])  # agents started early: unused hosts end
         self.agents = agents
         self.links = agents.links
-        for c in commands:
-            self.links[c.host_name].ranks.append(c.rank)
         self.events = agents.events
         self.stopping = False
         self.stop_deadline: float | None = None
@@ -212,6 +209,14 @@ class Supervisor:
         self.events.put(Notice(text))
 
     def run(self) -> RunResult:
+        """Supervise the ranks until the job ends, then show its summary (``view.finish``)."""
+        result = self.supervise()
+        self.view.finish(result)
+        return result
+
+    def supervise(self) -> RunResult:
+        """Supervise the ranks until the job ends; the summary is the caller's to show (the
+        launch pipeline shows it once the engine cleaned up, and once for all attempts)."""
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             for number, rank in self.ranks.items():
@@ -228,18 +233,13 @@ class Supervisor:
         finally:
             self.control.close()
             stop_beating.set()
-            self.agents.quiet.set()
-            for link in self.links.values():
-                if link.channel is not None and not link.silent:  # a silent link is closed aside
-                    link.channel.close()
+            self.agents.hang_up()
             for rank in self.ranks.values():
                 if rank.log is not None:
                     rank.log.close()
             if self.gpu_csv is not None:
                 self.gpu_csv.close()
-        result = self._result()
-        self.view.finish(result)
-        return result
+        return self._result()
 
     # --------------------------------------------------------------------- start
     def _start_all(self) -> None:

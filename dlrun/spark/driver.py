@@ -1,6 +1,6 @@
 """``--backend spark``: the Spark engine places a job's ranks as the tasks of one barrier stage.
 
-Everything above placing is the launch pipeline's (``dlrun.run.launch.run_job``): the ranks get
+Everything above placing is the launch pipeline's (``dlrun.run.pipeline.run_job``): the ranks get
 the same env (``worker_commands``), the same ``Supervisor`` runs them (live view, per-rank
 logs, fail fast, root cause, exit codes, ``--max-restarts``); only the way a "host" is reached
 differs. Each barrier task is one host with one slot. ``SparkEngine.session`` holds the Spark
@@ -80,8 +80,10 @@ from dlrun.remote import agent
 from dlrun.render import Rendezvous, WorkerCommand, worker_argv, worker_commands
 from dlrun.run.addresses import socket_ifaces
 from dlrun.run.agents import agent_argv
-from dlrun.run.engine import Placement
-from dlrun.run.launch import LaunchConfig, check_ranks_shown, run_job
+from dlrun.run.checks import check_ranks_shown
+from dlrun.run.config import LaunchConfig
+from dlrun.run.engine import DryRun, Placement, Regrouped
+from dlrun.run.pipeline import run_job
 from dlrun.run.result import RankState, RunResult
 from dlrun.run.supervisor import View
 from dlrun.spark import task
@@ -149,6 +151,8 @@ class SparkEngine:
     docstring); the session holds the Spark context and the shipped script."""
 
     restart_unit = "the barrier stage"
+    detaches = False  # a Spark stage lives with its driver
+    warnings: tuple[str, ...] = ()
 
     def __init__(self, spark: SparkConfig) -> None:
         self.spark = spark
@@ -164,8 +168,17 @@ class SparkEngine:
         # runs as given on the executors (the logs are written here)
         return replace(config, push=False)
 
-    def dry_run(self, config: LaunchConfig, job_id: str) -> tuple[WorkerCommand, ...]:
+    def probes(self, config: LaunchConfig) -> bool:
+        return False  # the tasks' hosts are known once the stage runs
+
+    def dry_run(self, config: LaunchConfig, job_id: str) -> DryRun:
         raise UsageError("--dry-run is not available with --backend spark: tasks pick hosts and ports when they run")
+
+    def regroup(self, config: LaunchConfig, failed: RunResult) -> Regrouped:
+        return Regrouped()  # the next stage runs wherever Spark places its tasks
+
+    def detach(self, config: LaunchConfig, job_id: str, view: View) -> RunResult:
+        raise UsageError("--detach goes with the SSH backend (a Spark stage lives with its driver)")
 
     @contextmanager
     def session(self, config: LaunchConfig, job_id: str) -> Iterator[LaunchConfig]:

@@ -24,7 +24,8 @@ import pytest
 from dlrun.inventory import Host
 from dlrun.push.session import helper_source
 from dlrun.remote import LOADER, agent, boot_argv, boot_payload, source_of
-from dlrun.run.launch import LaunchConfig, launch
+from dlrun.run.config import LaunchConfig
+from dlrun.run.pipeline import launch
 from dlrun.topo.probe import parse_probe_output
 from dlrun.transport.base import Channel
 from dlrun.transport.local import HostRouter, LocalTransport
@@ -193,7 +194,7 @@ def test_launch_preflight_costs_no_extra_process_per_host(tmp_path: Path, monkey
     script = tmp_path / "job.py"
     script.write_text("import os\nprint('rank', os.environ['DLRUN_RANK'])\n")
     counting = CountingTransport()
-    monkeypatch.setattr("dlrun.run.launch.make_transport", lambda inventory, ssh: HostRouter(None, counting))
+    monkeypatch.setattr("dlrun.run.hosts.make_transport", lambda inventory, ssh: HostRouter(None, counting))
     monkeypatch.chdir(tmp_path)
     code = launch(LaunchConfig(script=str(script), hosts="localhost:2", plain=True, framework="torch"))
     assert code == 0

@@ -163,7 +163,8 @@ def test_the_keras_warning_follows_the_hosts_keras(cluster: SshdCluster, tmp_pat
 def test_the_keras_warning_reads_the_reports_of_a_tf_job_only() -> None:
     from dlrun.inventory import Host, Inventory
     from dlrun.plan import detect_framework
-    from dlrun.run.launch import LaunchConfig, keras_warning
+    from dlrun.run.checks import keras_warning
+    from dlrun.run.config import LaunchConfig
     from dlrun.topo.records import HostReport
 
     inventory = Inventory(hosts=(Host(name="a", address="10.0.0.1"), Host(name="b", address="10.0.0.2")))

@@ -453,7 +453,7 @@ def test_the_clis_shard_policies_are_the_pushs() -> None:
 
 
 def test_import_dlrun_imports_no_pipeline() -> None:
-    code = ("import sys, dlrun; print([m for m in ('dlrun.run.launch', 'dlrun.api', 'click', 'rich', 'paramiko')"
+    code = ("import sys, dlrun; print([m for m in ('dlrun.run.pipeline', 'dlrun.api', 'click', 'rich', 'paramiko')"
             " if m in sys.modules], callable(dlrun.push), callable(dlrun.topo))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})

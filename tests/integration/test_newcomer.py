@@ -119,7 +119,8 @@ def test_the_keras_warning_speaks_to_fit_and_to_custom_loops_alike(tmp_path: Pat
 
 def test_the_keras_warning_names_the_hosts_that_need_tf_keras() -> None:
     from dlrun.inventory import Host, Inventory
-    from dlrun.run.launch import LaunchConfig, keras_warning
+    from dlrun.run.checks import keras_warning
+    from dlrun.run.config import LaunchConfig
     from dlrun.topo.records import HostReport
 
     inventory = Inventory(hosts=(Host(name="a", address="10.0.0.1"), Host(name="b", address="10.0.0.2")))

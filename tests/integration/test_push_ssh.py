@@ -361,7 +361,9 @@ def test_launch_with_data_gives_each_rank_its_shard(cluster: SshdCluster, tmp_pa
 def test_launch_opens_a_push_session_only_where_the_code_changed(
         cluster: SshdCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capfd: pytest.CaptureFixture[str]) -> None:
-    from dlrun.run.launch import LaunchConfig, SSHOptions, launch
+    from dlrun.run.config import LaunchConfig
+    from dlrun.run.pipeline import launch
+    from dlrun.transport.factory import SSHOptions
 
     code = tmp_path / f"proj-{os.getpid()}-{time.monotonic_ns()}"
     write(code, {"job.py": "import util\nprint('VERSION', util.V)\n", "util.py": "V = 1\n"})
@@ -373,7 +375,7 @@ def test_launch_opens_a_push_session_only_where_the_code_changed(
             opened.append("push" if "dlrun-push_helper" in argv else "agent")
             return super().open(host, argv)
 
-    monkeypatch.setattr("dlrun.run.launch.make_transport",
+    monkeypatch.setattr("dlrun.run.hosts.make_transport",
                         lambda inventory, ssh: HostRouter(remote=Counting(config_file=str(cluster.ssh_config))))
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     config = LaunchConfig(script=str(code / "job.py"), hosts=str(hosts), plain=True, framework="torch",

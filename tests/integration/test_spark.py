@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from dlrun.errors import BackendError, UsageError
-from dlrun.run.launch import LaunchConfig
+from dlrun.run.config import LaunchConfig
 from dlrun.run.view import PlainView
 from dlrun.spark.driver import (
     Slots,

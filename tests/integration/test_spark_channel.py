@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from dlrun.run.launch import LaunchConfig
+from dlrun.run.config import LaunchConfig
 from dlrun.run.view import PlainView
 from dlrun.spark.driver import SparkConfig, run_spark
 from dlrun.spark.tls import client_context, make_job_tls

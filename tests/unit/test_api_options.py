@@ -18,8 +18,8 @@ from dlrun.cli import LAUNCH_KEYWORDS, SECTIONS, launch_arguments, main
 from dlrun.errors import UsageError
 from dlrun.options import JobOptions, OutputOptions, PushOptions, SparkOptions, SSHOptions, check_backend
 from dlrun.plan import DEFAULT_HOST_TIMEOUT
-from dlrun.run.launch import LaunchConfig
-from dlrun.run.launch import SSHOptions as SSHSettings
+from dlrun.run.config import LaunchConfig
+from dlrun.transport.factory import SSHOptions as SSHSettings
 
 RECORDS = {"Job": JobOptions, "Output": OutputOptions, "SSH": SSHOptions, "Push": PushOptions, "Spark": SparkOptions}
 

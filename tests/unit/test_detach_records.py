@@ -17,6 +17,7 @@ import pytest
 from dlrun.errors import UsageError
 from dlrun.inventory import load_inventory
 from dlrun.remote import agent, jobs, keeper, source_of
+from dlrun.run.config import LaunchConfig
 from dlrun.run.detach import (
     check_detach,
     keeper_configs,
@@ -29,7 +30,7 @@ from dlrun.run.detach import (
     summary_lines,
     view_commands,
 )
-from dlrun.run.launch import LaunchConfig, render_commands
+from dlrun.run.hosts import render_commands
 from dlrun.run.result import RankState
 
 
@@ -343,8 +344,8 @@ def test_detach_needs_a_host_timeout_and_the_leaders_key_loads_from_memory() -> 
     import socket
     import threading
 
-    from dlrun.run.launch import SSHOptions
     from dlrun.tls import make_job_tls
+    from dlrun.transport.factory import SSHOptions
 
     with pytest.raises(UsageError, match="--host-timeout"):
         check_detach(LaunchConfig(script="t.py", framework="torch", ssh=SSHOptions(host_timeout=0)), True)

@@ -83,9 +83,107 @@ def test_transport_imports_nothing_from_the_stages_above_it() -> None:
             assert not bad, f"{rel(path)} imports {bad}"
 
 
+def test_push_and_topo_reach_hosts_without_the_launch_pipeline() -> None:
+    """``push/`` and ``topo/`` come before ``run/`` in the data flow: they get their transport
+    from ``transport/factory``; the one rule they share with the launch is which interface and
+    address a host's ranks use (``run/addresses``)."""
+    for path in modules():
+        if rel(path).startswith(("push/", "topo/", "transport/")):
+            bad = {n for n in imports_of(path) if under(n, "dlrun.run") and not under(n, "dlrun.run.addresses")}
+            assert not bad, f"{rel(path)} imports {bad}"
+
+
 def test_test_modules_have_unique_names() -> None:
     """pytest imports test modules by basename (rootdir-relative, no packages): two
     ``test_x.py`` in different folders stop the whole run at collection."""
     tests = Path(__file__).resolve().parents[1]
     names = [p.name for p in tests.rglob("test_*.py")]
     assert sorted(n for n in set(names) if names.count(n) > 1) == []
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """dlrun's modules → the dlrun modules each imports (nested and ``TYPE_CHECKING`` imports
+    too: a cycle there is still two modules that need each other). ``from a import b`` is an
+    edge to ``a.b`` where that is a module, else to ``a``; a module's own packages are no edges."""
+    paths = {module_name(p): p for p in modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        edges = set()
+        for imported in imports_of(path):
+            while imported and imported not in paths:  # `a.b.func` → `a.b`
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not name.startswith(imported + "."):
+                edges.add(imported)
+        graph[name] = edges
+    return graph
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's components of more than one module (or a module importing itself), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1 or node in graph.get(node, ()):
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def cycle_in(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """One import cycle through the component's first module, as ``a → b → a``."""
+    members, start = set(component), component[0]
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        for nxt in sorted(graph[node] & members):
+            if nxt == start:
+                return [*paths[node], start]
+            if nxt not in paths:
+                paths[nxt] = [*paths[node], nxt]
+                queue.append(nxt)
+    return component
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert strongly_connected(graph) == [["a", "b", "c"], ["e"]]
+    assert cycle_in(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+
+
+def test_no_import_cycles() -> None:
+    """No two dlrun modules import each other, directly or through others, at any depth of the
+    file (``TYPE_CHECKING`` blocks and imports inside functions included): the layers stay a
+    one-way flow, and each module can be read and tested with only what is below it."""
+    graph = import_graph()
+    cycles = [" → ".join(cycle_in(graph, c)) for c in strongly_connected(graph)]
+    assert not cycles, "import cycles:\n  " + "\n  ".join(cycles)

@@ -129,7 +129,7 @@ def test_a_lossless_feed_waits_and_loses_nothing() -> None:
 
 
 def test_a_restart_while_the_summary_is_held_back_keeps_one_drawing_thread() -> None:
-    # the pipeline's HeldView swallows each attempt's finish: start comes again while drawing
+    # the pipeline shows each attempt's summary itself, once the engine cleaned up: start comes again while drawing
     view = Recorder()
     feed = ScreenFeed(view)
     feed.start([], None)

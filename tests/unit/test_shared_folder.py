@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from dlrun.run.agents import AgentAnswer
-from dlrun.run.launch import claiming, sharing_hosts
+from dlrun.run.pushstep import claiming, sharing_hosts
 
 from support.cli import REPO
 

@@ -8,7 +8,7 @@ import pytest
 from dlrun.allocation import allocation_inventory
 from dlrun.errors import UsageError
 from dlrun.inventory import parse_inline
-from dlrun.run.launch import SSHOptions, transport_kind
+from dlrun.transport.factory import SSHOptions, transport_kind
 from dlrun.transport.srun import STEP_VARIABLES, SrunTransport, parse_node_addresses, srun_env, step_argv
 
 

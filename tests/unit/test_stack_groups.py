@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from dlrun.remote.stack_groups import group_ranks, hang_cause, rank_list, rank_stacks, summary_lines
-from dlrun.run.hang import HangWatch, StackAnswer, hang_lines
+from dlrun.run.events import StackAnswer
+from dlrun.run.hang import HangWatch, hang_lines
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "stacks"
 REDUCE = "gloo-rank0-all_reduce.json"
