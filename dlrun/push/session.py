@@ -667,7 +667,8 @@ def survey_request(targets: Sequence[PushTarget], *, owner_check: bool = True) -
     already on a host without a second session and interpreter there.
     """
     return {"targets": [{"root": t.root, "paths": list(t.manifest.paths()), "owner_check": owner_check,
-                         "folders": [list(f) for f in t.manifest.folders]} for t in targets],
+                         "folders": [list(f) for f in t.manifest.folders], "versioned": t.label == "code"}
+                        for t in targets],
             "idle": HELPER_IDLE_S}
 
 
