@@ -327,7 +327,8 @@ def lock_versions(vdir: str) -> Any:
     return fd
 
 
-def carry(src: str, dst: str, skip: set[str], modes: list[tuple[str, int]]) -> dict[str, os.stat_result]:
+def carry(src: str, dst: str, skip: set[str], modes: list[tuple[str, int]],
+          eager: bool = True) -> dict[str, os.stat_result]:
     """Bring every file, link and folder of ``src`` that ``dst`` lacks into ``dst``, files as hard
     links (a copy where linking fails), never through a link, except paths in ``skip`` (and
     temporary and claim files). Returns the carried files' new stats by path; ``modes`` gets
@@ -356,6 +357,8 @@ def carry(src: str, dst: str, skip: set[str], modes: list[tuple[str, int]]) -> d
             if rel in skip:
                 dirs.remove(name)
                 continue
+            if not eager:  # made when a file below it is carried: a folder the push emptied stays gone
+                continue
             try:
                 mode = stat.S_IMODE(os.lstat(os.path.join(folder, name)).st_mode)
                 os.mkdir(target, 0o700)
@@ -365,12 +368,16 @@ def carry(src: str, dst: str, skip: set[str], modes: list[tuple[str, int]]) -> d
         for name in names:
             if name.startswith(PART) or name.startswith(CLAIM_PREFIX):
                 continue
+            if not eager and os.path.basename(folder) == "__pycache__":
+                continue  # bytecode: the push dropped what its new sources make stale
             rel = f"{rel_folder}/{name}" if rel_folder else name
             path, target = os.path.join(folder, name), os.path.join(dst, rel)
             if rel in skip or os.path.lexists(target):
                 continue
             try:
                 st = os.lstat(path)
+                if not eager:
+                    make_parents(src, dst, rel_folder, modes)
                 if stat.S_ISLNK(st.st_mode):
                     os.symlink(os.readlink(path), target)
                 elif stat.S_ISREG(st.st_mode):
@@ -382,6 +389,16 @@ def carry(src: str, dst: str, skip: set[str], modes: list[tuple[str, int]]) -> d
             except OSError:
                 continue
     return carried
+
+
+def make_parents(src: str, dst: str, rel_folder: str, modes: list[tuple[str, int]]) -> None:
+    path = ""
+    for part in rel_folder.split("/") if rel_folder else ():
+        path = f"{path}/{part}" if path else part
+        target = os.path.join(dst, path)
+        if not os.path.lexists(target):
+            os.mkdir(target, 0o700)
+            modes.append((target, stat.S_IMODE(os.lstat(os.path.join(src, path)).st_mode)))
 
 
 def copy_file(path: str, target: str, st: os.stat_result) -> None:
@@ -1245,7 +1262,7 @@ def main() -> int:
                 break  # the old tree stays in place; ``next`` waits for the next push to resume it
             # what the job wrote in the current tree since ``next`` was begun (a resumed push)
             pushed = set(before[t]) | set(load_record(finals[t])) | {rel for u, rel in plan["delete"] if u == t}
-            carry(os.path.realpath(finals[t]), stage, pushed, modes)
+            carry(os.path.realpath(finals[t]), stage, pushed, modes, eager=False)
             for path, mode in reversed(modes):
                 try:
                     os.chmod(path, mode)
@@ -1261,8 +1278,10 @@ def main() -> int:
             save_path(stage + ".json", new[t])
             version = swap_in(finals[t], stage)
             committed.add(t)
-            save_record(finals[t], new[t])
             kept += collect_versions(finals[t], version)
+            restamp(version, new[t])  # removing an old version's links changed the files' ctime
+            save_path(version + ".json", new[t])
+            save_record(finals[t], new[t])
     finally:
         for t, root in enumerate(roots):
             final_record(new[t], before[t], ours[t], t, plan)
