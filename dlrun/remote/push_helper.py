@@ -275,7 +275,15 @@ def versions_dir(root: str) -> str:
 
 def can_version(root: str) -> bool:
     # the swap needs the workdir writable (a symlink and the versions folder go there)
+    # and the folder or link there ours: another user's cannot be moved aside (--insecure-workdir)
     parent = nearest_existing(os.path.dirname(root))
+    try:
+        if os.lstat(root).st_uid != os.geteuid():
+            return False
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
     return os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)
 
 
@@ -852,7 +860,7 @@ def folder_modes(root: str, folders: list[list[Any]]) -> list[tuple[str, int]]:
         if rel and under_link(root, rel + "/x", seen):
             continue
         try:
-            st = os.lstat(path)
+            st = os.lstat(path) if rel else os.stat(path)  # the root: a link to the current version
         except OSError:
             continue
         if stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) != int(mode):
@@ -1276,7 +1284,11 @@ def main() -> int:
             final_record(new[t], before[t], ours[t], t, plan)
             restamp(stage, new[t])
             save_path(stage + ".json", new[t])
-            version = swap_in(finals[t], stage)
+            try:
+                version = swap_in(finals[t], stage)
+            except OSError as exc:
+                receiver.fail(f"{t}/", *os_problem(exc, finals[t]))
+                break
             committed.add(t)
             kept += collect_versions(finals[t], version)
             restamp(version, new[t])  # removing an old version's links changed the files' ctime

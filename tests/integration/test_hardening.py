@@ -205,7 +205,8 @@ def test_the_push_keeps_folder_modes_and_its_record_is_private(cluster, tmp_path
                     env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert out.returncode == 0, out.stdout + out.stderr
     remote = cluster.hosts[0].workdir / project.name
-    assert (mode_of(remote), mode_of(remote / "private"), mode_of(remote / "shared")) == (0o750, 0o700, 0o755)
+    assert remote.is_symlink()  # to the tree the push swapped in, whose modes are the project's
+    assert (mode_of(remote.resolve()), mode_of(remote / "private"), mode_of(remote / "shared")) == (0o750, 0o700, 0o755)
     assert mode_of(remote / "private" / ".env") == 0o600
     record = cluster.hosts[0].workdir / ".dlrun-cache" / f"{project.name}.json"
     assert (mode_of(record.parent), mode_of(record)) == (0o700, 0o600)
