@@ -82,6 +82,24 @@ def fill_rendezvous_port(specs: list[dict[str, Any]], port: int) -> None:
                 env[RENDEZVOUS_ADDR] = f"{host}:{port}/{rest.partition('/')[2]}"
 
 
+def pin_working_folders(specs: list[dict[str, Any]]) -> None:
+    """Every attempt's ranks start in the folder their working folder resolves to now: the code
+    tree the push swapped in (``<workdir>/<project>`` is a link to it), so a later push, which
+    swaps the link, never changes a restarted rank's code. The keeper runs in that folder too,
+    which keeps the push from removing it while the job lives (docs/push.md)."""
+    pinned = None
+    for spec in specs:
+        for rank in spec["ranks"]:
+            if rank.get("cwd"):
+                rank["cwd"] = os.path.realpath(os.path.expanduser(str(rank["cwd"])))
+                pinned = pinned or rank["cwd"]
+    if pinned:
+        try:
+            os.chdir(pinned)
+        except OSError:
+            pass
+
+
 def load_module(source: str, name: str) -> Any:
     """A ``dlrun.remote`` module from its source (shipped in the config: the rendezvous, the rank
     lines): a module of this keeper's own, dlrun is not imported."""
@@ -1308,6 +1326,7 @@ def main() -> None:
         answer.setdefault("rendezvous_port", int(config["rendezvous_port"]))
     if "rendezvous_port" in answer:
         fill_rendezvous_port(config.get("specs") or [config["spec"]], int(answer["rendezvous_port"]))
+    pin_working_folders(config.get("specs") or [config["spec"]])
     sys.stdout.flush()
     if config.get("stay"):
         stay(jobdir, answer, port)

@@ -1,0 +1,177 @@
+"""A push swaps the whole code tree in at once (issue 34, item 4), over real sshd hosts: a push
+killed mid-way leaves every host's previous tree whole, a job already running keeps its tree
+while a new push lands, and the next push resumes what the killed one sent."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dlrun.inventory import Host
+from dlrun.push.session import push
+from dlrun.transport.local import HostRouter
+from dlrun.transport.ssh import SSHTransport
+
+from conftest import REPO, hosts_toml, run_dlrun, wait_until
+
+pytestmark = pytest.mark.ssh
+
+PART = ".dlrun-part-"
+
+STALLED_PUSH = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from dlrun.inventory import Host
+from dlrun.transport.ssh import SSHTransport
+from dlrun.push.session import push
+from dlrun.transport.local import HostRouter
+
+stalled = set()
+def stall(host, done, total):
+    if done >= {threshold}:
+        stalled.add(host)
+        if len(stalled) == {hosts}:
+            print("stalled", flush=True)
+        time.sleep(600)
+
+hosts = [Host(address=n, name=n, workdir=w, python={python!r}) for n, w in {hosts_and_workdirs!r}]
+push(HostRouter(remote=SSHTransport(config_file={config!r})), hosts, code_dir=Path({src!r}), progress=stall)
+"""
+
+
+@pytest.fixture(scope="module")
+def transport(cluster) -> Iterator[HostRouter]:  # type: ignore[no-untyped-def]
+    router = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
+    yield router
+    router.close()
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_push_killed_midway_leaves_every_host_the_old_tree_whole(  # type: ignore[no-untyped-def]
+        cluster, transport, tmp_path: Path) -> None:
+    src = tmp_path / "proj"
+    src.mkdir()
+    size = 256 * 1024
+    old = {f"m{i:02d}.py": os.urandom(size) for i in range(40)}
+    for name, data in old.items():
+        (src / name).write_bytes(data)
+    hosts = [Host(address=h.name, name=h.name, workdir=str(h.workdir / "atomic"), python=cluster.python)
+             for h in cluster.hosts[:2]]
+    push(transport, hosts, code_dir=src)
+    remotes = [h.workdir / "atomic" / "proj" for h in cluster.hosts[:2]]
+    # a job's own output in the pushed folder (a checkpoint): it survives every push below
+    for i, remote in enumerate(remotes):
+        assert cluster.run(i, f"mkdir -p {remote}/ckpt && echo weights > {remote}/ckpt/model.pt").returncode == 0
+
+    new = {name: os.urandom(size) for name in old}
+    for name, data in new.items():
+        (src / name).write_bytes(data)
+    script = STALLED_PUSH.format(repo=str(REPO), threshold=20 * size, hosts=2, python=cluster.python,
+                                 hosts_and_workdirs=[(h.name, h.workdir) for h in hosts],
+                                 config=str(cluster.ssh_config), src=str(src))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stages = [r.parent / ".dlrun-versions" / "proj" / "next" for r in remotes]
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "stalled", proc.stderr.read() if proc.stderr else ""
+        # each host has new files in the tree being built beside the old one
+        assert wait_until(lambda: all(len([p for p in s.glob("m*.py") if p.read_bytes() == new[p.name]]) >= 10
+                                      for s in stages), 30)
+    finally:
+        proc.send_signal(signal.SIGKILL)  # kill -9: no cleanup of any kind on the client
+        proc.wait()
+    assert wait_until(lambda: not any(list(s.glob(PART + "*")) for s in stages), 30), "a partial file stayed"
+    staged = []
+    for remote, stage in zip(remotes, stages, strict=True):
+        landed = files_of(remote)
+        assert landed == {**old, "ckpt/model.pt": b"weights\n"}  # all 40 old files, none new
+        staged.append(sum(1 for name, data in files_of(stage).items() if new.get(name) == data))
+        assert staged[-1] >= 10
+
+    summaries = push(transport, hosts, code_dir=src)  # resumes: what the killed push sent stays sent
+    for summary, remote, sent_before in zip(summaries, remotes, staged, strict=True):
+        assert (summary.files_sent, summary.files_unchanged) == (40 - sent_before, sent_before)
+        assert files_of(remote) == {**new, "ckpt/model.pt": b"weights\n"}
+        versions = remote.parent / ".dlrun-versions" / "proj"
+        assert remote.is_symlink() and not (versions / "next").exists()
+        # no job runs in the old tree and all its files live on or were the push's: removed
+        assert sorted(p.name for p in versions.iterdir() if p.is_dir()) == [os.readlink(remote).rsplit("/", 1)[1]]
+
+
+def in_use(folder: Path) -> bool:
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd").startswith(str(folder)):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+JOB = """
+import os, sys, time
+print("start", os.getcwd() == os.path.realpath(os.getcwd()), flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.1)
+import lib  # imported only after the next push landed
+print("lib", lib.V, open("data.txt").read().strip(), sorted(n for n in os.listdir(".") if n[:2] != "__"), flush=True)
+open("result.txt", "w").write("written after the next push")
+"""
+
+
+def test_a_running_detached_job_keeps_its_tree_while_a_new_push_lands(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path) -> None:
+    project = tmp_path / f"keep-{os.getpid()}"
+    project.mkdir()
+    os.chmod(tmp_path, 0o755)
+    (project / "job.py").write_text(JOB)
+    (project / "lib.py").write_text("V = 1\n")
+    (project / "data.txt").write_text("old\n")
+    go = cluster.hosts[0].workdir / f"go-{project.name}"
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
+    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
+    out = run_dlrun("launch", "--detach", "--framework", "none", "--grace", "2", *common, str(project / "job.py"),
+                    str(go), cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = re.fullmatch(r"dlrun: detached job ([\w-]+)", out.stdout.strip().splitlines()[-1])
+    assert job, out.stdout + out.stderr
+    remote = cluster.hosts[0].workdir / project.name
+    first = remote.resolve()
+
+    (project / "lib.py").write_text("V = 2\n")
+    (project / "data.txt").write_text("new\n")
+    (project / "extra.py").write_text("")
+    pushed = run_dlrun("push", *common, "--code", str(project), cwd=tmp_path, timeout=120)
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    assert remote.resolve() != first and (remote / "lib.py").read_text() == "V = 2\n"
+    assert first.is_dir()  # the job runs there: not removed
+    assert cluster.run(0, f"touch {go}").returncode == 0
+
+    attached = run_dlrun("attach", job[1], *common, cwd=tmp_path, timeout=120)
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    assert "] start True" in attached.stdout, attached.stdout
+    assert "] lib 1 old ['data.txt', 'job.py', 'lib.py']" in attached.stdout, attached.stdout
+    # the job wrote result.txt into its own tree after the new one was swapped in: the next push
+    # keeps that tree (the file is nowhere else) instead of losing the file
+    assert wait_until(lambda: not in_use(first), 60), "the job's processes did not end"
+    (project / "lib.py").write_text("V = 3\n")
+    again = run_dlrun("push", *common, "--code", str(project), cwd=tmp_path, timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (first / "result.txt").read_text() == "written after the next push"
+    assert (remote / "lib.py").read_text() == "V = 3\n"
