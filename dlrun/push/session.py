@@ -722,3 +722,46 @@ def _summary_if_settled(host: str, targets: Sequence[PushTarget], trees: Sequenc
     return HostPushSummary(host=host, files_sent=0, bytes_sent=0,
                            files_unchanged=sum(len(plan.unchanged) for plan in plans), files_deleted=0,
                            seconds=0.0, code_dir=roots.get("code"), data_dir=roots.get("data"))
+
+
+# =============================================================================== --no-push
+
+
+def check_in_place(transport: Transport, hosts: Sequence[Host], folders: Mapping[str, Sequence[str]]) -> None:
+    """``--no-push``: the folders a job runs in and reads its script from (``folders``: host name
+    → paths as on the host, relative to the home folder) pass the check a push's folder does
+    (``check_owners``), asked of each host's push helper in parallel; nothing is written."""
+    chosen = [h for h in hosts if folders.get(h.name)]
+    if not chosen:
+        return
+
+    def ask(host: Host) -> None:
+        targets = [PushTarget("in place", folder, Manifest(entries=())) for folder in folders[host.name]]
+        job = _HostPush(transport, host, targets, delete=False, progress=None, file_progress=None,
+                        cancel=threading.Event(), dry_run=True)
+        channel = job.channel = transport.open(host, job.argv)
+        try:
+            replies = _Replies(channel)
+            job._send(boot_payload("push_helper"), replies)
+            request = survey_request(targets)
+            for spec in request["targets"]:
+                spec["versioned"] = False
+            job._send_line(request, replies)
+            first = replies.get()
+            if first is None or "targets" not in first:
+                raise job._helper_failed("the push helper did not report the host's folders", replies)
+            job._send_line({"abort": True}, replies)
+            check_owners(host.name, [_parse_tree(raw) for raw in first["targets"]])
+        finally:
+            channel.close()
+
+    with ThreadPoolExecutor(max_workers=min(32, len(chosen)), thread_name_prefix="dlrun-check") as pool:
+        futures = [pool.submit(ask, host) for host in chosen]
+    failures = [exc for exc in (f.exception() for f in futures) if exc is not None]
+    if len(failures) == 1:
+        raise failures[0]
+    if failures:
+        lines = "\n".join(f"  {exc.host}: {exc.message}" if isinstance(exc, DlrunError) and exc.host else f"  {exc}"
+                          for exc in failures)
+        raise SyncError(f"the folders the job would run in failed the check on {len(failures)} hosts:\n{lines}",
+                        hint="fix the folders above, or pass --insecure-workdir to accept the risk")

@@ -163,6 +163,19 @@ def project_root(config: LaunchConfig) -> Path:
     return Path(config.code).resolve() if config.code is not None else Path.cwd()
 
 
+def in_place_folders(config: LaunchConfig, hosts: Sequence[Host]) -> dict[str, list[str]]:
+    """``--no-push``: per remote host, the folder Python puts first on the ranks' ``sys.path``,
+    as on the host (relative: to the home folder): the script's folder, or for a module or a
+    command the folder they run in (the workdir)."""
+    folders = {}
+    for host in hosts:
+        if not host.is_local:
+            workdir = host.workdir or "~"
+            folder = "" if config.module else os.path.dirname(config.script)
+            folders[host.name] = [os.path.join(workdir, folder) if folder else workdir]  # an absolute one wins
+    return folders
+
+
 def script_given_alone(config: LaunchConfig) -> bool:
     """Is the job a script file named as the program (``train.py``, ``./run.sh``), not a module
     or a command (``python -m pkg.train``, ``Rscript train.R``)?"""
@@ -887,6 +900,10 @@ class HostsEngine:
                                      limit=push_limit(config), save_cache=not config.dry_run)
         try:
             addresses = reachable_addresses(used_hosts, transport.connect(used_hosts))
+            if not config.push and not config.insecure_workdir:  # in place: the same folder check as a push
+                from dlrun.push.session import check_in_place
+
+                check_in_place(transport, used_hosts, in_place_folders(config, used_hosts))
             targets = survey_code(code_dir, used_hosts, manifest.result()) if code_dir and manifest is not None else {}
             surveys = None
             if targets:
