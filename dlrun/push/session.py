@@ -14,9 +14,12 @@ started by the bootstrap (``boot_argv``, then ``boot_payload`` on its stdin):
    new or changed files, one SSH packet per write, while a thread reads the replies.
 3. The helper deletes files that an earlier push wrote and that are gone locally (never files
    a job created), writes each file under a temporary name (``.dlrun-part-*``) in its final
-   directory, verifies its sha256, renames it into place and reports per file. EOF in the
-   middle (dlrun killed, Ctrl-C, dropped connection) removes the partial temporary file; the
-   next push sends only what is missing or different.
+   directory, verifies its sha256, renames it into place and reports per file. A code tree is
+   built so in ``<workdir>/.dlrun-versions/<project>/next`` (a hard-link clone of the current
+   one) and swapped in with one rename of the ``<workdir>/<project>`` symlink (docs/push.md).
+   EOF in the middle (dlrun killed, Ctrl-C, dropped connection) removes the partial temporary
+   file and leaves the old tree in place; the next push sends only what is missing or
+   different in ``next``.
 
 A plan may also name ``sources``: other hosts' helpers serving some of the files
 (``dlrun.push.checkpoint``); the helper then fetches those from there over TLS after the
@@ -123,6 +126,9 @@ class HostPushSummary:
     dry_run: bool = False  # nothing was written: the counts say what a push would do
     largest: tuple[tuple[str, int, int], ...] = ()  # what would be sent: (name, bytes, files), largest first
     deleting: tuple[str, ...] = ()  # what would be deleted (a dry run)
+    # older versions of the code tree left in place: they hold files a job wrote there after a
+    # later push, found nowhere else (docs/push.md)
+    kept: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -301,6 +307,7 @@ class _HostPush:
         self.file_progress = file_progress
         self.cancel = cancel
         self.channel: Channel | None = None
+        self.kept: tuple[str, ...] = ()
         self.argv = boot_argv([*default_python(host), *HELPER_FLAGS], "push_helper")
         self.command = shlex.join([a if len(a) <= 200 else "<dlrun loader>" for a in self.argv])
 
@@ -345,6 +352,7 @@ class _HostPush:
                 files_unchanged=sum(len(p.unchanged) for p in plans),
                 files_deleted=deleted,
                 seconds=time.monotonic() - started,
+                kept=self.kept,
                 code_dir=next((tree.root for t, tree in zip(self.targets, trees, strict=True) if t.label == "code"),
                               None),
                 data_dir=next((tree.root for t, tree in zip(self.targets, trees, strict=True) if t.label == "data"),
@@ -414,7 +422,7 @@ class _HostPush:
                  "files": [f"0/{p}" for p in s["paths"] if p in needed]}
                 for s in self.sources if any(p in needed for p in s["paths"])]
         self._send_line(plan_message, replies)
-        outcome: dict[str, Any] = {"failures": [], "deleted": 0, "done": None}
+        outcome: dict[str, Any] = {"failures": [], "deleted": 0, "done": None, "kept": ()}
         total = sum(len(plan.send) for plan in plans)
         collector = threading.Thread(target=self._collect, args=(replies, total, outcome), daemon=True)
         collector.start()
@@ -424,6 +432,7 @@ class _HostPush:
         if outcome["done"] is None:
             raise self._helper_failed("the push helper stopped before reporting every file", replies)
         self.channel.wait(30)
+        self.kept = outcome["kept"]
         return sent, outcome["failures"], int(outcome["deleted"])
 
     def _collect(self, replies: _Replies, total: int, outcome: dict[str, Any]) -> None:
@@ -442,6 +451,8 @@ class _HostPush:
                 outcome["deleted"] += 1
             elif "err" in message:
                 outcome["failures"].append(message)
+            elif "kept" in message:
+                outcome["kept"] = tuple(str(path) for path in message["kept"])
             elif "done" in message:
                 outcome["done"] = message["done"]
                 return

@@ -174,4 +174,5 @@ def test_a_running_detached_job_keeps_its_tree_while_a_new_push_lands(  # type: 
     again = run_dlrun("push", *common, "--code", str(project), cwd=tmp_path, timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
     assert (first / "result.txt").read_text() == "written after the next push"
+    assert f"host0: kept {first}: a job wrote files there after a later push" in again.stderr, again.stderr
     assert (remote / "lib.py").read_text() == "V = 3\n"
