@@ -915,6 +915,8 @@ def listing(spec: dict[str, Any]) -> dict[str, Any]:
     reply: dict[str, Any] = {"root": root, "entries": {}, "missing": False, "dir": True}
     try:
         top = os.lstat(root)
+        if stat.S_ISLNK(top.st_mode) and f"{os.sep}{VERSIONS}{os.sep}" in os.path.realpath(root):
+            top = os.stat(root)  # a pushed project folder: the link to its current tree
     except FileNotFoundError:
         reply["missing"] = True
         return reply

@@ -176,3 +176,22 @@ def test_a_running_detached_job_keeps_its_tree_while_a_new_push_lands(  # type: 
     assert (first / "result.txt").read_text() == "written after the next push"
     assert f"host0: kept {first}: a job wrote files there after a later push" in again.stderr, again.stderr
     assert (remote / "lib.py").read_text() == "V = 3\n"
+
+
+def test_pull_of_a_pushed_project_folder_reads_its_current_tree(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    project = tmp_path / f"pulled-{os.getpid()}"
+    project.mkdir()
+    (project / "train.py").write_text("print('hi')\n")
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
+    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
+    pushed = run_dlrun("push", *common, "--code", str(project), cwd=tmp_path, timeout=120)
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    remote = cluster.hosts[0].workdir / project.name
+    assert remote.is_symlink()
+    assert cluster.run(0, f"echo 0.9 > {remote}/metrics.txt").returncode == 0
+    dest = tmp_path / "home"
+    dest.mkdir()
+    got = run_dlrun("pull", *common, "--project", project.name, ".", str(dest), cwd=tmp_path, timeout=120)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert {p.name: p.read_text() for p in dest.rglob("*") if p.is_file()} == \
+        {"train.py": "print('hi')\n", "metrics.txt": "0.9\n"}
