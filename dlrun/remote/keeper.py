@@ -100,6 +100,36 @@ def pin_working_folders(specs: list[dict[str, Any]]) -> None:
             pass
 
 
+VERSIONS = ".dlrun-versions"  # as dlrun.remote.push_helper names it
+PINS: list[str] = []
+
+
+def pin_version() -> None:
+    """Mark the code tree this keeper runs in as used (``<version>.pin-<host>-<pid>``, removed at
+    the end): a push from another host that shares the folder (NFS) cannot see this host's
+    processes, so it leaves a pinned tree alone (``push_helper.collect_versions``)."""
+    folder = os.getcwd()
+    while os.path.dirname(folder) != folder:
+        parent = os.path.dirname(folder)
+        if os.path.basename(os.path.dirname(parent)) == VERSIONS:
+            pin = f"{folder}.pin-{socket.gethostname()}-{os.getpid()}"
+            try:
+                os.close(os.open(pin, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+                PINS.append(pin)
+            except OSError:
+                pass
+            return
+        folder = parent
+
+
+def unpin_version() -> None:
+    for pin in PINS:
+        try:
+            os.unlink(pin)
+        except OSError:
+            pass
+
+
 def load_module(source: str, name: str) -> Any:
     """A ``dlrun.remote`` module from its source (shipped in the config: the rendezvous, the rank
     lines): a module of this keeper's own, dlrun is not imported."""
@@ -1339,6 +1369,7 @@ def main() -> None:
         print(json.dumps({"pid": pid, "port": port, "jobdir": jobdir, **answer}), flush=True)
         os._exit(0)
     code = 1
+    pin_version()
     try:
         code = Keeper(config, jobdir, listener, context, rendezvous).run()
     except BaseException:
@@ -1346,6 +1377,7 @@ def main() -> None:
 
         traceback.print_exc()
     finally:
+        unpin_version()
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)

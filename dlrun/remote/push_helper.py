@@ -493,9 +493,9 @@ def collect_versions(root: str, current: str) -> list[str]:
         return kept
     for name in names:
         path = os.path.join(vdir, name)
-        if not name.startswith(VERSION_PREFIX) or name.endswith(".json") or path == current:
+        if not name.startswith(VERSION_PREFIX) or "." in name or path == current:
             continue
-        if any(u == path or u.startswith(path + os.sep) for u in used):
+        if any(u == path or u.startswith(path + os.sep) for u in used) or pinned(path, names):
             continue
         record = load_path(path + ".json")
         if own_files(path, record):
@@ -516,6 +516,28 @@ def collect_versions(root: str, current: str) -> list[str]:
             except OSError:
                 pass
     return kept
+
+
+def pinned(path: str, names: list[str]) -> bool:
+    """Whether a detached job's keeper marked the tree at ``path`` as used
+    (``<version>.pin-<host>-<pid>``, ``dlrun.remote.keeper.pin_version``); a mark of this
+    host's whose keeper is gone is removed. Another host's processes cannot be seen from here."""
+    import socket
+    prefix = os.path.basename(path) + ".pin-"
+    here = socket.gethostname()
+    used = False
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        host, _, pid = name[len(prefix):].rpartition("-")
+        if host == here and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                os.unlink(os.path.join(os.path.dirname(path), name))
+            except OSError:
+                pass
+            continue
+        used = True
+    return used
 
 
 def own_files(path: str, record: Record) -> bool:
