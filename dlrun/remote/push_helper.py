@@ -297,7 +297,9 @@ def tree_base(root: str, versioned: bool) -> tuple[str, Record]:
         stage = os.path.join(versions_dir(root), NEXT)
         try:
             if stat.S_ISDIR(os.lstat(stage).st_mode):
-                return stage, load_path(stage + ".json")
+                # without its record (the helper itself was killed), the current tree's: next's
+                # files cloned from it are the same inodes, so what a push wrote is still known
+                return stage, load_path(stage + ".json") if os.path.exists(stage + ".json") else load_record(root)
         except OSError:
             pass
     return root, load_record(root)
@@ -344,7 +346,14 @@ def carry(src: str, dst: str, skip: set[str], modes: list[tuple[str, int]],
     carried: dict[str, os.stat_result] = {}
     if not os.path.isdir(src):
         return carried
+    device = os.stat(src).st_dev
     for folder, dirs, files in os.walk(src):
+        for name in list(dirs):  # a filesystem mounted inside the tree is not the push's to copy
+            try:
+                if os.lstat(os.path.join(folder, name)).st_dev != device:
+                    dirs.remove(name)
+            except OSError:
+                dirs.remove(name)
         rel_folder = os.path.relpath(folder, src)
         rel_folder = "" if rel_folder == "." else rel_folder
         names = list(files)
