@@ -4,6 +4,7 @@ while a new push lands, and the next push resumes what the killed one sent."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import signal
@@ -59,6 +60,23 @@ def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
+CHECK = """
+import hashlib, os
+os.chdir(os.path.dirname(os.path.realpath(__file__)))  # the tree the project folder names now
+digest = hashlib.sha256()
+for name in sorted(n for n in os.listdir(".") if n.startswith("m")):
+    digest.update(open(name, "rb").read())
+print("TREE", digest.hexdigest())
+"""
+
+
+def tree_digest(files: dict[str, bytes]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(files[name])
+    return digest.hexdigest()
+
+
 def files_of(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
@@ -71,6 +89,7 @@ def test_a_push_killed_midway_leaves_every_host_the_old_tree_whole(  # type: ign
     old = {f"m{i:02d}.py": os.urandom(size) for i in range(40)}
     for name, data in old.items():
         (src / name).write_bytes(data)
+    (src / "check.py").write_text(CHECK)
     hosts = [Host(address=h.name, name=h.name, workdir=str(h.workdir / "atomic"), python=cluster.python)
              for h in cluster.hosts[:2]]
     push(transport, hosts, code_dir=src)
@@ -93,6 +112,15 @@ def test_a_push_killed_midway_leaves_every_host_the_old_tree_whole(  # type: ign
         # each host has new files in the tree being built beside the old one
         assert wait_until(lambda: all(len([p for p in s.glob("m*.py") if p.read_bytes() == new[p.name]]) >= 10
                                       for s in stages), 30)
+        # a --no-push launch meanwhile runs the old tree, whole
+        inventory = tmp_path / "hosts.toml"
+        inventory.write_text(f'[defaults]\npython = "{cluster.python}"\n[[hosts]]\naddress = "{hosts[0].name}"\n'
+                             f'slots = 1\nworkdir = "{hosts[0].workdir}"\n')
+        out = run_dlrun("launch", "--no-push", "--plain", "--framework", "none", "--hosts", str(inventory),
+                        "--ssh-config", str(cluster.ssh_config), str(remotes[0] / "check.py"), cwd=tmp_path,
+                        timeout=180)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"TREE {tree_digest(old)}" in out.stdout, out.stdout
     finally:
         proc.send_signal(signal.SIGKILL)  # kill -9: no cleanup of any kind on the client
         proc.wait()
@@ -100,14 +128,14 @@ def test_a_push_killed_midway_leaves_every_host_the_old_tree_whole(  # type: ign
     staged = []
     for remote, stage in zip(remotes, stages, strict=True):
         landed = files_of(remote)
-        assert landed == {**old, "ckpt/model.pt": b"weights\n"}  # all 40 old files, none new
+        assert landed == {**old, "check.py": CHECK.encode(), "ckpt/model.pt": b"weights\n"}  # 40 old, none new
         staged.append(sum(1 for name, data in files_of(stage).items() if new.get(name) == data))
         assert staged[-1] >= 10
 
     summaries = push(transport, hosts, code_dir=src)  # resumes: what the killed push sent stays sent
     for summary, remote, sent_before in zip(summaries, remotes, staged, strict=True):
-        assert (summary.files_sent, summary.files_unchanged) == (40 - sent_before, sent_before)
-        assert files_of(remote) == {**new, "ckpt/model.pt": b"weights\n"}
+        assert (summary.files_sent, summary.files_unchanged) == (40 - sent_before, sent_before + 1)
+        assert files_of(remote) == {**new, "check.py": CHECK.encode(), "ckpt/model.pt": b"weights\n"}
         versions = remote.parent / ".dlrun-versions" / "proj"
         assert remote.is_symlink() and not (versions / "next").exists()
         # no job runs in the old tree and all its files live on or were the push's: removed
