@@ -22,8 +22,6 @@ from dlrun.transport.ssh import SSHTransport
 
 from conftest import REPO, hosts_toml, run_dlrun, wait_until
 
-pytestmark = pytest.mark.ssh
-
 PART = ".dlrun-part-"
 
 STALLED_PUSH = """
@@ -81,6 +79,7 @@ def files_of(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.ssh
 def test_a_push_killed_midway_leaves_every_host_the_old_tree_whole(  # type: ignore[no-untyped-def]
         cluster, transport, tmp_path: Path) -> None:
     src = tmp_path / "proj"
@@ -163,6 +162,7 @@ open("result.txt", "w").write("written after the next push")
 """
 
 
+@pytest.mark.ssh
 def test_a_running_detached_job_keeps_its_tree_while_a_new_push_lands(  # type: ignore[no-untyped-def]
         cluster, tmp_path: Path) -> None:
     project = tmp_path / f"keep-{os.getpid()}"
@@ -209,6 +209,7 @@ def test_a_running_detached_job_keeps_its_tree_while_a_new_push_lands(  # type: 
     assert (remote / "lib.py").read_text() == "V = 3\n"
 
 
+@pytest.mark.ssh
 def test_pull_of_a_pushed_project_folder_reads_its_current_tree(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     project = tmp_path / f"pulled-{os.getpid()}"
     project.mkdir()
@@ -226,3 +227,41 @@ def test_pull_of_a_pushed_project_folder_reads_its_current_tree(cluster, tmp_pat
     assert got.returncode == 0, got.stdout + got.stderr
     assert {p.name: p.read_text() for p in dest.rglob("*") if p.is_file()} == \
         {"train.py": "print('hi')\n", "metrics.txt": "0.9\n"}
+
+
+def test_old_trees_go_once_unused_and_a_jobs_files_move_on(tmp_path: Path) -> None:
+    """On this machine (the helper as a local process): the versions a push leaves behind."""
+    src = tmp_path / "proj"
+    src.mkdir()
+    (src / "a.py").write_text("A = 1\n")
+    host = Host(address="localhost", name="localhost", workdir=str(tmp_path / "host"), python=sys.executable)
+    router = HostRouter(remote=None)
+    remote = tmp_path / "host" / "proj"
+    versions = tmp_path / "host" / ".dlrun-versions" / "proj"
+
+    def trees() -> list[str]:
+        return sorted(p.name for p in versions.iterdir() if p.is_dir())
+
+    push(router, [host], code_dir=src)
+    (remote / "out").mkdir()
+    (remote / "out" / "result.txt").write_text("job output\n")
+    inode = (remote / "out" / "result.txt").stat().st_ino
+    (src / "a.py").write_text("A = 2\n")
+    push(router, [host], code_dir=src)
+    # the job's file moved on (the same inode: a link, not a copy); the old tree went
+    assert (remote / "out" / "result.txt").stat().st_ino == inode
+    assert trees() == [os.path.basename(os.readlink(remote))]
+
+    running = subprocess.Popen(["sleep", "600"], cwd=remote)  # a job that runs in the current tree
+    try:
+        held = remote.resolve()
+        (src / "a.py").write_text("A = 3\n")
+        push(router, [host], code_dir=src)
+        assert held.is_dir() and len(trees()) == 2 and (held / "a.py").read_text() == "A = 2\n"
+    finally:
+        running.kill()
+        running.wait()
+    (src / "a.py").write_text("A = 4\n")
+    push(router, [host], code_dir=src)
+    assert not held.exists() and trees() == [os.path.basename(os.readlink(remote))]
+    assert (remote / "a.py").read_text() == "A = 4\n" and (remote / "out" / "result.txt").read_text() == "job output\n"
