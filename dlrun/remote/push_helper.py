@@ -1315,8 +1315,6 @@ def main() -> int:
             if receiver.failed:
                 break
             final_record(new[t], before[t], ours[t], t, plan)
-            restamp(stage, new[t])
-            save_path(stage + ".json", new[t])
             try:
                 version = swap_in(finals[t], stage)
             except OSError as exc:
