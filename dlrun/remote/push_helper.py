@@ -276,9 +276,13 @@ def versions_dir(root: str) -> str:
 def can_version(root: str) -> bool:
     # the swap needs the workdir writable (a symlink and the versions folder go there)
     # and the folder or link there ours: another user's cannot be moved aside (--insecure-workdir)
+    # (a link the user made to a folder elsewhere stays theirs: that folder is written in place)
     parent = nearest_existing(os.path.dirname(root))
     try:
-        if os.lstat(root).st_uid != os.geteuid():
+        st = os.lstat(root)
+        if st.st_uid != os.geteuid():
+            return False
+        if stat.S_ISLNK(st.st_mode) and os.path.dirname(os.path.realpath(root)) != os.path.realpath(versions_dir(root)):
             return False
     except FileNotFoundError:
         pass

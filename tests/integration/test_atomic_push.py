@@ -265,3 +265,17 @@ def test_old_trees_go_once_unused_and_a_jobs_files_move_on(tmp_path: Path) -> No
     push(router, [host], code_dir=src)
     assert not held.exists() and trees() == [os.path.basename(os.readlink(remote))]
     assert (remote / "a.py").read_text() == "A = 4\n" and (remote / "out" / "result.txt").read_text() == "job output\n"
+
+
+def test_a_project_folder_the_user_linked_elsewhere_is_written_in_place(tmp_path: Path) -> None:
+    src = tmp_path / "proj"
+    src.mkdir()
+    (src / "a.py").write_text("A = 1\n")
+    elsewhere = tmp_path / "big-disk" / "proj"
+    elsewhere.mkdir(parents=True)
+    (tmp_path / "host").mkdir()
+    (tmp_path / "host" / "proj").symlink_to(elsewhere)
+    host = Host(address="localhost", name="localhost", workdir=str(tmp_path / "host"), python=sys.executable)
+    push(HostRouter(remote=None), [host], code_dir=src)
+    assert (tmp_path / "host" / "proj").readlink() == elsewhere  # the user's link stays
+    assert (elsewhere / "a.py").read_text() == "A = 1\n" and not (tmp_path / "host" / ".dlrun-versions").exists()
