@@ -101,31 +101,46 @@ def pin_working_folders(specs: list[dict[str, Any]]) -> None:
 
 
 VERSIONS = ".dlrun-versions"  # as dlrun.remote.push_helper names it
-PINS: list[str] = []
+PINS: list[tuple[str, int]] = []
 
 
-def pin_version() -> None:
-    """Mark the code tree this keeper runs in as used (``<version>.pin-<host>-<pid>``, removed at
-    the end): a push from another host that shares the folder (NFS) cannot see this host's
-    processes, so it leaves a pinned tree alone (``push_helper.collect_versions``)."""
-    folder = os.getcwd()
+def pin_tree(folder: str) -> tuple[str, int] | None:
+    """Mark the pushed code tree holding ``folder`` as used: ``<version>.pin-<token>``, locked
+    (flock, shared) for as long as this process lives. A push's collection
+    (``push_helper.pinned``) leaves a version with a locked mark alone, and removes a mark whose
+    lock is free; it works where the push cannot see this host's processes (a folder shared over
+    NFS), and a killed process's lock goes with it. Also ``dlrun.remote.agent.pin_tree``."""
+    import fcntl
+    import secrets
+
     while os.path.dirname(folder) != folder:
         parent = os.path.dirname(folder)
         if os.path.basename(os.path.dirname(parent)) == VERSIONS:
-            pin = f"{folder}.pin-{socket.gethostname()}-{os.getpid()}"
-            try:
-                os.close(os.open(pin, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
-                PINS.append(pin)
+            token = secrets.token_hex(8)
+            pin, temp = f"{folder}.pin-{token}", f"{folder}.pinning-{token}"
+            try:  # locked before it bears the name a push looks at, which then never sees it unlocked
+                fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                os.rename(temp, pin)
+                return pin, fd
             except OSError:
-                pass
-            return
+                return None
         folder = parent
+    return None
+
+
+def pin_version() -> None:
+    """The keeper keeps its job's code tree while it lives (between attempts too)."""
+    pinned = pin_tree(os.getcwd())
+    if pinned:
+        PINS.append(pinned)
 
 
 def unpin_version() -> None:
-    for pin in PINS:
+    for pin, fd in PINS:
         try:
             os.unlink(pin)
+            os.close(fd)
         except OSError:
             pass
 

@@ -532,24 +532,27 @@ def collect_versions(root: str, current: str) -> list[str]:
 
 
 def pinned(path: str, names: list[str]) -> bool:
-    """Whether a detached job's keeper marked the tree at ``path`` as used
-    (``<version>.pin-<host>-<pid>``, ``dlrun.remote.keeper.pin_version``); a mark of this
-    host's whose keeper is gone is removed. Another host's processes cannot be seen from here."""
-    import socket
+    """Whether a job's agent or keeper marks the tree at ``path`` as used: a mark
+    (``<version>.pin-<token>``, ``dlrun.remote.keeper.pin_tree``) whose lock is held. A mark
+    whose lock is free (its process is gone) is removed."""
     prefix = os.path.basename(path) + ".pin-"
-    here = socket.gethostname()
     used = False
     for name in names:
         if not name.startswith(prefix):
             continue
-        host, _, pid = name[len(prefix):].rpartition("-")
-        if host == here and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            try:
-                os.unlink(os.path.join(os.path.dirname(path), name))
-            except OSError:
-                pass
+        mark = os.path.join(os.path.dirname(path), name)
+        try:
+            import fcntl
+            fd = os.open(mark, os.O_RDWR | os.O_NOFOLLOW)
+        except (ImportError, OSError):
             continue
-        used = True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(mark)
+        except OSError:
+            used = True  # held: the job runs
+        finally:
+            os.close(fd)
     return used
 
 

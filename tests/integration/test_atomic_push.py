@@ -189,7 +189,7 @@ def test_a_running_detached_job_keeps_its_tree_while_a_new_push_lands(  # type: 
     assert pushed.returncode == 0, pushed.stdout + pushed.stderr
     assert remote.resolve() != first and (remote / "lib.py").read_text() == "V = 2\n"
     assert first.is_dir()  # the job runs there: not removed
-    # and its keeper marked it, for pushes from hosts that share the folder but not the processes
+    # and its keeper and agent marked it, for pushes from hosts that share the folder but not the processes
     assert list(first.parent.glob(first.name + ".pin-*")), sorted(p.name for p in first.parent.iterdir())
     assert cluster.run(0, f"touch {go}").returncode == 0
 
@@ -200,12 +200,12 @@ def test_a_running_detached_job_keeps_its_tree_while_a_new_push_lands(  # type: 
     # the job wrote result.txt into its own tree after the new one was swapped in: the next push
     # keeps that tree (the file is nowhere else) instead of losing the file
     assert wait_until(lambda: not in_use(first), 60), "the job's processes did not end"
-    assert not list(first.parent.glob(first.name + ".pin-*"))
     (project / "lib.py").write_text("V = 3\n")
     again = run_dlrun("push", *common, "--code", str(project), cwd=tmp_path, timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
     assert (first / "result.txt").read_text() == "written after the next push"
     assert f"host0: kept {first}: a job wrote files there after a later push" in again.stderr, again.stderr
+    assert not list(first.parent.glob(first.name + ".pin-*"))  # the job's marks went with it
     assert (remote / "lib.py").read_text() == "V = 3\n"
 
 
