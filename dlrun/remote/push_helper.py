@@ -565,7 +565,7 @@ def own_files(path: str, record: Record) -> bool:
                 st = os.lstat(full)
             except OSError:
                 continue
-            if (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or name.startswith(PART)
+            if (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or name.startswith((PART, CLAIM_PREFIX))
                     or os.path.basename(folder) == "__pycache__"):  # bytecode: made again from the source
                 continue
             rel = os.path.relpath(full, path)

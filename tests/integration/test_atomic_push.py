@@ -279,3 +279,21 @@ def test_a_project_folder_the_user_linked_elsewhere_is_written_in_place(tmp_path
     push(HostRouter(remote=None), [host], code_dir=src)
     assert (tmp_path / "host" / "proj").readlink() == elsewhere  # the user's link stays
     assert (elsewhere / "a.py").read_text() == "A = 1\n" and not (tmp_path / "host" / ".dlrun-versions").exists()
+
+
+def test_a_launchs_claim_left_in_a_tree_does_not_keep_it(tmp_path: Path) -> None:
+    from dlrun.remote.push_helper import CLAIM_PREFIX
+
+    src = tmp_path / "proj"
+    src.mkdir()
+    (src / "a.py").write_text("A = 1\n")
+    host = Host(address="localhost", name="localhost", workdir=str(tmp_path / "host"), python=sys.executable)
+    router = HostRouter(remote=None)
+    push(router, [host], code_dir=src)
+    remote = tmp_path / "host" / "proj"
+    old = remote.resolve()
+    (remote / f"{CLAIM_PREFIX}launch-1").write_text("host0")  # a settled launch's claim, never pushed over
+    (src / "a.py").write_text("A = 2\n")
+    (summary,) = push(router, [host], code_dir=src)
+    assert summary.kept == () and not old.exists()
+    assert not list(remote.glob(CLAIM_PREFIX + "*"))
