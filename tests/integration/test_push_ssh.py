@@ -278,8 +278,10 @@ def test_a_host_that_goes_silent_fails_the_push_within_the_host_timeout(  # type
     # once thawed, host1's helper sees its connection gone and removes its partial file; every
     # file under a final name is whole
     remote = cluster.hosts[1].workdir / sub / "proj"
+    stage = remote.parent / ".dlrun-versions" / "proj" / "next"  # where the new tree was being built
     assert wait_until(lambda: not list(remote.parent.rglob(PART + "*")), 15), "the helper left its partial file behind"
-    assert all(path.read_bytes() == (src / path.name).read_bytes() for path in remote.glob("f*.bin"))
+    assert all(path.read_bytes() == (src / path.name).read_bytes() for path in stage.glob("f*.bin"))
+    assert not os.path.lexists(remote)  # never swapped in half-built
 
 
 def test_not_enough_space_is_refused_before_anything_is_written(  # type: ignore[no-untyped-def]
