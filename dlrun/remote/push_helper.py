@@ -1305,6 +1305,11 @@ def main() -> int:
                 for name in source["files"]:
                     if name in receiver.expect and name not in receiver.done:
                         receiver.fail(name, name, problem)
+        for t, (stage, _lock, _modes) in builds.items():
+            for rel in plan["keep"][t]:  # unchanged, so not sent: the clone must have brought it
+                if not os.path.lexists(os.path.join(stage, rel)):
+                    receiver.fail(f"{t}/{rel}", os.path.join(finals[t], rel),
+                                  "could not be linked or copied into the new tree; the next push sends it")
         for t, (stage, _lock, modes) in builds.items():
             if receiver.failed:
                 break  # the old tree stays in place; ``next`` waits for the next push to resume it

@@ -297,3 +297,25 @@ def test_a_launchs_claim_left_in_a_tree_does_not_keep_it(tmp_path: Path) -> None
     (summary,) = push(router, [host], code_dir=src)
     assert summary.kept == () and not old.exists()
     assert not list(remote.glob(CLAIM_PREFIX + "*"))
+
+
+@pytest.mark.ssh
+def test_a_file_the_login_may_not_link_is_copied_into_the_new_tree(  # type: ignore[no-untyped-def]
+        cluster, transport, tmp_path: Path) -> None:
+    if not cluster.is_root or Path("/proc/sys/fs/protected_hardlinks").read_text().strip() != "1":
+        pytest.skip("needs root to give a file away, and protected hard links")
+    src = tmp_path / "proj"
+    src.mkdir()
+    (src / "a.py").write_text("A = 1\n")
+    hosts = [Host(address=cluster.hosts[0].name, name=cluster.hosts[0].name,
+                  workdir=str(cluster.hosts[0].workdir / "clone"), python=cluster.python)]
+    push(transport, hosts, code_dir=src)
+    remote = cluster.hosts[0].workdir / "clone" / "proj"
+    made = remote.resolve() / "made-by-sudo.txt"  # a `sudo` setup step's file: the login may read it, not link it
+    made.write_text("built\n")
+    made.chmod(0o644)
+    (src / "a.py").write_text("A = 2\n")
+    (summary,) = push(transport, hosts, code_dir=src)
+    assert summary.files_sent == 1
+    assert (remote / "a.py").read_text() == "A = 2\n" and (remote / "made-by-sudo.txt").read_text() == "built\n"
+    assert (remote / "made-by-sudo.txt").stat().st_uid != 0  # a copy of the login's own
