@@ -14,9 +14,12 @@ started by the bootstrap (``boot_argv``, then ``boot_payload`` on its stdin):
    new or changed files, one SSH packet per write, while a thread reads the replies.
 3. The helper deletes files that an earlier push wrote and that are gone locally (never files
    a job created), writes each file under a temporary name (``.dlrun-part-*``) in its final
-   directory, verifies its sha256, renames it into place and reports per file. EOF in the
-   middle (dlrun killed, Ctrl-C, dropped connection) removes the partial temporary file; the
-   next push sends only what is missing or different.
+   directory, verifies its sha256, renames it into place and reports per file. A code tree is
+   built so in ``<workdir>/.dlrun-versions/<project>/next`` (a hard-link clone of the current
+   one) and swapped in with one rename of the ``<workdir>/<project>`` symlink (docs/push.md).
+   EOF in the middle (dlrun killed, Ctrl-C, dropped connection) removes the partial temporary
+   file and leaves the old tree in place; the next push sends only what is missing or
+   different in ``next``.
 
 A plan may also name ``sources``: other hosts' helpers serving some of the files
 (``dlrun.push.checkpoint``); the helper then fetches those from there over TLS after the
@@ -123,6 +126,9 @@ class HostPushSummary:
     dry_run: bool = False  # nothing was written: the counts say what a push would do
     largest: tuple[tuple[str, int, int], ...] = ()  # what would be sent: (name, bytes, files), largest first
     deleting: tuple[str, ...] = ()  # what would be deleted (a dry run)
+    # older versions of the code tree left in place: they hold files a job wrote there after a
+    # later push, found nowhere else (docs/push.md)
+    kept: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -301,6 +307,7 @@ class _HostPush:
         self.file_progress = file_progress
         self.cancel = cancel
         self.channel: Channel | None = None
+        self.kept: tuple[str, ...] = ()
         self.argv = boot_argv([*default_python(host), *HELPER_FLAGS], "push_helper")
         self.command = shlex.join([a if len(a) <= 200 else "<dlrun loader>" for a in self.argv])
 
@@ -345,6 +352,7 @@ class _HostPush:
                 files_unchanged=sum(len(p.unchanged) for p in plans),
                 files_deleted=deleted,
                 seconds=time.monotonic() - started,
+                kept=self.kept,
                 code_dir=next((tree.root for t, tree in zip(self.targets, trees, strict=True) if t.label == "code"),
                               None),
                 data_dir=next((tree.root for t, tree in zip(self.targets, trees, strict=True) if t.label == "data"),
@@ -414,7 +422,7 @@ class _HostPush:
                  "files": [f"0/{p}" for p in s["paths"] if p in needed]}
                 for s in self.sources if any(p in needed for p in s["paths"])]
         self._send_line(plan_message, replies)
-        outcome: dict[str, Any] = {"failures": [], "deleted": 0, "done": None}
+        outcome: dict[str, Any] = {"failures": [], "deleted": 0, "done": None, "kept": ()}
         total = sum(len(plan.send) for plan in plans)
         collector = threading.Thread(target=self._collect, args=(replies, total, outcome), daemon=True)
         collector.start()
@@ -424,6 +432,7 @@ class _HostPush:
         if outcome["done"] is None:
             raise self._helper_failed("the push helper stopped before reporting every file", replies)
         self.channel.wait(30)
+        self.kept = outcome["kept"]
         return sent, outcome["failures"], int(outcome["deleted"])
 
     def _collect(self, replies: _Replies, total: int, outcome: dict[str, Any]) -> None:
@@ -442,6 +451,8 @@ class _HostPush:
                 outcome["deleted"] += 1
             elif "err" in message:
                 outcome["failures"].append(message)
+            elif "kept" in message:
+                outcome["kept"] = tuple(str(path) for path in message["kept"])
             elif "done" in message:
                 outcome["done"] = message["done"]
                 return
@@ -671,7 +682,8 @@ def survey_request(targets: Sequence[PushTarget], *, owner_check: bool = True) -
     already on a host without a second session and interpreter there.
     """
     return {"targets": [{"root": t.root, "paths": list(t.manifest.paths()), "owner_check": owner_check,
-                         "folders": [list(f) for f in t.manifest.folders]} for t in targets],
+                         "folders": [list(f) for f in t.manifest.folders], "versioned": t.label == "code"}
+                        for t in targets],
             "idle": HELPER_IDLE_S}
 
 
@@ -725,3 +737,46 @@ def _summary_if_settled(host: str, targets: Sequence[PushTarget], trees: Sequenc
     return HostPushSummary(host=host, files_sent=0, bytes_sent=0,
                            files_unchanged=sum(len(plan.unchanged) for plan in plans), files_deleted=0,
                            seconds=0.0, code_dir=roots.get("code"), data_dir=roots.get("data"))
+
+
+# =============================================================================== --no-push
+
+
+def check_in_place(transport: Transport, hosts: Sequence[Host], folders: Mapping[str, Sequence[str]]) -> None:
+    """``--no-push``: the folders a job runs in and reads its script from (``folders``: host name
+    → paths as on the host, relative to the home folder) pass the check a push's folder does
+    (``check_owners``), asked of each host's push helper in parallel; nothing is written."""
+    chosen = [h for h in hosts if folders.get(h.name)]
+    if not chosen:
+        return
+
+    def ask(host: Host) -> None:
+        targets = [PushTarget("in place", folder, Manifest(entries=())) for folder in folders[host.name]]
+        job = _HostPush(transport, host, targets, delete=False, progress=None, file_progress=None,
+                        cancel=threading.Event(), dry_run=True)
+        channel = job.channel = transport.open(host, job.argv)
+        try:
+            replies = _Replies(channel)
+            job._send(boot_payload("push_helper"), replies)
+            request = survey_request(targets)
+            for spec in request["targets"]:
+                spec["versioned"] = False
+            job._send_line(request, replies)
+            first = replies.get()
+            if first is None or "targets" not in first:
+                raise job._helper_failed("the push helper did not report the host's folders", replies)
+            job._send_line({"abort": True}, replies)
+            check_owners(host.name, [_parse_tree(raw) for raw in first["targets"]])
+        finally:
+            channel.close()
+
+    with ThreadPoolExecutor(max_workers=min(32, len(chosen)), thread_name_prefix="dlrun-check") as pool:
+        futures = [pool.submit(ask, host) for host in chosen]
+    failures = [exc for exc in (f.exception() for f in futures) if exc is not None]
+    if len(failures) == 1:
+        raise failures[0]
+    if failures:
+        lines = "\n".join(f"  {exc.host}: {exc.message}" if isinstance(exc, DlrunError) and exc.host else f"  {exc}"
+                          for exc in failures)
+        raise SyncError(f"the folders the job would run in failed the check on {len(failures)} hosts:\n{lines}",
+                        hint="fix the folders above, or pass --insecure-workdir to accept the risk")

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 from dlrun.push.session import HostPushSummary
 from dlrun.push.tree import human_bytes
+from dlrun.render import printable
 
 
 def summary_line(summary: HostPushSummary) -> str:
@@ -31,7 +32,13 @@ def summary_line(summary: HostPushSummary) -> str:
     return (
         f"{summary.host}: {summary.files_sent} files sent ({human_bytes(summary.bytes_sent)}), "
         f"{summary.files_unchanged} unchanged, {summary.files_deleted} deleted in {summary.seconds:.1f} s"
-    )
+    ) + "".join(f"\n{line}" for line in kept_lines(summary))
+
+
+def kept_lines(summary: HostPushSummary) -> list[str]:
+    """A line per older code tree the push left on the host, with why (docs/push.md)."""
+    return [f"  {summary.host}: kept {printable(path)}: a job wrote files there after a later push;"
+            " remove it once they are saved" for path in summary.kept]
 
 
 def dry_run_lines(s: HostPushSummary, shown: int = 10) -> str:
@@ -169,6 +176,8 @@ class PushView:
                     )
             self._progress.refresh()
             self.stop()
+            for line in (line for s in summaries for line in kept_lines(s)):
+                print(line, file=sys.stderr, flush=True)
             return
         for s in summaries:
             if self.console is None:

@@ -321,6 +321,34 @@ class StackTaker:
 # ----------------------------------------------------------------------------- agent side
 
 
+VERSIONS = ".dlrun-versions"  # as dlrun.remote.push_helper names it
+
+
+def pin_tree(folder: str) -> tuple[str, int] | None:
+    """Mark the pushed code tree holding ``folder`` as used: ``<version>.pin-<token>``, locked
+    (flock, shared) for as long as this process lives. A push's collection
+    (``push_helper.pinned``) leaves a version with a locked mark alone, and removes a mark whose
+    lock is free; it works where the push cannot see this host's processes (a folder shared over
+    NFS), and a killed process's lock goes with it. Also ``dlrun.remote.keeper.pin_tree``."""
+    import fcntl
+    import secrets
+
+    while os.path.dirname(folder) != folder:
+        parent = os.path.dirname(folder)
+        if os.path.basename(os.path.dirname(parent)) == VERSIONS:
+            token = secrets.token_hex(8)
+            pin, temp = f"{folder}.pin-{token}", f"{folder}.pinning-{token}"
+            try:  # locked before it bears the name a push looks at, which then never sees it unlocked
+                fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                os.rename(temp, pin)
+                return pin, fd
+            except OSError:
+                return None
+        folder = parent
+    return None
+
+
 class Agent:
     def __init__(self, out: IO[bytes], in_namespace: bool, stdin_fd: int | None = None) -> None:
         self.out_fd = out.fileno()
@@ -490,6 +518,8 @@ class Agent:
                 self.take_stacks(self.stacks.queued.pop(0))
 
     def start(self, spec: dict[str, Any]) -> None:
+        folders = {os.path.realpath(os.path.expanduser(str(r["cwd"]))) for r in spec["ranks"] if r.get("cwd")}
+        self.pins = [pin for pin in map(pin_tree, sorted(folders)) if pin]  # held until the agent ends
         self.job_id = str(spec.get("job_id", ""))
         self.gpus = GpuSampler(float(spec.get("gpu_every", 0) or 0))
         self.tag = str(spec.get("tag") or self.job_id)
@@ -501,7 +531,8 @@ class Agent:
             env["DLRUN_JOB_ID"] = self.job_id
             env["DLRUN_AGENT_TAG"] = self.tag
             argv = [str(a) for a in item["argv"]]
-            cwd = os.path.expanduser(item["cwd"]) if item.get("cwd") else None
+            # the folder as resolved now: the pushed code tree pinned above, whatever a push swaps in later
+            cwd = os.path.realpath(os.path.expanduser(item["cwd"])) if item.get("cwd") else None
             recorder = env.get("TORCH_FR_DUMP_TEMP_FILE")  # torch's flight recorder dumps there: a folder
             if env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE"):  # a torch job: NCCL's RAS for dlrun stack
                 self.pipes[rank] = env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]

@@ -76,6 +76,69 @@ def fill_rendezvous_port(specs: list[dict[str, Any]], port: int) -> None:
                 env[RENDEZVOUS_ADDR] = f"{host}:{port}/{rest.partition('/')[2]}"
 
 
+def pin_working_folders(specs: list[dict[str, Any]]) -> None:
+    """Every attempt's ranks start in the folder their working folder resolves to now: the code
+    tree the push swapped in (``<workdir>/<project>`` is a link to it), so a later push, which
+    swaps the link, never changes a restarted rank's code. The keeper runs in that folder too,
+    which keeps the push from removing it while the job lives (docs/push.md)."""
+    pinned = None
+    for spec in specs:
+        for rank in spec["ranks"]:
+            if rank.get("cwd"):
+                rank["cwd"] = os.path.realpath(os.path.expanduser(str(rank["cwd"])))
+                pinned = pinned or rank["cwd"]
+    if pinned:
+        try:
+            os.chdir(pinned)
+        except OSError:
+            pass
+
+
+VERSIONS = ".dlrun-versions"  # as dlrun.remote.push_helper names it
+PINS: list[tuple[str, int]] = []
+
+
+def pin_tree(folder: str) -> tuple[str, int] | None:
+    """Mark the pushed code tree holding ``folder`` as used: ``<version>.pin-<token>``, locked
+    (flock, shared) for as long as this process lives. A push's collection
+    (``push_helper.pinned``) leaves a version with a locked mark alone, and removes a mark whose
+    lock is free; it works where the push cannot see this host's processes (a folder shared over
+    NFS), and a killed process's lock goes with it. Also ``dlrun.remote.agent.pin_tree``."""
+    import fcntl
+    import secrets
+
+    while os.path.dirname(folder) != folder:
+        parent = os.path.dirname(folder)
+        if os.path.basename(os.path.dirname(parent)) == VERSIONS:
+            token = secrets.token_hex(8)
+            pin, temp = f"{folder}.pin-{token}", f"{folder}.pinning-{token}"
+            try:  # locked before it bears the name a push looks at, which then never sees it unlocked
+                fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                os.rename(temp, pin)
+                return pin, fd
+            except OSError:
+                return None
+        folder = parent
+    return None
+
+
+def pin_version() -> None:
+    """The keeper keeps its job's code tree while it lives (between attempts too)."""
+    pinned = pin_tree(os.getcwd())
+    if pinned:
+        PINS.append(pinned)
+
+
+def unpin_version() -> None:
+    for pin, fd in PINS:
+        try:
+            os.unlink(pin)
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def load_module(source: str, name: str) -> Any:
     """A ``dlrun.remote`` module from its source (shipped in the config: the rendezvous, the rank
     lines): a module of this keeper's own, dlrun is not imported."""
@@ -1398,6 +1461,7 @@ def main() -> None:
         answer.setdefault("rendezvous_port", int(config["rendezvous_port"]))
     if "rendezvous_port" in answer:
         fill_rendezvous_port(config.get("specs") or [config["spec"]], int(answer["rendezvous_port"]))
+    pin_working_folders(config.get("specs") or [config["spec"]])
     sys.stdout.flush()
     if config.get("stay"):
         stay(jobdir, answer, port)
@@ -1410,6 +1474,7 @@ def main() -> None:
         print(json.dumps({"pid": pid, "port": port, "jobdir": jobdir, **answer}), flush=True)
         os._exit(0)
     code = 1
+    pin_version()
     try:
         code = Keeper(config, jobdir, listener, context, rendezvous).run()
     except BaseException:
@@ -1417,6 +1482,7 @@ def main() -> None:
 
         traceback.print_exc()
     finally:
+        unpin_version()
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)

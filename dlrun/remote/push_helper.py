@@ -254,18 +254,340 @@ def unclaim(root: str) -> None:
                     pass
 
 
+# =============================================================================== versions (tree-atomic push)
+#
+# A code target (``versioned`` in its spec) lives in <workdir>/.dlrun-versions/<project>/<id>/,
+# and <workdir>/<project> is a symlink to the current one. A push builds ``next`` there (a clone
+# of the current tree by hard links, then the plan's writes and deletions), then renames it to a
+# new id and swaps the symlink with one rename: a host holds the old tree or the new one, whole.
+# A push cut off leaves ``next`` (and ``next.json``, its record) for the next push to resume.
+# The mechanism is in docs/push.md.
+
+VERSIONS = ".dlrun-versions"
+NEXT = "next"
+VERSION_PREFIX = "v-"
+
+
+def versions_dir(root: str) -> str:
+    parent, name = os.path.split(root)
+    return os.path.join(parent, VERSIONS, name)
+
+
+def can_version(root: str) -> bool:
+    # the swap needs the workdir writable (a symlink and the versions folder go there)
+    # and the folder or link there ours: another user's cannot be moved aside (--insecure-workdir)
+    # (a link the user made to a folder elsewhere stays theirs: that folder is written in place)
+    parent = nearest_existing(os.path.dirname(root))
+    try:
+        st = os.lstat(root)
+        if st.st_uid != os.geteuid():
+            return False
+        if stat.S_ISLNK(st.st_mode) and os.path.dirname(os.path.realpath(root)) != os.path.realpath(versions_dir(root)):
+            return False
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)
+
+
+def base_is_root(root: str) -> bool:
+    return not os.path.lexists(os.path.join(versions_dir(root), NEXT))
+
+
+def tree_base(root: str, versioned: bool) -> tuple[str, Record]:
+    """The tree a push starts from, and its record: an interrupted push's ``next``, else the root."""
+    if versioned:
+        stage = os.path.join(versions_dir(root), NEXT)
+        try:
+            if stat.S_ISDIR(os.lstat(stage).st_mode):
+                # without its record (the helper itself was killed), the current tree's: next's
+                # files cloned from it are the same inodes, so what a push wrote is still known
+                return stage, load_path(stage + ".json") if os.path.exists(stage + ".json") else load_record(root)
+        except OSError:
+            pass
+    return root, load_record(root)
+
+
+def load_path(path: str) -> Record:
+    try:
+        with open(path) as fh:
+            loaded = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def save_path(path: str, record: Record) -> None:
+    try:
+        temp = f"{path}.{os.getpid()}.tmp"
+        with os.fdopen(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w") as fh:
+            json.dump(record, fh)
+        os.replace(temp, path)
+    except OSError:
+        pass
+
+
+def lock_versions(vdir: str) -> Any:
+    """Hold ``<versions>/lock`` (flock) while building: a second push to this folder waits."""
+    os.makedirs(vdir, mode=0o700, exist_ok=True)
+    os.chmod(os.path.dirname(vdir), 0o700)
+    fd = os.open(os.path.join(vdir, "lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        import fcntl
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except (ImportError, OSError):
+        pass
+    return fd
+
+
+def carry(src: str, dst: str, skip: set[str], modes: list[tuple[str, int]],
+          eager: bool = True) -> dict[str, os.stat_result]:
+    """Bring every file, link and folder of ``src`` that ``dst`` lacks into ``dst``, files as hard
+    links (a copy where linking fails), never through a link, except paths in ``skip`` (and
+    temporary and claim files). Returns the carried files' new stats by path; ``modes`` gets
+    each folder made and its mode (set at the end: the build needs to write there)."""
+    carried: dict[str, os.stat_result] = {}
+    if not os.path.isdir(src):
+        return carried
+    device = os.stat(src).st_dev
+    for folder, dirs, files in os.walk(src):
+        for name in list(dirs):  # a filesystem mounted inside the tree is not the push's to copy
+            try:
+                if os.lstat(os.path.join(folder, name)).st_dev != device:
+                    dirs.remove(name)
+            except OSError:
+                dirs.remove(name)
+        rel_folder = os.path.relpath(folder, src)
+        rel_folder = "" if rel_folder == "." else rel_folder
+        names = list(files)
+        for name in list(dirs):
+            if os.path.islink(os.path.join(folder, name)):
+                dirs.remove(name)
+                names.append(name)
+        for name in list(dirs):
+            rel = f"{rel_folder}/{name}" if rel_folder else name
+            target = os.path.join(dst, rel)
+            try:
+                st = os.lstat(target)
+                if not stat.S_ISDIR(st.st_mode):
+                    dirs.remove(name)  # the new tree has a file or link there: its own
+                continue
+            except FileNotFoundError:
+                pass
+            if rel in skip:
+                dirs.remove(name)
+                continue
+            if not eager:  # made when a file below it is carried: a folder the push emptied stays gone
+                continue
+            try:
+                mode = stat.S_IMODE(os.lstat(os.path.join(folder, name)).st_mode)
+                os.mkdir(target, 0o700)
+                modes.append((target, mode))
+            except OSError:
+                dirs.remove(name)
+        for name in names:
+            if name.startswith(PART) or name.startswith(CLAIM_PREFIX):
+                continue
+            if not eager and os.path.basename(folder) == "__pycache__":
+                continue  # bytecode: the push dropped what its new sources make stale
+            rel = f"{rel_folder}/{name}" if rel_folder else name
+            path, target = os.path.join(folder, name), os.path.join(dst, rel)
+            if rel in skip or os.path.lexists(target):
+                continue
+            try:
+                st = os.lstat(path)
+                if not eager:
+                    make_parents(src, dst, rel_folder, modes)
+                if stat.S_ISLNK(st.st_mode):
+                    os.symlink(os.readlink(path), target)
+                elif stat.S_ISREG(st.st_mode):
+                    try:
+                        os.link(path, target)
+                    except OSError:
+                        copy_file(path, target, st)
+                    carried[rel] = os.lstat(target)
+            except OSError:
+                continue
+    return carried
+
+
+def make_parents(src: str, dst: str, rel_folder: str, modes: list[tuple[str, int]]) -> None:
+    path = ""
+    for part in rel_folder.split("/") if rel_folder else ():
+        path = f"{path}/{part}" if path else part
+        target = os.path.join(dst, path)
+        if not os.path.lexists(target):
+            os.mkdir(target, 0o700)
+            modes.append((target, stat.S_IMODE(os.lstat(os.path.join(src, path)).st_mode)))
+
+
+def copy_file(path: str, target: str, st: os.stat_result) -> None:
+    import shutil
+    temp = temp_for(target)
+    TEMPS.append(temp)
+    try:
+        shutil.copyfile(path, temp, follow_symlinks=False)
+        os.chmod(temp, stat.S_IMODE(st.st_mode))
+        os.utime(temp, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.rename(temp, target)
+    finally:
+        TEMPS.remove(temp)
+        if os.path.lexists(temp):
+            os.unlink(temp)
+
+
+def restamp(root: str, record: Record) -> None:
+    # a hard link changes the file's ctime, and a copy is a new inode: the digest still holds
+    for rel, old in list(record.items()):
+        if len(old) != 5:
+            continue
+        try:
+            st = os.lstat(os.path.join(root, rel))
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and old[0] == st.st_size and old[1] == st.st_mtime_ns:
+            record[rel] = [*stamp(st), old[4]]
+
+
+def swap_in(root: str, stage: str) -> str:
+    """Rename ``stage`` to a new version and point ``root`` at it with one rename (a folder
+    left by an older dlrun first moves into the versions folder). Returns the version's path."""
+    vdir = os.path.dirname(stage)
+    name = f"{VERSION_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{time.time_ns() % 1000000:06d}"
+    version = os.path.join(vdir, name)
+    os.rename(stage, version)
+    try:
+        os.rename(stage + ".json", version + ".json")
+    except OSError:
+        pass
+    link = os.path.join(os.path.dirname(root), f".dlrun-link-{os.getpid()}")
+    if os.path.lexists(link):
+        os.unlink(link)
+    os.symlink(os.path.relpath(version, os.path.dirname(root)), link)
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):  # an older dlrun's folder: kept as a version
+        legacy = os.path.join(vdir, f"{VERSION_PREFIX}0-legacy-{os.getpid()}")
+        save_path(legacy + ".json", load_record(root))
+        os.rename(root, legacy)
+    os.replace(link, root)
+    return version
+
+
+def versions_in_use() -> set[str]:
+    """The working folders (resolved) of this user's processes: a job started in a version keeps it."""
+    used: set[str] = set()
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return used
+    for pid in pids:
+        try:
+            used.add(os.readlink(f"/proc/{pid}/cwd"))
+        except OSError:
+            continue
+    return used
+
+
+def collect_versions(root: str, current: str) -> list[str]:
+    """Remove the versions no process runs in whose files all live on elsewhere (a hard link in a
+    newer version, or a file a push wrote, as its record says); returns the versions kept
+    because they hold files found nowhere else (a job's output written after a later push)."""
+    import shutil
+    vdir = os.path.dirname(current)
+    used = versions_in_use()
+    kept: list[str] = []
+    try:
+        names = sorted(os.listdir(vdir))
+    except OSError:
+        return kept
+    for name in names:
+        path = os.path.join(vdir, name)
+        if not name.startswith(VERSION_PREFIX) or "." in name or path == current:
+            continue
+        if any(u == path or u.startswith(path + os.sep) for u in used) or pinned(path, names):
+            continue
+        record = load_path(path + ".json")
+        if own_files(path, record):
+            kept.append(path)
+            continue
+
+        def writable(func: Any, failed: str, exc: Any) -> None:
+            try:
+                os.chmod(os.path.dirname(failed), 0o700)
+                func(failed)
+            except OSError:
+                pass
+
+        shutil.rmtree(path, onerror=writable)
+        if not os.path.lexists(path):
+            try:
+                os.unlink(path + ".json")
+            except OSError:
+                pass
+    return kept
+
+
+def pinned(path: str, names: list[str]) -> bool:
+    """Whether a job's agent or keeper marks the tree at ``path`` as used: a mark
+    (``<version>.pin-<token>``, ``dlrun.remote.keeper.pin_tree``) whose lock is held. A mark
+    whose lock is free (its process is gone) is removed."""
+    prefix = os.path.basename(path) + ".pin-"
+    used = False
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        mark = os.path.join(os.path.dirname(path), name)
+        try:
+            import fcntl
+            fd = os.open(mark, os.O_RDWR | os.O_NOFOLLOW)
+        except (ImportError, OSError):
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(mark)
+        except OSError:
+            used = True  # held: the job runs
+        finally:
+            os.close(fd)
+    return used
+
+
+def own_files(path: str, record: Record) -> bool:
+    """Whether the tree at ``path`` holds a file with no other link that no push wrote."""
+    for folder, _dirs, files in os.walk(path):
+        for name in files:
+            full = os.path.join(folder, name)
+            try:
+                st = os.lstat(full)
+            except OSError:
+                continue
+            if (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1 or name.startswith((PART, CLAIM_PREFIX))
+                    or os.path.basename(folder) == "__pycache__"):  # bytecode: made again from the source
+                continue
+            rel = os.path.relpath(full, path)
+            old = record.get(rel)
+            if not (old and len(old) == 5 and old[3] == st.st_ino):
+                return True
+    return False
+
+
 def survey(spec: dict[str, Any]) -> tuple[dict[str, Any], Record, Record]:
     """What the host has at ``spec["root"]``: the reply to send, the record an earlier push
     left, and the fresh record of what is there now."""
     root = resolve(spec["root"])
-    record = load_record(root)
+    versioned = bool(spec.get("versioned")) and can_version(root)
+    tree, record = tree_base(root, versioned)
     wanted: set[str] = set(spec["paths"])
     entries: dict[str, Entry] = {}
     fresh: Record = {}
     seen: dict[str, bool] = {}
     for rel in wanted.union(record):
-        path = os.path.join(root, rel)
-        if under_link(root, rel, seen):
+        path = os.path.join(tree, rel)
+        if under_link(tree, rel, seen):
             continue
         old = record.get(rel)
         try:
@@ -293,6 +615,8 @@ def survey(spec: dict[str, Any]) -> tuple[dict[str, Any], Record, Record]:
     error = None
     if not os.path.isdir(base):
         error = "not a directory"
+    elif versioned:
+        base = nearest_existing(os.path.dirname(root))  # checked by can_version
     elif not os.access(base, os.W_OK | os.X_OK):
         error = "permission denied" if base == root else f"permission denied (cannot create {root})"
     try:
@@ -304,14 +628,14 @@ def survey(spec: dict[str, Any]) -> tuple[dict[str, Any], Record, Record]:
     # nothing needs writing at all (dlrun.remote.agent answers this survey in-process)
     # (and no record of a path that is gone or is no longer the file the push wrote)
     # (and a root that exists: an empty tree's push still makes its directory)
-    settled = (os.path.isdir(root)
+    settled = (os.path.isdir(root) and (not versioned or (os.path.islink(root) and base_is_root(root)))
                and all(record.get(rel) == value for rel, value in fresh.items() if rel in wanted)
                and all(rel in entries and entries[rel][4] for rel in record)
                and not folder_modes(root, spec.get("folders") or []))
     unsafe, unsure = unsafe_folders(root) if spec.get("owner_check") else ([], False)
     reply = {"root": root, "entries": entries, "free": free, "block": block, "device": device,
              "error": error, "path": base if error else None, "settled": settled and not unsafe and not unsure,
-             "unsafe": unsafe}
+             "unsafe": unsafe, "versioned": versioned}
     if spec.get("claim") and not error and not unsafe:  # a launch asks which of its hosts share this folder
         reply["claimed_by"] = claim(root, str(spec["claim"]["token"]), str(spec["claim"]["host"]))
     return reply, record, fresh
@@ -574,7 +898,7 @@ def folder_modes(root: str, folders: list[list[Any]]) -> list[tuple[str, int]]:
         if rel and under_link(root, rel + "/x", seen):
             continue
         try:
-            st = os.lstat(path)
+            st = os.lstat(path) if rel else os.stat(path)  # the root: a link to the current version
         except OSError:
             continue
         if stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) != int(mode):
@@ -641,6 +965,8 @@ def listing(spec: dict[str, Any]) -> dict[str, Any]:
             return reply
     try:
         top = os.lstat(root)
+        if stat.S_ISLNK(top.st_mode) and f"{os.sep}{VERSIONS}{os.sep}" in os.path.realpath(root):
+            top = os.stat(root)  # a pushed project folder: the link to its current tree
     except FileNotFoundError:
         reply["missing"] = True
         return reply
@@ -897,6 +1223,32 @@ def sender(request: dict[str, Any]) -> int:
     return 0
 
 
+def final_record(record: Record, before: Record, ours: set[str], t: int, plan: dict[str, Any]) -> None:
+    deleted = {rel for u, rel in plan["delete"] if u == t}
+    for rel in ours:  # a write that failed or never came left the old file: still ours
+        if rel not in record and rel in before and rel not in deleted:
+            record[rel] = before[rel]
+
+
+def start_build(root: str) -> tuple[str, int, list[tuple[str, int]]]:
+    """``next`` for a push to ``root``, locked: an interrupted push's, or a new clone of the
+    current tree (hard links). Returns it, the lock and the folder modes to set at the end."""
+    vdir = versions_dir(root)
+    lock = lock_versions(vdir)
+    stage = os.path.join(vdir, NEXT)
+    modes: list[tuple[str, int]] = []
+    if not os.path.isdir(stage) or os.path.islink(stage):
+        if os.path.lexists(stage):
+            os.unlink(stage)
+        os.mkdir(stage, 0o700)
+        try:
+            modes.append((stage, stat.S_IMODE(os.stat(root).st_mode)))
+        except OSError:
+            pass
+        carry(os.path.realpath(root), stage, set(), modes)
+    return stage, lock, modes
+
+
 def main() -> int:
     widen_stdin()
     request = json.loads(IN.readline())
@@ -936,7 +1288,16 @@ def main() -> int:
             if rel in freshes[t]:
                 merged[rel] = freshes[t][rel]
         new.append(merged)
+    finals = list(roots)  # where the ranks see each tree; a versioned one is built in its ``next``
+    builds: dict[int, tuple[str, int, list[tuple[str, int]]]] = {}  # t -> (stage, lock, folder modes)
+    for t, root in enumerate(finals):
+        changes = any(int(f[0]) == t for f in plan["files"]) or any(int(d[0]) == t for d in plan["delete"])
+        if replies[t].get("versioned") and (changes or not os.path.islink(root) or not base_is_root(root)):
+            builds[t] = start_build(root)
+            roots[t] = builds[t][0]
     receiver = Receiver(roots, plan, new)
+    committed: set[int] = set()
+    kept: list[str] = []
     try:
         for t, root in enumerate(roots):  # the root itself, even for a tree with no files
             try:
@@ -957,16 +1318,50 @@ def main() -> int:
                 for name in source["files"]:
                     if name in receiver.expect and name not in receiver.done:
                         receiver.fail(name, name, problem)
+        for t, (stage, _lock, _modes) in builds.items():
+            for rel in plan["keep"][t]:  # unchanged, so not sent: the clone must have brought it
+                if not os.path.lexists(os.path.join(stage, rel)):
+                    receiver.fail(f"{t}/{rel}", os.path.join(finals[t], rel),
+                                  "could not be linked or copied into the new tree; the next push sends it")
+        for t, (stage, _lock, modes) in builds.items():
+            if receiver.failed:
+                break  # the old tree stays in place; ``next`` waits for the next push to resume it
+            # what the job wrote in the current tree since ``next`` was begun (a resumed push)
+            pushed = set(before[t]) | set(load_record(finals[t])) | {rel for u, rel in plan["delete"] if u == t}
+            carry(os.path.realpath(finals[t]), stage, pushed, modes, eager=False)
+            for path, mode in reversed(modes):
+                try:
+                    os.chmod(path, mode)
+                except OSError:
+                    pass
         for t, root in enumerate(roots):  # folder modes, as pushed (0700 stays 0700)
             set_folder_modes(root, request["targets"][t].get("folders") or [])
+        for t, (stage, _lock, _modes) in builds.items():
+            if receiver.failed:
+                break
+            final_record(new[t], before[t], ours[t], t, plan)
+            try:
+                version = swap_in(finals[t], stage)
+            except OSError as exc:
+                receiver.fail(f"{t}/", *os_problem(exc, finals[t]))
+                break
+            committed.add(t)
+            kept += collect_versions(finals[t], version)
+            restamp(version, new[t])  # removing an old version's links changed the files' ctime
+            save_path(version + ".json", new[t])
+            save_record(finals[t], new[t])
     finally:
-        deleted = {(t, rel) for t, rel in plan["delete"]}
         for t, root in enumerate(roots):
-            for rel in ours[t]:  # a write that failed or never came left the old file: still ours
-                if rel not in new[t] and rel in before[t] and (t, rel) not in deleted:
-                    new[t][rel] = before[t][rel]
-            if new[t] != before[t]:
+            final_record(new[t], before[t], ours[t], t, plan)
+            if t in builds:
+                if t not in committed:  # for the next push to resume
+                    restamp(root, new[t])
+                    save_path(builds[t][0] + ".json", new[t])
+                os.close(builds[t][1])
+            elif new[t] != before[t]:
                 save_record(root, new[t])
+    if kept:
+        say({"kept": kept})
     say({"done": {"written": receiver.written, "deleted": receiver.deleted, "failed": receiver.failed}})
     return 0
 

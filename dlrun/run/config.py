@@ -5,14 +5,16 @@ Built by ``dlrun.api`` and nowhere else; the pipeline (``dlrun.run.pipeline``) r
 
 from __future__ import annotations
 
+import os
 import secrets
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dlrun.command import SOURCE_SUFFIXES, entry_point, module_paths
+from dlrun.inventory import Host
 from dlrun.plan import AUTO, TF_AND_TORCH, Detected, detect_framework, is_tf
 from dlrun.render import printable
 from dlrun.transport.factory import SSHOptions
@@ -99,6 +101,19 @@ def project_root(config: LaunchConfig) -> Path:
     """Where a module or a command (not a script given alone) finds its files: ``--code``, else
     the current folder. The command runs there (on every host: the pushed copy)."""
     return Path(config.code).resolve() if config.code is not None else Path.cwd()
+
+
+def in_place_folders(config: LaunchConfig, hosts: Sequence[Host]) -> dict[str, list[str]]:
+    """``--no-push``: per remote host, the folder Python puts first on the ranks' ``sys.path``,
+    as on the host (relative: to the home folder): the script's folder, or for a module or a
+    command the folder they run in (the workdir)."""
+    folders = {}
+    for host in hosts:
+        if not host.is_local:
+            workdir = host.workdir or "~"
+            folder = "" if config.module else os.path.dirname(config.script)
+            folders[host.name] = [os.path.join(workdir, folder) if folder else workdir]  # an absolute one wins
+    return folders
 
 
 def script_given_alone(config: LaunchConfig) -> bool:

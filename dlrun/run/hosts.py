@@ -30,7 +30,7 @@ from dlrun.render import Rendezvous, WorkerCommand, worker_commands
 from dlrun.run.addresses import facing_address, interfaces_at, local_base_port, reachable_addresses, socket_ifaces
 from dlrun.run.agents import AgentAnswer, HostAgents
 from dlrun.run.checks import check_ports_free, keras_warning
-from dlrun.run.config import DEFAULT_LOG_DIR, LaunchConfig, say_framework
+from dlrun.run.config import DEFAULT_LOG_DIR, LaunchConfig, in_place_folders, say_framework
 from dlrun.run.engine import DryRun, Placement, Regrouped
 from dlrun.run.pushstep import (
     claiming,
@@ -309,6 +309,10 @@ class HostsEngine:
                                      limit=push_limit(config), save_cache=not config.dry_run)
         try:
             addresses = reachable_addresses(used_hosts, transport.connect(used_hosts))
+            if not config.push and not config.insecure_workdir:  # in place: the same folder check as a push
+                from dlrun.push.session import check_in_place
+
+                check_in_place(transport, used_hosts, in_place_folders(config, used_hosts))
             targets = survey_code(code_dir, used_hosts, manifest.result()) if code_dir and manifest is not None else {}
             surveys = None
             if targets:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pwd
 import secrets
 import stat
 import subprocess
@@ -211,7 +212,8 @@ def test_the_push_keeps_folder_modes_and_its_record_is_private(cluster: SshdClus
                     env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert out.returncode == 0, out.stdout + out.stderr
     remote = cluster.hosts[0].workdir / project.name
-    assert (mode_of(remote), mode_of(remote / "private"), mode_of(remote / "shared")) == (0o750, 0o700, 0o755)
+    assert remote.is_symlink()  # to the tree the push swapped in, whose modes are the project's
+    assert (mode_of(remote.resolve()), mode_of(remote / "private"), mode_of(remote / "shared")) == (0o750, 0o700, 0o755)
     assert mode_of(remote / "private" / ".env") == 0o600
     record = cluster.hosts[0].workdir / ".dlrun-cache" / f"{project.name}.json"
     assert (mode_of(record.parent), mode_of(record)) == (0o700, 0o600)
@@ -251,6 +253,48 @@ def scratch_inventory(cluster: SshdCluster, path: Path, workdir: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.ssh
+def test_a_no_push_run_from_a_folder_another_user_made_first_is_refused(cluster: SshdCluster, tmp_path: Path) -> None:
+    if not cluster.is_root:
+        pytest.skip("needs root to make a second user")
+    uid, gid = other_user()
+    tag = secrets.token_hex(3)
+    scratch = Path(f"/tmp/dlrun-scratch-{tag}")  # a shared /scratch: anyone may make folders, sticky
+    scratch.mkdir()
+    scratch.chmod(0o1777)
+    try:
+        planted = scratch / "proj"  # mallory made the folder the job runs from, and left a json.py
+        planted.mkdir()
+        planted.chmod(0o777)
+        marker = scratch / f"pwned-{tag}"
+        (planted / "json.py").write_text(f"open({str(marker)!r}, 'w').write('mallory')\ndumps = str\n")
+        (planted / "train.py").write_text("import json\nprint('trained', json.dumps(1))\n")
+        for path in (planted, planted / "json.py"):
+            os.chown(path, uid, gid)
+        hosts = scratch_inventory(cluster, tmp_path / "hosts.toml", scratch)
+        ssh = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), "--framework", "none", "--plain",
+               "--no-push"]
+        out = run_dlrun("launch", *ssh, str(planted / "train.py"), cwd=tmp_path, timeout=180)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert f"{planted} is owned by mallory, not by {cluster.user}" in out.stderr, out.stderr
+        assert "--insecure-workdir" in out.stderr and "] trained" not in out.stdout
+        assert not marker.exists()
+        out = run_dlrun("launch", *ssh, "train.py", cwd=tmp_path, timeout=180)  # relative: in the sticky workdir
+        assert out.returncode == 2 and f"{scratch} is writable by every user" in out.stderr, out.stdout + out.stderr
+        out = run_dlrun("launch", *ssh, "--insecure-workdir", str(planted / "train.py"), cwd=tmp_path, timeout=180)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert marker.read_text() == "mallory"  # what the check prevents: the job ran mallory's json.py
+
+        own = scratch / f"own-{tag}"  # a folder of one's own in the sticky scratch: fine
+        own.mkdir()
+        (own / "train.py").write_text("print('trained')\n")
+        os.chown(own, *[pwd.getpwnam(cluster.user).pw_uid, pwd.getpwnam(cluster.user).pw_gid])
+        out = run_dlrun("launch", *ssh, str(own / "train.py"), cwd=tmp_path, timeout=180)
+        assert out.returncode == 0 and "[0 host0] trained" in out.stdout, out.stdout + out.stderr
+    finally:
+        subprocess.run(["rm", "-rf", str(scratch)], check=False)
+
+
 @pytest.mark.ssh
 def test_a_project_folder_another_user_made_first_is_refused(cluster: SshdCluster, tmp_path: Path) -> None:
     if not cluster.is_root:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -59,7 +60,7 @@ def test_a_module_runs_with_the_inventorys_python_in_the_pushed_project(cluster:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "dlrun: framework torch (import torch in train.py)" in out.stderr  # the module's source was read
     assert ran(out.stdout) == [
-        ["proj", str(i), f"host{i}", cluster.python, str(cluster.hosts[i].workdir / "proj"), "--lr 1"]
+        ["proj", str(i), f"host{i}", cluster.python, os.path.realpath(cluster.hosts[i].workdir / "proj"), "--lr 1"]
         for i in range(2)]
     for host in cluster.hosts[:2]:  # pushed: the project's files, in the host's workdir
         assert (host.workdir / "proj" / "pkg" / "model.py").read_text() == "NAME = 'proj'\n"
@@ -79,7 +80,7 @@ def test_a_command_naming_no_local_file_pushes_nothing_and_code_is_never_ignored
     out = launch(cluster, root, "--code", ".", "python3", "-c", code)  # --code pushes, and the command runs there
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     lines = sorted(re.findall(r"^\[\d host\d\] ran (.*)$", out.stdout, re.M))
-    assert lines == [f"{cluster.hosts[i].workdir / 'bare'} {cluster.python}" for i in range(2)]
+    assert lines == [f"{os.path.realpath(cluster.hosts[i].workdir / 'bare')} {cluster.python}" for i in range(2)]
     assert all((h.workdir / "bare" / "pkg" / "train.py").is_file() for h in cluster.hosts[:2])
 
 

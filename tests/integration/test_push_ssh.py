@@ -218,6 +218,7 @@ def test_killed_push_leaves_no_partial_file_and_the_next_push_resumes(
     write(src, files)
     h = cluster.hosts[0]
     remote = h.workdir / "killed" / "big"
+    stage = h.workdir / "killed" / ".dlrun-versions" / "big" / "next"
     script = KILLED_PUSH.format(repo=str(REPO), threshold=3 * size + 200 * 1024, name=h.name,
                                 workdir=str(h.workdir / "killed"), python=cluster.python,
                                 config=str(cluster.ssh_config), src=str(src))
@@ -227,18 +228,20 @@ def test_killed_push_leaves_no_partial_file_and_the_next_push_resumes(
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert line.strip() == "stalled", proc.stderr.read() if proc.stderr else ""
-        # three files are in place and the fourth is being written under a temporary name
-        assert wait_until(lambda: len([p for p in remote.glob("f*.bin")]) == 3 and list(remote.glob(PART + "*")), 15)
+        # three files are in the tree being built and the fourth is being written under a temporary name
+        assert wait_until(lambda: len([p for p in stage.glob("f*.bin")]) == 3 and list(stage.glob(PART + "*")), 15)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert wait_until(lambda: not list(remote.glob(PART + "*")), 15), "the helper left its partial file behind"
-    landed = tree(remote)
+    assert wait_until(lambda: not list(stage.glob(PART + "*")), 15), "the helper left its partial file behind"
+    landed = tree(stage)
     assert landed == {f"f{i}.bin": files[f"f{i}.bin"] for i in range(3)}  # nothing partial under a final name
+    assert not os.path.lexists(remote)  # the tree is swapped in whole, or not at all
 
     (summary,) = push(transport, hosts_in(cluster, 1, "killed"), code_dir=src)
     assert (summary.files_sent, summary.files_unchanged, summary.bytes_sent) == (5, 3, 5 * size)
     assert tree(remote) == files
+    assert remote.is_symlink() and not stage.exists()
 
 
 # --------------------------------------------------------------------------- space and permissions
@@ -272,8 +275,10 @@ def test_a_host_that_goes_silent_fails_the_push_within_the_host_timeout(
     # once thawed, host1's helper sees its connection gone and removes its partial file; every
     # file under a final name is whole
     remote = cluster.hosts[1].workdir / sub / "proj"
+    stage = remote.parent / ".dlrun-versions" / "proj" / "next"  # where the new tree was being built
     assert wait_until(lambda: not list(remote.parent.rglob(PART + "*")), 15), "the helper left its partial file behind"
-    assert all(path.read_bytes() == (src / path.name).read_bytes() for path in remote.glob("f*.bin"))
+    assert all(path.read_bytes() == (src / path.name).read_bytes() for path in stage.glob("f*.bin"))
+    assert not os.path.lexists(remote)  # never swapped in half-built
 
 
 def test_not_enough_space_is_refused_before_anything_is_written(
@@ -326,18 +331,18 @@ def test_permission_denied_names_host_and_path(cluster: SshdCluster, transport: 
         assert f"{h.name}: permission denied" in text and str(h.workdir / "readonly") in text
     assert list((cluster.hosts[0].workdir / "readonly").iterdir()) == []
 
-    # a read-only directory inside the target: the file there fails by name, the others land
+    # a read-only directory inside the tree on the host (an older dlrun's folder) stops nothing:
+    # the new tree is built beside it, with the pushed folder modes, and swapped in
     locked = cluster.hosts[0].workdir / "partly" / "proj" / "pkg"
     locked.mkdir(parents=True)
     for path in (locked, locked.parent, locked.parent.parent):
         os.chown(path, uid, gid)
     locked.chmod(0o555)
-    with pytest.raises(SyncError) as info:
-        push(transport, hosts_in(cluster, 1, "partly"), code_dir=src)
-    assert info.value.host == "host0"
-    assert str(locked / "new.py") in str(info.value) and "Permission denied" in str(info.value)
-    assert (locked.parent / "top.py").read_text() == "1\n"
-    assert list(locked.iterdir()) == []
+    (summary,) = push(transport, hosts_in(cluster, 1, "partly"), code_dir=src)
+    assert summary.files_sent == 2
+    remote = cluster.hosts[0].workdir / "partly" / "proj"
+    assert remote.is_symlink() and tree(remote) == {"top.py": b"1\n", "pkg/new.py": b"2\n"}
+    assert (remote / "pkg").stat().st_mode & 0o777 == (src / "pkg").stat().st_mode & 0o777
 
 
 def test_launch_with_data_gives_each_rank_its_shard(cluster: SshdCluster, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ hosts whose workdirs are one folder."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -38,8 +39,11 @@ def test_three_hosts_with_one_workdir_get_one_push(cluster: SshdCluster, tmp_pat
         sent = dict(re.findall(r"^(host\d): (\d+) files sent", out.stderr, re.M))
         assert sent == {shared[3]: "1", shared[1]: "0", shared[2]: "0"}, out.stderr
         cwds = re.findall(r"\] cwd (\S+)", out.stdout)
-        assert cwds == [str(workdir / project.name)] * 3, out.stdout
+        # the ranks run in the tree the push swapped in (the project folder is a link to it)
+        assert cwds == [os.path.realpath(workdir / project.name)] * 3, out.stdout
+        assert (workdir / project.name).is_symlink()
         assert not list((workdir / project.name).glob(".dlrun-claim-*"))  # the push removed the claim
     finally:
-        shutil.rmtree(workdir / project.name, ignore_errors=True)
+        (workdir / project.name).unlink(missing_ok=True)
+        shutil.rmtree(workdir / ".dlrun-versions" / project.name, ignore_errors=True)
         shutil.rmtree(project, ignore_errors=True)
