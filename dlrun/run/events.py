@@ -11,8 +11,10 @@ import queue
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from dlrun.remote.stack_groups import RankStacks, group_ranks, summary_lines
+if TYPE_CHECKING:  # imported where stacks are shown: every launch imports this module, few take stacks
+    from dlrun.remote.stack_groups import RankStacks
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class StackAnswer:
     ras: tuple[str, ...] = ()
 
     def summary(self) -> list[str]:
+        from dlrun.remote.stack_groups import group_ranks, summary_lines
+
         return summary_lines(group_ranks(self.stacks)) + list(self.ras)
 
 

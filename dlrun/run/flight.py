@@ -15,8 +15,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from dlrun.remote.stack_groups import rank_list
-
 DUMP_NAME = re.compile(r"(\d+)$")  # trace_rank_<N>
 
 
@@ -61,6 +59,8 @@ def _op(dump: Mapping[str, Any], pg: str, seq: int) -> str:
 
 def lagging_lines(dumps: Mapping[int, Mapping[str, Any]]) -> list[str]:
     """One line per process group where the ranks' dumps disagree: who is behind, and where."""
+    from dlrun.remote.stack_groups import rank_list  # only when a dump is read: launches import this module
+
     progress = {rank: _progress(dump) for rank, dump in dumps.items()}
     lines = []
     for pg in sorted({pg for p in progress.values() for pg in p}, key=lambda p: (len(p), p)):

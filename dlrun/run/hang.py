@@ -17,23 +17,19 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dlrun.inventory import Host
 from dlrun.remote import LOADER, source_of
 from dlrun.remote.rankpolicy import HANG_BUSY_UTIL as BUSY_UTIL  # the detached keeper's too
-from dlrun.remote.stack_groups import (
-    RankStacks,
-    full_text,
-    group_ranks,
-    hang_cause,
-    rank_stacks,
-    ras_lines,
-    summary_lines,
-)
 from dlrun.run.events import EventQueue, StackAnswer, StacksReady
-from dlrun.run.tools import ship_pyspy
 from dlrun.transport.base import Transport
+
+if TYPE_CHECKING:
+    from dlrun.remote.stack_groups import RankStacks
+
+# dlrun.remote.stack_groups (its records and patterns) and dlrun.run.tools are imported where
+# stacks are taken or shown: every launch imports this module, few take stacks (docs/benchmarks.md)
 
 SAMPLES = 2
 INTERVAL = 3.0  # seconds between a request's two samples: "hung" (same place) or "slow" (moved)
@@ -51,6 +47,8 @@ def stacks_message(request_id: str, sha256: str, *, samples: int = SAMPLES,
 
 def write_stacks(folder: Path, stacks: Sequence[RankStacks], notes: Mapping[str, str],
                  answers: Mapping[str, Mapping[str, Any]]) -> None:
+    from dlrun.remote.stack_groups import full_text, group_ranks, ras_lines, summary_lines
+
     folder.mkdir(parents=True, exist_ok=True)
     for rank in stacks:
         (folder / f"rank-{rank.rank}.txt").write_text(full_text(rank), encoding="utf-8")
@@ -96,6 +94,8 @@ class StackRequests:
                                             self.clock() + ANSWER_TIMEOUT)
 
         def ship() -> None:
+            from dlrun.run.tools import ship_pyspy
+
             try:
                 sha256, notes = ship_pyspy(self.transport, list(hosts.values()))
             except Exception as exc:  # the stacks are taken all the same, with a py-spy on the host's PATH
@@ -147,6 +147,8 @@ class StackRequests:
         if pending.waiting or (not pending.answers and not pending.notes):
             return
         del self.pending[request_id]
+        from dlrun.remote.stack_groups import RankStacks, rank_stacks, ras_lines
+
         stacks: list[RankStacks] = []
         for host in pending.hosts:
             found = rank_stacks(host, pending.answers.get(host) or {})
@@ -218,6 +220,8 @@ class HangWatch:
 
 def hang_lines(answer: StackAnswer) -> list[str]:
     """A hang's root cause in a sentence, the groups, and where the full stacks are."""
+    from dlrun.remote.stack_groups import group_ranks, hang_cause, summary_lines
+
     groups = group_ranks(answer.stacks)
     lines = [f"hung: {hang_cause(groups)}", *("  " + line for line in summary_lines(groups) + list(answer.ras))]
     lines += [f"  {host}: {note}" for host, note in answer.notes.items()]
@@ -228,6 +232,8 @@ def hang_lines(answer: StackAnswer) -> list[str]:
 
 def answer_json(answer: StackAnswer) -> dict[str, Any]:
     """What the control socket sends back to ``dlrun stack``."""
+    from dlrun.remote.stack_groups import group_ranks, hang_cause, summary_lines
+
     groups = group_ranks(answer.stacks)
     return {"summary": summary_lines(groups) + list(answer.ras), "cause": hang_cause(groups) if answer.stacks else None,
             # absolute: dlrun stack runs in another terminal, maybe in another folder
