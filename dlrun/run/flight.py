@@ -10,7 +10,6 @@ collective the others entered next is what it never reached. Mechanism: ``docs/s
 from __future__ import annotations
 
 import io
-import pickle
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -18,13 +17,14 @@ from typing import Any
 DUMP_NAME = re.compile(r"(\d+)$")  # trace_rank_<N>
 
 
-class _PlainValues(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"a flight recorder dump names {module}.{name}: not read")
-
-
 def read_dump(data: bytes) -> dict[str, Any] | None:
     """A dump's dict, or None for anything that is not one made of plain values."""
+    import pickle  # here, not at the top: every launch imports this module, few read a dump
+
+    class _PlainValues(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            raise pickle.UnpicklingError(f"a flight recorder dump names {module}.{name}: not read")
+
     try:
         found = _PlainValues(io.BytesIO(data)).load()
     except Exception:

@@ -1,8 +1,8 @@
 """What a launch's client imports: the modules only some commands or failures use stay out.
 
 Every ``dlrun launch`` pays for its imports (docs/benchmarks.md, "Client imports"); these are
-imported where they are used: stacks (``dlrun stack``, ``--hang-timeout``), py-spy shipping, the
-frameworks, Spark, and SSH only where a host is reached over it.
+imported where they are used: stacks (``dlrun stack``, ``--hang-timeout``), flight recorder dumps
+(pickle), py-spy shipping, the frameworks, Spark, and SSH only where a host is reached over it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 LATER = ("dlrun.remote.stack_groups", "dlrun.run.tools", "dlrun.spark", "dlrun.transport.ssh", "paramiko",
-         "invoke", "pyspark", "torch", "tensorflow", "rich.live")
+         "invoke", "pyspark", "torch", "tensorflow", "rich.live", "pickle")
 
 
 def test_the_launch_pipeline_imports_none_of_what_only_some_launches_use() -> None:
