@@ -507,7 +507,7 @@ def test_an_oversized_code_push_stops_before_anything_is_read_or_written(
             assert way_out in out.stderr
         assert "RAN" not in out.stdout
         assert not any((h.workdir / code.name).exists() for h in cluster.hosts[:2])
-        assert not cache.exists()  # no file was hashed
+        assert not (cache / "dlrun" / "push").exists()  # no file was hashed (ssh -G's answers may be kept)
     out = run_dlrun("push", *ssh, "--code", ".", "--max-push-size", "none", "--dry-run", "--json", cwd=code,
                     timeout=120, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -526,7 +526,7 @@ def test_a_dry_run_writes_nothing_and_lists_what_the_push_then_sends(
     assert out.returncode == 0, out.stdout + out.stderr
     assert "would send 4 files" in out.stderr and "TRAINED" not in out.stdout
     assert not any((h.workdir / code.name).exists() for h in cluster.hosts[:2])
-    assert not (tmp_path / "cache").exists()  # nothing written here either: not even the hash cache
+    assert not (tmp_path / "cache" / "dlrun" / "push").exists()  # nothing written here either: not even the hash cache
     assert run_dlrun("push", *ssh, "--code", ".", cwd=code, env=env).returncode == 0
     (code / "gone.py").unlink()
     (code / "change.py").write_text("C = 2\n")
