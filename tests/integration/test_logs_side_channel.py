@@ -340,3 +340,38 @@ def test_the_host_stops_sending_when_dlrun_is_gone(  # type: ignore[no-untyped-d
         assert wait_until(lambda: not jobs_processes(ours), timeout=60)
     finally:
         tls.close()
+
+
+def test_a_host_that_fails_mid_answer_has_its_folder_sent_by_one_that_shares_its_home(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path, job: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # host1 skips host0's folder (host0 sends its own); host0's dlrun-jobs is killed after its
+    # first piece: host1 is asked again for host0's folder, from where host0 broke off
+    stream = detach.stream_logs
+    killed: list[int] = []
+    asked: list[tuple[str, tuple[str, ...]]] = []
+
+    def stream_logs(transport: Any, host: Any, request: Any, on_records: Any, on_piece: Any,
+                    **options: Any) -> dict[str, Any]:
+        asked.append((host.name, tuple(request.get("skip") or ())))
+        ssh = transport.remote if hasattr(transport, "remote") else transport
+        ours = ssh.clients[host.name].get_transport().sock.getsockname()[1]
+
+        def piece(key: str, header: Any, data: bytearray) -> None:
+            on_piece(key, header, data)
+            if host.name == "host0" and not killed:
+                killed.extend(jobs_processes(ours))
+                for pid in killed:
+                    os.kill(pid, signal.SIGKILL)
+
+        return stream(transport, host, request, on_records, piece, **options)
+
+    monkeypatch.setattr(detach, "stream_logs", stream_logs)
+    text = read_logs(cluster, tmp_path, job)
+    assert len(killed) == 1
+    assert shown_lines(text, 0, "host0") == [line(0, i) for i in range(BIG_LINES)]  # every byte, once, in order
+    assert shown_lines(text, 1, "host1") == [line(1, i) for i in range(1000)]
+    assert ("host1", ("host-host0",)) in asked  # the first look: host0 sends its own
+    assert asked[-1] == ("host1", ("host-host1",))  # the second: host1 sends host0's folder
+    warned = capsys.readouterr().err
+    assert "host0 cannot be reached" in warned
+    assert "the logs of host0 came through host1" in warned
