@@ -45,7 +45,7 @@ def line(rank: int, i: int) -> bytes:
 def job(request: pytest.FixtureRequest) -> Iterator[str]:
     """A detached job's folders as its keepers leave them on host0 (rank 0: ``BIG_LINES`` lines)
     and host1 (rank 1: 1,000 lines), in the login user's home the hosts share."""
-    job_id = "side-" + re.sub(r"\W", "", request.node.name)[-40:]
+    job_id = "side-" + re.sub(r"\W", "", request.node.name)[-32:] + f"-{os.getpid()}"  # two runs at once do not meet
     root = TEST_USER_HOME / ".dlrun" / "jobs" / job_id
     owner = os.stat(TEST_USER_HOME)
     for parent in (root.parent.parent, root.parent):  # the login user's own, as its keepers make them
