@@ -346,7 +346,7 @@ def test_a_host_that_fails_mid_answer_has_its_folder_sent_by_one_that_shares_its
         cluster, tmp_path: Path, job: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     # host1 skips host0's folder (host0 sends its own); host0's dlrun-jobs is killed after its
     # first piece: host1 is asked again for host0's folder, from where host0 broke off
-    stream = detach.stream_logs
+    stream = logstream.stream_logs
     killed: list[int] = []
     asked: list[tuple[str, tuple[str, ...]]] = []
 
