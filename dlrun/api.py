@@ -394,11 +394,12 @@ def logs(job: str, hosts: str | None = None, *, follow: bool = False, delete: bo
         record = follower.follow() if follow else follower.poll(whole=True)
         if record is None:
             raise UsageError(f"no job {job} on {', '.join(h.name for h in job_hosts.hosts)}")
-        if job_hosts.unreachable:  # what those hosts hold was not shown: not a complete answer
+        missing = [n for n in job_hosts.unreachable if n not in follower.covered]  # covered: read through a shared home
+        if missing:  # what those hosts hold was not shown: not a complete answer
             from dlrun.errors import HostUnreachable
 
             stream.flush()
-            raise HostUnreachable(f"the logs on {', '.join(job_hosts.unreachable)} were not read (see above)")
+            raise HostUnreachable(f"the logs on {', '.join(missing)} were not read (see above)")
         if delete:
             if follow and record.ended:  # the keepers finish writing their records right after the end
                 deadline = time.monotonic() + 30

@@ -29,6 +29,8 @@ KEEP_DAYS = 7
 CHUNK = 1 << 20  # bytes of one piece of the streamed ``logs`` answer
 SIDE_FROM = 8 << 20  # bytes of a ``logs`` answer from which it takes the TLS side channel dlrun offers
 SIDE_WAIT = 20.0  # seconds the side channel waits for dlrun's connection before the answer goes on stdout
+SIDE_AUTH = 1.0  # seconds a connection to the side channel has for TLS and the token, in all (as the keeper's)
+SIDE_GREETINGS = 32  # connections to the side channel greeted at once (each a thread, SIDE_AUTH at most)
 STACKS_TIMEOUT = 45.0  # seconds the keepers here have to answer a stack request
 
 
@@ -256,14 +258,11 @@ def size_of(path: str) -> int:
         return 0
 
 
-def server_context(cert_pem: str, key_pem: str) -> Any:
-    """TLS 1.3 with the certificate dlrun made for this look; the key goes to an anonymous memory
-    file (or a 0600 temporary file, removed at once), as the keeper's and the push helper's do."""
-    import ssl
+def load_pair(context: Any, cert_pem: str, key_pem: str) -> None:
+    """Load a certificate and its key into ``context``: the key goes to an anonymous memory file
+    (or a 0600 temporary file, removed at once), as the keeper's and the push helper's do."""
     import tempfile
 
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_3
     with tempfile.TemporaryDirectory(prefix="dlrun-jobs-") as private:
         paths = []
         fds = []
@@ -283,18 +282,81 @@ def server_context(cert_pem: str, key_pem: str) -> Any:
         finally:
             for fd in fds:
                 os.close(fd)
+
+
+def server_context(cert_pem: str, key_pem: str) -> Any:
+    """TLS 1.3 with the certificate dlrun made for this look (``load_pair``), and mutual: the
+    client must show that same certificate (dlrun holds its key), so a stranger fails at the
+    handshake."""
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(cadata=cert_pem)
+    load_pair(context, cert_pem, key_pem)
     return context
+
+
+def side_greet(conn: Any, context: Any, token: bytes, won: Any) -> None:
+    """One connection to the side channel: TLS and the token within ``SIDE_AUTH`` in all (a
+    timer shuts it down then, whatever it trickles), else it is closed; ``won(tls)`` if it is
+    dlrun (True: taken)."""
+    import hmac
+    import socket
+    import threading
+
+    through = threading.Event()
+
+    def expire() -> None:
+        if not through.is_set():
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    deadline = time.monotonic() + SIDE_AUTH
+    timer = threading.Timer(SIDE_AUTH, expire)
+    timer.daemon = True
+    timer.start()
+    tls = None
+    try:
+        conn.settimeout(SIDE_AUTH)
+        tls = context.wrap_socket(conn, server_side=True)
+        shown = b""
+        while not shown.endswith(b"\n") and len(shown) <= len(token):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            tls.settimeout(left)  # what is left of the deadline, not a fresh timeout per read
+            got = tls.recv(len(token) + 1 - len(shown))
+            if not got:
+                break
+            shown += got
+        if hmac.compare_digest(shown, token + b"\n"):
+            through.set()
+            if won(tls):
+                return
+        tls.close()
+    except (OSError, ValueError):
+        (tls or conn).close()
+    finally:
+        timer.cancel()
 
 
 def side_channel(side: dict[str, Any], out: Any) -> Any:
     """The TLS side channel of a big ``logs`` answer, or None: listen on the address dlrun's SSH
     connection came to (``SSH_CONNECTION``), say ``T {"port"}\n`` on ``out``, and take the first
-    connection that completes the handshake with dlrun's certificate and shows the token. dlrun
-    closes stdin when it cannot connect (a firewall, a NAT): then, or after ``SIDE_WAIT`` seconds,
-    None and the answer goes on ``out``."""
-    import hmac
+    connection that completes the handshake with dlrun's certificate (both ways) and shows the
+    token. Any local user sees the port: each connection is greeted in its own thread within
+    ``SIDE_AUTH`` in all (``side_greet``), at most ``SIDE_GREETINGS`` at once, while this loop
+    goes on accepting. dlrun closes stdin when it cannot connect (a firewall, a NAT): then, or
+    after ``SIDE_WAIT`` seconds, None and the answer goes on ``out``. Once taken, a thread
+    shuts the socket down when stdin ends (dlrun gone), so a send never blocks on a vanished
+    client (``watch_stdin``)."""
     import select
     import socket
+    import threading
 
     where = os.environ.get("SSH_CONNECTION", "").split()
     if len(where) != 4:
@@ -305,43 +367,96 @@ def side_channel(side: dict[str, Any], out: Any) -> Any:
         listener = socket.socket(socket.AF_INET6 if ":" in where[2] else socket.AF_INET, socket.SOCK_STREAM)
     except (ImportError, OSError, ValueError, KeyError):  # a Python without ssl: the answer goes on stdout
         return None
-    with listener:
+    lock = threading.Lock()
+    taken: list[Any] = []
+    greeting = [0]
+    done = threading.Event()
+    wake_r, wake_w = os.pipe()
+
+    def won(tls: Any) -> bool:
+        with lock:
+            if taken or done.is_set():
+                return False
+            taken.append(tls)
+        os.write(wake_w, b"x")
+        return True
+
+    def greet(conn: Any) -> None:
         try:
-            listener.bind((where[2], 0))
-            listener.listen(4)
-        except OSError:
-            return None
-        out.write(b"T " + json.dumps({"port": listener.getsockname()[1]}).encode() + b"\n")
-        out.flush()
-        deadline = time.monotonic() + SIDE_WAIT
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            ready = select.select([listener.fileno(), 0], [], [], left)[0]
-            if 0 in ready:  # dlrun could not connect (or is gone): the answer goes on stdout
-                return None
-            if listener.fileno() not in ready:
-                continue
+            side_greet(conn, context, token, won)
+        finally:
+            with lock:
+                greeting[0] -= 1
+
+    try:
+        with listener:
             try:
-                conn, _ = listener.accept()
+                listener.bind((where[2], 0))
+                listener.listen(16)
             except OSError:
-                continue
-            try:
-                conn.settimeout(min(10.0, max(0.1, deadline - time.monotonic())))
-                tls = context.wrap_socket(conn, server_side=True)
-                shown = b""
-                while not shown.endswith(b"\n") and len(shown) <= len(token):
-                    got = tls.recv(len(token) + 1 - len(shown))
-                    if not got:
-                        break
-                    shown += got
-                if hmac.compare_digest(shown, token + b"\n"):
-                    tls.settimeout(None)  # a paused pager holds the sender; dlrun's end closes the socket
-                    return tls
-                tls.close()
-            except (OSError, ValueError):
-                conn.close()
+                return None
+            out.write(b"T " + json.dumps({"port": listener.getsockname()[1]}).encode() + b"\n")
+            out.flush()
+            deadline = time.monotonic() + SIDE_WAIT
+            while True:
+                with lock:
+                    if taken:
+                        done.set()
+                        tls = taken[0]
+                        tls.settimeout(None)  # a paused pager holds the sender; dlrun's end closes the socket
+                        watch_stdin(tls)
+                        return tls
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                ready = select.select([listener.fileno(), 0, wake_r], [], [], left)[0]
+                if 0 in ready:  # dlrun could not connect (or is gone): the answer goes on stdout
+                    return None
+                if listener.fileno() not in ready:
+                    continue
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    continue
+                with lock:
+                    full = greeting[0] >= SIDE_GREETINGS
+                    if not full:
+                        greeting[0] += 1
+                if full:  # a flood: closed at once
+                    conn.close()
+                    continue
+                threading.Thread(target=greet, args=(conn,), name="dlrun-side-greet", daemon=True).start()
+    finally:
+        with lock:
+            done.set()
+            late = taken[1:] if taken else []
+        for tls in late:
+            tls.close()
+        os.close(wake_r)
+        os.close(wake_w)
+
+
+def watch_stdin(tls: Any) -> None:
+    """Shut ``tls`` down once stdin ends (dlrun closed the SSH channel, or is gone), in a thread:
+    a send blocked on a vanished client ends then, not after TCP's own retries (~15 min)."""
+    import select
+    import socket
+    import threading
+
+    def watch() -> None:
+        try:
+            while True:
+                select.select([0], [], [])
+                if not os.read(0, 4096):
+                    break
+        except OSError:
+            pass
+        try:
+            tls.shutdown(socket.SHUT_RDWR)
+        except (OSError, ValueError):
+            pass
+
+    threading.Thread(target=watch, name="dlrun-side-stdin", daemon=True).start()
 
 
 def close_side(tls: Any) -> None:

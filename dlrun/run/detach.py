@@ -12,6 +12,7 @@ commands run ``dlrun.remote.jobs`` on each host and merge the answers. Mechanism
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shlex
 import sys
@@ -573,6 +574,7 @@ class LogFollower:
         self.gpu_stats = GpuStats()  # attach: the summary's GPU lines, as an attached job's
         self.gpu_idle = IdleWatch(GPU_IDLE_AFTER)
         self.side = SideChannel()  # big answers come over TLS where the hosts' ports can be reached
+        self.covered: set[str] = set()  # hosts that failed mid-answer, whose folders a host sharing their home sent
 
     def poll(self, whole: bool = False) -> JobRecord | None:
         """Print what is new, every byte of it (``whole``: a file's unfinished last line too);
@@ -602,6 +604,8 @@ class LogFollower:
                 self.show(key, str(header.get("host", "?")), data)
 
         reachable = [h.name for h in self.hosts.hosts if h.name not in self.hosts.unreachable]
+        asked_at = time.monotonic()
+        sent_by: dict[str, set[str]] = {}  # host -> the hosts whose folders it sent (a shared home)
 
         def ask(host: Host) -> None:
             # hosts that share a home (NFS) see each other's folders: each sends its own, and
@@ -612,6 +616,41 @@ class LogFollower:
                         lambda key, header, data: piece(host.name, key, header, data), side=self.side)
 
         self.hosts.each(ask)
+
+        def ask_again(again: Mapping[str, Any], failed: frozenset[str], host: Host) -> None:
+            seen: set[str] = set()  # the hosts whose folders this host sees (its home)
+
+            def found(documents: list[dict[str, Any]]) -> None:
+                seen.update(str(d.get("host", "")) for d in documents)
+                records(documents)
+
+            def got(key: str, header: Mapping[str, Any], data: bytearray) -> None:
+                with lock:
+                    sent_by.setdefault(host.name, set()).add(str(header.get("host", "?")))
+                piece(host.name, key, header, data)
+
+            stream_logs(self.hosts.transport, host, again, found, got, side=self.side)
+            with lock:  # its whole answer came: what those hosts hold was read through it
+                self.covered.update(seen & failed)
+
+        failed = [n for n in reachable if n in self.hosts.unreachable]
+        while failed:  # their folders were skipped by the hosts that share their home: ask those again
+            lost = {keeper.host_folder(n) for n in failed}
+            with lock:
+                for stale in [k for k, h in claimed.items() if h in failed]:
+                    lost.add(stale.split("/", 1)[0])  # also a folder it sent for a host out of reach
+                    del claimed[stale]  # from where it broke off (``self.offsets``), by another host
+            again = {**request, "offsets": dict(self.offsets),
+                     "skip": sorted({keeper.host_folder(h.name) for h in self.hosts.hosts} - lost)}
+            if "since_ago" in again:  # the same moment on the host's clock as the first ask
+                again["since_ago"] = float(again["since_ago"]) + time.monotonic() - asked_at
+            before = set(self.hosts.unreachable)
+            self.hosts.each(functools.partial(ask_again, again, frozenset(failed)))
+            failed = [n for n in self.hosts.unreachable if n not in before]
+        for by, whose in sorted(sent_by.items()):
+            self.hosts.warn.write(f"dlrun: note: the logs of {', '.join(sorted(whose))} came through {by}"
+                                  " (a home they share)\n")
+            self.hosts.warn.flush()
         record = merge_records(documents)[0] if documents else None
         if self.view is not None and record is not None:
             self.start_view(documents)

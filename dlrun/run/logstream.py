@@ -50,11 +50,11 @@ class SideChannel:
         with self._lock:
             made = self._offers.get(host)
         if made is None:
-            from dlrun.tls import client_context, make_job_tls
+            from dlrun.tls import make_job_tls
 
             tls = make_job_tls(f"logs {host}")
             made = ({"cert": tls.cert_pem, "key": tls.key_pem, "token": secrets.token_urlsafe(32)},
-                    client_context(tls.cert_pem))
+                    side_context(tls.cert_pem, tls.key_pem))
             with self._lock:
                 made = self._offers.setdefault(host, made)
         return made
@@ -176,6 +176,17 @@ class TlsSource:
                     raise HostUnreachable(f"dlrun-jobs sent nothing for {self.timeout:g} s", host=self.host) from None
             except (OSError, ssl.SSLError) as exc:
                 raise HostUnreachable(f"the logs' side channel broke off: {exc}", host=self.host) from exc
+
+
+def side_context(cert_pem: str, key_pem: str) -> ssl.SSLContext:
+    """The client's context of a side channel: it trusts exactly the certificate made for the
+    host, and shows it back with its key (mutual TLS: the host lets in no one else)."""
+    from dlrun.remote.jobs import load_pair
+    from dlrun.tls import client_context
+
+    context = client_context(cert_pem)
+    load_pair(context, cert_pem, key_pem)
+    return context
 
 
 def connect_side(address: str, port: int, context: ssl.SSLContext, token: str) -> ssl.SSLSocket:

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import ssl
 import threading
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ import pytest
 from dlrun import api
 from dlrun.errors import HostUnreachable
 from dlrun.options import SSHOptions
-from dlrun.remote import boot_argv, boot_payload
+from dlrun.remote import boot_argv, boot_payload, jobs
 from dlrun.run import detach, logstream
 from dlrun.tls import client_context, make_job_tls
 from dlrun.transport.base import default_python
@@ -29,6 +30,7 @@ from dlrun.transport.ssh import SSHTransport
 
 from support.ssh_jobs import hosts_toml
 from support.sshd_cluster import TEST_USER_HOME
+from support.wait import wait_until
 
 pytestmark = pytest.mark.ssh
 
@@ -43,7 +45,7 @@ def line(rank: int, i: int) -> bytes:
 def job(request: pytest.FixtureRequest) -> Iterator[str]:
     """A detached job's folders as its keepers leave them on host0 (rank 0: ``BIG_LINES`` lines)
     and host1 (rank 1: 1,000 lines), in the login user's home the hosts share."""
-    job_id = "side-" + re.sub(r"\W", "", request.node.name)[-40:]
+    job_id = "side-" + re.sub(r"\W", "", request.node.name)[-32:] + f"-{os.getpid()}"  # two runs at once do not meet
     root = TEST_USER_HOME / ".dlrun" / "jobs" / job_id
     owner = os.stat(TEST_USER_HOME)
     for parent in (root.parent.parent, root.parent):  # the login user's own, as its keepers make them
@@ -165,7 +167,18 @@ def test_the_side_channel_gives_nothing_without_the_token_and_dlrun_trusts_only_
     impostor = client_context(make_job_tls("someone else").cert_pem)  # dlrun pins its own certificate
     with pytest.raises(ssl.SSLCertVerificationError):
         logstream.connect_side(address, port, impostor, offer["token"])
-    right = client_context(offer["cert"])
+    other = make_job_tls("someone else")
+    shows_another = client_context(offer["cert"])
+    jobs.load_pair(shows_another, other.cert_pem, other.key_pem)
+    for stranger in (client_context(offer["cert"]), shows_another):  # mutual TLS: only dlrun's certificate
+        try:  # TLS 1.3: the host's refusal of the client's certificate shows on the first read
+            nobody = logstream.connect_side(address, port, stranger, offer["token"])
+            nobody.settimeout(30)
+            assert nobody.recv(1 << 16) == b""
+            nobody.close()
+        except (ConnectionError, ssl.SSLError):
+            pass
+    right = logstream.side_context(offer["cert"], offer["key"])
     wrong = logstream.connect_side(address, port, right, "a-guessed-token")
     wrong.settimeout(30)
     try:
@@ -238,3 +251,127 @@ def test_attach_reads_a_big_backlog_over_the_side_channel(cluster, tmp_path: Pat
     assert shown_lines(text, 0, "host0") == [line(0, i) for i in range(BIG_LINES)]
     assert shown_lines(text, 1, "host1") == [line(1, i) for i in range(1000)]
     assert [address for address, _port in spy.reached] == [cluster.hosts[0].address]
+
+
+class Strangers:
+    """Local users at the side channel's port before dlrun: one holds a bare TCP connection
+    open, one completes what TLS it can without dlrun's certificate (no client certificate)
+    and trickles bytes, one trickles bytes without TLS. They connect first, so a host that
+    greets one connection at a time would serve them before dlrun."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.socks: list[socket.socket] = []
+        self.connected = threading.Semaphore(0)
+
+    def come(self, address: str, port: int) -> None:
+        for how in ("hold", "tls", "raw"):
+            thread = threading.Thread(target=self.one, args=(address, port, how), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+        for _ in self.threads:
+            assert self.connected.acquire(timeout=30)
+
+    def one(self, address: str, port: int, how: str) -> None:
+        try:
+            sock = socket.create_connection((address, port), timeout=30)
+        except OSError:
+            self.connected.release()
+            return
+        self.socks.append(sock)
+        try:
+            if how == "tls":
+                context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+                context.check_hostname = False
+                context.verify_mode = ssl.CERT_NONE
+                sock = context.wrap_socket(sock)
+                self.socks.append(sock)
+            self.connected.release()
+            while how != "hold" and not self.stop.wait(0.3):
+                sock.sendall(b"a")  # the token, one byte at a time
+            self.stop.wait()
+        except (OSError, ssl.SSLError):
+            self.connected.release()
+
+    def leave(self) -> None:
+        self.stop.set()
+        for sock in self.socks:
+            sock.close()
+        for thread in self.threads:
+            thread.join(timeout=30)
+
+
+def test_strangers_at_the_side_channel_do_not_keep_dlrun_out(cluster, tmp_path: Path, job: str,  # type: ignore[no-untyped-def]
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    strangers = Strangers()
+    connect = logstream.connect_side
+
+    def first_strangers(address: str, port: int, *args: Any) -> ssl.SSLSocket:
+        strangers.come(address, port)
+        return connect(address, port, *args)
+
+    monkeypatch.setattr(logstream, "connect_side", first_strangers)
+    spy = Spy(monkeypatch)
+    try:
+        text = read_logs(cluster, tmp_path, job)
+    finally:
+        strangers.leave()
+    assert shown_lines(text, 0, "host0") == [line(0, i) for i in range(BIG_LINES)]
+    assert shown_lines(text, 1, "host1") == [line(1, i) for i in range(1000)]
+    assert [address for address, _port in spy.reached] == [cluster.hosts[0].address]
+    assert spy.refused == {}
+
+
+def test_the_host_stops_sending_when_dlrun_is_gone(  # type: ignore[no-untyped-def]
+        cluster, jobs_program: tuple[Any, Any, dict[str, str], int]) -> None:
+    transport, channel, offer, port = jobs_program
+    ssh = transport.remote if hasattr(transport, "remote") else transport
+    ours = ssh.clients[cluster.hosts[0].name].get_transport().sock.getsockname()[1]
+    assert len(jobs_processes(ours)) == 1
+    tls = logstream.connect_side(cluster.hosts[0].address, port,
+                                 logstream.side_context(offer["cert"], offer["key"]), offer["token"])
+    try:
+        tls.settimeout(30)
+        assert logstream.Frames(tls.recv_into).line().startswith(b"R {")
+        # dlrun reads no more and its SSH channel ends (as when it is killed while its TCP
+        # connection to the side channel lingers): the host's send must end, not wait on the socket
+        channel.close()
+        assert wait_until(lambda: not jobs_processes(ours), timeout=60)
+    finally:
+        tls.close()
+
+
+def test_a_host_that_fails_mid_answer_has_its_folder_sent_by_one_that_shares_its_home(  # type: ignore[no-untyped-def]
+        cluster, tmp_path: Path, job: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # host1 skips host0's folder (host0 sends its own); host0's dlrun-jobs is killed after its
+    # first piece: host1 is asked again for host0's folder, from where host0 broke off
+    stream = logstream.stream_logs
+    killed: list[int] = []
+    asked: list[tuple[str, tuple[str, ...]]] = []
+
+    def stream_logs(transport: Any, host: Any, request: Any, on_records: Any, on_piece: Any,
+                    **options: Any) -> dict[str, Any]:
+        asked.append((host.name, tuple(request.get("skip") or ())))
+        ssh = transport.remote if hasattr(transport, "remote") else transport
+        ours = ssh.clients[host.name].get_transport().sock.getsockname()[1]
+
+        def piece(key: str, header: Any, data: bytearray) -> None:
+            on_piece(key, header, data)
+            if host.name == "host0" and not killed:
+                killed.extend(jobs_processes(ours))
+                for pid in killed:
+                    os.kill(pid, signal.SIGKILL)
+
+        return stream(transport, host, request, on_records, piece, **options)
+
+    monkeypatch.setattr(detach, "stream_logs", stream_logs)
+    text = read_logs(cluster, tmp_path, job)
+    assert len(killed) == 1
+    assert shown_lines(text, 0, "host0") == [line(0, i) for i in range(BIG_LINES)]  # every byte, once, in order
+    assert shown_lines(text, 1, "host1") == [line(1, i) for i in range(1000)]
+    assert ("host1", ("host-host0",)) in asked  # the first look: host0 sends its own
+    assert asked[-1] == ("host1", ("host-host1",))  # the second: host1 sends host0's folder
+    warned = capsys.readouterr().err
+    assert "host0 cannot be reached" in warned
+    assert "the logs of host0 came through host1" in warned

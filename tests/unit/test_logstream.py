@@ -7,6 +7,9 @@ from __future__ import annotations
 import io
 import json
 import random
+import socket
+import ssl
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,8 +17,9 @@ import pytest
 from dlrun.errors import HostUnreachable
 from dlrun.remote import jobs
 from dlrun.run.detach import JobHosts, LogFollower
-from dlrun.run.logstream import ChannelSource, Frames
+from dlrun.run.logstream import ChannelSource, Frames, side_context
 from dlrun.testing import FakeTransport
+from dlrun.tls import make_job_tls
 
 
 def chopped(data: bytes, seed: int) -> Frames:
@@ -83,3 +87,49 @@ def test_hosts_that_share_a_home_each_send_only_their_own_folder(tmp_path: Path,
     keys = [key for key, *_ in jobs.log_files("j", {}, None, frozenset({"host-b"}))]
     assert keys == ["host-a/attempt-0/rank-0.log"]
     assert len(jobs.log_files("j", {}, None)) == 2  # b cannot be reached: a sends its folder too
+
+
+
+
+def greet(token: bytes, shown: bytes, pace: float | None) -> tuple[int, int]:
+    """One connection with the right certificate to a host's side channel (``jobs.side_greet``)
+    that shows ``shown``, all at once (``pace`` None) or a byte every ``pace`` seconds: how many
+    connections were let in, and how many bytes of ``shown`` went out."""
+    pair = make_job_tls("logs test")
+    won: list[ssl.SSLSocket] = []
+
+    def take(tls: ssl.SSLSocket) -> bool:
+        won.append(tls)
+        return True
+
+    server, client = socket.socketpair()
+    greeter = threading.Thread(target=jobs.side_greet, args=(
+        server, jobs.server_context(pair.cert_pem, pair.key_pem), token, take))
+    greeter.start()
+    sent = 0
+    with side_context(pair.cert_pem, pair.key_pem).wrap_socket(client) as tls:
+        try:
+            for at in range(len(shown)) if pace is not None else (None,):
+                if not greeter.is_alive():
+                    break
+                tls.sendall(shown if at is None else shown[at: at + 1])
+                sent += len(shown) if at is None else 1
+                if pace is not None:
+                    greeter.join(timeout=pace)
+        except (OSError, ssl.SSLError):
+            pass
+        greeter.join(timeout=60)
+        assert not greeter.is_alive()
+    for tls in won:
+        tls.close()
+    return len(won), sent
+
+
+def test_the_side_channel_lets_in_no_one_who_trickles_even_the_right_token() -> None:
+    # the whole greeting has jobs.SIDE_AUTH, not each read: the right certificate and token,
+    # sent a byte at a time, are closed before the token is whole, and never served
+    token = b"t" * 43
+    assert greet(token, token + b"\n", None) == (1, len(token) + 1)  # dlrun: in at once
+    assert greet(token, b"x" * 43 + b"\n", None)[0] == 0  # a wrong token: out
+    let_in, sent = greet(token, token + b"\n", jobs.SIDE_AUTH / 4)
+    assert let_in == 0 and sent < len(token) + 1
