@@ -381,23 +381,26 @@ wrap(sup.Supervisor, "_start_all", "start all")
 wrap(sup.Supervisor, "_loop", "supervise loop")
 NAMES = {1: "HELLO", 2: "STARTED", 3: "STDOUT", 4: "STDERR", 5: "EXIT", 6: "ERROR", 7: "DONE", 8: "PROBE", 9: "SURVEY",
          10: "PONG"}
+import dlrun.run.agents as agents_mod
+from dlrun.run.events import Closed, Frames
 def reader(self, link, channel):  # HostAgents._reader, marking HELLO and PROBE as they arrive
     host = link.host.name
-    decoder = sup.agent.FrameDecoder()
+    decoder = agents_mod.agent.FrameDecoder()
     while True:
         data = channel.recv(65536)
         if not data:
             break
-        link.heard = sup.time.monotonic()
+        link.heard = time.monotonic()
         frames = decoder.feed(data)
         for kind, _rank, _payload in frames:
             if kind in (1, 8, 9):
                 mark(NAMES[kind], host)
         if frames:
-            self.events.put(("frames", host, frames))
+            self.events.put(Frames(host, frames))
+    link.ended = True
     code = channel.wait(5)
-    self.events.put(("closed", host, code, channel.stderr_text()))
-sup.HostAgents._reader = reader
+    self.events.put(Closed(host, code, channel.stderr_text()))
+agents_mod.HostAgents._reader = reader
 _frame = sup.Supervisor._frame
 def frame(self, host, kind, rank, payload):
     if kind not in (1, 8, 9):
@@ -421,9 +424,9 @@ cli.main()
 
 
 def traceable(bench: Bench, tool: str) -> bool:
-    """Can TRACE_CHILD trace this dlrun (a copy older than the dlrun/run/ layout cannot)?"""
+    """Can TRACE_CHILD trace this dlrun (a copy older than the split of ``run/launch.py`` cannot)?"""
     variant = bench.dlrun_variant(tool)
-    return variant is not None and (Path(variant[0]) / "dlrun" / "run" / "launch.py").exists()
+    return variant is not None and (Path(variant[0]) / "dlrun" / "run" / "pipeline.py").exists()
 
 
 def run_trace(bench: Bench, tool: str, n: int) -> dict[str, Any]:
@@ -712,7 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("| phase | " + " | ".join(f"{t['tool']} {t['hosts']}" for t in traces) + " |")
             print("|---|" + "---|" * len(traces))
             summaries = [summarize_trace(t) for t in traces]
-            for i, (label, _) in enumerate(summaries[0]):
+            for i, (label, _) in enumerate(summaries[0] if summaries else ()):
                 print(f"| {label} | " + " | ".join(f"{s[i][1]:.0f}" for s in summaries) + " |")
         costs: list[dict[str, Any]] = []
         if args.agent_costs:
