@@ -5,7 +5,8 @@ imported and made (paramiko, cryptography, rich, click): 50–80 ms of CPU per r
 quarter of a 16-host launch's client CPU (docs/benchmarks.md, issue 35). Those objects are
 moved out of the collector's reach first (``gc.freeze``); the exit is otherwise the ordinary
 one: atexit handlers, threads joined, files closed, objects freed by their reference counts.
-Only here, never inside ``cli.main`` (tests call that in their own process).
+What it skips is ``__del__`` of objects caught in reference cycles: dlrun's own cleanup uses
+context managers, atexit and ``weakref.finalize`` (which still run), never ``__del__``. Only here, never inside ``cli.main`` (tests call that in their own process).
 """
 
 import gc
