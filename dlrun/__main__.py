@@ -6,7 +6,8 @@ quarter of a 16-host launch's client CPU (docs/benchmarks.md, issue 35). Those o
 moved out of the collector's reach first (``gc.freeze``); the exit is otherwise the ordinary
 one: atexit handlers, threads joined, files closed, objects freed by their reference counts.
 What it skips is ``__del__`` of objects caught in reference cycles: dlrun's own cleanup uses
-context managers, atexit and ``weakref.finalize`` (which still run), never ``__del__``. Only here, never inside ``cli.main`` (tests call that in their own process).
+context managers, atexit and ``weakref.finalize`` (which still run), never ``__del__``.
+Only here, never inside ``cli.main`` (tests call that in their own process).
 """
 
 import gc

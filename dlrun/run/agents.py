@@ -233,6 +233,33 @@ class HostAgents:
         for host, rank in ranks:
             self.links[host.name].ranks.append(rank)
 
+    def heard_now(self, host: str) -> None:
+        """The silence clock of ``host`` starts again (its spec just went out)."""
+        self.links[host].heard = time.monotonic()
+
+    def fell_silent(self, limit: float) -> list[tuple[str, float]]:
+        """Hosts whose agents sent nothing for ``limit`` seconds and still count (no end seen),
+        with their silence; each is marked silent once (its late frames are ignored)."""
+        now = time.monotonic()
+        found = []
+        for name, link in list(self.links.items()):
+            if link.channel is None or link.closed or link.done or link.silent or link.ended:
+                continue
+            if now - link.heard > limit:
+                link.silent = True
+                found.append((name, now - link.heard))
+        return found
+
+    def finished(self, host: str) -> None:
+        """The agent of ``host`` said DONE: its last word, whatever its channel does next."""
+        self.links[host].done = True
+
+    def lost(self, host: str) -> HostLink:
+        """The channel of ``host`` ended or the host failed: its link, marked closed."""
+        link = self.links[host]
+        link.closed = True
+        return link
+
     def hang_up(self) -> None:
         """The job ended: the pingers stop, and every channel closes but a silent host's (it was
         closed aside when it fell silent: closing it here could block on a dead connection)."""

@@ -261,7 +261,7 @@ class Supervisor:
             return with_agent_words(str(exc.message), link.channel.stderr_text(), code)
         # the silence clock starts now: an agent started early (dlrun launch) waited quietly
         # through the preflight and the push, which may take longer than host_timeout
-        link.heard = time.monotonic()
+        self.agents.heard_now(link.host.name)
         return None
 
     def _job_id(self) -> str:
@@ -275,13 +275,8 @@ class Supervisor:
         interval = heartbeat_interval(limit)
         self.agents.keep_alive(limit)
         while not stop.wait(interval):
-            now = time.monotonic()
-            for name, link in list(self.links.items()):
-                if link.channel is None or link.closed or link.done or link.silent or link.ended:
-                    continue
-                if now - link.heard > limit:
-                    link.silent = True
-                    self.events.put(Silent(name, now - link.heard))
+            for name, seconds in self.agents.fell_silent(limit):
+                self.events.put(Silent(name, seconds))
 
     # --------------------------------------------------------------------- loop
     def _loop(self) -> None:
@@ -354,7 +349,7 @@ class Supervisor:
 
     def _frame(self, host: str, kind: int, rank_no: int, payload: bytes) -> None:
         if kind == agent.DONE:
-            self.links[host].done = True
+            self.agents.finished(host)
             return
         if kind == agent.HELLO or kind == agent.PONG:
             return
@@ -465,8 +460,7 @@ class Supervisor:
             self._stop_all(self.grace)
 
     def _closed(self, host: str, code: int | None, stderr: str) -> None:
-        link = self.links[host]
-        link.closed = True
+        link = self.agents.lost(host)
         missing = [r for r in link.ranks if self.ranks[r].exit_code is None]
         if self.stopping:  # ranks the agent never started: nothing was lost with the channel
             for rank_no in [r for r in missing if self.ranks[r].started is None]:
@@ -494,8 +488,7 @@ class Supervisor:
             close_aside(link.channel)
 
     def _host_failed(self, host: str, message: str) -> None:
-        link = self.links[host]
-        link.closed = True
+        link = self.agents.lost(host)
         self.view.notice(f"{host}: {message}")
         for rank_no in link.ranks:
             rank = self.ranks[rank_no]
