@@ -16,6 +16,7 @@ import os
 import secrets
 import subprocess
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -158,6 +159,10 @@ class Worker:
         self.source = str(config["helper_source"])
         self.owner_check = bool(config.get("owner_check", True))
         self.listers: dict[str, Helper] = {}  # folder -> its helper, listed (it may serve next)
+        # ``end`` may come (from another thread) while a late listing still runs
+        self.lock = threading.Lock()
+        # tests only (DLRUN_TEST_CKPT_PAUSE on the client, docs/checkpoints.md): a listing waits
+        self.pause = float(config.get("test_pause") or 0)
 
     def folder(self, name: str) -> str:
         if not safe_path(name):
@@ -180,14 +185,19 @@ class Worker:
             return {"error": f"unknown request {do!r}"}
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return {"error": str(exc) or type(exc).__name__}
+        except Exception as exc:  # whatever else went wrong, the leader gets an answer: it waits for one
+            return {"error": f"{type(exc).__name__}: {exc}"}
 
     def listing(self, folder: str) -> dict[str, Any]:
-        old = self.listers.pop(folder, None)
+        if self.pause:
+            time.sleep(self.pause)
+        request = {"send": {"root": self.folder(folder), "owner_check": self.owner_check}, "idle": HELPER_IDLE_S}
+        helper = Helper(self.argv, self.source, request)
+        with self.lock:
+            old = self.listers.pop(folder, None)
+            self.listers[folder] = helper
         if old is not None:
             old.close()
-        helper = Helper(self.argv, self.source, {"send": {"root": self.folder(folder), "owner_check": self.owner_check},
-                                                 "idle": HELPER_IDLE_S})
-        self.listers[folder] = helper
         listing = helper.read().get("listing")
         if not isinstance(listing, dict):
             raise OSError("the push helper did not list the folder")
@@ -200,7 +210,8 @@ class Worker:
         return {"entries": listing.get("entries") or {}, "now": time.time()}
 
     def serve(self, folder: str, paths: list[str], ask: dict[str, Any]) -> dict[str, Any]:
-        helper = self.listers.get(folder)
+        with self.lock:
+            helper = self.listers.get(folder)
         if helper is None:
             return {"error": "nothing listed to serve"}
         helper.say({"serve": {"files": paths, "bind": str(ask["bind"]), "token": str(ask["token"]),
@@ -245,9 +256,11 @@ class Worker:
             helper.close()
 
     def end(self) -> None:
-        for helper in self.listers.values():
+        with self.lock:
+            helpers = list(self.listers.values())
+            self.listers.clear()
+        for helper in helpers:
             helper.close()
-        self.listers.clear()
 
 
 # =============================================================================== the leader
