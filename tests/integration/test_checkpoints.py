@@ -281,6 +281,15 @@ def host_folder(job: str, host: str) -> Path:
     return TEST_USER_HOME / ".dlrun" / "jobs" / job / f"host-{host}"
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def detach_with_a_slow_copy(cluster: SshdCluster, tmp_path: Path, *args: str) -> str:
     """RESUME detached with one restart and ``--checkpoint-dir ckpt``, host1's listing held 300 s
     (the test hook ``DLRUN_TEST_CKPT_PAUSE``); the job's id, once the leader keeper has begun the
@@ -312,6 +321,7 @@ def test_a_follower_killed_during_a_detached_restarts_copy_does_not_hang_the_lea
     # --host-timeout 600 (--detach refuses 0, "never"): no silence ends the leader's wait within
     # the test; only the closed connection can
     job = detach_with_a_slow_copy(cluster, tmp_path, "--host-timeout", "600")
+    leader = int((host_folder(job, "host0") / "keeper.pid").read_text().split()[0])
     pid = int((host_folder(job, "host1") / "keeper.pid").read_text().split()[0])
     os.kill(pid, signal.SIGKILL)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
@@ -321,6 +331,7 @@ def test_a_follower_killed_during_a_detached_restarts_copy_does_not_hang_the_lea
     assert re.search(r"attempt 2: checkpoint ckpt: not made the same \(host1: its keeper's connection closed\)",
                      attached.stdout), attached.stdout
     assert "host host1 lost: its keeper's connection closed" in attached.stdout, attached.stdout
+    assert wait_until(lambda: not running(leader), timeout=60)  # the leader keeper ended, not hung
     assert wait_job_processes_gone(job, timeout=30) == []
     assert wait_job_processes_gone(f"{job}-r1", timeout=30) == []
 
