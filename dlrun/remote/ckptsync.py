@@ -246,12 +246,16 @@ class Worker:
             helper.say(plan)
             helper.write(bytes(1024))  # no tar stream from here: every file comes from a source
             failed: list[str] = []
+            replaced: list[str] = []  # renamed into place: a failed copy leaves these new beside old ones
             while True:
                 message = helper.read()
                 if "err" in message:
                     failed.append(f"{message.get('path')}: {message.get('msg')}")
+                elif "ok" in message:
+                    replaced.append(str(message["ok"]).split("/", 1)[-1])
                 elif "done" in message:
-                    return {"written": int(message["done"].get("written") or 0), "failed": failed}
+                    return {"written": int(message["done"].get("written") or 0), "failed": failed,
+                            "replaced": replaced}
         finally:
             helper.close()
 
@@ -322,19 +326,48 @@ def _sync(ask: Ask, hosts: list[str], folder: str, addresses: dict[str, str], ce
         requests[host] = {"do": "receive", "folder": folder, "files": files,
                           "sources": [s for s in sources if s["paths"]]}
     received = ask(requests)
+    why = ""
     for host in targets:
         answer = received.get(host) or {"error": "no answer"}
         if "error" in answer:
-            return failed(f"{host}: {answer['error']}")
-        if answer.get("failed"):
+            why = why or f"{host}: {answer['error']}"
+        elif answer.get("failed"):
             more = f" and {len(answer['failed']) - 1} more" if len(answer["failed"]) > 1 else ""
-            return failed(f"{host}: {answer['failed'][0]}{more}")
+            why = why or f"{host}: {answer['failed'][0]}{more}"
+    if why:
+        return failed(why) + _mixed(targets, wanted, received, {h: e for h, e, _ in listings})
     count = sum(len(wanted[h]) for h in targets)
     size = sum(int(chosen[p][1][1]) for h in targets for p in wanted[h])
     text = (f"checkpoint {folder}: {count} file{'s' if count != 1 else ''} ({human_bytes(size)})"
             f" from {', '.join(h for h in hosts if h in by_source)} to {', '.join(targets)}"
             f" in {time.monotonic() - started:.1f} s (host to host)")
     return text + _remarks(passed, suspect)
+
+
+def _mixed(targets: list[str], wanted: dict[str, list[str]], received: dict[str, dict[str, Any]],
+           had: dict[str, dict[str, Entry]]) -> str:
+    """A failed copy's hosts whose folder now mixes new files with old (or missing) ones: each
+    file is renamed into place once it arrived whole, so a copy cut short leaves some replaced."""
+    parts = []
+    for host in targets:
+        answer = received.get(host) or {}
+        if "replaced" not in answer:
+            if "error" in answer or not answer:  # cut off: which arrived is unknown
+                parts.append(f"{host} may have new files beside old ones (of {_few(wanted[host])})")
+            continue
+        done = set(answer["replaced"])
+        new = [p for p in wanted[host] if p in done]
+        old = [p for p in wanted[host] if p not in done and p in had.get(host, {})]
+        missing = [p for p in wanted[host] if p not in done and p not in had.get(host, {})]
+        if new and (old or missing):
+            beside = [f"old {_few(old)}"] if old else []
+            beside += [f"no {_few(missing)}"] if missing else []
+            parts.append(f"{host} has new {_few(new)} beside {' and '.join(beside)}")
+    return f"; mixed files: {'; '.join(parts)}" if parts else ""
+
+
+def _few(paths: list[str]) -> str:
+    return ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
 
 
 def _remarks(passed: list[str], suspect: list[str]) -> str:

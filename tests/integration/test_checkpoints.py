@@ -720,3 +720,46 @@ def test_the_keepers_choose_as_the_client_does() -> None:
             assert {h: [c.path for c in cs] for h, cs in wanted.items()} == ckptsync.needs(
                 [(li.host, {p: [e.kind, e.size, e.mode, e.sha256 if e.kind == "file" else e.link, e.mtime_ns]
                             for p, e in li.entries.items()}, li.offset) for li in listings], keepers)
+
+
+def test_a_failed_keepers_copy_names_the_files_it_left_mixed() -> None:
+    # each file is renamed into place as it arrives whole: a copy cut short leaves new files
+    # beside old ones, and the restart goes on, so the attempt's line says which
+    from typing import Any
+
+    from dlrun.remote import ckptsync
+
+    def e(data: bytes, mtime: float) -> list[Any]:
+        return ["file", len(data), 0o644, hashlib.sha256(data).hexdigest(), int(mtime * 1e9)]
+
+    host0 = {"model.pt": e(b"new model", 200.0), "optimizer.pt": e(b"new opt", 200.0), "extra.pt": e(b"x", 200.0)}
+    host1 = {"model.pt": e(b"old model", 100.0), "optimizer.pt": e(b"old opt", 100.0)}
+
+    def run(receive: dict[str, Any]) -> tuple[str, list[dict[str, dict[str, Any]]]]:
+        asked: list[dict[str, dict[str, Any]]] = []
+
+        def ask(requests: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+            asked.append(requests)
+            do = next(iter(requests.values()))["do"]
+            if do == "list":
+                return {"h0": {"entries": host0, "now": 0.0}, "h1": {"entries": host1, "now": 0.0}}
+            if do == "serve":
+                return {"h0": {"port": 1234}}
+            if do == "receive":
+                return {"h1": receive}
+            return {h: {} for h in requests}
+
+        line = ckptsync.sync_folder(ask, ["h0", "h1"], "ckpt", {"h0": "a0", "h1": "a1"}, "C", "K", None)
+        return line, asked
+
+    line, asked = run({"written": 1, "failed": ["/w/ckpt/optimizer.pt: connection reset"], "replaced": ["model.pt"]})
+    assert asked[-1] == {"h0": {"do": "end"}, "h1": {"do": "end"}}
+    assert line.startswith("checkpoint ckpt: not made the same (h1: /w/ckpt/optimizer.pt: connection reset) after ")
+    assert line.endswith("; mixed files: h1 has new model.pt beside old optimizer.pt and no extra.pt"), line
+    # cut off (the keeper's connection closed): which arrived is unknown
+    line, _ = run({"error": "its keeper's connection closed"})
+    assert line.endswith("; mixed files: h1 may have new files beside old ones (of extra.pt, model.pt,"
+                         " optimizer.pt)"), line
+    # every file replaced before a later failure: nothing mixed
+    line, _ = run({"written": 3, "failed": ["x: y"], "replaced": ["extra.pt", "model.pt", "optimizer.pt"]})
+    assert "mixed" not in line, line
