@@ -240,7 +240,7 @@ class Worker:
                 return {"error": f"{survey['error']}: {survey.get('path') or survey.get('root')}"}
             plan = {"files": [[0, str(p), str(value) if kind == "file" else "", int(mode), int(mtime) // 1_000_000_000]
                               for p, kind, _size, mode, value, mtime in files],
-                    "delete": [], "keep": [[]],
+                    "delete": [], "keep": [[]], "stage": True,  # renamed into place all at once, or none
                     "sources": [{"address": s["address"], "port": s["port"], "token": s["token"], "cert": s["cert"],
                                  "files": [f"0/{p}" for p in s["paths"]]} for s in sources]}
             helper.say(plan)

@@ -108,3 +108,58 @@ def test_end_and_a_late_listing_share_the_workers_helpers_safely(leader: keeper.
     assert worker.handle({"do": "end"}) == {} and worker.listers == {}
     # ``false`` lists nothing: each listing is an error answer about the helper, never a crash
     assert len(answers) == 20 and all("error" in a and "RuntimeError" not in a["error"] for a in answers), answers
+
+
+def test_a_staged_plan_renames_every_file_into_place_or_none(tmp_path: Path) -> None:
+    """A checkpoint copy's receive (``"stage"``): a file that fails its check keeps the one that
+    arrived whole from replacing its old copy, so no host mixes new files with old ones."""
+    import hashlib
+    import io
+    import json
+    import subprocess
+    import sys
+    import tarfile
+
+    from support.cli import REPO
+
+    def receive(root: Path, stage: bool, bad: bool = True) -> list[dict[str, Any]]:
+        root.mkdir()
+        (root / "model.pt").write_bytes(b"old model")
+        (root / "optimizer.pt").write_bytes(b"old opt")
+        files = {"model.pt": b"new model", "optimizer.pt": b"new opt"}
+        digests = {n: hashlib.sha256(data).hexdigest() for n, data in files.items()}
+        if bad:
+            digests["optimizer.pt"] = "0" * 64  # its copy fails the check
+        stream = io.BytesIO()
+        with tarfile.open(fileobj=stream, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for name, data in files.items():
+                info = tarfile.TarInfo(f"0/{name}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        proc = subprocess.Popen([sys.executable, str(REPO / "dlrun" / "remote" / "push_helper.py")],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps({"targets": [{"root": str(root), "paths": list(files),
+                                                  "owner_check": False}]}).encode() + b"\n")
+        proc.stdin.flush()
+        assert "targets" in json.loads(proc.stdout.readline())
+        plan = {"files": [[0, n, digests[n], 0o644, 1000] for n in files], "delete": [], "keep": [[]], "stage": stage}
+        proc.stdin.write(json.dumps(plan).encode() + b"\n" + stream.getvalue() + bytes(1024))
+        proc.stdin.close()
+        said = [json.loads(line) for line in proc.stdout]
+        assert proc.wait(60) == 0
+        return said
+
+    said = receive(tmp_path / "staged", stage=True)
+    assert [m for m in said if "ok" in m] == [] and said[-1]["done"]["failed"] == 1, said
+    assert (tmp_path / "staged" / "model.pt").read_bytes() == b"old model"  # not beside the old optimizer.pt
+    assert sorted(p.name for p in (tmp_path / "staged").iterdir()) == ["model.pt", "optimizer.pt"]  # no temp left
+    # every file whole: all in place
+    said = receive(tmp_path / "whole", stage=True, bad=False)
+    assert [m for m in said if "ok" in m] == [{"ok": "0/model.pt"}, {"ok": "0/optimizer.pt"}], said
+    assert (tmp_path / "whole" / "optimizer.pt").read_bytes() == b"new opt"
+    assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == ["model.pt", "optimizer.pt"]
+    # a push (not staged) renames each file as it arrives, as before
+    said = receive(tmp_path / "push", stage=False)
+    assert [m for m in said if "ok" in m] == [{"ok": "0/model.pt"}], said
+    assert (tmp_path / "push" / "model.pt").read_bytes() == b"new model"
