@@ -723,8 +723,8 @@ def test_the_keepers_choose_as_the_client_does() -> None:
 
 
 def test_a_failed_keepers_copy_names_the_files_it_left_mixed() -> None:
-    # each file is renamed into place as it arrives whole: a copy cut short leaves new files
-    # beside old ones, and the restart goes on, so the attempt's line says which
+    # a host whose renames failed part way (or that was cut off) may hold new files beside old
+    # ones, and the restart goes on, so the attempt's line says which
     from typing import Any
 
     from dlrun.remote import ckptsync
