@@ -16,6 +16,7 @@ import os
 import secrets
 import subprocess
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -158,6 +159,10 @@ class Worker:
         self.source = str(config["helper_source"])
         self.owner_check = bool(config.get("owner_check", True))
         self.listers: dict[str, Helper] = {}  # folder -> its helper, listed (it may serve next)
+        # ``end`` may come (from another thread) while a late listing still runs
+        self.lock = threading.Lock()
+        # tests only (DLRUN_TEST_CKPT_PAUSE on the client, docs/checkpoints.md): a listing waits
+        self.pause = float(config.get("test_pause") or 0)
 
     def folder(self, name: str) -> str:
         if not safe_path(name):
@@ -180,14 +185,19 @@ class Worker:
             return {"error": f"unknown request {do!r}"}
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return {"error": str(exc) or type(exc).__name__}
+        except Exception as exc:  # whatever else went wrong, the leader gets an answer: it waits for one
+            return {"error": f"{type(exc).__name__}: {exc}"}
 
     def listing(self, folder: str) -> dict[str, Any]:
-        old = self.listers.pop(folder, None)
+        if self.pause:
+            time.sleep(self.pause)
+        request = {"send": {"root": self.folder(folder), "owner_check": self.owner_check}, "idle": HELPER_IDLE_S}
+        helper = Helper(self.argv, self.source, request)
+        with self.lock:
+            old = self.listers.pop(folder, None)
+            self.listers[folder] = helper
         if old is not None:
             old.close()
-        helper = Helper(self.argv, self.source, {"send": {"root": self.folder(folder), "owner_check": self.owner_check},
-                                                 "idle": HELPER_IDLE_S})
-        self.listers[folder] = helper
         listing = helper.read().get("listing")
         if not isinstance(listing, dict):
             raise OSError("the push helper did not list the folder")
@@ -200,7 +210,8 @@ class Worker:
         return {"entries": listing.get("entries") or {}, "now": time.time()}
 
     def serve(self, folder: str, paths: list[str], ask: dict[str, Any]) -> dict[str, Any]:
-        helper = self.listers.get(folder)
+        with self.lock:
+            helper = self.listers.get(folder)
         if helper is None:
             return {"error": "nothing listed to serve"}
         helper.say({"serve": {"files": paths, "bind": str(ask["bind"]), "token": str(ask["token"]),
@@ -229,25 +240,31 @@ class Worker:
                 return {"error": f"{survey['error']}: {survey.get('path') or survey.get('root')}"}
             plan = {"files": [[0, str(p), str(value) if kind == "file" else "", int(mode), int(mtime) // 1_000_000_000]
                               for p, kind, _size, mode, value, mtime in files],
-                    "delete": [], "keep": [[]],
+                    "delete": [], "keep": [[]], "stage": True,  # renamed into place all at once, or none
                     "sources": [{"address": s["address"], "port": s["port"], "token": s["token"], "cert": s["cert"],
                                  "files": [f"0/{p}" for p in s["paths"]]} for s in sources]}
             helper.say(plan)
             helper.write(bytes(1024))  # no tar stream from here: every file comes from a source
             failed: list[str] = []
+            replaced: list[str] = []  # renamed into place: a failed copy leaves these new beside old ones
             while True:
                 message = helper.read()
                 if "err" in message:
                     failed.append(f"{message.get('path')}: {message.get('msg')}")
+                elif "ok" in message:
+                    replaced.append(str(message["ok"]).split("/", 1)[-1])
                 elif "done" in message:
-                    return {"written": int(message["done"].get("written") or 0), "failed": failed}
+                    return {"written": int(message["done"].get("written") or 0), "failed": failed,
+                            "replaced": replaced}
         finally:
             helper.close()
 
     def end(self) -> None:
-        for helper in self.listers.values():
+        with self.lock:
+            helpers = list(self.listers.values())
+            self.listers.clear()
+        for helper in helpers:
             helper.close()
-        self.listers.clear()
 
 
 # =============================================================================== the leader
@@ -309,19 +326,48 @@ def _sync(ask: Ask, hosts: list[str], folder: str, addresses: dict[str, str], ce
         requests[host] = {"do": "receive", "folder": folder, "files": files,
                           "sources": [s for s in sources if s["paths"]]}
     received = ask(requests)
+    why = ""
     for host in targets:
         answer = received.get(host) or {"error": "no answer"}
         if "error" in answer:
-            return failed(f"{host}: {answer['error']}")
-        if answer.get("failed"):
+            why = why or f"{host}: {answer['error']}"
+        elif answer.get("failed"):
             more = f" and {len(answer['failed']) - 1} more" if len(answer["failed"]) > 1 else ""
-            return failed(f"{host}: {answer['failed'][0]}{more}")
+            why = why or f"{host}: {answer['failed'][0]}{more}"
+    if why:
+        return failed(why) + _mixed(targets, wanted, received, {h: e for h, e, _ in listings})
     count = sum(len(wanted[h]) for h in targets)
     size = sum(int(chosen[p][1][1]) for h in targets for p in wanted[h])
     text = (f"checkpoint {folder}: {count} file{'s' if count != 1 else ''} ({human_bytes(size)})"
             f" from {', '.join(h for h in hosts if h in by_source)} to {', '.join(targets)}"
             f" in {time.monotonic() - started:.1f} s (host to host)")
     return text + _remarks(passed, suspect)
+
+
+def _mixed(targets: list[str], wanted: dict[str, list[str]], received: dict[str, dict[str, Any]],
+           had: dict[str, dict[str, Entry]]) -> str:
+    """A failed copy's hosts whose folder now mixes new files with old (or missing) ones: each
+    file is renamed into place once it arrived whole, so a copy cut short leaves some replaced."""
+    parts = []
+    for host in targets:
+        answer = received.get(host) or {}
+        if "replaced" not in answer:
+            if "error" in answer or not answer:  # cut off: which arrived is unknown
+                parts.append(f"{host} may have new files beside old ones (of {_few(wanted[host])})")
+            continue
+        done = set(answer["replaced"])
+        new = [p for p in wanted[host] if p in done]
+        old = [p for p in wanted[host] if p not in done and p in had.get(host, {})]
+        missing = [p for p in wanted[host] if p not in done and p not in had.get(host, {})]
+        if new and (old or missing):
+            beside = [f"old {_few(old)}"] if old else []
+            beside += [f"no {_few(missing)}"] if missing else []
+            parts.append(f"{host} has new {_few(new)} beside {' and '.join(beside)}")
+    return f"; mixed files: {'; '.join(parts)}" if parts else ""
+
+
+def _few(paths: list[str]) -> str:
+    return ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
 
 
 def _remarks(passed: list[str], suspect: list[str]) -> str:

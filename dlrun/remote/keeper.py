@@ -44,6 +44,7 @@ MAX_GREETINGS_PER_SOURCE = 8  # of them from one address: one flooding neighbour
 INDEX_EVERY = 1.0  # seconds between two lines of a rank log's time index
 RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
 HANG_ANSWER = 60.0  # seconds every host has to send its stacks once the job hangs
+CKPT_ANSWER = 1800.0  # seconds every host (the leader's own too) has to answer one checkpoint request
 RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 
 Event = Tuple[Any, ...]
@@ -885,6 +886,13 @@ class Keeper:
         checkpoint = self.config["checkpoint"]
         lines = []
         for folder in checkpoint["folders"]:
+            if self.signals:  # dlrun stop: the loop stops the job; no copy is worth waiting for
+                line = f"checkpoint {folder}: not made the same (stopped by signal {self.signals[0]})"
+                print(f"dlrun-keeper: attempt {self.attempt + 1}: {line}", flush=True)
+                lines.append(line)
+                continue
+            print(f"dlrun-keeper: attempt {self.attempt + 1}: making checkpoint {folder} the same on every host",
+                  flush=True)
             try:
                 line = self.ckpt.sync_folder(self.ask_hosts, [self.host, *self.followers], str(folder),
                                              dict(checkpoint["addresses"]), str(checkpoint["cert"]),
@@ -900,7 +908,9 @@ class Keeper:
     def ask_hosts(self, requests: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """The leader: every host's ``ckptsync.Worker`` answers its request (this host's in a
         thread, the followers' over their connections); the loop's other events wait. A host
-        whose keeper closes or goes silent (--host-timeout) answers an error."""
+        whose keeper closes, goes silent (--host-timeout) or takes longer than ``CKPT_ANSWER``
+        answers an error, and a signal (``dlrun stop``) gives up on every host that has not
+        answered: the loop then handles it."""
         assert self.ckpt_worker is not None
         worker = self.ckpt_worker
         pending: dict[int, str] = {}
@@ -911,7 +921,10 @@ class Keeper:
             pending[ident] = host
             if host == self.host:
                 def work(request: dict[str, Any] = request, ident: int = ident) -> None:
-                    answer = worker.handle(request)
+                    try:
+                        answer = worker.handle(request)
+                    except Exception as exc:  # the wait below needs an answer, whatever happened
+                        answer = {"error": f"{type(exc).__name__}: {exc}"}
                     self.events.put(("peer", self.host, {"op": "ckpt-answer", "id": ident, "answer": answer}))
 
                 threading.Thread(target=work, daemon=True).start()
@@ -920,22 +933,41 @@ class Keeper:
             else:
                 answers[host] = {"error": "its keeper is not connected"}
         held: list[Event] = []
+        deadline = time.monotonic() + CKPT_ANSWER
+        stopped: str | None = None  # dlrun stop (here, or a follower's interrupt): no answer is worth waiting for
         while len(answers) < len(requests):
+            waiting = set(pending.values()) - set(answers)
+            if self.signals:
+                stopped = f"signal {self.signals[0]}"
+            if stopped is not None:
+                for host in waiting:
+                    answers[host] = {"error": f"stopped by {stopped} while it copied"}
+                break
             try:
                 event = self.events.get(timeout=0.25)
             except queue.Empty:
                 event = ("tick",)
             message = event[2] if event[0] == "peer" else None
             if isinstance(message, dict) and message.get("op") == "ckpt-answer" and message.get("id") in pending:
-                answers[pending[int(message["id"])]] = dict(message.get("answer") or {})
+                host = pending[int(message["id"])]
+                if host not in answers:
+                    answers[host] = dict(message.get("answer") or {})
                 continue
             if event[0] != "tick":
-                held.append(event)
+                held.append(event)  # the loop handles it after the copy (a peer-closed loses the host then)
+            if isinstance(message, dict) and message.get("op") == "interrupt":
+                stopped = f"signal {message.get('signal') or signal.SIGTERM} on {event[1]}"
+            if event[0] == "peer-closed" and str(event[1]) in waiting:
+                answers[str(event[1])] = {"error": "its keeper's connection closed"}
             now = time.monotonic()
-            for host in set(pending.values()) - set(answers) - {self.host}:
+            for host in waiting - set(answers):
                 peer = self.peers.get(host)
-                if peer is None or peer.closed or (self.host_timeout is not None
-                                                   and now - peer.heard > self.host_timeout):
+                if now > deadline:
+                    answers[host] = {"error": f"no answer within {CKPT_ANSWER:g} s"}
+                elif host == self.host:
+                    continue
+                elif peer is None or peer.closed or (self.host_timeout is not None
+                                                     and now - peer.heard > self.host_timeout):
                     answers[host] = {"error": "its keeper's connection closed or went silent"}
         for event in held:
             self.events.put(event)
@@ -947,8 +979,11 @@ class Keeper:
         worker = self.ckpt_worker
 
         def work() -> None:
-            answer = (worker.handle(dict(message.get("ask") or {})) if worker is not None
-                      else {"error": "this keeper has no checkpoint folders"})
+            try:
+                answer = (worker.handle(dict(message.get("ask") or {})) if worker is not None
+                          else {"error": "this keeper has no checkpoint folders"})
+            except Exception as exc:  # the leader waits for an answer, whatever happened
+                answer = {"error": f"{type(exc).__name__}: {exc}"}
             if self.leader_peer is not None:
                 self.leader_peer.send({"op": "ckpt-answer", "id": message.get("id"), "answer": answer})
 

@@ -689,6 +689,10 @@ class Receiver:
         self.written = self.deleted = self.failed = 0
         self.done: set[str] = set()  # names written
         self.prefix = ""  # prepended to the names of a stream from another host (fetch_from)
+        # ``"stage"`` (a checkpoint copy): files wait under their temporary names until every one
+        # arrived, then all are renamed into place (``commit``), or none is
+        self.stage = bool(plan.get("stage"))
+        self.staged: list[tuple[str, PlanItem, str, str, bool]] = []  # name, item, temp, final, link
 
     def fail(self, name: str, where: str, what: str) -> None:
         self.failed += 1
@@ -808,6 +812,11 @@ class Receiver:
             if os.path.lexists(temp):
                 os.unlink(temp)
             os.symlink(target, temp)
+            if self.stage:
+                TEMPS.append(temp)
+                self.staged.append((name, item, temp, final, True))
+                self.done.add(name)
+                return
             os.replace(temp, final)
         except OSError as exc:
             if os.path.lexists(temp):
@@ -857,6 +866,10 @@ class Receiver:
                     problem = (final, "content does not match its sha256 (changed while pushing?)")
                 if problem is None:
                     os.utime(temp, (mtime, mtime))
+                    if self.stage:  # stays in TEMPS: ``commit`` renames it, or the end removes it
+                        self.staged.append((name, item, temp, final, False))
+                        self.done.add(name)
+                        return
                     os.replace(temp, final)
                     self.records[t][rel] = [*stamp(os.lstat(final)), digest]
                     self.drop_bytecode(final)
@@ -872,6 +885,30 @@ class Receiver:
         self.written += 1
         self.done.add(name)
         say({"ok": name})
+
+
+    def commit(self) -> None:
+        """A staged plan: rename every staged file into place if nothing failed, else none."""
+        staged, self.staged = self.staged, []
+        for name, item, temp, final, link in staged:
+            if self.failed:
+                break
+            try:
+                os.replace(temp, final)
+            except OSError as exc:
+                self.fail(name, *os_problem(exc, final))
+                break
+            TEMPS.remove(temp)
+            self.records[item[0]][item[1]] = ["link"] if link else [*stamp(os.lstat(final)), item[2]]
+            self.written += 1
+            say({"ok": name})
+        for _name, _item, temp, _final, _link in staged:
+            if temp in TEMPS:
+                TEMPS.remove(temp)
+                try:
+                    os.unlink(temp)
+                except OSError:
+                    pass
 
 
 def save_record(root: str, record: Record) -> None:
@@ -1318,6 +1355,7 @@ def main() -> int:
                 for name in source["files"]:
                     if name in receiver.expect and name not in receiver.done:
                         receiver.fail(name, name, problem)
+        receiver.commit()  # a staged plan's files, all or none
         for t, (stage, _lock, _modes) in builds.items():
             for rel in plan["keep"][t]:  # unchanged, so not sent: the clone must have brought it
                 if not os.path.lexists(os.path.join(stage, rel)):

@@ -415,6 +415,8 @@ def checkpoint_configs(config: LaunchConfig, addresses: Mapping[str, str],
                      "root": cwd or (os.getcwd() if host.is_local else host.workdir or ""),
                      "helper_argv": boot_argv([*default_python(host), *HELPER_FLAGS], "push_helper"),
                      "helper_source": source_of("push_helper"), "owner_check": not config.insecure_workdir}
+        if i and os.environ.get("DLRUN_TEST_CKPT_PAUSE"):  # tests: a follower's listing waits (docs/checkpoints.md)
+            out[name]["test_pause"] = float(os.environ["DLRUN_TEST_CKPT_PAUSE"])
         if i == 0:  # the leader
             out[name].update(cert=tls.cert_pem, key=tls.key_pem,
                              addresses={n: addresses.get(n, h.address) for n, (h, _) in hosts.items()})

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,8 @@ from dlrun.transport.local import HostRouter
 
 from support.cli import run_dlrun
 from support.ssh_jobs import hosts_toml
-from support.sshd_cluster import SshdCluster
+from support.sshd_cluster import TEST_USER_HOME, SshdCluster, wait_job_processes_gone
+from support.wait import wait_until
 
 # attempt 0: rank 0 saves a checkpoint and fails, the others wait to be stopped; attempt 1: every
 # rank needs the checkpoint
@@ -273,6 +275,82 @@ def test_a_detached_restart_never_takes_a_file_truncated_by_a_killed_writer(clus
         assert re.search(rf"^\[{rank} host{rank}\] rank {rank} model 200000 {complete}$", attached.stdout, re.M), \
             attached.stdout
     assert "written as the job failed, not taken: host1:model.bin" in attached.stdout, attached.stdout
+
+
+def host_folder(job: str, host: str) -> Path:
+    return TEST_USER_HOME / ".dlrun" / "jobs" / job / f"host-{host}"
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def detach_with_a_slow_copy(cluster: SshdCluster, tmp_path: Path, *args: str) -> str:
+    """RESUME detached with one restart and ``--checkpoint-dir ckpt``, host1's listing held 300 s
+    (the test hook ``DLRUN_TEST_CKPT_PAUSE``); the job's id, once the leader keeper has begun the
+    restart's copy (and waits for host1)."""
+    code = project(tmp_path, RESUME)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    out = run_dlrun("launch", "--plain", "--framework", "none", "--grace", "2", "--hosts", str(hosts),
+                    "--ssh-config", str(cluster.ssh_config), "--detach", "--max-restarts", "1",
+                    "--checkpoint-dir", "ckpt", *args, str(code / "train.py"), cwd=tmp_path, timeout=240,
+                    env={"DLRUN_TEST_CKPT_PAUSE": "300"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1]
+
+    def copying() -> bool:
+        try:
+            log = (host_folder(job, "host0") / "keeper.log").read_text()
+        except OSError:
+            return False
+        return "attempt 2: making checkpoint ckpt the same on every host" in log
+
+    assert wait_until(copying, timeout=120)
+    return job
+
+
+@pytest.mark.slow
+@pytest.mark.ssh
+def test_a_follower_killed_during_a_detached_restarts_copy_does_not_hang_the_leader(
+        cluster: SshdCluster, tmp_path: Path) -> None:
+    # --host-timeout 600 (--detach refuses 0, "never"): no silence ends the leader's wait within
+    # the test; only the closed connection can
+    job = detach_with_a_slow_copy(cluster, tmp_path, "--host-timeout", "600")
+    leader = int((host_folder(job, "host0") / "keeper.pid").read_text().split()[0])
+    pid = int((host_folder(job, "host1") / "keeper.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGKILL)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    attached = run_dlrun("attach", job, "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), cwd=tmp_path,
+                         timeout=180)  # well before host1's listing would have answered
+    assert attached.returncode == 255, attached.stdout + attached.stderr
+    assert re.search(r"attempt 2: checkpoint ckpt: not made the same \(host1: its keeper's connection closed\)",
+                     attached.stdout), attached.stdout
+    assert "host host1 lost: its keeper's connection closed" in attached.stdout, attached.stdout
+    assert wait_until(lambda: not running(leader), timeout=60)  # the leader keeper ended, not hung
+    assert wait_job_processes_gone(job, timeout=30) == []
+    assert wait_job_processes_gone(f"{job}-r1", timeout=30) == []
+
+
+@pytest.mark.slow
+@pytest.mark.ssh
+def test_dlrun_stop_during_a_detached_restarts_copy_stops_the_job(cluster: SshdCluster, tmp_path: Path) -> None:
+    job = detach_with_a_slow_copy(cluster, tmp_path)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    # dlrun stop waits 60 s for the end: the copy must give up, not wait for host1's answer
+    stopped = run_dlrun("stop", job, "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config), cwd=tmp_path,
+                        timeout=180)
+    assert stopped.returncode == 143, stopped.stdout + stopped.stderr
+    assert f"dlrun: job {job} stopped; exit code 143" in stopped.stdout, stopped.stdout
+    result = json.loads((host_folder(job, "host0") / "result.json").read_text())
+    lines = result["history"][-1]["checkpoint"]
+    assert re.match(r"checkpoint ckpt: not made the same \(host1: stopped by signal 15", lines[0]), result
+    assert wait_job_processes_gone(job, timeout=30) == []
+    assert wait_job_processes_gone(f"{job}-r1", timeout=30) == []
 
 
 def open_workdirs(cluster, tmp_path: Path, n: int = 2) -> Path:  # type: ignore[no-untyped-def]
@@ -642,3 +720,46 @@ def test_the_keepers_choose_as_the_client_does() -> None:
             assert {h: [c.path for c in cs] for h, cs in wanted.items()} == ckptsync.needs(
                 [(li.host, {p: [e.kind, e.size, e.mode, e.sha256 if e.kind == "file" else e.link, e.mtime_ns]
                             for p, e in li.entries.items()}, li.offset) for li in listings], keepers)
+
+
+def test_a_failed_keepers_copy_names_the_files_it_left_mixed() -> None:
+    # a host whose renames failed part way (or that was cut off) may hold new files beside old
+    # ones, and the restart goes on, so the attempt's line says which
+    from typing import Any
+
+    from dlrun.remote import ckptsync
+
+    def e(data: bytes, mtime: float) -> list[Any]:
+        return ["file", len(data), 0o644, hashlib.sha256(data).hexdigest(), int(mtime * 1e9)]
+
+    host0 = {"model.pt": e(b"new model", 200.0), "optimizer.pt": e(b"new opt", 200.0), "extra.pt": e(b"x", 200.0)}
+    host1 = {"model.pt": e(b"old model", 100.0), "optimizer.pt": e(b"old opt", 100.0)}
+
+    def run(receive: dict[str, Any]) -> tuple[str, list[dict[str, dict[str, Any]]]]:
+        asked: list[dict[str, dict[str, Any]]] = []
+
+        def ask(requests: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+            asked.append(requests)
+            do = next(iter(requests.values()))["do"]
+            if do == "list":
+                return {"h0": {"entries": host0, "now": 0.0}, "h1": {"entries": host1, "now": 0.0}}
+            if do == "serve":
+                return {"h0": {"port": 1234}}
+            if do == "receive":
+                return {"h1": receive}
+            return {h: {} for h in requests}
+
+        line = ckptsync.sync_folder(ask, ["h0", "h1"], "ckpt", {"h0": "a0", "h1": "a1"}, "C", "K", None)
+        return line, asked
+
+    line, asked = run({"written": 1, "failed": ["/w/ckpt/optimizer.pt: connection reset"], "replaced": ["model.pt"]})
+    assert asked[-1] == {"h0": {"do": "end"}, "h1": {"do": "end"}}
+    assert line.startswith("checkpoint ckpt: not made the same (h1: /w/ckpt/optimizer.pt: connection reset) after ")
+    assert line.endswith("; mixed files: h1 has new model.pt beside old optimizer.pt and no extra.pt"), line
+    # cut off (the keeper's connection closed): which arrived is unknown
+    line, _ = run({"error": "its keeper's connection closed"})
+    assert line.endswith("; mixed files: h1 may have new files beside old ones (of extra.pt, model.pt,"
+                         " optimizer.pt)"), line
+    # every file replaced before a later failure: nothing mixed
+    line, _ = run({"written": 3, "failed": ["x: y"], "replaced": ["extra.pt", "model.pt", "optimizer.pt"]})
+    assert "mixed" not in line, line
