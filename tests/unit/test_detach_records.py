@@ -159,6 +159,9 @@ def test_the_keeper_reads_the_agents_frames() -> None:
         assert inspect.getsource(getattr(keeper, name)).split('"""')[-1] == \
             inspect.getsource(getattr(jobs, name)).split('"""')[-1], name
     assert keeper.HEADER.format == agent.HEADER.format
+    # the pushed tree's mark: the agent's (attached ranks) and the keeper's (detached ones)
+    assert inspect.getsource(keeper.pin_tree).split('"""')[-1] == inspect.getsource(agent.pin_tree).split('"""')[-1]
+    assert keeper.VERSIONS == agent.VERSIONS
     assert (keeper.STARTED, keeper.STDOUT, keeper.STDERR, keeper.EXIT, keeper.ERROR, keeper.DONE) == (
         agent.STARTED, agent.STDOUT, agent.STDERR, agent.EXIT, agent.ERROR, agent.DONE)
     assert keeper.host_folder("user@h:22") == "host-user_h_22"
