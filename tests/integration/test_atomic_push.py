@@ -22,6 +22,7 @@ from dlrun.transport.ssh import SSHTransport
 
 from support.cli import REPO, run_dlrun
 from support.ssh_jobs import hosts_toml
+from support.sshd_cluster import SshdCluster
 from support.wait import wait_until
 
 PART = ".dlrun-part-"
@@ -49,7 +50,7 @@ push(HostRouter(remote=SSHTransport(config_file={config!r})), hosts, code_dir=Pa
 
 
 @pytest.fixture(scope="module")
-def transport(cluster) -> Iterator[HostRouter]:  # type: ignore[no-untyped-def]
+def transport(cluster: SshdCluster) -> Iterator[HostRouter]:
     router = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
     yield router
     router.close()
@@ -82,8 +83,8 @@ def files_of(root: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.ssh
-def test_a_push_killed_midway_leaves_every_host_the_old_tree_whole(  # type: ignore[no-untyped-def]
-        cluster, transport, tmp_path: Path) -> None:
+def test_a_push_killed_midway_leaves_every_host_the_old_tree_whole(
+        cluster: SshdCluster, transport: HostRouter, tmp_path: Path) -> None:
     src = tmp_path / "proj"
     src.mkdir()
     size = 256 * 1024
@@ -165,8 +166,8 @@ open("result.txt", "w").write("written after the next push")
 
 
 @pytest.mark.ssh
-def test_a_running_detached_job_keeps_its_tree_while_a_new_push_lands(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path) -> None:
+def test_a_running_detached_job_keeps_its_tree_while_a_new_push_lands(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     project = tmp_path / f"keep-{os.getpid()}"
     project.mkdir()
     os.chmod(tmp_path, 0o755)
@@ -212,7 +213,7 @@ def test_a_running_detached_job_keeps_its_tree_while_a_new_push_lands(  # type: 
 
 
 @pytest.mark.ssh
-def test_pull_of_a_pushed_project_folder_reads_its_current_tree(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_pull_of_a_pushed_project_folder_reads_its_current_tree(cluster: SshdCluster, tmp_path: Path) -> None:
     project = tmp_path / f"pulled-{os.getpid()}"
     project.mkdir()
     (project / "train.py").write_text("print('hi')\n")
@@ -302,8 +303,8 @@ def test_a_launchs_claim_left_in_a_tree_does_not_keep_it(tmp_path: Path) -> None
 
 
 @pytest.mark.ssh
-def test_a_file_the_login_may_not_link_is_copied_into_the_new_tree(  # type: ignore[no-untyped-def]
-        cluster, transport, tmp_path: Path) -> None:
+def test_a_file_the_login_may_not_link_is_copied_into_the_new_tree(
+        cluster: SshdCluster, transport: HostRouter, tmp_path: Path) -> None:
     if not cluster.is_root or Path("/proc/sys/fs/protected_hardlinks").read_text().strip() != "1":
         pytest.skip("needs root to give a file away, and protected hard links")
     src = tmp_path / "proj"

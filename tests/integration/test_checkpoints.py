@@ -240,7 +240,7 @@ def test_a_detached_job_gets_the_checkpoint_before_its_first_attempt(cluster: Ss
 
 
 @pytest.mark.ssh
-def test_a_detached_restart_finds_rank_0s_checkpoint_on_every_host(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_detached_restart_finds_rank_0s_checkpoint_on_every_host(cluster: SshdCluster, tmp_path: Path) -> None:
     # the keepers restart the job without dlrun: the leader keeper makes ckpt the same first
     code = project(tmp_path, RESUME)
     out = launch(cluster, tmp_path, code, "--detach", "--max-restarts", "1", "--checkpoint-dir", "ckpt")
@@ -260,7 +260,8 @@ def test_a_detached_restart_finds_rank_0s_checkpoint_on_every_host(cluster, tmp_
 
 
 @pytest.mark.ssh
-def test_a_detached_restart_never_takes_a_file_truncated_by_a_killed_writer(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_detached_restart_never_takes_a_file_truncated_by_a_killed_writer(
+        cluster: SshdCluster, tmp_path: Path) -> None:
     # the leader keeper's failure time: when it heard rank 0 fail, before host1's writer was killed
     code = project(tmp_path, TRUNCATED)
     out = launch(cluster, tmp_path, code, "--detach", "--max-restarts", "1", "--checkpoint-dir", "ckpt")
@@ -353,7 +354,7 @@ def test_dlrun_stop_during_a_detached_restarts_copy_stops_the_job(cluster: SshdC
     assert wait_job_processes_gone(f"{job}-r1", timeout=30) == []
 
 
-def open_workdirs(cluster, tmp_path: Path, n: int = 2) -> Path:  # type: ignore[no-untyped-def]
+def open_workdirs(cluster: SshdCluster, tmp_path: Path, n: int = 2) -> Path:
     """An inventory whose hosts' workdirs any user may write (0777, not sticky), owned by the login."""
     import secrets
 
@@ -370,7 +371,8 @@ def open_workdirs(cluster, tmp_path: Path, n: int = 2) -> Path:  # type: ignore[
 
 
 @pytest.mark.ssh
-def test_checkpoint_copies_check_the_folders_owner_as_the_push_does(cluster, transport, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_checkpoint_copies_check_the_folders_owner_as_the_push_does(
+        cluster: SshdCluster, transport: HostRouter, tmp_path: Path) -> None:
     from dlrun.errors import SyncError
     from dlrun.push.checkpoint import sync_folder
 
@@ -390,7 +392,7 @@ def test_checkpoint_copies_check_the_folders_owner_as_the_push_does(cluster, tra
 
 
 @pytest.mark.ssh
-def test_insecure_workdir_reaches_the_checkpoint_copy(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_insecure_workdir_reaches_the_checkpoint_copy(cluster: SshdCluster, tmp_path: Path) -> None:
     code = project(tmp_path, RESUME)
     hosts = open_workdirs(cluster, tmp_path)
     out = run_dlrun("launch", "--plain", "--framework", "none", "--grace", "2", "--hosts", str(hosts),

@@ -29,7 +29,7 @@ from dlrun.transport.base import default_python
 from dlrun.transport.ssh import SSHTransport
 
 from support.ssh_jobs import hosts_toml
-from support.sshd_cluster import TEST_USER_HOME
+from support.sshd_cluster import TEST_USER_HOME, SshdCluster
 from support.wait import wait_until
 
 pytestmark = pytest.mark.ssh
@@ -106,7 +106,7 @@ class Spy:
         monkeypatch.setattr(detach, "stream_logs", stream_logs)
 
 
-def read_logs(cluster, tmp_path: Path, job: str) -> bytes:  # type: ignore[no-untyped-def]
+def read_logs(cluster: SshdCluster, tmp_path: Path, job: str) -> bytes:
     out = io.TextIOWrapper(io.BytesIO(), write_through=True)
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
     record = api.logs(job, str(hosts), out=out, ssh=SSHOptions(ssh_config=str(cluster.ssh_config)))
@@ -115,7 +115,7 @@ def read_logs(cluster, tmp_path: Path, job: str) -> bytes:  # type: ignore[no-un
     return out.buffer.getvalue()
 
 
-def test_a_big_answer_comes_whole_over_the_side_channel(cluster, tmp_path: Path, job: str,  # type: ignore[no-untyped-def]
+def test_a_big_answer_comes_whole_over_the_side_channel(cluster: SshdCluster, tmp_path: Path, job: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     spy = Spy(monkeypatch)
     text = read_logs(cluster, tmp_path, job)
@@ -128,8 +128,8 @@ def test_a_big_answer_comes_whole_over_the_side_channel(cluster, tmp_path: Path,
                         ("host1", "host-host1/attempt-0/rank-1.log"): 1000 * len(line(1, 0))}
 
 
-def test_a_host_whose_side_channel_cannot_be_reached_answers_over_ssh(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_host_whose_side_channel_cannot_be_reached_answers_over_ssh(
+        cluster: SshdCluster, tmp_path: Path, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # the host listens on the address the SSH connection came to; dlrun is sent elsewhere, where
     # nothing listens on that port (as behind a firewall or a NAT): refused, so the answer comes over SSH
     monkeypatch.setattr(SSHTransport, "direct_address", lambda self, host: "127.0.0.254")
@@ -141,7 +141,7 @@ def test_a_host_whose_side_channel_cannot_be_reached_answers_over_ssh(  # type: 
 
 
 @pytest.fixture
-def jobs_program(cluster, tmp_path: Path, job: str) -> Iterator[tuple[Any, Any, dict[str, str], int]]:  # type: ignore[no-untyped-def]
+def jobs_program(cluster: SshdCluster, tmp_path: Path, job: str) -> Iterator[tuple[Any, Any, dict[str, str], int]]:
     """host0's ``dlrun-jobs`` asked for the job's logs with a side channel offered: the
     transport, the channel, the offer, and the port the host said."""
     hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 1)
@@ -160,8 +160,8 @@ def jobs_program(cluster, tmp_path: Path, job: str) -> Iterator[tuple[Any, Any, 
             channel.close()
 
 
-def test_the_side_channel_gives_nothing_without_the_token_and_dlrun_trusts_only_its_certificate(  # type: ignore[no-untyped-def]
-        cluster, jobs_program: tuple[Any, Any, dict[str, str], int]) -> None:
+def test_the_side_channel_gives_nothing_without_the_token_and_dlrun_trusts_only_its_certificate(
+        cluster: SshdCluster, jobs_program: tuple[Any, Any, dict[str, str], int]) -> None:
     _transport, _channel, offer, port = jobs_program
     address = cluster.hosts[0].address
     impostor = client_context(make_job_tls("someone else").cert_pem)  # dlrun pins its own certificate
@@ -192,8 +192,8 @@ def test_the_side_channel_gives_nothing_without_the_token_and_dlrun_trusts_only_
     tls.close()
 
 
-def test_a_host_that_goes_quiet_on_the_side_channel_is_left_out_in_time(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path, job: str) -> None:
+def test_a_host_that_goes_quiet_on_the_side_channel_is_left_out_in_time(
+        cluster: SshdCluster, tmp_path: Path, job: str) -> None:
     log = TEST_USER_HOME / ".dlrun" / "jobs" / job / "host-host0" / "attempt-0" / "rank-0.log"
     with open(log, "ab") as fh:  # more than the socket buffers hold: the host is still sending when frozen
         for _ in range(5):
@@ -241,7 +241,7 @@ def jobs_processes(client_port: int) -> list[int]:
     return found
 
 
-def test_attach_reads_a_big_backlog_over_the_side_channel(cluster, tmp_path: Path, job: str,  # type: ignore[no-untyped-def]
+def test_attach_reads_a_big_backlog_over_the_side_channel(cluster: SshdCluster, tmp_path: Path, job: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     spy = Spy(monkeypatch)
     out = io.StringIO()
@@ -302,7 +302,7 @@ class Strangers:
             thread.join(timeout=30)
 
 
-def test_strangers_at_the_side_channel_do_not_keep_dlrun_out(cluster, tmp_path: Path, job: str,  # type: ignore[no-untyped-def]
+def test_strangers_at_the_side_channel_do_not_keep_dlrun_out(cluster: SshdCluster, tmp_path: Path, job: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     strangers = Strangers()
     connect = logstream.connect_side
@@ -323,8 +323,8 @@ def test_strangers_at_the_side_channel_do_not_keep_dlrun_out(cluster, tmp_path: 
     assert spy.refused == {}
 
 
-def test_the_host_stops_sending_when_dlrun_is_gone(  # type: ignore[no-untyped-def]
-        cluster, jobs_program: tuple[Any, Any, dict[str, str], int]) -> None:
+def test_the_host_stops_sending_when_dlrun_is_gone(
+        cluster: SshdCluster, jobs_program: tuple[Any, Any, dict[str, str], int]) -> None:
     transport, channel, offer, port = jobs_program
     ssh = transport.remote if hasattr(transport, "remote") else transport
     ours = ssh.clients[cluster.hosts[0].name].get_transport().sock.getsockname()[1]
@@ -342,8 +342,9 @@ def test_the_host_stops_sending_when_dlrun_is_gone(  # type: ignore[no-untyped-d
         tls.close()
 
 
-def test_a_host_that_fails_mid_answer_has_its_folder_sent_by_one_that_shares_its_home(  # type: ignore[no-untyped-def]
-        cluster, tmp_path: Path, job: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_host_that_fails_mid_answer_has_its_folder_sent_by_one_that_shares_its_home(
+        cluster: SshdCluster, tmp_path: Path, job: str,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     # host1 skips host0's folder (host0 sends its own); host0's dlrun-jobs is killed after its
     # first piece: host1 is asked again for host0's folder, from where host0 broke off
     stream = logstream.stream_logs
