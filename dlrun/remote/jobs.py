@@ -374,11 +374,11 @@ def side_channel(side: dict[str, Any], out: Any) -> Any:
     wake_r, wake_w = os.pipe()
 
     def won(tls: Any) -> bool:
-        with lock:
+        with lock:  # the wake pipe closes under the same lock: never written once closed
             if taken or done.is_set():
                 return False
             taken.append(tls)
-        os.write(wake_w, b"x")
+            os.write(wake_w, b"x")
         return True
 
     def greet(conn: Any) -> None:
@@ -402,7 +402,7 @@ def side_channel(side: dict[str, Any], out: Any) -> Any:
                 with lock:
                     if taken:
                         done.set()
-                        tls = taken[0]
+                        tls = taken.pop(0)
                         tls.settimeout(None)  # a paused pager holds the sender; dlrun's end closes the socket
                         watch_stdin(tls)
                         return tls
@@ -427,13 +427,13 @@ def side_channel(side: dict[str, Any], out: Any) -> Any:
                     continue
                 threading.Thread(target=greet, args=(conn,), name="dlrun-side-greet", daemon=True).start()
     finally:
-        with lock:
+        with lock:  # a connection that won after the wait ended is closed, not left open
             done.set()
-            late = taken[1:] if taken else []
+            late = list(taken)
+            os.close(wake_r)
+            os.close(wake_w)
         for tls in late:
             tls.close()
-        os.close(wake_r)
-        os.close(wake_w)
 
 
 def watch_stdin(tls: Any) -> None:
