@@ -48,8 +48,6 @@ def resolve_inventory(hosts: str | None, np: int | None) -> Inventory:
     return load_inventory(hosts)
 
 
-TRANSPORTS = ("auto", "ssh", "srun")
-
 
 def transport_kind(inventory: Inventory, ssh: SSHOptions) -> str:
     """``ssh`` or ``srun``: ``auto`` is srun for the allocation's own nodes where ``srun`` is on
