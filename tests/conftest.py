@@ -9,9 +9,20 @@ from collections.abc import Iterator
 
 import pytest
 
+from dlrun.transport.local import HostRouter
+from dlrun.transport.ssh import SSHTransport
+
 from support.cli import REPO
 from support.slurm_cluster import SlurmCluster, require_slurm, start_slurm
 from support.sshd_cluster import SshdCluster, find_sshd, start_cluster
+
+
+@pytest.fixture(scope="module")
+def transport(cluster: SshdCluster) -> Iterator[HostRouter]:
+    """One SSH transport to the cluster's hosts for a module's tests (push, pull, checkpoints)."""
+    router = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
+    yield router
+    router.close()
 
 
 @pytest.fixture(scope="session")

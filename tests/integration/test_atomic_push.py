@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ import pytest
 from dlrun.inventory import Host
 from dlrun.push.session import push
 from dlrun.transport.local import HostRouter
-from dlrun.transport.ssh import SSHTransport
 
 from support.cli import REPO, run_dlrun
 from support.ssh_jobs import hosts_toml
@@ -47,13 +45,6 @@ def stall(host, done, total):
 hosts = [Host(address=n, name=n, workdir=w, python={python!r}) for n, w in {hosts_and_workdirs!r}]
 push(HostRouter(remote=SSHTransport(config_file={config!r})), hosts, code_dir=Path({src!r}), progress=stall)
 """
-
-
-@pytest.fixture(scope="module")
-def transport(cluster: SshdCluster) -> Iterator[HostRouter]:
-    router = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
-    yield router
-    router.close()
 
 
 @pytest.fixture(autouse=True)

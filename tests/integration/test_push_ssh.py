@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -31,13 +31,6 @@ from support.wait import wait_until
 pytestmark = pytest.mark.ssh
 
 PART = ".dlrun-part-"
-
-
-@pytest.fixture(scope="module")
-def transport(cluster: SshdCluster) -> Iterator[HostRouter]:
-    router = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
-    yield router
-    router.close()
 
 
 @pytest.fixture(autouse=True)
