@@ -23,6 +23,7 @@ from dlrun.remote import CACHE_STAGE, boot_argv, boot_payload, cache_entry, sour
 from support.cli import run_dlrun
 from support.ssh_jobs import hosts_toml
 from support.sshd_cluster import find_sshd, start_cluster
+from support.wait import wait_until
 
 PROGRAM = "print('from the source')\n"
 FORGED = "print('from the cache')\n"
@@ -160,6 +161,8 @@ def test_a_launch_fills_the_login_users_cache_and_the_next_uses_it(tmp_path: Pat
         folder = Path(pwd.getpwnam(cluster.user).pw_dir) / ".cache" / "dlrun" / "code"
         agent = folder / cache_entry("agent", source_of("agent").encode(), tag)[0]
         probe = folder / cache_entry("probe", source_of("probe").encode(), tag)[0]
+        # each host's agent writes its entries as it goes: one may land just after the launch returned
+        wait_until(lambda: agent.is_file() and probe.is_file(), timeout=30)
         assert agent.is_file() and probe.is_file(), sorted(p.name for p in folder.iterdir())
         uid = pwd.getpwnam(cluster.user).pw_uid
         for p, mode in ((folder, 0o700), (agent, 0o600), (probe, 0o600)):
