@@ -61,7 +61,9 @@ exec(_dlrun_code(_dlrun_raw, _dlrun_name) if "_dlrun_code" in globals() else com
 
 #: The loader's stage: ``_dlrun_code(source bytes, name)``, the program's compiled code from the
 #: login user's cache when a valid entry for this source and interpreter is there, else compiled
-#: (and written there). docs/architecture.md, "The code cache"; anything wrong means compile.
+#: (and written there). docs/architecture.md, "The code cache"; anything wrong means compile. The
+#: temporary file's name is random, not the pid: agents in PID namespaces of their own are all pid 1
+#: or 2, and hosts sharing a home (one machine under several names, NFS) write the same folder.
 CACHE_STAGE = """def _dlrun_code(raw, name):
     import marshal
     from hashlib import sha256
@@ -90,7 +92,7 @@ CACHE_STAGE = """def _dlrun_code(raw, name):
         pass
     code = compile(raw.decode("utf-8"), name, "exec")
     if d >= 0:
-        tmp = "%s.%d.tmp" % (key, os.getpid())
+        tmp, f = "%s.%s.tmp" % (key, os.urandom(8).hex()), -1
         try:
             body = marshal.dumps(code)
             f = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=d)
@@ -98,10 +100,11 @@ CACHE_STAGE = """def _dlrun_code(raw, name):
                 fh.write(head + sha256(body).digest() + body)
             os.replace(tmp, key, src_dir_fd=d, dst_dir_fd=d)
         except (OSError, ValueError):
-            try:
-                os.unlink(tmp, dir_fd=d)
-            except OSError:
-                pass
+            if f >= 0:
+                try:
+                    os.unlink(tmp, dir_fd=d)
+                except OSError:
+                    pass
         os.close(d)
     return code
 """

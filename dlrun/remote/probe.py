@@ -381,7 +381,8 @@ def write_gpu_cache(key: str, answers: dict[str, Any]) -> None:
     if d is None:
         return
     body = json.dumps(answers, sort_keys=True).encode("utf-8")
-    tmp = f"{key}.{os.getpid()}.tmp"
+    # random, not the pid: agents in PID namespaces of their own share pids, hosts share homes
+    tmp, fd = f"{key}.{os.urandom(8).hex()}.tmp", -1
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=d)
         with os.fdopen(fd, "wb") as handle:
@@ -389,10 +390,11 @@ def write_gpu_cache(key: str, answers: dict[str, Any]) -> None:
         os.replace(tmp, key, src_dir_fd=d, dst_dir_fd=d)
         prune_gpu_cache(d)
     except OSError:
-        try:
-            os.unlink(tmp, dir_fd=d)
-        except OSError:
-            pass
+        if fd >= 0:  # never another writer's file
+            try:
+                os.unlink(tmp, dir_fd=d)
+            except OSError:
+                pass
     finally:
         os.close(d)
 

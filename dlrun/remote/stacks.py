@@ -70,8 +70,8 @@ def install(request: dict[str, Any], data: bytes) -> dict[str, Any]:
         return {"error": f"py-spy arrived damaged ({len(data)} of {request['size']} bytes)"}
     os.makedirs(cache_dir(), mode=0o700, exist_ok=True)
     target = cached(sha256)
-    temp = f"{target}.{os.getpid()}.tmp"
-    with open(temp, "wb") as fh:
+    temp = f"{target}.{os.urandom(8).hex()}.tmp"  # not the pid: agents in PID namespaces share pids
+    with open(temp, "xb") as fh:
         fh.write(data)
     os.chmod(temp, 0o700)
     os.replace(temp, target)

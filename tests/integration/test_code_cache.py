@@ -12,8 +12,10 @@ import hashlib
 import marshal
 import os
 import pwd
+import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,6 @@ from dlrun.remote import CACHE_STAGE, boot_argv, boot_payload, cache_entry, sour
 from support.cli import run_dlrun
 from support.ssh_jobs import hosts_toml
 from support.sshd_cluster import find_sshd, start_cluster
-from support.wait import wait_until
 
 PROGRAM = "print('from the source')\n"
 FORGED = "print('from the cache')\n"
@@ -35,10 +36,10 @@ def payload(source: str, stage: bool = True) -> bytes:
     return (b"+%09d" % len(cache) + cache if stage else b"") + b"%010d" % len(raw) + raw
 
 
-def run_loader(cache: Path, source: str = PROGRAM, stage: bool = True) -> str:
+def run_loader(cache: Path, source: str = PROGRAM, stage: bool = True, prefix: Sequence[str] = ()) -> str:
     """Start the loader as every transport does (``python -c LOADER dlrun-probe``), ``source`` on stdin."""
-    out = subprocess.run(boot_argv([sys.executable], "probe"), input=payload(source, stage), capture_output=True,
-                         env={**os.environ, "XDG_CACHE_HOME": str(cache)}, timeout=60)
+    out = subprocess.run([*prefix, *boot_argv([sys.executable], "probe")], input=payload(source, stage),
+                         capture_output=True, env={**os.environ, "XDG_CACHE_HOME": str(cache)}, timeout=60)
     assert out.returncode == 0, out.stderr.decode()
     return out.stdout.decode().strip()
 
@@ -120,6 +121,29 @@ def test_an_entry_owned_by_another_user_is_ignored(tmp_path: Path) -> None:
     assert run_loader(tmp_path) == "from the source"
 
 
+#: A process that is pid 1, as every agent in a PID namespace of its own is (or pid 2).
+AS_PID_1 = ("unshare", "--pid", "--fork", "--kill-child")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="a PID namespace needs root")
+def test_writers_with_the_same_pid_leave_each_other_alone(tmp_path: Path) -> None:
+    """Hosts sharing a home (one machine under two names, NFS) write one cache folder, and their
+    agents, each in a PID namespace of its own, have the same pid: a temporary file named by the
+    pid made the second writer fail and delete the first writer's file, so neither entry landed
+    (a launch on two such hosts once left no probe entry)."""
+    path = entry(tmp_path)
+    path.parent.mkdir(parents=True, mode=0o700)
+    others = [path.with_name(f"{path.name}.{pid}.tmp") for pid in (1, 2)]  # other hosts' agents, writing
+    for other in others:
+        other.write_bytes(b"half written")
+        other.chmod(0o600)
+    assert run_loader(tmp_path, prefix=AS_PID_1) == "from the source"
+    assert path.is_file()
+    assert [other.read_bytes() for other in others] == [b"half written"] * 2
+    forge(path)
+    assert run_loader(tmp_path, prefix=AS_PID_1) == "from the cache"
+
+
 def test_the_payload_is_the_stage_then_the_program_and_a_plain_program_runs_without_the_cache(tmp_path: Path) -> None:
     assert boot_payload("probe") == payload(source_of("probe"))
     assert run_loader(tmp_path, stage=False) == "from the source"  # as a keeper starts its agent
@@ -161,8 +185,6 @@ def test_a_launch_fills_the_login_users_cache_and_the_next_uses_it(tmp_path: Pat
         folder = Path(pwd.getpwnam(cluster.user).pw_dir) / ".cache" / "dlrun" / "code"
         agent = folder / cache_entry("agent", source_of("agent").encode(), tag)[0]
         probe = folder / cache_entry("probe", source_of("probe").encode(), tag)[0]
-        # each host's agent writes its entries as it goes: one may land just after the launch returned
-        wait_until(lambda: agent.is_file() and probe.is_file(), timeout=30)
         assert agent.is_file() and probe.is_file(), sorted(p.name for p in folder.iterdir())
         uid = pwd.getpwnam(cluster.user).pw_uid
         for p, mode in ((folder, 0o700), (agent, 0o600), (probe, 0o600)):

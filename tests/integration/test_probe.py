@@ -8,6 +8,7 @@ import ast
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -346,8 +347,8 @@ def calls(log: Path) -> list[str]:
     return sorted("header" if not line else line.split()[0] for line in lines)
 
 
-def probed(env: dict[str, str], payload: bytes | None = None) -> dict[str, Any]:
-    proc = subprocess.run(boot_argv([sys.executable], "probe"), input=payload or boot_payload("probe"),
+def probed(env: dict[str, str], payload: bytes | None = None, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
+    proc = subprocess.run([*prefix, *boot_argv([sys.executable], "probe")], input=payload or boot_payload("probe"),
                           capture_output=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     doc: dict[str, Any] = json.loads(proc.stdout)
@@ -371,6 +372,27 @@ def test_the_second_probe_takes_topology_and_header_from_the_cache(tmp_path: Pat
     for name in ("topo", "header"):
         assert {**second["commands"][name], "cached": None} == {**first["commands"][name], "cached": None}
     assert parse_probe_output("n", json.dumps(second)) == parse_probe_output("n", json.dumps(first))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="a PID namespace needs root")
+def test_probes_with_the_same_pid_leave_each_others_entries_alone(tmp_path: Path) -> None:
+    """Agents in PID namespaces of their own share pids (1, 2), and hosts may share a home: a
+    writer never takes, or deletes, another writer's temporary file."""
+    bin_dir, log = logged_smi(tmp_path)
+    env = env_with_path(bin_dir, DLRUN_SYSFS_ROOT=str(SYSFS_H100), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    probed(env)
+    [entry] = list((tmp_path / "xdg" / "dlrun" / "probe").iterdir())
+    entry.unlink()
+    others = [entry.with_name(f"{entry.name}.{pid}.tmp") for pid in (1, 2)]  # other hosts' probes, writing
+    for other in others:
+        other.write_bytes(b"half written")
+        other.chmod(0o600)
+    calls(log)
+    probed(env, prefix=("unshare", "--pid", "--fork", "--kill-child"))
+    assert entry.is_file() and [other.read_bytes() for other in others] == [b"half written"] * 2
+    calls(log)
+    probed(env)
+    assert calls(log) == sorted(FRESH)  # the entry the pid-1 probe wrote is used
 
 
 def test_a_changed_key_probes_afresh(tmp_path: Path) -> None:
