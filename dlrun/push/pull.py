@@ -24,6 +24,7 @@ import json
 import os
 import posixpath
 import shlex
+import ssl
 import stat
 import tarfile
 import threading
@@ -47,13 +48,15 @@ from dlrun.push.tree import (
     remote_code_dir,
     sha256_file,
 )
-from dlrun.remote import boot_argv, boot_payload
+from dlrun.remote import boot_argv, boot_payload, source_of
 from dlrun.transport.base import Channel, Transport, default_python
+from dlrun.transport.side import SideChannel, TlsSource, connect_side
 
 ProgressHook = Callable[[str, int, int], None]
 PART = ".dlrun-part-"
 HELPER_FLAGS = ("-S",)  # dlrun.push.session.HELPER_FLAGS
 HELPER_IDLE_S = 300
+SIDE_FROM = 1 << 20  # bytes from one host from which its files come over the TLS side channel
 
 
 @dataclass(frozen=True)
@@ -136,15 +139,16 @@ class FetchFailure:
 
 
 class _Stream:
-    """The helper's stdout as a byte stream: lines, then exact counts of bytes."""
+    """The helper's stdout (or its side channel) as a byte stream: lines, then exact counts of
+    bytes. ``recv(n)``: up to ``n`` bytes, ``b""`` at the end."""
 
-    def __init__(self, channel: Channel) -> None:
-        self.channel = channel
+    def __init__(self, recv: Callable[[int], bytes]) -> None:
+        self.recv = recv
         self.buf = b""
         self.pos = 0
 
     def _more(self) -> bool:
-        data = self.channel.recv(1 << 18)
+        data = self.recv(1 << 18)
         if not data:
             return False
         self.buf = self.buf[self.pos:] + data if self.pos < len(self.buf) else data
@@ -201,9 +205,12 @@ class HostSender:
     """One session with a host's push helper in sending mode: ``listing``, then ``fetch`` or
     ``close``."""
 
-    def __init__(self, transport: Transport, host: Host, root: str, *, owner_check: bool = False) -> None:
+    def __init__(self, transport: Transport, host: Host, root: str, *, owner_check: bool = False,
+                 side: SideChannel | None = None) -> None:
         self.transport, self.host, self.root = transport, host, root
         self.owner_check = owner_check  # a checkpoint copy: refuse folders another user could write
+        self.side = side  # offer the files' TLS side channel (dlrun.transport.side) where it can be reached
+        self.tls: ssl.SSLSocket | None = None
         self.argv = boot_argv([*default_python(host), *HELPER_FLAGS], "push_helper")
         self.command = shlex.join([a if len(a) <= 200 else "<dlrun loader>" for a in self.argv])
         self.channel: Channel | None = None
@@ -212,7 +219,7 @@ class HostSender:
 
     def listing(self) -> Listing:
         channel = self.channel = self.transport.open(self.host, self.argv)
-        self.stream = _Stream(channel)
+        self.stream = _Stream(channel.recv)
         channel.send(boot_payload("push_helper"))
         request: dict[str, Any] = {"root": self.root}
         if self.owner_check:
@@ -243,8 +250,8 @@ class HostSender:
                 progress(self.host.name, 0, 0)
             self.close()
             return 0, []
-        self.channel.send(json.dumps({"files": [e.path for e, _ in items]}).encode() + b"\n")
         total = sum(e.size for e, _ in items)
+        self._ask(items, total)
         done = written = 0
         failures: list[FetchFailure] = []
         if progress is not None:
@@ -271,6 +278,49 @@ class HostSender:
         finally:
             self.close()
         return written, failures
+
+    def _ask(self, items: Sequence[tuple[RemoteFile, Path]], total: int) -> None:
+        """Ask for ``items``' files: over the TLS side channel where the host can be reached at
+        the address of its SSH connection (``self.stream`` reads from it then), else over SSH."""
+        assert self.channel is not None and self.stream is not None
+        request: dict[str, Any] = {"files": [e.path for e, _ in items]}
+        side, name = self.side, self.host.name
+        address = self.transport.direct_address(self.host) \
+            if side is not None and total >= SIDE_FROM and name not in side.refused else None
+        if side is None or address is None:
+            self.channel.send(json.dumps(request).encode() + b"\n")
+            return
+        offer, context = side.offer(name)
+        self.channel.send(json.dumps({**request, "side": {**offer, "source": source_of("jobs")}}).encode() + b"\n")
+        line = self.stream.readline()
+        if not line.startswith(b"T "):
+            raise self._failed("the push helper did not answer the side channel's offer", line)
+        try:
+            port = json.loads(line[2:]).get("port")
+        except (ValueError, AttributeError):
+            raise self._failed("the push helper did not answer the side channel's offer", line) from None
+        if port is None:  # it could not listen: the files come over SSH
+            side.refuse(name, "the host could not listen")
+            return
+        tls: ssl.SSLSocket | None = None
+        first = b""
+        why = "the host closed its side channel"
+        try:
+            tls = connect_side(address, int(port), context, offer["token"])
+            source = TlsSource(tls, self.channel, name, HELPER_IDLE_S, "the push helper")
+            first = source.recv(1 << 18)
+        except (OSError, ssl.SSLError, ValueError, DlrunError) as exc:
+            why = str(exc) or type(exc).__name__
+        if tls is None or not first:  # not reached (a firewall, a NAT), or the host stopped waiting: over SSH
+            if tls is not None:
+                tls.close()
+            side.refuse(name, why)
+            with contextlib.suppress(DlrunError, OSError):
+                self.channel.close_stdin()
+            return
+        self.tls = tls
+        rest = [first]
+        self.stream = _Stream(lambda n: rest.pop() if rest else source.recv(n))
 
     def serve(self, paths: Sequence[str], bind: str, token: str, cert_pem: str, key_pem: str) -> int:
         """Have this host's helper send ``paths`` of its listing straight to other hosts' push
@@ -378,8 +428,11 @@ class HostSender:
                                   hint="the host needs python >= 3.8 as the inventory's 'python' (default python3)")
 
     def close(self) -> None:
+        if self.tls is not None:
+            self.tls.close()
+            self.tls = None
         if self.channel is not None:
-            with contextlib.suppress(DlrunError):
+            with contextlib.suppress(DlrunError, OSError):
                 self.channel.send(b'{"abort": true}\n')  # ignored once the helper is streaming
             self.channel.close()
             self.channel = None
@@ -508,7 +561,8 @@ def pull(transport: Transport, hosts: Sequence[Host], remote: str, local: Path, 
         raise UsageError("dlrun pull needs a REMOTE path")
     hosts = tuple(hosts)
     contents = remote.endswith("/") and remote.strip("/") != ""
-    senders = [HostSender(transport, h, remote_root(h, remote.rstrip("/") or "/", project)) for h in hosts]
+    side = SideChannel("pull")
+    senders = [HostSender(transport, h, remote_root(h, remote.rstrip("/") or "/", project), side=side) for h in hosts]
     started = time.monotonic()
     pool = ThreadPoolExecutor(max_workers=max(1, min(32, len(senders))), thread_name_prefix="dlrun-pull")
     cancel = threading.Event()

@@ -10,7 +10,8 @@ for a launch's first question.
 The same helper runs the other way for ``dlrun pull`` and ``--checkpoint-dir``
 (``dlrun.push.pull``): a request with ``"send"`` gets the listing of a tree (every file's
 size, mode, sha256 and mtime, links as links, and the host's clock), then a list of paths, and
-answers with one tar stream of exactly those files, as they were listed; or, asked to
+answers with one tar stream of exactly those files, as they were listed (over the TLS side
+channel dlrun offers with the list, ``side_channel``, where it can be reached); or, asked to
 ``serve``, listens (TLS, a token) and gives those files to other hosts' push helpers, which
 fetch them when their plan names ``sources`` (host-to-host checkpoint copies).
 """
@@ -1253,11 +1254,58 @@ def sender(request: dict[str, Any]) -> int:
     if "serve" in asked:
         serve(reply["root"], reply["entries"], asked["serve"])
         return 0
+    paths = [str(p) for p in asked["files"]]
+    if asked.get("side"):
+        jobs, tls = side_channel(asked["side"])
+        if tls is not None:
+            send_tree(reply["root"], reply["entries"], paths, tls.sendall)
+            jobs.close_side(tls)
+            return 0
     sys.stdout.flush()
     widen(sys.stdout.fileno())
     write, sendfile = fd_writer(sys.stdout.fileno())
-    send_tree(reply["root"], reply["entries"], [str(p) for p in asked["files"]], write, sendfile)
+    send_tree(reply["root"], reply["entries"], paths, write, sendfile)
     return 0
+
+
+def side_channel(side: dict[str, Any]) -> tuple[Any, Any]:
+    """The TLS side channel dlrun offers for the files (``dlrun.transport.side``): the jobs
+    program's own (``side_channel`` of ``dlrun.remote.jobs``, whose source dlrun sends with the
+    offer): it says ``T {"port"}`` and takes dlrun's connection, or is None (then this says
+    ``T {}`` if it had not said a port, and the files go on stdout). (the module, the socket)."""
+    said = []
+
+    class Out:
+        def write(self, data: bytes) -> None:
+            said.append(data)
+            sys.stdout.buffer.write(data)
+
+        def flush(self) -> None:
+            sys.stdout.buffer.flush()
+
+    sys.stdout.flush()
+    jobs = tls = None
+    try:
+        jobs = load_module(str(side["source"]), "jobs")
+        tls = jobs.side_channel(side, Out())
+    except Exception:  # whatever fails here, the files go over SSH
+        tls = None
+    if tls is None and not said:
+        sys.stdout.buffer.write(b"T {}\n")
+        sys.stdout.buffer.flush()
+    return jobs, tls
+
+
+def load_module(source: str, name: str) -> Any:
+    """A ``dlrun.remote`` module from its source (as the keeper loads its modules)."""
+    import types
+
+    module = types.ModuleType("dlrun_" + name)
+    sys.modules[module.__name__] = module
+    cached = globals().get("_dlrun_code")  # the bootstrap loader's code cache (dlrun.remote.LOADER)
+    where = "<dlrun-" + name + ">"
+    exec(cached(source.encode("utf-8"), where) if cached else compile(source, where, "exec"), module.__dict__)
+    return module
 
 
 def final_record(record: Record, before: Record, ours: set[str], t: int, plan: dict[str, Any]) -> None:
