@@ -1075,6 +1075,7 @@ def send_tree(root: str, entries: dict[str, Entry], paths: list[str], write: Any
     import tarfile  # here: a push (and the agent's survey) never pays for it
 
     zero = bytes(1 << 16)
+    buf = memoryview(bytearray(1 << 20))  # one buffer for every read (no fresh megabyte per read)
     for rel in paths:
         kind, size, mode, value, mtime_ns = entries[rel]
         info = tarfile.TarInfo(rel)
@@ -1096,9 +1097,8 @@ def send_tree(root: str, entries: dict[str, Entry], paths: list[str], write: Any
                         except OSError:  # no sendfile to this kind of fd: read and write
                             sendfile = None
                     if sendfile is None:
-                        chunk = fh.read(min(left, 1 << 20))
-                        write(chunk)
-                        n = len(chunk)
+                        n = fh.readinto(buf[:min(left, len(buf))]) or 0
+                        write(buf[:n])
                     if n == 0:
                         break
                     left -= n
