@@ -278,6 +278,12 @@ class HostSender:
 
             raise unsafe_error(self.host.name, [tuple(u) for u in raw["unsafe"]], "copied")
         self.listed = _parse_listing(self.host.name, raw, arrived)
+        side = self.side
+        if side is not None and self.host.name not in side.refused and not self.host.is_local \
+                and sum(e.size for e in self.listed.entries.values()) >= SIDE_FROM:
+            # its certificate is made while the other hosts list (the fetch offers it)
+            threading.Thread(target=side.prepare, args=(self.host.name,), name=f"dlrun-side-{self.host.name}",
+                             daemon=True).start()
         return self.listed
 
     def fetch(self, items: Sequence[tuple[RemoteFile, Path]], root: Path, *, progress: ProgressHook | None = None,
