@@ -9,11 +9,20 @@ The push helper (``dlrun.remote.push_helper``) in its sending mode, one channel 
    record (``<parent>/.dlrun-cache/<name>.hashes.json``).
 2. dlrun plans (``plan_pull``: files the same on every host once, the rest per host; only what
    differs from the local copy) and sends ``{"files": [paths]}`` or ``{"abort": true}``.
-3. The helper sends one tar stream of exactly those files as listed (``sendfile``); dlrun
-   writes each under a temporary name (``.dlrun-part-*``) beside its final place, checks its
-   sha256 against the listing, sets mode and mtime and renames it into place. A file that
-   changed on the host since it was listed fails that check and is named; the old local copy
-   stays. Local files are never deleted.
+3. The helper sends one tar stream of exactly those files as listed; dlrun writes each under
+   a temporary name (``.dlrun-part-*``) beside its final place, checks its sha256 against the
+   listing, sets mode and mtime and renames it into place. A file that changed on the host
+   since it was listed fails that check and is named; the old local copy stays. Local files
+   are never deleted.
+
+The stream comes over the TLS side channel of ``dlrun logs`` (``dlrun.transport.side``) where
+the transport reached the host over its own TCP connection and the host has ``SIDE_FROM`` bytes
+or more to send: the files request carries the offer (certificate, key, token, and the source of
+``dlrun.remote.jobs``, whose ``side_channel`` the helper runs), the helper says ``T {"port"}``
+(``T {}``: it cannot listen), dlrun connects, and OpenSSL decrypts with the GIL released, where
+paramiko's transport thread would hold it for every 32 KiB packet. A host whose port cannot be
+reached, or that closes the side channel before the first byte, sends over SSH instead
+(``sendfile`` into the channel), and is not offered it again by the same pull.
 """
 
 from __future__ import annotations
