@@ -16,6 +16,7 @@ import pytest
 from dlrun.inventory import Host
 from dlrun.push import pull as pull_module
 from dlrun.push.pull import SIDE_FROM, HostSender, pull
+from dlrun.transport import side as side_module
 from dlrun.transport.local import HostRouter
 from dlrun.transport.side import SideChannel
 from dlrun.transport.ssh import SSHTransport
@@ -40,7 +41,7 @@ class Spy:
         self.reached: list[tuple[str, int]] = []
         self.elsewhere: list[bool] = []
         self.refused: dict[str, str] = {}
-        connect, refuse = pull_module.connect_side, SideChannel.refuse
+        connect, refuse = side_module.connect_side, SideChannel.refuse
 
         def connect_side(address: str, port: int, *args: Any) -> ssl.SSLSocket:
             other = "127.0.0.1" if address != "127.0.0.1" else "127.0.0.2"

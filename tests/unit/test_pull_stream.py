@@ -34,3 +34,19 @@ def test_exact_counts_come_whole_whatever_the_reads(step: int) -> None:
     assert stream.read(len(data) - 2_000_512) == data[2_000_512:]
     with pytest.raises(EOFError):
         stream.read(1)
+
+
+def test_a_helper_that_cannot_listen_says_so_and_sends_over_ssh(monkeypatch: pytest.MonkeyPatch,
+                                                                 capfdbinary: pytest.CaptureFixture[bytes]) -> None:
+    # no SSH_CONNECTION (the address to listen on is unknown), or a jobs program that does not
+    # load: ``T {}``, and the caller sends on stdout
+    from dlrun.remote import push_helper, source_of
+    from dlrun.tls import make_job_tls
+
+    pair = make_job_tls("pull")
+    offer = {"cert": pair.cert_pem, "key": pair.key_pem, "token": "t", "source": source_of("jobs")}
+    monkeypatch.delenv("SSH_CONNECTION", raising=False)
+    assert push_helper.side_channel(offer)[1] is None
+    monkeypatch.setenv("SSH_CONNECTION", "127.0.0.1 5000 127.0.0.1 22")
+    assert push_helper.side_channel({**offer, "source": "this is not python"})[1] is None
+    assert capfdbinary.readouterr().out == b"T {}\nT {}\n"
