@@ -9,11 +9,20 @@ The push helper (``dlrun.remote.push_helper``) in its sending mode, one channel 
    record (``<parent>/.dlrun-cache/<name>.hashes.json``).
 2. dlrun plans (``plan_pull``: files the same on every host once, the rest per host; only what
    differs from the local copy) and sends ``{"files": [paths]}`` or ``{"abort": true}``.
-3. The helper sends one tar stream of exactly those files as listed (``sendfile``); dlrun
-   writes each under a temporary name (``.dlrun-part-*``) beside its final place, checks its
-   sha256 against the listing, sets mode and mtime and renames it into place. A file that
-   changed on the host since it was listed fails that check and is named; the old local copy
-   stays. Local files are never deleted.
+3. The helper sends one tar stream of exactly those files as listed; dlrun writes each under
+   a temporary name (``.dlrun-part-*``) beside its final place, checks its sha256 against the
+   listing, sets mode and mtime and renames it into place. A file that changed on the host
+   since it was listed fails that check and is named; the old local copy stays. Local files
+   are never deleted.
+
+The stream comes over the TLS side channel of ``dlrun logs`` (``dlrun.transport.side``) where
+the transport reached the host over its own TCP connection and the host has ``SIDE_FROM`` bytes
+or more to send: the files request carries the offer (certificate, key, token, and the source of
+``dlrun.remote.jobs``, whose ``side_channel`` the helper runs), the helper says ``T {"port"}``
+(``T {}``: it cannot listen), dlrun connects, and OpenSSL decrypts with the GIL released, where
+paramiko's transport thread would hold it for every 32 KiB packet. A host whose port cannot be
+reached, or that closes the side channel before the first byte, sends over SSH instead
+(``sendfile`` into the channel), and is not offered it again by the same pull.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import json
 import os
 import posixpath
 import shlex
+import ssl
 import stat
 import tarfile
 import threading
@@ -47,13 +57,15 @@ from dlrun.push.tree import (
     remote_code_dir,
     sha256_file,
 )
-from dlrun.remote import boot_argv, boot_payload
+from dlrun.remote import boot_argv, boot_payload, source_of
 from dlrun.transport.base import Channel, Transport, default_python
+from dlrun.transport.side import SideChannel, TlsSource, connect_side
 
 ProgressHook = Callable[[str, int, int], None]
 PART = ".dlrun-part-"
 HELPER_FLAGS = ("-S",)  # dlrun.push.session.HELPER_FLAGS
 HELPER_IDLE_S = 300
+SIDE_FROM = 1 << 20  # bytes from one host from which its files come over the TLS side channel
 
 
 @dataclass(frozen=True)
@@ -136,15 +148,16 @@ class FetchFailure:
 
 
 class _Stream:
-    """The helper's stdout as a byte stream: lines, then exact counts of bytes."""
+    """The helper's stdout (or its side channel) as a byte stream: lines, then exact counts of
+    bytes. ``recv(n)``: up to ``n`` bytes, ``b""`` at the end."""
 
-    def __init__(self, channel: Channel) -> None:
-        self.channel = channel
+    def __init__(self, recv: Callable[[int], bytes]) -> None:
+        self.recv = recv
         self.buf = b""
         self.pos = 0
 
     def _more(self) -> bool:
-        data = self.channel.recv(1 << 18)
+        data = self.recv(1 << 18)
         if not data:
             return False
         self.buf = self.buf[self.pos:] + data if self.pos < len(self.buf) else data
@@ -175,6 +188,48 @@ class _Stream:
         return b"".join(bytes(c) for c in self.chunks(n))
 
 
+class _SocketStream(_Stream):
+    """The side channel as the same byte stream, read with ``recv_into`` into one buffer, so a
+    file's bytes are hashed and written a megabyte at a time (a TLS read gives one 16 KiB
+    record). ``first``: bytes already read."""
+
+    def __init__(self, recv_into: Callable[[memoryview], int], first: bytes) -> None:
+        super().__init__(lambda n: b"")
+        self.recv_into = recv_into
+        self.mem = bytearray(max(1 << 20, len(first)))
+        self.mem[:len(first)] = first
+        self.start, self.end = 0, len(first)
+
+    def _fill(self, want: int) -> bool:
+        """At least ``want`` (at most the buffer's size) bytes from ``start``; False at the end."""
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif len(self.mem) - self.start < want:
+            self.mem[:self.end - self.start] = self.mem[self.start:self.end]
+            self.end -= self.start
+            self.start = 0
+        with memoryview(self.mem) as view:
+            while self.end - self.start < want:
+                got = self.recv_into(view[self.end:])
+                if not got:
+                    return False
+                self.end += got
+        return True
+
+    def readline(self) -> bytes:
+        raise NotImplementedError  # the side channel carries only the tar stream
+
+    def chunks(self, n: int) -> Iterator[memoryview]:
+        while n > 0:
+            if self.start == self.end and not self._fill(min(n, len(self.mem))):
+                raise EOFError
+            take = min(n, self.end - self.start)
+            with memoryview(self.mem) as view:
+                yield view[self.start:self.start + take]
+            self.start += take
+            n -= take
+
+
 def safe_path(path: str) -> bool:
     """A relative POSIX path that stays below its root (no ``..``, empty or absolute part)."""
     parts = path.split("/")
@@ -201,9 +256,12 @@ class HostSender:
     """One session with a host's push helper in sending mode: ``listing``, then ``fetch`` or
     ``close``."""
 
-    def __init__(self, transport: Transport, host: Host, root: str, *, owner_check: bool = False) -> None:
+    def __init__(self, transport: Transport, host: Host, root: str, *, owner_check: bool = False,
+                 side: SideChannel | None = None) -> None:
         self.transport, self.host, self.root = transport, host, root
         self.owner_check = owner_check  # a checkpoint copy: refuse folders another user could write
+        self.side = side  # offer the files' TLS side channel (dlrun.transport.side) where it can be reached
+        self.tls: ssl.SSLSocket | None = None
         self.argv = boot_argv([*default_python(host), *HELPER_FLAGS], "push_helper")
         self.command = shlex.join([a if len(a) <= 200 else "<dlrun loader>" for a in self.argv])
         self.channel: Channel | None = None
@@ -212,7 +270,7 @@ class HostSender:
 
     def listing(self) -> Listing:
         channel = self.channel = self.transport.open(self.host, self.argv)
-        self.stream = _Stream(channel)
+        self.stream = _Stream(channel.recv)
         channel.send(boot_payload("push_helper"))
         request: dict[str, Any] = {"root": self.root}
         if self.owner_check:
@@ -229,6 +287,12 @@ class HostSender:
 
             raise unsafe_error(self.host.name, [tuple(u) for u in raw["unsafe"]], "copied")
         self.listed = _parse_listing(self.host.name, raw, arrived)
+        side = self.side
+        if side is not None and self.host.name not in side.refused and not self.host.is_local \
+                and sum(e.size for e in self.listed.entries.values()) >= SIDE_FROM:
+            # its certificate is made while the other hosts list (the fetch offers it)
+            threading.Thread(target=side.prepare, args=(self.host.name,), name=f"dlrun-side-{self.host.name}",
+                             daemon=True).start()
         return self.listed
 
     def fetch(self, items: Sequence[tuple[RemoteFile, Path]], root: Path, *, progress: ProgressHook | None = None,
@@ -243,8 +307,8 @@ class HostSender:
                 progress(self.host.name, 0, 0)
             self.close()
             return 0, []
-        self.channel.send(json.dumps({"files": [e.path for e, _ in items]}).encode() + b"\n")
         total = sum(e.size for e, _ in items)
+        self._ask(items, total)
         done = written = 0
         failures: list[FetchFailure] = []
         if progress is not None:
@@ -271,6 +335,48 @@ class HostSender:
         finally:
             self.close()
         return written, failures
+
+    def _ask(self, items: Sequence[tuple[RemoteFile, Path]], total: int) -> None:
+        """Ask for ``items``' files: over the TLS side channel where the host can be reached at
+        the address of its SSH connection (``self.stream`` reads from it then), else over SSH."""
+        assert self.channel is not None and self.stream is not None
+        request: dict[str, Any] = {"files": [e.path for e, _ in items]}
+        side, name = self.side, self.host.name
+        address = self.transport.direct_address(self.host) \
+            if side is not None and total >= SIDE_FROM and name not in side.refused else None
+        if side is None or address is None:
+            self.channel.send(json.dumps(request).encode() + b"\n")
+            return
+        offer, context = side.offer(name)
+        self.channel.send(json.dumps({**request, "side": {**offer, "source": source_of("jobs")}}).encode() + b"\n")
+        line = self.stream.readline()
+        if not line.startswith(b"T "):
+            raise self._failed("the push helper did not answer the side channel's offer", line)
+        try:
+            port = json.loads(line[2:]).get("port")
+        except (ValueError, AttributeError):
+            raise self._failed("the push helper did not answer the side channel's offer", line) from None
+        if port is None:  # it could not listen: the files come over SSH
+            side.refuse(name, "the host could not listen")
+            return
+        tls: ssl.SSLSocket | None = None
+        first = b""
+        why = "the host closed its side channel"
+        try:
+            tls = connect_side(address, int(port), context, offer["token"])
+            source = TlsSource(tls, self.channel, name, HELPER_IDLE_S, "the push helper")
+            first = source.recv(1 << 16)
+        except (OSError, ssl.SSLError, ValueError, DlrunError) as exc:
+            why = str(exc) or type(exc).__name__
+        if tls is None or not first:  # not reached (a firewall, a NAT), or the host stopped waiting: over SSH
+            if tls is not None:
+                tls.close()
+            side.refuse(name, why)
+            with contextlib.suppress(DlrunError, OSError):
+                self.channel.close_stdin()
+            return
+        self.tls = tls
+        self.stream = _SocketStream(source.recv_into, first)
 
     def serve(self, paths: Sequence[str], bind: str, token: str, cert_pem: str, key_pem: str) -> int:
         """Have this host's helper send ``paths`` of its listing straight to other hosts' push
@@ -378,8 +484,11 @@ class HostSender:
                                   hint="the host needs python >= 3.8 as the inventory's 'python' (default python3)")
 
     def close(self) -> None:
+        if self.tls is not None:
+            self.tls.close()
+            self.tls = None
         if self.channel is not None:
-            with contextlib.suppress(DlrunError):
+            with contextlib.suppress(DlrunError, OSError):
                 self.channel.send(b'{"abort": true}\n')  # ignored once the helper is streaming
             self.channel.close()
             self.channel = None
@@ -508,7 +617,8 @@ def pull(transport: Transport, hosts: Sequence[Host], remote: str, local: Path, 
         raise UsageError("dlrun pull needs a REMOTE path")
     hosts = tuple(hosts)
     contents = remote.endswith("/") and remote.strip("/") != ""
-    senders = [HostSender(transport, h, remote_root(h, remote.rstrip("/") or "/", project)) for h in hosts]
+    side = SideChannel("pull")
+    senders = [HostSender(transport, h, remote_root(h, remote.rstrip("/") or "/", project), side=side) for h in hosts]
     started = time.monotonic()
     pool = ThreadPoolExecutor(max_workers=max(1, min(32, len(senders))), thread_name_prefix="dlrun-pull")
     cancel = threading.Event()

@@ -424,18 +424,24 @@ def default_cache_path(root: Path) -> Path:
     return Path(base) / "dlrun" / "push" / f"{name}.json"
 
 
+_HASH_BUFFERS = threading.local()  # each hashing thread reads into its own buffer, reused
+
+
 def sha256_file(path: str, offset: int = 0, length: int | None = None, prefix: bytes = b"") -> str:
     digest = hashlib.sha256(prefix)
-    with open(path, "rb") as fh:
+    buf: memoryview | None = getattr(_HASH_BUFFERS, "buf", None)
+    if buf is None:  # a fresh block per read would cost its page faults every time
+        buf = _HASH_BUFFERS.buf = memoryview(bytearray(HASH_BLOCK))
+    with open(path, "rb", buffering=0) as fh:
         fh.seek(offset)
         left = length
         while left is None or left > 0:
-            block = fh.read(HASH_BLOCK if left is None else min(HASH_BLOCK, left))
-            if not block:
+            n = fh.readinto(buf if left is None else buf[:min(HASH_BLOCK, left)])
+            if not n:
                 break
-            digest.update(block)
+            digest.update(buf[:n])
             if left is not None:
-                left -= len(block)
+                left -= n
     return digest.hexdigest()
 
 

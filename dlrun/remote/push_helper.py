@@ -10,13 +10,15 @@ for a launch's first question.
 The same helper runs the other way for ``dlrun pull`` and ``--checkpoint-dir``
 (``dlrun.push.pull``): a request with ``"send"`` gets the listing of a tree (every file's
 size, mode, sha256 and mtime, links as links, and the host's clock), then a list of paths, and
-answers with one tar stream of exactly those files, as they were listed; or, asked to
+answers with one tar stream of exactly those files, as they were listed (over the TLS side
+channel dlrun offers with the list, ``side_channel``, where it can be reached); or, asked to
 ``serve``, listens (TLS, a token) and gives those files to other hosts' push helpers, which
 fetch them when their plan names ``sources`` (host-to-host checkpoint copies).
 """
 
 from __future__ import annotations
 
+import _thread
 import hashlib
 import io
 import json
@@ -73,11 +75,26 @@ def stamp(st: os.stat_result) -> list[Any]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
+# One buffer for the files hashed one after another: a fresh megabyte per read costs its page
+# faults (listing 50 MB: 0.058 -> 0.042 s of CPU). A second thread at once gets its own.
+HASH_BUF = memoryview(bytearray(1 << 20))
+HASH_LOCK = _thread.allocate_lock()
+
+
 def sha256_of(path: str) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
+    mine = HASH_LOCK.acquire(False)
+    buf = HASH_BUF if mine else memoryview(bytearray(1 << 20))
+    try:
+        with open(path, "rb", buffering=0) as fh:
+            while True:
+                n = fh.readinto(buf)
+                if not n:
+                    break
+                digest.update(buf[:n])
+    finally:
+        if mine:
+            HASH_LOCK.release()
     return digest.hexdigest()
 
 
@@ -1074,6 +1091,7 @@ def send_tree(root: str, entries: dict[str, Entry], paths: list[str], write: Any
     import tarfile  # here: a push (and the agent's survey) never pays for it
 
     zero = bytes(1 << 16)
+    buf = memoryview(bytearray(1 << 20))  # one buffer for every read (no fresh megabyte per read)
     for rel in paths:
         kind, size, mode, value, mtime_ns = entries[rel]
         info = tarfile.TarInfo(rel)
@@ -1095,9 +1113,8 @@ def send_tree(root: str, entries: dict[str, Entry], paths: list[str], write: Any
                         except OSError:  # no sendfile to this kind of fd: read and write
                             sendfile = None
                     if sendfile is None:
-                        chunk = fh.read(min(left, 1 << 20))
-                        write(chunk)
-                        n = len(chunk)
+                        n = fh.readinto(buf[:min(left, len(buf))]) or 0
+                        write(buf[:n])
                     if n == 0:
                         break
                     left -= n
@@ -1253,11 +1270,58 @@ def sender(request: dict[str, Any]) -> int:
     if "serve" in asked:
         serve(reply["root"], reply["entries"], asked["serve"])
         return 0
+    paths = [str(p) for p in asked["files"]]
+    if asked.get("side"):
+        jobs, tls = side_channel(asked["side"])
+        if tls is not None:
+            send_tree(reply["root"], reply["entries"], paths, tls.sendall)
+            jobs.close_side(tls)
+            return 0
     sys.stdout.flush()
     widen(sys.stdout.fileno())
     write, sendfile = fd_writer(sys.stdout.fileno())
-    send_tree(reply["root"], reply["entries"], [str(p) for p in asked["files"]], write, sendfile)
+    send_tree(reply["root"], reply["entries"], paths, write, sendfile)
     return 0
+
+
+def side_channel(side: dict[str, Any]) -> tuple[Any, Any]:
+    """The TLS side channel dlrun offers for the files (``dlrun.transport.side``): the jobs
+    program's own (``side_channel`` of ``dlrun.remote.jobs``, whose source dlrun sends with the
+    offer): it says ``T {"port"}`` and takes dlrun's connection, or is None (then this says
+    ``T {}`` if it had not said a port, and the files go on stdout). (the module, the socket)."""
+    said = []
+
+    class Out:
+        def write(self, data: bytes) -> None:
+            said.append(data)
+            sys.stdout.buffer.write(data)
+
+        def flush(self) -> None:
+            sys.stdout.buffer.flush()
+
+    sys.stdout.flush()
+    jobs = tls = None
+    try:
+        jobs = load_module(str(side["source"]), "jobs")
+        tls = jobs.side_channel(side, Out())
+    except Exception:  # whatever fails here, the files go over SSH
+        tls = None
+    if tls is None and not said:
+        sys.stdout.buffer.write(b"T {}\n")
+        sys.stdout.buffer.flush()
+    return jobs, tls
+
+
+def load_module(source: str, name: str) -> Any:
+    """A ``dlrun.remote`` module from its source (as the keeper loads its modules)."""
+    import types
+
+    module = types.ModuleType("dlrun_" + name)
+    sys.modules[module.__name__] = module
+    cached = globals().get("_dlrun_code")  # the bootstrap loader's code cache (dlrun.remote.LOADER)
+    where = "<dlrun-" + name + ">"
+    exec(cached(source.encode("utf-8"), where) if cached else compile(source, where, "exec"), module.__dict__)
+    return module
 
 
 def final_record(record: Record, before: Record, ours: set[str], t: int, plan: dict[str, Any]) -> None:

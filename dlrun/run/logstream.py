@@ -2,22 +2,18 @@
 side channel the host opens for a big answer.
 
 The frame format (``R``, ``P``, ``J`` lines) is ``dlrun.remote.jobs.stream_logs``'.
-``stream_logs`` offers the host a ``SideChannel`` (a certificate and key made here for that
-host, and a one-time token, all sent over the SSH channel) where the transport reached the host
-over its own TCP connection. The host listens on the address that connection came to and says
-its port (``T``); dlrun connects, pins the certificate and shows the token, and the answer comes
-that way, read straight into its pieces by OpenSSL with the GIL released (paramiko's packet
-path copies each byte about ten times). A host whose port cannot be reached (a firewall, a NAT)
-answers on the SSH channel instead, and is not offered the side channel again. Mechanism:
+``stream_logs`` offers the host a ``SideChannel`` (``dlrun.transport.side``) where the
+transport reached the host over its own TCP connection. The host listens on the address that
+connection came to and says its port (``T``); dlrun connects, pins the certificate and shows the
+token, and the answer comes that way, read straight into its pieces by OpenSSL with the GIL
+released. A host whose port cannot be reached (a firewall, a NAT) answers on the SSH channel
+instead, and is not offered the side channel again. Mechanism:
 ``docs/detach.md``; measured in ``docs/benchmarks.md`` ("Reading a detached job's logs home").
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import secrets
-import socket
 import ssl
 import threading
 from collections.abc import Callable, Mapping
@@ -27,46 +23,12 @@ from dlrun.errors import DlrunError, HostUnreachable
 from dlrun.inventory import Host
 from dlrun.remote import boot_argv, boot_payload
 from dlrun.transport.base import Channel, Transport, default_python
+from dlrun.transport.side import SideChannel, TlsSource, connect_side, side_context
 
-SIDE_CONNECT = 5.0  # seconds to reach a host's side channel before its answer comes over SSH instead
-SLICE = 1.0  # seconds between two looks at the SSH connection while the side channel is quiet
+__all__ = ["ChannelSource", "Frames", "SideChannel", "TlsSource", "connect_side", "side_context", "stream_logs"]
+
 LINE_MAX = 1 << 26  # bytes of one frame line (the records of a job with many ranks fit)
 PIECE_MAX = 1 << 24  # bytes of one piece (the jobs program sends at most 1 MiB): memory stays bounded
-
-
-class SideChannel:
-    """The TLS side channel dlrun offers the hosts of one ``logs``/``attach``/``--follow``: each
-    host its own certificate, key and token (made on first use, kept for the command's later
-    looks), so that no host holds what would let it pose as another; and the hosts whose side
-    channel could not be reached (they answer over SSH from then on)."""
-
-    def __init__(self) -> None:
-        self.refused: dict[str, str] = {}  # host -> why its side channel could not be reached
-        self._offers: dict[str, tuple[dict[str, str], ssl.SSLContext]] = {}
-        self._lock = threading.Lock()
-
-    def offer(self, host: str) -> tuple[dict[str, str], ssl.SSLContext]:
-        """What ``host`` is sent (certificate, key, token) and the context that pins it."""
-        with self._lock:
-            made = self._offers.get(host)
-        if made is None:
-            from dlrun.tls import make_job_tls
-
-            tls = make_job_tls(f"logs {host}")
-            made = ({"cert": tls.cert_pem, "key": tls.key_pem, "token": secrets.token_urlsafe(32)},
-                    side_context(tls.cert_pem, tls.key_pem))
-            with self._lock:
-                made = self._offers.setdefault(host, made)
-        return made
-
-    def prepare(self, host: str) -> None:
-        """``offer`` ahead (in a thread, while a channel opens); a failure shows on ``offer``."""
-        with contextlib.suppress(Exception):
-            self.offer(host)
-
-    def refuse(self, host: str, why: str) -> None:
-        with self._lock:
-            self.refused[host] = why
 
 
 class Frames:
@@ -148,58 +110,6 @@ class ChannelSource:
         view[:n] = data[:n]
         self.rest = data[n:]
         return n
-
-
-class TlsSource:
-    """``recv_into`` over the side channel. It waits in slices, so that the SSH connection's own
-    silence limit (the transport closes a host that stops answering) ends it as it ends the
-    channel, and ``timeout`` seconds without a byte is a silent ``dlrun-jobs``."""
-
-    def __init__(self, tls: ssl.SSLSocket, channel: Channel, host: str, timeout: float) -> None:
-        self.tls = tls
-        self.channel = channel
-        self.host = host
-        self.timeout = timeout
-        tls.settimeout(min(SLICE, timeout))
-
-    def recv_into(self, view: memoryview) -> int:
-        quiet = 0.0
-        while True:
-            try:
-                return self.tls.recv_into(view)
-            except TimeoutError:
-                quiet += min(SLICE, self.timeout)
-                why = self.channel.lost_reason()
-                if why:
-                    raise HostUnreachable(f"connection lost: {why}", host=self.host) from None
-                if quiet >= self.timeout:
-                    raise HostUnreachable(f"dlrun-jobs sent nothing for {self.timeout:g} s", host=self.host) from None
-            except (OSError, ssl.SSLError) as exc:
-                raise HostUnreachable(f"the logs' side channel broke off: {exc}", host=self.host) from exc
-
-
-def side_context(cert_pem: str, key_pem: str) -> ssl.SSLContext:
-    """The client's context of a side channel: it trusts exactly the certificate made for the
-    host, and shows it back with its key (mutual TLS: the host lets in no one else)."""
-    from dlrun.remote.jobs import load_pair
-    from dlrun.tls import client_context
-
-    context = client_context(cert_pem)
-    load_pair(context, cert_pem, key_pem)
-    return context
-
-
-def connect_side(address: str, port: int, context: ssl.SSLContext, token: str) -> ssl.SSLSocket:
-    """The host's side channel, its certificate checked and the token shown (OSError,
-    ssl.SSLError when it cannot be had)."""
-    conn = socket.create_connection((address, port), timeout=SIDE_CONNECT)
-    try:
-        tls = context.wrap_socket(conn)
-        tls.sendall(token.encode() + b"\n")
-    except BaseException:
-        conn.close()
-        raise
-    return tls
 
 
 def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
