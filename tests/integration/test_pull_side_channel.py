@@ -238,7 +238,7 @@ def test_the_host_stops_sending_when_dlrun_is_gone(cluster: SshdCluster, tmp_pat
     try:
         sender = HostSender(transport, host, str(folder), side=SideChannel("pull"))
         listed = sender.listing()
-        ours = ssh.clients["host0"].get_transport().sock.getsockname()[1]
+        ours = ssh.clients["host0"].get_transport().sock.getsockname()[1]  # type: ignore[union-attr]
 
         def progress(name: str, done: int, total: int) -> None:
             if done and not lingering:
