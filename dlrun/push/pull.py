@@ -64,7 +64,7 @@ from dlrun.push.tree import (
 )
 from dlrun.remote import boot_argv, boot_payload, source_of
 from dlrun.transport.base import Channel, Transport, default_python
-from dlrun.transport.side import SideChannel, TlsSource, connect_side, side_enabled
+from dlrun.transport.side import OPT_OUT, SideChannel, TlsSource, connect_side, side_enabled
 
 ProgressHook = Callable[[str, int, int], None]
 PART = ".dlrun-part-"
@@ -744,7 +744,8 @@ def pull(transport: Transport, hosts: Sequence[Host], remote: str, local: Path, 
         for host in hosts:
             why = side.refused.get(host.name)
             if why is not None:
-                notice(f"{host.name}: its files came over SSH, not the side channel ({why})")
+                notice(f"{host.name}: its files came over SSH, not the side channel ({why};"
+                       f" {OPT_OUT}=0 skips the side channel)")
     failures = [f for _, fails in results for f in fails]
     if failures:
         shown = "\n".join(f"  {f.host}: {f.path}: {f.message}" for f in failures[:5])
