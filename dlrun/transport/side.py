@@ -108,7 +108,7 @@ class TlsSource:
                 if why:
                     raise HostUnreachable(f"connection lost: {why}", host=self.host) from None
                 if quiet >= self.timeout:
-                    raise HostUnreachable(f"{self.program} sent nothing on its side channel for {self.timeout:g} s",
+                    raise HostUnreachable(f"{self.program} sent nothing for {self.timeout:g} s on its side channel",
                                           host=self.host, hint=HINT) from None
             except (OSError, ssl.SSLError) as exc:
                 raise HostUnreachable(f"the side channel of {self.program} broke off: {exc}", host=self.host,
