@@ -161,10 +161,16 @@ def asked(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str]]]:
 
 
 def pull_with_notices(cluster: SshdCluster, tmp_path: Path, hosts: list[Host]) -> list[str]:
+    """The pull's notices; once it returned, no push helper of its is left on the hosts (the
+    SSH connections still open)."""
     notices: list[str] = []
-    transport = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
+    ssh = SSHTransport(config_file=str(cluster.ssh_config))
+    transport = HostRouter(remote=ssh)
     try:
         pull(transport, hosts, "out", tmp_path / "home", project=f"side-{tmp_path.name}", notice=notices.append)
+        ports = [ssh.clients[h.name].get_transport().sock.getsockname()[1]  # type: ignore[union-attr]
+                 for h in hosts]
+        assert wait_until(lambda: not any(helpers(p) for p in ports), timeout=60)
     finally:
         transport.close()
     return notices
