@@ -267,3 +267,40 @@ def test_the_host_stops_sending_when_dlrun_is_gone(cluster: SshdCluster, tmp_pat
             tls.close()
         transport.close()
     assert len(spy.reached) == 1 and lingering
+
+
+def test_a_file_changed_before_the_fallback_is_named_and_the_rest_comes_over_ssh(
+        cluster: SshdCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the side channel resets in the middle of a.bin; b.bin is rewritten meanwhile: the fresh
+    # listing shows it changed, so it is named (the old local copy stays) and a.bin comes over SSH
+    monkeypatch.setenv("DLRUN_TEST_SIDE_BREAK", "reset:1500000")
+    spy = Spy(monkeypatch)
+    folder = Path(cluster.hosts[0].workdir) / f"side-{tmp_path.name}"
+    folder.mkdir()
+    (folder / "a.bin").write_bytes(body(1, BIG))
+    (folder / "b.bin").write_bytes(body(2, BIG))
+    host = Host(address=cluster.hosts[0].name, name="host0", workdir=str(cluster.hosts[0].workdir),
+                python=cluster.python)
+    transport = HostRouter(remote=SSHTransport(config_file=str(cluster.ssh_config)))
+    rewritten: list[bool] = []
+
+    def progress(name: str, done: int, total: int) -> None:
+        if done and not rewritten:
+            (folder / "b.bin").write_bytes(body(3, BIG))  # the job rewrites it
+            rewritten.append(True)
+
+    try:
+        sender = HostSender(transport, host, str(folder), side=SideChannel("pull"))
+        listed = sender.listing()
+        local = tmp_path / "home"
+        local.mkdir()
+        (local / "b.bin").write_bytes(b"old copy")
+        written, failures = sender.fetch([(listed.entries[p], local / p) for p in ("a.bin", "b.bin")], local,
+                                         progress=progress)
+    finally:
+        transport.close()
+    assert rewritten and len(spy.reached) == 1 and list(spy.refused) == ["host0"]
+    assert [f.path for f in failures] == ["b.bin"] and "changed on the host" in failures[0].message
+    assert written == BIG and (local / "a.bin").read_bytes() == body(1, BIG)
+    assert (local / "b.bin").read_bytes() == b"old copy"
+    assert sorted(p.name for p in local.iterdir()) == ["a.bin", "b.bin"]  # no temporary file left
