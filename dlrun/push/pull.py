@@ -22,7 +22,11 @@ or more to send: the files request carries the offer (certificate, key, token, a
 (``T {}``: it cannot listen), dlrun connects, and OpenSSL decrypts with the GIL released, where
 paramiko's transport thread would hold it for every 32 KiB packet. A host whose port cannot be
 reached, or that closes the side channel before the first byte, sends over SSH instead
-(``sendfile`` into the channel), and is not offered it again by the same pull.
+(``sendfile`` into the channel), and is not offered it again by the same pull. A side channel
+that breaks off later (an error, a reset, or ``SIDE_IDLE_S`` without a byte) while the SSH
+connection still works ends that helper; a fresh one lists again and sends the files not yet
+in place over SSH (one that changed since the first listing is named). Each host that fell
+back is named through ``notice``; ``DLRUN_SIDE_CHANNEL=0`` turns the side channel off.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import json
 import os
 import posixpath
 import shlex
+import socket
 import ssl
 import stat
 import tarfile
@@ -59,13 +64,14 @@ from dlrun.push.tree import (
 )
 from dlrun.remote import boot_argv, boot_payload, source_of
 from dlrun.transport.base import Channel, Transport, default_python
-from dlrun.transport.side import SideChannel, TlsSource, connect_side
+from dlrun.transport.side import OPT_OUT, SideChannel, TlsSource, connect_side, side_enabled
 
 ProgressHook = Callable[[str, int, int], None]
 PART = ".dlrun-part-"
 HELPER_FLAGS = ("-S",)  # dlrun.push.session.HELPER_FLAGS
 HELPER_IDLE_S = 300
 SIDE_FROM = 1 << 20  # bytes from one host from which its files come over the TLS side channel
+SIDE_IDLE_S = 60.0  # seconds without a byte on the side channel before the rest comes over SSH
 
 
 @dataclass(frozen=True)
@@ -309,32 +315,76 @@ class HostSender:
             return 0, []
         total = sum(e.size for e, _ in items)
         self._ask(items, total)
-        done = written = 0
+        done = written = count = 0
         failures: list[FetchFailure] = []
         if progress is not None:
             progress(self.host.name, 0, total)
         if file_progress is not None:
             file_progress(self.host.name, 0, len(items))
         try:
-            for count, (entry, dest) in enumerate(items, 1):
-                if cancel is not None and cancel.is_set():
-                    raise KeyboardInterrupt
-                name = self._header()
-                if name != entry.path:
-                    raise self._failed(f"the push helper sent {name!r} where {entry.path!r} was due", b"")
-                problem = self._receive(entry, dest, root, progress, done, total)
-                done += entry.size
-                if problem is None:
-                    written += entry.size
-                else:
-                    failures.append(FetchFailure(self.host.name, dest.relative_to(root).as_posix(), problem))
-                if file_progress is not None:
-                    file_progress(self.host.name, count, len(items))
-        except EOFError:
-            raise self._failed("the push helper stopped before sending every file", b"") from None
+            rest = list(items)
+            while rest:
+                try:
+                    while rest:
+                        entry, dest = rest[0]
+                        if cancel is not None and cancel.is_set():
+                            raise KeyboardInterrupt
+                        name = self._header()
+                        if name != entry.path:
+                            raise self._failed(f"the push helper sent {name!r} where {entry.path!r} was due", b"")
+                        problem = self._receive(entry, dest, root, progress, done, total)
+                        rest.pop(0)
+                        done += entry.size
+                        count += 1
+                        if problem is None:
+                            written += entry.size
+                        else:
+                            failures.append(FetchFailure(self.host.name, dest.relative_to(root).as_posix(), problem))
+                        if file_progress is not None:
+                            file_progress(self.host.name, count, len(items))
+                except (EOFError, HostUnreachable) as exc:
+                    if self.tls is None or (cancel is not None and cancel.is_set()) or self._lost():
+                        if isinstance(exc, EOFError):
+                            raise self._failed("the push helper stopped before sending every file", b"") from None
+                        raise
+                    # the side channel broke off while SSH still works: the rest over SSH
+                    rest, changed = self._fall_back(rest, exc)
+                    for entry, dest in changed:
+                        done += entry.size
+                        count += 1
+                        failures.append(FetchFailure(self.host.name, dest.relative_to(root).as_posix(),
+                                                     "changed on the host while pulling (listed again to send"
+                                                     " it over SSH)"))
         finally:
             self.close()
         return written, failures
+
+    def _lost(self) -> bool:
+        """The SSH connection of this host is lost (nothing to fall back on)."""
+        channel = self.channel
+        return channel is None or bool(channel.lost_reason())
+
+    def _fall_back(self, rest: list[tuple[RemoteFile, Path]], exc: BaseException,
+                   ) -> tuple[list[tuple[RemoteFile, Path]], list[tuple[RemoteFile, Path]]]:
+        """After the side channel broke off: this helper ended (its channel closed), the host
+        refused the side channel, and a fresh helper asked for ``rest`` over SSH; what it will
+        send, and the files that changed since they were listed (not asked for)."""
+        assert self.side is not None and self.listed is not None
+        why = exc.message if isinstance(exc, DlrunError) else "the side channel closed before every file came"
+        self.side.refuse(self.host.name, why)
+        self.close()
+        before = self.listed
+        again = self.listing()  # the side channel refused: never offered now
+        keep: list[tuple[RemoteFile, Path]] = []
+        changed: list[tuple[RemoteFile, Path]] = []
+        for entry, dest in rest:
+            now = again.entries.get(entry.path) if not again.missing and again.error is None else None
+            same = now is not None and now.size == entry.size and now.same_content(entry)
+            (keep if same else changed).append((entry, dest))
+        self.listed = before
+        if keep:
+            self._ask(keep, sum(e.size for e, _ in keep))
+        return keep, changed
 
     def _ask(self, items: Sequence[tuple[RemoteFile, Path]], total: int) -> None:
         """Ask for ``items``' files: over the TLS side channel where the host can be reached at
@@ -348,7 +398,9 @@ class HostSender:
             self.channel.send(json.dumps(request).encode() + b"\n")
             return
         offer, context = side.offer(name)
-        self.channel.send(json.dumps({**request, "side": {**offer, "source": source_of("jobs")}}).encode() + b"\n")
+        extra = {"test_break": os.environ["DLRUN_TEST_SIDE_BREAK"]} if os.environ.get("DLRUN_TEST_SIDE_BREAK") else {}
+        self.channel.send(json.dumps({**request, "side": {**offer, "source": source_of("jobs"), **extra}}).encode()
+                          + b"\n")
         line = self.stream.readline()
         if not line.startswith(b"T "):
             raise self._failed("the push helper did not answer the side channel's offer", line)
@@ -364,10 +416,14 @@ class HostSender:
         why = "the host closed its side channel"
         try:
             tls = connect_side(address, int(port), context, offer["token"])
-            source = TlsSource(tls, self.channel, name, HELPER_IDLE_S, "the push helper")
+            source = TlsSource(tls, self.channel, name, SIDE_IDLE_S, "the push helper")
             first = source.recv(1 << 16)
         except (OSError, ssl.SSLError, ValueError, DlrunError) as exc:
-            why = str(exc) or type(exc).__name__
+            why = (exc.message if isinstance(exc, DlrunError) else str(exc)) or type(exc).__name__
+        except BaseException:
+            if tls is not None:
+                tls.close()
+            raise
         if tls is None or not first:  # not reached (a firewall, a NAT), or the host stopped waiting: over SSH
             if tls is not None:
                 tls.close()
@@ -483,10 +539,24 @@ class HostSender:
                                   exit_code=255 if code is None else code, stderr=stderr,
                                   hint="the host needs python >= 3.8 as the inventory's 'python' (default python3)")
 
+    def cancel(self) -> None:
+        """End this host's transfer from another thread: the side channel is shut down (the
+        thread reading it closes it) and the SSH channel closed."""
+        tls = self.tls
+        if tls is not None:
+            with contextlib.suppress(OSError, ValueError):
+                tls.shutdown(socket.SHUT_RDWR)
+        self._close_channel()
+
     def close(self) -> None:
+        """End this session, from the thread that runs it."""
         if self.tls is not None:
-            self.tls.close()
+            with contextlib.suppress(OSError):
+                self.tls.close()
             self.tls = None
+        self._close_channel()
+
+    def _close_channel(self) -> None:
         if self.channel is not None:
             with contextlib.suppress(DlrunError, OSError):
                 self.channel.send(b'{"abort": true}\n')  # ignored once the helper is streaming
@@ -617,7 +687,7 @@ def pull(transport: Transport, hosts: Sequence[Host], remote: str, local: Path, 
         raise UsageError("dlrun pull needs a REMOTE path")
     hosts = tuple(hosts)
     contents = remote.endswith("/") and remote.strip("/") != ""
-    side = SideChannel("pull")
+    side = SideChannel("pull") if side_enabled() else None
     senders = [HostSender(transport, h, remote_root(h, remote.rstrip("/") or "/", project), side=side) for h in hosts]
     started = time.monotonic()
     pool = ThreadPoolExecutor(max_workers=max(1, min(32, len(senders))), thread_name_prefix="dlrun-pull")
@@ -666,10 +736,16 @@ def pull(transport: Transport, hosts: Sequence[Host], remote: str, local: Path, 
     except BaseException:
         cancel.set()
         for sender in senders:
-            sender.close()
+            sender.cancel()
         raise
     finally:
         pool.shutdown(wait=True)
+    if side is not None and notice is not None:
+        for host in hosts:
+            why = side.refused.get(host.name)
+            if why is not None:
+                notice(f"{host.name}: its files came over SSH, not the side channel ({why};"
+                       f" {OPT_OUT}=0 skips the side channel)")
     failures = [f for _, fails in results for f in fails]
     if failures:
         shown = "\n".join(f"  {f.host}: {f.path}: {f.message}" for f in failures[:5])

@@ -1104,23 +1104,30 @@ def send_tree(root: str, entries: dict[str, Entry], paths: list[str], write: Any
         write(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
         left = size
         try:
-            with open(os.path.join(root, rel), "rb", buffering=0) as fh:
-                while left > 0:
-                    n = 0
-                    if sendfile is not None:
-                        try:
-                            n = sendfile(fh.fileno(), min(left, 1 << 22))
-                        except OSError:  # no sendfile to this kind of fd: read and write
-                            sendfile = None
-                    if sendfile is None:
-                        n = fh.readinto(buf[:min(left, len(buf))]) or 0
-                        write(buf[:n])
-                    if n == 0:
-                        break
-                    left -= n
-                    heard()
-        except OSError:
-            pass
+            fd = os.open(os.path.join(root, rel), os.O_RDONLY)
+        except OSError:  # vanished or unreadable since the listing: zeros, which the receiver names
+            fd = -1
+        try:
+            while fd >= 0 and left > 0:
+                n = 0
+                if sendfile is not None:
+                    try:
+                        n = sendfile(fd, min(left, 1 << 22))
+                    except OSError:  # no sendfile to this kind of fd: read and write (a lost pipe fails there)
+                        sendfile = None
+                if sendfile is None:
+                    try:
+                        n = os.readv(fd, [buf[:min(left, len(buf))]])
+                    except OSError:  # a failed read only: a failed write ends the helper
+                        n = 0
+                    write(buf[:n])
+                if n == 0:
+                    break
+                left -= n
+                heard()
+        finally:
+            if fd >= 0:
+                os.close(fd)
         while left > 0:
             write(zero[:min(left, len(zero))])
             left -= min(left, len(zero))
@@ -1274,7 +1281,11 @@ def sender(request: dict[str, Any]) -> int:
     if asked.get("side"):
         jobs, tls = side_channel(asked["side"])
         if tls is not None:
-            send_tree(reply["root"], reply["entries"], paths, tls.sendall)
+            try:
+                send_tree(reply["root"], reply["entries"], paths, side_writer(tls, asked["side"].get("test_break")))
+            except (OSError, ValueError):  # the side channel is lost (dlrun gone, a dropped flow): as a lost pipe
+                tls.close()
+                return 3
             jobs.close_side(tls)
             return 0
     sys.stdout.flush()
@@ -1310,6 +1321,36 @@ def side_channel(side: dict[str, Any]) -> tuple[Any, Any]:
         sys.stdout.buffer.write(b"T {}\n")
         sys.stdout.buffer.flush()
     return jobs, tls
+
+
+def side_writer(tls: Any, test_break: Any = None) -> Any:
+    """``tls.sendall``; for tests only (``DLRUN_TEST_SIDE_BREAK`` in dlrun's environment,
+    docs/checkpoints.md), ``"reset:N"`` resets the connection after N bytes and ``"stall:N"``
+    sends nothing more after N bytes until stdin ends (dlrun gave up on the side channel)."""
+    if not test_break:
+        return tls.sendall
+    how, _, count = str(test_break).partition(":")
+    left = [int(count)]
+
+    def write(data: Any) -> None:
+        view = memoryview(data)
+        if len(view) < left[0]:
+            left[0] -= len(view)
+            tls.sendall(view)
+            return
+        tls.sendall(view[:left[0]])
+        if how == "stall":
+            while os.read(0, 1 << 16):
+                pass
+        else:
+            import socket
+            import struct
+
+            tls.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        tls.close()
+        raise BrokenPipeError("the side channel was broken for a test")
+
+    return write
 
 
 def load_module(source: str, name: str) -> Any:

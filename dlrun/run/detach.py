@@ -31,7 +31,7 @@ from dlrun.remote.rendezvous import scope_sizes
 from dlrun.render import WorkerCommand, mask_argv, mask_text, printable
 from dlrun.run.agents import agent_argv
 from dlrun.run.gpus import GpuStats, IdleWatch, parse_csv
-from dlrun.run.logstream import SideChannel, stream_logs
+from dlrun.run.logstream import SideChannel, side_enabled, stream_logs
 from dlrun.run.result import RankResult, RankState, RunResult
 from dlrun.run.supervisor import View, agent_spec
 from dlrun.run.view import root_cause_lines
@@ -575,7 +575,8 @@ class LogFollower:
         self.offsets: dict[str, int] = {}  # host-<name>/attempt-K/rank-N.log (or gpu.csv) -> bytes read
         self.gpu_stats = GpuStats()  # attach: the summary's GPU lines, as an attached job's
         self.gpu_idle = IdleWatch(GPU_IDLE_AFTER)
-        self.side = SideChannel()  # big answers come over TLS where the hosts' ports can be reached
+        # big answers come over TLS where the hosts' ports can be reached (DLRUN_SIDE_CHANNEL=0: never)
+        self.side = SideChannel() if side_enabled() else None
         self.covered: set[str] = set()  # hosts that failed mid-answer, whose folders a host sharing their home sent
 
     def poll(self, whole: bool = False) -> JobRecord | None:

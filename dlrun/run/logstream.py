@@ -23,9 +23,10 @@ from dlrun.errors import DlrunError, HostUnreachable
 from dlrun.inventory import Host
 from dlrun.remote import boot_argv, boot_payload
 from dlrun.transport.base import Channel, Transport, default_python
-from dlrun.transport.side import SideChannel, TlsSource, connect_side, side_context
+from dlrun.transport.side import HINT, SideChannel, TlsSource, connect_side, side_context, side_enabled
 
-__all__ = ["ChannelSource", "Frames", "SideChannel", "TlsSource", "connect_side", "side_context", "stream_logs"]
+__all__ = ["ChannelSource", "Frames", "SideChannel", "TlsSource", "connect_side", "side_context", "side_enabled",
+           "stream_logs"]
 
 LINE_MAX = 1 << 26  # bytes of one frame line (the records of a job with many ranks fit)
 PIECE_MAX = 1 << 24  # bytes of one piece (the jobs program sends at most 1 MiB): memory stays bounded
@@ -154,7 +155,8 @@ def stream_logs(transport: Transport, host: Host, request: Mapping[str, Any],
                 code = channel.wait(5)
                 detail = " / ".join(channel.stderr_text().strip().splitlines()[-3:])
                 how = "its side channel closed" if tls is not None else f"dlrun-jobs ended (exit {code})"
-                raise HostUnreachable(f"{how} before its answer was whole: {detail}", host=host.name) from None
+                raise HostUnreachable(f"{how} before its answer was whole: {detail}", host=host.name,
+                                      hint=HINT if tls is not None else None) from None
             if line.startswith(b"R "):
                 records = json.loads(line[2:])
                 on_records(records.get("jobs") or [])

@@ -9,17 +9,19 @@ and takes the first connection that completes mutual TLS with that certificate a
 token; dlrun pins the certificate. The bytes come that way, read by OpenSSL with the GIL
 released (paramiko's packet path copies each byte about ten times, in Python). A host whose
 port cannot be reached (a firewall, a NAT) sends over the SSH channel instead, and is not
-offered the side channel again. Mechanism: ``docs/detach.md``.
+offered the side channel again. ``DLRUN_SIDE_CHANNEL=0`` in dlrun's environment turns it off
+(everything over SSH). Mechanism: ``docs/detach.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import socket
 import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from dlrun.errors import HostUnreachable
@@ -27,8 +29,15 @@ from dlrun.transport.base import Channel
 
 SIDE_CONNECT = 5.0  # seconds to reach a host's side channel before its answer comes over SSH instead
 SLICE = 1.0  # seconds between two looks at the SSH connection while the side channel is quiet
+OPT_OUT = "DLRUN_SIDE_CHANNEL"  # "0" in dlrun's environment: no side channel, everything over SSH
+HINT = f"set {OPT_OUT}=0 to send everything over SSH (no side channel)"
 
 T = TypeVar("T")
+
+
+def side_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a command may offer the side channel (``DLRUN_SIDE_CHANNEL`` is not ``0``)."""
+    return (os.environ if environ is None else environ).get(OPT_OUT, "").strip() != "0"
 
 
 class SideChannel:
@@ -99,10 +108,11 @@ class TlsSource:
                 if why:
                     raise HostUnreachable(f"connection lost: {why}", host=self.host) from None
                 if quiet >= self.timeout:
-                    raise HostUnreachable(f"{self.program} sent nothing for {self.timeout:g} s",
-                                          host=self.host) from None
+                    raise HostUnreachable(f"{self.program} sent nothing for {self.timeout:g} s on its side channel",
+                                          host=self.host, hint=HINT) from None
             except (OSError, ssl.SSLError) as exc:
-                raise HostUnreachable(f"the side channel of {self.program} broke off: {exc}", host=self.host) from exc
+                raise HostUnreachable(f"the side channel of {self.program} broke off: {exc}", host=self.host,
+                                      hint=HINT) from exc
 
 
 def side_context(cert_pem: str, key_pem: str) -> ssl.SSLContext:

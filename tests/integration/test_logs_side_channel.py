@@ -128,6 +128,15 @@ def test_a_big_answer_comes_whole_over_the_side_channel(cluster: SshdCluster, tm
                         ("host1", "host-host1/attempt-0/rank-1.log"): 1000 * len(line(1, 0))}
 
 
+def test_dlrun_side_channel_0_keeps_the_big_answer_on_ssh(cluster: SshdCluster, tmp_path: Path, job: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DLRUN_SIDE_CHANNEL", "0")
+    spy = Spy(monkeypatch)
+    text = read_logs(cluster, tmp_path, job)
+    assert shown_lines(text, 0, "host0") == [line(0, i) for i in range(BIG_LINES)]
+    assert spy.reached == [] and spy.refused == {}  # never offered
+
+
 def test_a_host_whose_side_channel_cannot_be_reached_answers_over_ssh(
         cluster: SshdCluster, tmp_path: Path, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # the host listens on the address the SSH connection came to; dlrun is sent elsewhere, where
