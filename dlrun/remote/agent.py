@@ -1152,6 +1152,12 @@ def _on_signal(agent: Agent, signum: int) -> None:
 
 def main() -> None:
     code = _run_agent(sys.argv[1:])
+    # DONE is written: the ordinary exit, without the collector's pass over what the agent, the
+    # probe and the survey made (as dlrun/__main__.py does on the client)
+    import gc
+
+    gc.disable()
+    gc.freeze()
     sys.exit(code)
 
 
