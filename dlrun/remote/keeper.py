@@ -1175,6 +1175,9 @@ class Keeper:
                     and now - self.leader_peer.heard > self.host_timeout:
                 self.leader_lost(f"silent for {self.host_timeout:g} s")
             if self.ended and self.agent_finished():
+                # an agent that has exited may have frames on their way still (the last EXIT, its
+                # flight recorder dumps and DONE leave in one write): read them to its channel's end
+                self.wait_agent(5.0)
                 break
         self.finish()
         return 0
