@@ -106,12 +106,11 @@ def pin_tree(folder: str) -> tuple[str, int] | None:
     lock is free; it works where the push cannot see this host's processes (a folder shared over
     NFS), and a killed process's lock goes with it. Also ``dlrun.remote.agent.pin_tree``."""
     import fcntl
-    import secrets
 
     while os.path.dirname(folder) != folder:
         parent = os.path.dirname(folder)
         if os.path.basename(os.path.dirname(parent)) == VERSIONS:
-            token = secrets.token_hex(8)
+            token = os.urandom(8).hex()  # what secrets.token_hex does, without importing it
             pin, temp = f"{folder}.pin-{token}", f"{folder}.pinning-{token}"
             try:  # locked before it bears the name a push looks at, which then never sees it unlocked
                 fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
