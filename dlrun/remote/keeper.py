@@ -535,7 +535,9 @@ class Keeper:
                                           stdout=subprocess.PIPE, stderr=stderr, env=env, start_new_session=True)
             assert self.agent.stdin is not None
             payload = str(self.config["agent_source"]).encode("utf-8")
-            self.agent.stdin.write(b"%010d" % len(payload) + payload)
+            stage = str(self.config.get("agent_stage") or "").encode("utf-8")  # the loader's code cache
+            head = b"+%09d" % len(stage) + stage if stage else b""
+            self.agent.stdin.write(head + b"%010d" % len(payload) + payload)
             self.agent.stdin.write(json.dumps(spec).encode() + b"\n")
             self.agent.stdin.flush()
         threading.Thread(target=self.read_agent, args=(self.agent, self.generation), daemon=True).start()
