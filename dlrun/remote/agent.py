@@ -231,6 +231,20 @@ def ras_address() -> str | None:
         return None
 
 
+def ptrace_restricted(scope: str = "/proc/sys/kernel/yama/ptrace_scope") -> bool:
+    """Does Yama hold ptrace to a process's descendants here (``kernel.yama.ptrace_scope`` 1)?
+    Only then does a rank need to name its tracer: without Yama, or at scope 0, the agent's
+    py-spy may read the rank anyway, and at 2 or 3 naming helps nothing. What cannot be read
+    counts as restricted."""
+    try:
+        with open(scope, "rb") as fh:
+            return fh.read().strip() not in (b"0", b"2", b"3")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
 def ptracer_hook(tracer: int) -> Any:
     """A ``preexec_fn`` that names ``tracer`` (the agent) as the rank's tracer, so that under
     Yama's ``ptrace_scope=1`` the py-spy the agent starts may read the rank's stack. libc is
@@ -331,12 +345,11 @@ def pin_tree(folder: str) -> tuple[str, int] | None:
     lock is free; it works where the push cannot see this host's processes (a folder shared over
     NFS), and a killed process's lock goes with it. Also ``dlrun.remote.keeper.pin_tree``."""
     import fcntl
-    import secrets
 
     while os.path.dirname(folder) != folder:
         parent = os.path.dirname(folder)
         if os.path.basename(os.path.dirname(parent)) == VERSIONS:
-            token = secrets.token_hex(8)
+            token = os.urandom(8).hex()  # what secrets.token_hex does, without importing it
             pin, temp = f"{folder}.pin-{token}", f"{folder}.pinning-{token}"
             try:  # locked before it bears the name a push looks at, which then never sees it unlocked
                 fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -523,7 +536,8 @@ class Agent:
         self.job_id = str(spec.get("job_id", ""))
         self.gpus = GpuSampler(float(spec.get("gpu_every", 0) or 0))
         self.tag = str(spec.get("tag") or self.job_id)
-        ptracer = ptracer_hook(os.getpid())
+        # only where Yama restricts: the hook costs ctypes, and a fork where Popen could vfork
+        ptracer = ptracer_hook(os.getpid()) if ptrace_restricted() else None
         for item in spec["ranks"]:
             rank = int(item["rank"])
             env = dict(os.environ)
@@ -831,9 +845,13 @@ class Agent:
 #: only, that ``/proc/self`` in there is the process itself (PID 1): the CUDA driver reads its
 #: own process through ``/proc`` and fails (error 304) under a namespace that shows the host's.
 #: ``--propagation slave`` lets mounts the host makes later (an automounted NFS) reach the ranks.
+#: A login user who does not own ``/`` (not root) tries the user namespace first: a PID namespace
+#: alone needs CAP_SYS_ADMIN, and each refused try costs a process.
 PIDNS_WRAPPER = """\
 if [ -z "${DLRUN_NO_PIDNS:-}" ]; then
-  for o in "--pid" "--user --map-current-user --pid" "--user --map-root-user --pid"; do
+  a="--pid" b="--user --map-current-user --pid"
+  [ -O / ] 2>/dev/null || { a=$b b="--pid"; }
+  for o in "$a" "$b" "--user --map-root-user --pid"; do
     if unshare $o --mount-proc --propagation slave --fork --kill-child \\
         sh -c 'read -r p _ </proc/self/stat && [ "$p" = 1 ] && [ "$$" = 1 ]' </dev/null >/dev/null 2>&1; then
       exec unshare $o --mount-proc --propagation slave --fork --kill-child "$@" --in-pidns
@@ -1099,16 +1117,17 @@ def _run_agent(argv: list[str]) -> int:
             agent.sample_gpus(now)
         if agent.kill_at is not None and now >= agent.kill_at:
             agent.signal_all(signal.SIGKILL)
+        if started and agent.all_exited():
+            # the last EXIT goes out with DONE in one write: one packet, one wake-up of the
+            # client's reader (two writes cost a loaded client tens of ms per host)
+            agent.gpus.stop(agent.sel)
+            return agent.done()
         wait = agent.flush_due(now)
         timeout = 0.05 if wait is None else min(wait, 0.05)
         if not started and wait is None and agent.kill_at is None:
             # before the spec only the silence check (seconds) runs on a clock; messages, EOF and
             # signals wake the select: no 20 wake-ups a second while the client starts other hosts
             timeout = IDLE_TICK
-        if started and agent.all_exited():
-            agent.gpus.stop(agent.sel)
-            agent.flush()
-            return agent.done()
 
 
 def _finish(agent: Agent) -> int:
@@ -1133,6 +1152,12 @@ def _on_signal(agent: Agent, signum: int) -> None:
 
 def main() -> None:
     code = _run_agent(sys.argv[1:])
+    # DONE is written: the ordinary exit, without the collector's pass over what the agent, the
+    # probe and the survey made (as dlrun/__main__.py does on the client)
+    import gc
+
+    gc.disable()
+    gc.freeze()
     sys.exit(code)
 
 

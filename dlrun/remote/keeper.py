@@ -106,12 +106,11 @@ def pin_tree(folder: str) -> tuple[str, int] | None:
     lock is free; it works where the push cannot see this host's processes (a folder shared over
     NFS), and a killed process's lock goes with it. Also ``dlrun.remote.agent.pin_tree``."""
     import fcntl
-    import secrets
 
     while os.path.dirname(folder) != folder:
         parent = os.path.dirname(folder)
         if os.path.basename(os.path.dirname(parent)) == VERSIONS:
-            token = secrets.token_hex(8)
+            token = os.urandom(8).hex()  # what secrets.token_hex does, without importing it
             pin, temp = f"{folder}.pin-{token}", f"{folder}.pinning-{token}"
             try:  # locked before it bears the name a push looks at, which then never sees it unlocked
                 fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -536,7 +535,9 @@ class Keeper:
                                           stdout=subprocess.PIPE, stderr=stderr, env=env, start_new_session=True)
             assert self.agent.stdin is not None
             payload = str(self.config["agent_source"]).encode("utf-8")
-            self.agent.stdin.write(b"%010d" % len(payload) + payload)
+            stage = str(self.config.get("agent_stage") or "").encode("utf-8")  # the loader's code cache
+            head = b"+%09d" % len(stage) + stage if stage else b""
+            self.agent.stdin.write(head + b"%010d" % len(payload) + payload)
             self.agent.stdin.write(json.dumps(spec).encode() + b"\n")
             self.agent.stdin.flush()
         threading.Thread(target=self.read_agent, args=(self.agent, self.generation), daemon=True).start()
@@ -1175,6 +1176,9 @@ class Keeper:
                     and now - self.leader_peer.heard > self.host_timeout:
                 self.leader_lost(f"silent for {self.host_timeout:g} s")
             if self.ended and self.agent_finished():
+                # an agent that has exited may have frames on their way still (the last EXIT, its
+                # flight recorder dumps and DONE leave in one write): read them to its channel's end
+                self.wait_agent(5.0)
                 break
         self.finish()
         return 0

@@ -27,19 +27,22 @@ import signal
 import stat
 import sys
 import time
-from types import FrameType
-from typing import Any, Dict, List, Tuple, cast
 
-IN = cast(io.BufferedReader, sys.stdin.buffer)
+TYPE_CHECKING = False  # typing costs milliseconds on every host (each launch's survey): annotations only
+if TYPE_CHECKING:
+    from types import FrameType
+    from typing import Any, Dict, List, Tuple
+
+    # A record: per pushed path, ["link"] or [size, mtime_ns, ctime_ns, inode, sha256]
+    Record = Dict[str, List[Any]]
+    # One survey entry: [kind, size, mode, sha256 or link target, pushed by dlrun]
+    Entry = List[Any]
+    PlanItem = Tuple[int, str, str, int, int]  # target, path, sha256, mode, mtime
+
+IN: io.BufferedReader = sys.stdin.buffer  # type: ignore[assignment]  # stdin's buffer is one
 PART = ".dlrun-part-"
 TEMPS: list[str] = []
 IDLE = [0]  # seconds without a byte from dlrun after which the helper gives up (0: never)
-
-# A record: per pushed path, ["link"] or [size, mtime_ns, ctime_ns, inode, sha256]
-Record = Dict[str, List[Any]]
-# One survey entry: [kind, size, mode, sha256 or link target, pushed by dlrun]
-Entry = List[Any]
-PlanItem = Tuple[int, str, str, int, int]  # target, path, sha256, mode, mtime
 
 
 def heard() -> None:
@@ -1248,7 +1251,7 @@ def fetch_from(source: dict[str, Any], receiver: Receiver) -> str | None:
     except (OSError, ValueError) as exc:
         return f"cannot reach {source['address']}:{source['port']}: {exc}"
     stdin = IN
-    IN = cast(io.BufferedReader, tls.makefile("rb"))
+    IN = tls.makefile("rb")
     try:
         receiver.prefix = names[0].split("/", 1)[0] + "/" if names else ""
         receiver.run()

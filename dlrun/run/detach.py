@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from dlrun.errors import DlrunError, HostUnreachable, JobStartError, TransportError, UsageError
 from dlrun.inventory import Host
 from dlrun.plan import RankSpec
-from dlrun.remote import boot_argv, boot_payload, keeper, rankpolicy, source_of
+from dlrun.remote import CACHE_STAGE, boot_argv, boot_payload, keeper, rankpolicy, source_of
 from dlrun.remote.rendezvous import scope_sizes
 from dlrun.render import WorkerCommand, mask_argv, mask_text, printable
 from dlrun.run.agents import agent_argv
@@ -160,6 +160,7 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
             "token": token, "cert_pem": cert_pem, "grace": grace, "host_timeout": host_timeout,
             "script": script, "hosts": names,
             "agent_argv": agent_argv_of(host), "agent_source": pidns_source,
+            "agent_stage": CACHE_STAGE,  # the keeper's agents run the code cache's copy of that source
             "rankpolicy_source": source_of("rankpolicy"),
             "specs": specs[name],
         }

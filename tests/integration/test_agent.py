@@ -408,3 +408,66 @@ def test_the_agent_says_which_ports_are_free() -> None:
     finally:
         busy.close()
     assert json.loads(next(p for k, _, p in frames if k == agent.PORTS)) == {"free": [idle]}
+
+
+def test_the_last_exit_and_done_go_out_in_one_write() -> None:
+    """A host's last EXIT and its DONE travel in one write, so one packet: a loaded client's
+    reader then wakes once for the host's end, not twice. stdout is a SOCK_SEQPACKET socket,
+    where every write arrives as one record."""
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    spec = {"job_id": "one-write", "ranks": [
+        {"rank": r, "argv": [sys.executable, "-c", f"import time; time.sleep({r} * 0.3); print({r})"], "env": {}}
+        for r in (0, 1)]}
+    with theirs:
+        proc = subprocess.Popen(agent_cmd(), stdin=subprocess.PIPE, stdout=theirs.fileno())
+    assert proc.stdin is not None
+    proc.stdin.write(boot_payload("agent") + json.dumps(spec).encode() + b"\n")
+    proc.stdin.flush()
+    writes: list[list[tuple[int, int, bytes]]] = []
+    ours.settimeout(60)
+    with ours:
+        while not any(k == agent.DONE for write in writes for k, _, _ in write):
+            record = ours.recv(1 << 20)
+            assert record, "the agent ended without DONE"
+            writes.append(agent.FrameDecoder().feed(record))  # a frame never spans two writes
+    proc.stdin.close()
+    assert proc.wait(60) == 0
+    last = [(kind, rank) for kind, rank, _ in writes[-1]]
+    assert (agent.EXIT, 1) in last and last[-1] == (agent.DONE, agent.AGENT_RANK)
+    assert not any((agent.EXIT, 1) in [(k, r) for k, r, _ in write] for write in writes[:-1])
+    assert any((agent.EXIT, 0) in [(k, r) for k, r, _ in write] for write in writes[:-1])  # not held back
+
+
+def test_before_the_spec_the_agent_imports_no_typing_ctypes_or_secrets(tmp_path: Path) -> None:
+    """What a launch asks before the spec (watch, survey, ports, probe) loads none of the modules
+    a host's start does not need: ``typing`` (the push helper's annotations), ``ctypes`` (only
+    outside a PID namespace, or for a rank's tracer), ``secrets``."""
+    root = tmp_path / "code"
+    root.mkdir()
+    request = {"targets": [{"root": str(root), "paths": ["a.py"]}]}
+    report = "import sys\nprint(' '.join(sorted(sys.modules)))\n"
+    argv = agent.pidns_argv(agent_cmd()) if shutil.which("unshare") and unshare_works() else agent_cmd("--in-pidns")
+    frames = talk(argv, [{"op": "watch", "host_timeout": 30},
+                         {"op": "survey", "source": helper_source(), "request": request},
+                         {"op": "ports", "ports": [1]}, {"op": "probe", "source": source_of("probe")},
+                         {"op": "probe", "source": report}])
+    assert json.loads(next(p for k, _, p in frames if k == agent.SURVEY))["targets"]
+    loaded = set([p for k, _, p in frames if k == agent.PROBE][-1].decode().split())
+    assert {"json", "subprocess", "hashlib"} <= loaded  # the report saw the agent's modules
+    assert not loaded & {"typing", "ctypes", "secrets", "asyncio", "unittest"}
+
+
+@pytest.mark.parametrize(("content", "restricted"), [
+    (b"1\n", True), (b"0\n", False), (b"2\n", False), (b"3\n", False), (b"bogus\n", True), (None, False)])
+def test_ranks_name_their_tracer_only_where_yama_restricts_ptrace(tmp_path: Path, content: bytes | None,
+                                                                 restricted: bool) -> None:
+    """Yama's scope 1 is the only one where a rank's ``PR_SET_PTRACER`` lets the agent's py-spy
+    in (docs/stacks.md); no Yama (no file) needs nothing, and a file that cannot be read counts
+    as restricted."""
+    scope = tmp_path / "ptrace_scope"
+    if content is not None:
+        scope.write_bytes(content)
+    assert agent.ptrace_restricted(str(scope)) is restricted
+    assert agent.ptrace_restricted(str(tmp_path)) is True  # a directory: unreadable as a file

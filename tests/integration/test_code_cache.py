@@ -146,7 +146,7 @@ def test_writers_with_the_same_pid_leave_each_other_alone(tmp_path: Path) -> Non
 
 def test_the_payload_is_the_stage_then_the_program_and_a_plain_program_runs_without_the_cache(tmp_path: Path) -> None:
     assert boot_payload("probe") == payload(source_of("probe"))
-    assert run_loader(tmp_path, stage=False) == "from the source"  # as a keeper starts its agent
+    assert run_loader(tmp_path, stage=False) == "from the source"  # a payload without the stage
     assert not (tmp_path / "dlrun").exists()
 
 
@@ -154,6 +154,35 @@ def test_no_usable_cache_still_runs(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert run_loader(blocker) == "from the source"  # the cache folder cannot be made
+
+
+def test_a_detached_jobs_agent_runs_the_cached_code(tmp_path: Path) -> None:
+    """The keeper starts each attempt's agent through the same stage: the agent's entry is what
+    runs (a forged entry that leaves a mark where the keeper started it, then is the agent; the
+    launch's own agent, which answers its questions, runs it too but leaves no mark)."""
+    from support.sshd_cluster import wait_job_processes_gone
+
+    cache, mark = tmp_path / "cache", tmp_path / "mark"
+    source = source_of("agent")
+    name, head = cache_entry("agent", source.encode(), str(sys.implementation.cache_tag))
+    future = "from __future__ import annotations\n"
+    mark_it = "import os as _os\nif 'DLRUN_JOB_ID' in _os.environ:  # the keeper's agent, not the launch's\n" \
+        "    open(_os.environ['DLRUN_TEST_MARK'], 'a').close()\n"
+    marked = source.replace(future, future + mark_it, 1)
+    body = marshal.dumps(compile(marked, "<dlrun-agent>", "exec"))
+    folder = cache / "dlrun" / "code"
+    folder.mkdir(parents=True, mode=0o700)
+    folder.chmod(0o700)
+    (folder / name).write_bytes(head + hashlib.sha256(body).digest() + body)
+    (folder / name).chmod(0o600)
+    (tmp_path / "quick.py").write_text("print('done')\n")
+    env = {"HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(cache), "DLRUN_TEST_MARK": str(mark)}
+    out = run_dlrun("launch", "--detach", "--no-preflight", "--framework", "none", "-n", "1", "quick.py",
+                    cwd=tmp_path, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    assert wait_until(mark.exists, timeout=60), "the keeper's agent compiled its source instead"
+    assert wait_job_processes_gone(job, timeout=30) == []
 
 
 @pytest.mark.slow
