@@ -25,6 +25,7 @@ from dlrun.remote import CACHE_STAGE, boot_argv, boot_payload, cache_entry, sour
 from support.cli import run_dlrun
 from support.ssh_jobs import hosts_toml
 from support.sshd_cluster import find_sshd, start_cluster
+from support.wait import wait_until
 
 PROGRAM = "print('from the source')\n"
 FORGED = "print('from the cache')\n"
