@@ -348,7 +348,8 @@ def side_channel(side: dict[str, Any], out: Any) -> Any:
     """The TLS side channel of a big ``logs`` answer, or None: listen on the address dlrun's SSH
     connection came to (``SSH_CONNECTION``), say ``T {"port"}\n`` on ``out``, and take the first
     connection that completes the handshake with dlrun's certificate (both ways) and shows the
-    token. Any local user sees the port: each connection is greeted in its own thread within
+    token. A connection from any address but the one dlrun's SSH connection came from is closed
+    at once. Any local user sees the port: each connection is greeted in its own thread within
     ``SIDE_AUTH`` in all (``side_greet``), at most ``SIDE_GREETINGS`` at once, while this loop
     goes on accepting. dlrun closes stdin when it cannot connect (a firewall, a NAT): then, or
     after ``SIDE_WAIT`` seconds, None and the answer goes on ``out``. Once taken, a thread
@@ -415,8 +416,13 @@ def side_channel(side: dict[str, Any], out: Any) -> Any:
                 if listener.fileno() not in ready:
                     continue
                 try:
-                    conn, _ = listener.accept()
+                    conn, peer = listener.accept()
                 except OSError:
+                    continue
+                if not same_address(str(peer[0]), where[0]):
+                    # not from where dlrun's SSH connection came (a local user, another machine):
+                    # closed at once, without a greeting slot or a thread
+                    conn.close()
                     continue
                 with lock:
                     full = greeting[0] >= SIDE_GREETINGS
@@ -434,6 +440,19 @@ def side_channel(side: dict[str, Any], out: Any) -> Any:
             os.close(wake_w)
         for tls in late:
             tls.close()
+
+
+def same_address(a: str, b: str) -> bool:
+    """Whether two numeric addresses (IPv4 or IPv6, an IPv6 zone ignored) are the same."""
+    import socket
+
+    a, b = a.split("%", 1)[0], b.split("%", 1)[0]
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            return socket.inet_pton(family, a) == socket.inet_pton(family, b)
+        except OSError:
+            continue
+    return a == b
 
 
 def watch_stdin(tls: Any) -> None:

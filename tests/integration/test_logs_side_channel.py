@@ -12,6 +12,8 @@ import shutil
 import signal
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -385,3 +387,54 @@ def test_a_host_that_fails_mid_answer_has_its_folder_sent_by_one_that_shares_its
     warned = capsys.readouterr().err
     assert "host0 cannot be reached" in warned
     assert "the logs of host0 came through host1" in warned
+
+
+#: The host's end of a side channel as the jobs program and the push helper run it: serves one line.
+SIDE_HOST = """import json, sys
+from dlrun.remote import jobs
+class Out:
+    def write(self, data): sys.stdout.buffer.write(data)
+    def flush(self): sys.stdout.buffer.flush()
+tls = jobs.side_channel(json.loads(sys.argv[1]), Out())
+if tls is not None:
+    tls.sendall(b"served\\n")
+    jobs.close_side(tls)
+"""
+
+
+def test_connections_from_other_addresses_are_closed_before_tls() -> None:
+    """The host takes connections only from the address dlrun's SSH connection came from: a
+    local user (or another machine) connecting from elsewhere is closed at once, never gets the
+    host's certificate and never holds a greeting slot, however many come."""
+    side = logstream.SideChannel("logs")
+    offer, context = side.offer("host0")
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "SSH_CONNECTION": "127.0.0.1 40000 127.0.0.1 22"}
+    host = subprocess.Popen([sys.executable, "-c", SIDE_HOST, json.dumps(offer)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env)
+    assert host.stdout is not None and host.stdin is not None
+    strangers: list[socket.socket] = []
+    try:
+        said = host.stdout.readline()
+        assert said.startswith(b"T "), said
+        port = int(json.loads(said[2:])["port"])
+        peek = ssl.create_default_context()
+        peek.check_hostname, peek.verify_mode = False, ssl.CERT_NONE
+        for _ in range(jobs.SIDE_GREETINGS + 8):
+            stranger = socket.socket()
+            stranger.bind(("127.0.0.77", 0))
+            stranger.settimeout(30)
+            stranger.connect(("127.0.0.1", port))
+            strangers.append(stranger)
+        with peek.wrap_socket(strangers.pop(), do_handshake_on_connect=False) as tls, \
+                pytest.raises((OSError, ssl.SSLError)):
+            tls.do_handshake()  # no server hello: closed before TLS
+        with logstream.connect_side("127.0.0.1", port, context, offer["token"]) as tls:
+            tls.settimeout(30)
+            assert tls.recv(64) == b"served\n"  # the held strangers took no slot from dlrun
+        assert host.wait(timeout=60) == 0
+    finally:
+        for stranger in strangers:
+            stranger.close()
+        host.kill()
+        host.wait()
