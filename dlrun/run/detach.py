@@ -578,7 +578,7 @@ class LogFollower:
         self.gpu_idle = IdleWatch(GPU_IDLE_AFTER)
         # big answers come over TLS where the hosts' ports can be reached (DLRUN_SIDE_CHANNEL=0: never)
         self.side = SideChannel() if side_enabled() else None
-        self.covered: set[str] = set()  # hosts that failed mid-answer, whose folders a host sharing their home sent
+        self.covered: set[str] = set()  # hosts out of reach whose folders a host sharing their home sent
 
     def poll(self, whole: bool = False) -> JobRecord | None:
         """Print what is new, every byte of it (``whole``: a file's unfinished last line too);
@@ -611,13 +611,28 @@ class LogFollower:
         asked_at = time.monotonic()
         sent_by: dict[str, set[str]] = {}  # host -> the hosts whose folders it sent (a shared home)
 
+        out_of_reach = frozenset(self.hosts.unreachable)  # before this look: their folders come from a shared home
+
         def ask(host: Host) -> None:
             # hosts that share a home (NFS) see each other's folders: each sends its own, and
             # those of hosts that cannot be reached
             own = keeper.host_folder(host.name)
             skip = sorted({keeper.host_folder(n) for n in reachable} - {own})
-            stream_logs(self.hosts.transport, host, {**request, "skip": skip}, records,
-                        lambda key, header, data: piece(host.name, key, header, data), side=self.side)
+            seen: set[str] = set()  # the hosts whose folders this host sees (its home)
+
+            def found(documents: list[dict[str, Any]]) -> None:
+                seen.update(str(d.get("host", "")) for d in documents)
+                records(documents)
+
+            def got(key: str, header: Mapping[str, Any], data: bytearray) -> None:
+                if str(header.get("host", "?")) in out_of_reach:
+                    with lock:
+                        sent_by.setdefault(host.name, set()).add(str(header.get("host", "?")))
+                piece(host.name, key, header, data)
+
+            stream_logs(self.hosts.transport, host, {**request, "skip": skip}, found, got, side=self.side)
+            with lock:  # its whole answer came: what the hosts out of reach hold was read through it
+                self.covered.update(seen & out_of_reach)
 
         self.hosts.each(ask)
 

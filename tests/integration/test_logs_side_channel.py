@@ -438,3 +438,28 @@ def test_connections_from_other_addresses_are_closed_before_tls() -> None:
             stranger.close()
         host.kill()
         host.wait()
+
+
+def test_a_host_out_of_reach_from_the_start_is_read_through_a_host_that_shares_its_home(
+        cluster: SshdCluster, tmp_path: Path, job: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # host1 cannot be reached at all (nothing listens where the inventory points); host0 shares
+    # its home, so it sends host1's folder too: every line is shown, and the look is complete
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # a port of ours that never listens: connection refused
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[defaults]\npython = "{cluster.python}"\n'
+                     f'[[hosts]]\naddress = "host0"\nworkdir = "{cluster.hosts[0].workdir}"\n'
+                     f'[[hosts]]\naddress = "127.0.0.1"\nname = "host1"\nport = {closed.getsockname()[1]}\n'
+                     f'workdir = "{cluster.hosts[1].workdir}"\n')
+    out = io.TextIOWrapper(io.BytesIO(), write_through=True)
+    try:
+        record = api.logs(job, str(hosts), out=out, ssh=SSHOptions(ssh_config=str(cluster.ssh_config)))
+    finally:
+        closed.close()
+    assert record is not None and record.state == "succeeded"
+    text = out.buffer.getvalue()
+    assert shown_lines(text, 0, "host0") == [line(0, i) for i in range(BIG_LINES)]
+    assert shown_lines(text, 1, "host1") == [line(1, i) for i in range(1000)]
+    warned = capsys.readouterr().err
+    assert "host1 cannot be reached" in warned
+    assert "the logs of host1 came through host0" in warned
