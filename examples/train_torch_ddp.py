@@ -99,6 +99,9 @@ def main() -> None:
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     print(f"rank {rank} parameter checksum {checksum:.6f}")
     print(f"test accuracy: {float(np.mean(predicted == y_test)):.4f}")
+    # every rank done before any tears its group down: gloo can abort a rank ("terminate called
+    # without an active exception") that destroys its group while a peer still uses it
+    dist.barrier()
     dist.destroy_process_group()
 
 
