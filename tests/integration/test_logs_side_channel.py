@@ -30,7 +30,7 @@ from dlrun.tls import client_context, make_job_tls
 from dlrun.transport.base import default_python
 from dlrun.transport.ssh import SSHTransport
 
-from support.ssh_jobs import hosts_toml
+from support.ssh_jobs import host_programs, hosts_toml
 from support.sshd_cluster import TEST_USER_HOME, SshdCluster
 from support.wait import wait_until
 
@@ -237,19 +237,7 @@ def test_a_host_that_goes_quiet_on_the_side_channel_is_left_out_in_time(
 
 def jobs_processes(client_port: int) -> list[int]:
     """The ``dlrun-jobs`` processes started over the SSH connection from ``client_port``."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().split(b"\0")
-            environ = Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        where = next((e.split(b"=", 1)[1].split() for e in environ if e.startswith(b"SSH_CONNECTION=")), [])
-        if b"dlrun-jobs" in argv and len(where) == 4 and int(where[1]) == client_port:
-            found.append(int(entry.name))
-    return found
+    return host_programs("dlrun-jobs", client_port)
 
 
 def test_attach_reads_a_big_backlog_over_the_side_channel(cluster: SshdCluster, tmp_path: Path, job: str,

@@ -22,6 +22,7 @@ from dlrun.transport.local import HostRouter
 from dlrun.transport.side import SideChannel
 from dlrun.transport.ssh import SSHTransport
 
+from support.ssh_jobs import host_programs
 from support.sshd_cluster import SshdCluster
 from support.wait import wait_until
 
@@ -209,20 +210,8 @@ def test_the_side_channel_can_be_turned_off(cluster: SshdCluster, tmp_path: Path
 
 
 def helpers(client_port: int) -> list[int]:
-    """The push helpers started over the SSH connection from ``client_port``."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().split(b"\0")
-            environ = Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        where = next((e.split(b"=", 1)[1].split() for e in environ if e.startswith(b"SSH_CONNECTION=")), [])
-        if b"dlrun-push_helper" in argv and len(where) == 4 and int(where[1]) == client_port:
-            found.append(int(entry.name))
-    return found
+    """The ``dlrun-push_helper`` processes started over the SSH connection from ``client_port``."""
+    return host_programs("dlrun-push_helper", client_port)
 
 
 class Gone(Exception):

@@ -66,3 +66,21 @@ def start_ssh_job(cluster: SshdCluster, tmp_path: Path, n: int, *args: str,
     assert seen == ready, "".join(lines)
     time.sleep(0.5)
     return proc, lines
+
+
+def host_programs(program: str, client_port: int) -> list[int]:
+    """The pids of host program ``program`` (``dlrun-jobs``, ``dlrun-push_helper``, …) started
+    over the SSH connection from ``client_port`` (its ``SSH_CONNECTION``)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        where = next((e.split(b"=", 1)[1].split() for e in environ if e.startswith(b"SSH_CONNECTION=")), [])
+        if program.encode() in argv and len(where) == 4 and int(where[1]) == client_port:
+            found.append(int(entry.name))
+    return found
