@@ -68,9 +68,9 @@ d=$(noop_median dlrun) b=$(noop_median bare)
 section "dlrun topo --bench (bf16 GEMM, HBM copy, H2D/D2H, NCCL all-reduce across the GPUs)"
 # exit 1 here means a finding (a number far below the expectation), which is a result to read,
 # not a broken dlrun: the JSON keeps every number for docs/gpu.md
-timed bench "$py" -m dlrun topo --bench --bench-seconds 40
+timed bench "$py" -m dlrun topo --bench --bench-seconds 20
 tail -n 30 /tmp/gpu_smoke.bench.log
-"$py" -m dlrun topo --bench --bench-seconds 20 --json >/tmp/gpu_smoke.bench.json 2>/tmp/gpu_smoke.bench-json.log
+"$py" -m dlrun topo --bench --bench-seconds 10 --json >/tmp/gpu_smoke.bench.json 2>/tmp/gpu_smoke.bench-json.log
 "$py" - <<'PY' || status=1
 import json
 doc = json.load(open("/tmp/gpu_smoke.bench.json"))["bench"]
@@ -142,7 +142,7 @@ if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null && command -v useradd >/d
   work=/tmp/dlrun-smoke-repo
   rm -rf "$work" && mkdir -p "$work" && cp -r dlrun scripts "$work"/ && chown -R dlrun-smoke: "$work"
   if [ -n "${DLRUN_PY_SPY:-}" ]; then cp "$DLRUN_PY_SPY" "$work/py-spy" && chmod 755 "$work/py-spy"; fi
-  as_user=(setpriv --reuid dlrun-smoke --regid dlrun-smoke --init-groups env HOME=/home/dlrun-smoke PYTHONPATH="$work")
+  as_user=(setpriv --reuid dlrun-smoke --regid dlrun-smoke --init-groups env HOME=/home/dlrun-smoke PYTHONPATH="$work${PYTHONPATH#"$PWD"}")
   [ -n "${DLRUN_PY_SPY:-}" ] && as_user+=(DLRUN_PY_SPY="$work/py-spy")
   if "${as_user[@]}" "$py" -c 'import torch' 2>/dev/null; then
     (cd "$work" && timed stack-as-login-user stuck_stack "${as_user[@]}") || status=1
