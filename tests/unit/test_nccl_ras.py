@@ -1,6 +1,7 @@
 """NCCL's RAS status, asked by the stack taker and summarised for ``dlrun stack`` and
 ``--hang-timeout``: the summary on the texts of NCCL's guide, the client against a stand-in
-speaking RAS's protocol (no NCCL here; ``scripts/gpu_smoke.sh`` asks the real one)."""
+speaking RAS's protocol (no NCCL here; ``scripts/gpu_smoke.sh`` asks the real one, and one of its
+answers is a fixture)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ def free_addr() -> str:
 
 def test_a_healthy_job_is_one_line() -> None:
     assert ras_findings(fixture("healthy-32gpu-4node.txt")) == ["every communicator RUNNING OK"]
+
+
+def test_a_real_answer_of_nccl_2_28_on_one_gpu_is_one_line() -> None:
+    """NCCL's own answer, captured on a lent H100 (the guide's excerpts are joined by hand)."""
+    assert ras_findings(fixture("h100-1gpu-nccl-2.28.9.txt")) == ["every communicator RUNNING OK"]
 
 
 def test_the_ranks_behind_in_a_mismatch_are_named_as_a_rank_list() -> None:
