@@ -382,6 +382,9 @@ class Agent:
         self.signalled: set[int] = set()  # ranks the agent signalled to stop while they ran
         self.recorders: dict[int, str] = {}  # rank -> its flight recorder dump prefix (TORCH_FR_DUMP_TEMP_FILE)
         self.pipes: dict[int, str] = {}  # rank -> its TORCH_NCCL_DEBUG_INFO_PIPE_FILE stem
+        self.recording: dict[int, list[float]] = {}  # rank asked for a dump -> [its size, when last changed]
+        self.record_until = 0.0  # a stop waits for the asked dumps until then at most
+        self.held_grace: float | None = None  # a stop's grace, held while the asked dumps are written
         self.ras: dict[int, str] = {}  # rank -> its NCCL_RAS_ADDR (torch jobs)
         self.gpus = GpuSampler(0)
         self.stacks = StackTaker()
@@ -496,10 +499,10 @@ class Agent:
                 except OSError:
                     pass
 
-    def record(self) -> None:
+    def record(self, wait: float) -> None:
         """Ask every rank's flight recorder for a dump: one byte to ``<pipe stem><rank>.pipe``
         (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``; NCCL process groups make the pipe). A pipe nobody
-        reads, or none, is skipped."""
+        reads, or none, is skipped. A stop in the next ``wait`` seconds waits for the dumps."""
         for rank, proc in self.procs.items():
             stem = self.pipes.get(rank)
             if not stem or rank in self.exited or proc.returncode is not None:
@@ -510,10 +513,29 @@ class Agent:
                 continue
             try:
                 os.write(fd, b"1")
+                if rank in self.recorders:
+                    self.recording[rank] = [-1.0, time.monotonic()]
             except OSError:
                 pass
             finally:
                 os.close(fd)
+        self.record_until = time.monotonic() + wait
+
+    def dumps_written(self, now: float) -> bool:
+        """Whether every asked dump is written (there, not empty, its size the same for 0.2 s), its
+        rank ended, or the wait ran out. torch writes a dump from a thread of its own: a SIGTERM
+        before it is done loses it."""
+        for rank, seen in list(self.recording.items()):
+            try:
+                size = float(os.path.getsize(self.recorders[rank] + str(rank)))
+            except OSError:
+                size = -1.0
+            if rank in self.exited or self.procs[rank].returncode is not None or (
+                    size > 0 and size == seen[0] and now - seen[1] >= 0.2):
+                del self.recording[rank]
+            elif size != seen[0]:
+                seen[0], seen[1] = size, now
+        return not self.recording or now >= self.record_until
 
     def take_stacks(self, message: dict[str, Any]) -> None:
         """Start a stack request for the ranks still running (``StackTaker``)."""
@@ -608,7 +630,13 @@ class Agent:
                 except OSError:
                     pass
 
-    def stop(self, grace: float) -> None:
+    def stop(self, grace: float, hold: bool = False) -> None:
+        """SIGTERM to every rank, SIGKILL after ``grace``; with ``hold``, once the flight recorder
+        dumps asked for are written (``dumps_written``)."""
+        if hold and not self.dumps_written(time.monotonic()):
+            self.held_grace = grace if self.held_grace is None else min(self.held_grace, grace)
+            return
+        self.held_grace = None
         self.signal_all(signal.SIGTERM)
         deadline = time.monotonic() + max(grace, 0.0)
         self.kill_at = deadline if self.kill_at is None else min(self.kill_at, deadline)
@@ -1090,14 +1118,14 @@ def _run_agent(argv: list[str]) -> int:
             elif op == "dump":  # faulthandler's dump (PYTHONFAULTHANDLER) of ranks py-spy could not read
                 agent.dump(message)
             elif op == "record":  # torch's flight recorder: dump now, through its pipe
-                agent.record()
+                agent.record(float(message.get("wait", 10)))
             elif op == "start" and not started:
                 started = True
                 eof_grace = float(message.get("eof_grace", eof_grace))
                 agent.watch(message)
                 agent.start(message)
-            elif message.get("op") == "stop":
-                agent.stop(float(message.get("grace", 10)))
+            elif message.get("op") == "stop":  # after the dumps asked for, if any
+                agent.stop(float(message.get("grace", 10)), hold=True)
             elif message.get("op") == "kill":
                 agent.stop(0)
         now = time.monotonic()
@@ -1112,6 +1140,8 @@ def _run_agent(argv: list[str]) -> int:
             agent.stop(eof_grace)
             return _finish(agent)
         agent.reap()
+        if agent.held_grace is not None and agent.dumps_written(now):
+            agent.stop(agent.held_grace)
         agent.stacks_done(now)
         if started:
             agent.sample_gpus(now)

@@ -446,6 +446,7 @@ class Keeper:
         self.followers = [str(h) for h in config.get("followers", [])]
         self.root_cause: str | None = None
         self.root_tail: list[str] = []
+        self.hang_cause = False  # the root cause is --hang-timeout's
         self.leader_gone = False  # a follower that lost its leader: the job is lost (exit 255)
         self.failed = False  # the job ended by a failure (also when a stop came after it)
         self.root: dict[str, Any] = {}  # the root cause rank's rank, host, exception, error file, hint
@@ -479,6 +480,7 @@ class Keeper:
             "state": self.job_state(), "started_at": self.started_at,
             "ranks": [self.ranks[r] for r in sorted(self.ranks)],
             "exit_code": self.exit_code, "root_cause": self.root_cause, "root_tail": self.root_tail,
+            "hung": self.hang_cause,
             "root": self.root, "notes": self.notes,
             "attempts": self.attempt + 1, "history": self.history,
             "port": self.port,
@@ -862,6 +864,7 @@ class Keeper:
         for entry in self.ranks.values():
             entry.update(state="pending", code=None, started=None, ended=None)
         self.root_cause, self.root_tail, self.failed_code, self.root = None, [], 0, {}
+        self.hang_cause = False
         self.stopping, self.kill_at = False, None
         if self.leader:
             time.sleep(self.policy.RESTART_PAUSE)
@@ -1050,12 +1053,13 @@ class Keeper:
         if unread:  # faulthandler (PYTHONFAULTHANDLER) prints those ranks' stacks to their logs
             lines.append(f"no stack by py-spy for ranks {unread}: SIGABRT, faulthandler's dump is in their logs")
         if self.root_cause is None:
+            self.hang_cause = True  # the view words it as an attached launch's hang (dlrun.run.hang)
             self.root_cause = f"hung (no output for {float(self.hang['timeout']):g} s): {cause}"
             self.root_tail, self.failed_code = lines[-self.policy.TAIL_LINES:], self.policy.HANG_EXIT
         # the dumps first (a SIGTERM would cut them short); what ends meanwhile is stopped, not failed
         self.stopping = True
         for target in [None, *self.peers.values()]:
-            for message in ({"op": "record"}, {"op": "dump", "ranks": unread}):
+            for message in ({"op": "record", "wait": self.policy.RECORD_WAIT}, {"op": "dump", "ranks": unread}):
                 if target is None:
                     self.tell_agent(message)
                 else:
@@ -1278,6 +1282,7 @@ class Keeper:
             self.exit_code = result.get("exit_code")
             self.root_cause = result.get("root_cause")
             self.root_tail = result.get("root_tail") or []
+            self.hang_cause = bool(result.get("hung"))
             self.root = result.get("root") or {}
             self.notes = list(result.get("notes") or [])
             self.history = list(result.get("history") or [])

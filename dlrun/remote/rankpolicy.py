@@ -23,6 +23,7 @@ RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts'
 STOP_MARGIN = 15.0  # seconds past the grace an agent may take to report its ranks' end before it is killed
 HANG_EXIT = 124  # the exit code of a job --hang-timeout stopped (as timeout(1))
 DUMP_WAIT = 2.0  # seconds faulthandler's and the flight recorder's dumps get before a hung job's stop
+RECORD_WAIT = 10.0  # seconds from asking for flight recorder dumps that an agent holds the stop for them, at most
 HANG_BUSY_UTIL = 5.0  # a GPU at this utilization (%) or above is working: the job is not hung
 GPU_CSV_COLUMNS = ("time", "host", "gpu", "util", "mem_used_mib", "mem_total_mib", "power_w", "temp_c")  # gpu.csv
 FINAL_STATES = ("succeeded", "failed", "stopped", "lost")  # a rank's (and a detached job's) states that are an end

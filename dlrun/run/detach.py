@@ -98,6 +98,7 @@ class JobRecord:
     exit_code: int | None = None
     root_cause: str | None = None
     root_tail: tuple[str, ...] = ()
+    hung: bool = False  # --hang-timeout stopped it: root_cause and root_tail are the hang's lines
     alive: bool = False
     rank_states: tuple[RankEntry, ...] = ()
     history: tuple[FailedAttempt, ...] = ()  # the failed attempts before the last
@@ -231,7 +232,8 @@ def record_of(document: Mapping[str, Any]) -> JobRecord:
         started_at=float(document.get("started_at") or 0), script=str(document.get("script", "")),
         hosts=strings(document.get("hosts")), exit_code=code(document.get("exit_code")),
         root_cause=None if cause is None else str(cause), root_tail=strings(document.get("root_tail")),
-        alive=bool(document.get("alive")), rank_states=ranks, history=history, root=evidence,
+        hung=bool(document.get("hung")), alive=bool(document.get("alive")), rank_states=ranks, history=history,
+        root=evidence,
         notes=strings(document.get("notes")), host=str(document.get("host", "")), leader=bool(document.get("leader")))
 
 
@@ -265,7 +267,8 @@ def merge(found: Sequence[JobRecord]) -> list[JobRecord]:
     records = []
     for job_id, record in sorted(jobs.items()):
         if record.state not in FINAL and job_id in orphaned:  # a frozen leader: its followers tell
-            record = replace(record, state="lost", exit_code=255, root_cause=orphaned[job_id].root_cause, root_tail=())
+            record = replace(record, state="lost", exit_code=255, root_cause=orphaned[job_id].root_cause, root_tail=(),
+                             hung=False)
         if record.state in FINAL:
             record = ended_ranks(record, finals.get(job_id, {}))
         records.append(replace(record, alive=alive[job_id]))
@@ -306,13 +309,13 @@ def ps_lines(records: Sequence[JobRecord], now: float) -> list[str]:
 def closing_notices(record: JobRecord, result: RunResult) -> list[str]:
     """What a detached job's end says before the launch view's summary: each failed attempt
     (and the checkpoint copy before the next), the keepers' notes, and a root cause no rank
-    stands for (a hang, a lost leader)."""
+    stands for (a lost leader; a hang's are the view's, as attached)."""
     notices = []
     for h in record.history:
         notices.append(f"attempt {h.attempt + 1} (job {h.job_id}) failed: {h.root_cause}")
         notices.extend(f"attempt {h.attempt + 2}: {printable(line)}" for line in h.checkpoint)
     notices.extend(record.notes)
-    if record.root_cause and result.root_cause is None and record.state != "stopped":
+    if record.root_cause and result.root_cause is None and not result.hang and record.state != "stopped":
         notices.append(f"root cause: {record.root_cause}")
     return notices
 
@@ -777,7 +780,8 @@ def run_result(record: JobRecord) -> RunResult:
                                exception=evidence.exception, error_file=evidence.error_file, hint=evidence.hint)
                 break
     code = 1 if record.exit_code is None else record.exit_code
-    return RunResult(ranks=ranks, exit_code=code, root_cause=root, job_id=record.job_id,
+    hang = (record.root_cause, *(f"  {text}" for text in record.root_tail)) if record.hung and record.root_cause else ()
+    return RunResult(ranks=ranks, exit_code=code, root_cause=root, job_id=record.job_id, hang=hang,
                      interrupted_by=code - 128 if record.state == "stopped" and code > 128 else None,
                      attempts=len(record.history) + 1)
 

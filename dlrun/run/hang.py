@@ -202,8 +202,10 @@ class HangWatch:
         step = max(10.0, self.limit / 2)
         if quiet >= step and quiet - self.noticed >= step:
             self.noticed = quiet
-            busy = " (a GPU is busy)" if self.clock() - self.last_busy < self.limit else ""
-            return (f"no output for {quiet:.0f} s{busy}; --hang-timeout {self.limit:g} s takes every rank's "
+            if self.clock() - self.last_busy < self.limit:  # a long kernel, a silent eval: working
+                return (f"no output for {quiet:.0f} s, but a GPU is busy: not a hang while one is"
+                        f" (--hang-timeout {self.limit:g} s counts once every GPU is idle)")
+            return (f"no output for {quiet:.0f} s; --hang-timeout {self.limit:g} s takes every rank's "
                     "stack and stops the job")
         return None
 
@@ -218,12 +220,14 @@ class HangWatch:
         return False
 
 
-def hang_lines(answer: StackAnswer) -> list[str]:
-    """A hang's root cause in a sentence, the groups, and where the full stacks are."""
+def hang_lines(answer: StackAnswer, limit: float) -> list[str]:
+    """A hang's root cause in a sentence, the groups, and where the full stacks are (the first
+    line as a detached job's keeper words it: ``dlrun.remote.keeper``)."""
     from dlrun.remote.stack_groups import group_ranks, hang_cause, summary_lines
 
     groups = group_ranks(answer.stacks)
-    lines = [f"hung: {hang_cause(groups)}", *("  " + line for line in summary_lines(groups) + list(answer.ras))]
+    lines = [f"hung (no output for {limit:g} s): {hang_cause(groups)}",
+             *("  " + line for line in summary_lines(groups) + list(answer.ras))]
     lines += [f"  {host}: {note}" for host, note in answer.notes.items()]
     if answer.folder is not None:
         lines.append(f"  full stacks: {answer.folder}")

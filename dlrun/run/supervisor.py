@@ -54,6 +54,7 @@ from dlrun.remote.rankpolicy import (
     GPU_CSV_COLUMNS,
     HANG_EXIT,
     MAX_LINE,
+    RECORD_WAIT,
     STOP_MARGIN,
     TAIL_LINES,
     TRACEBACK_START,
@@ -195,6 +196,7 @@ class Supervisor:
         self.hang_lines: tuple[str, ...] = ()  # the hang's root cause and groups, once it stopped the job
         self.hang_stop_at: float | None = None  # faulthandler dumps asked for: the stop waits for them
         self.recordings: dict[int, dict[str, Any]] = {}  # rank -> its flight recorder dump (dlrun.run.flight)
+        self.dumped: set[int] = set()  # ranks whose dumps are in <log_dir>/flight-recorder/
         self.control = ControlServer(control_id or self._job_id(), self._control)  # dlrun stack JOB
 
     # --------------------------------------------------------------------- public
@@ -517,8 +519,21 @@ class Supervisor:
             folder.mkdir(exist_ok=True)
             (folder / name).write_bytes(data)
         rank, dump = rank_of(name), read_dump(data)
+        if rank is not None and self.log_dir is not None:
+            self.dumped.add(rank)
         if rank is not None and dump is not None:
             self.recordings[rank] = dump
+
+    def _flight_lines(self) -> list[str]:
+        """Which rank the dumps say is behind, and where the dumps are."""
+        from dlrun.remote.stack_groups import rank_list
+
+        lines = lagging_lines(self.recordings)
+        if self.dumped and self.log_dir is not None:
+            noun = "rank" if len(self.dumped) == 1 else "ranks"
+            ranks = rank_list(sorted(self.dumped))
+            lines.append(f"flight recorder dumps: {self.log_dir / 'flight-recorder'}/ ({noun} {ranks})")
+        return lines
 
     # --------------------------------------------------------------------- stacks and hangs
     def _control(self, request: Any) -> dict[str, Any]:
@@ -560,14 +575,14 @@ class Supervisor:
     def _hung(self, answer: StackAnswer) -> None:
         if self.stopping:
             return
-        self.hang_lines = tuple(hang_lines(answer))
+        self.hang_lines = tuple(hang_lines(answer, self.hang.limit))
         for text in self.hang_lines:
             self.view.notice(text)
         unread = {r.rank for r in answer.stacks if not r.taken}
         for link in self.links.values():  # torch's flight recorder (NCCL) dumps through its pipe too
             if link.channel is not None and not link.closed:
                 with contextlib.suppress(DlrunError):
-                    link.channel.send(encode_message({"op": "record"}))
+                    link.channel.send(encode_message({"op": "record", "wait": RECORD_WAIT}))
         for name, link in self.links.items():  # faulthandler's dump instead (docs/stacks.md)
             mine = [r for r in link.ranks if r in unread and self.ranks[r].command.env.get("PYTHONFAULTHANDLER")]
             if mine and link.channel is not None and not link.closed:
@@ -644,5 +659,5 @@ class Supervisor:
             gpu_summary=tuple(self.gpu_stats.summary()),
             gpu_warnings=tuple(self.gpu_idle.warned.values()),
             hang=self.hang_lines,
-            flight_recorder=tuple(lagging_lines(self.recordings)) if exit_code else (),
+            flight_recorder=tuple(self._flight_lines()) if exit_code else (),
         )

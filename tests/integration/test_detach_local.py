@@ -119,18 +119,23 @@ FAILURES = {
                    "@record\ndef main() -> None:\n    raise RuntimeError('CUDA out of memory on rank 0 (recorded)')\n"
                    "main()\n"),
     "signal": ("none", "import os\nprint('about to abort', flush=True)\nos.abort()\n"),
+    "hang": ("none", "import time\nprint('ready', flush=True)\ndef stuck_in_data_loading():\n    while True:\n"
+                     "        time.sleep(1)\nstuck_in_data_loading()\n"),
 }
+EXTRA = {"hang": ["--hang-timeout", "5"]}  # --hang-timeout's stop: the hang's lines, then the closing line
 EVIDENCE = {"exception": "ValueError: bad batch 7: shape (3, 4) is not (3, 5)",
             "error_file": "RuntimeError: CUDA out of memory on rank 0 (recorded)",
-            "signal": "  killed by SIGABRT (134)"}
+            "signal": "  killed by SIGABRT (134)",
+            "hang": "dlrun: root cause: job hung (no output for 5 s): the rank is in stuck_in_data_loading"}
 
 
 def root_cause_block(stdout: str) -> list[str]:
-    """From ``dlrun: root cause`` to the ranks' table; the command line left out (attached: the
-    rank's argv; detached: the record's, the same but for the job's own paths)."""
+    """From ``dlrun: root cause`` to the ranks' table; the command line and the stacks' folder
+    left out (attached: the rank's argv, ``dlrun-logs/``; detached: the record's, the same but for
+    the job's own paths, and the keepers' folders)."""
     assert "dlrun: root cause" in stdout, stdout[-3000:]
     block = stdout[stdout.index("dlrun: root cause"):].split("\nrank  host")[0].splitlines()
-    return [line for line in block if not line.startswith("  command: ")]
+    return [line for line in block if not line.startswith(("  command: ", "  full stacks: "))]
 
 
 @pytest.mark.parametrize("failure", sorted(FAILURES))
@@ -141,7 +146,7 @@ def test_the_same_failure_has_the_same_root_cause_attached_and_detached(tmp_path
     script = tmp_path / f"fails_by_{failure}.py"  # not signal.py: dlrun, run from tmp_path, would import it
     script.write_text(source)
     home = {"HOME": str(tmp_path / "home")}
-    common = ["--framework", framework, "--grace", "2", "-n", "1", str(script)]
+    common = ["--framework", framework, "--grace", "2", "-n", "1", *EXTRA.get(failure, []), str(script)]
     attached = run_dlrun("launch", "--plain", *common, cwd=tmp_path, timeout=180, env=home)
     launched = run_dlrun("launch", "--detach", *common, cwd=tmp_path, timeout=180, env=home)
     # a failure before the launch's look at the job ends it with the summary, job line last
@@ -154,6 +159,8 @@ def test_the_same_failure_has_the_same_root_cause_attached_and_detached(tmp_path
     block = root_cause_block(attached.stdout)
     assert any(EVIDENCE[failure] in line for line in block), block
     assert root_cause_block(detached.stdout) == block
+    closing = [line.split("; exit code")[0] for line in attached.stdout.splitlines() if "; exit code" in line]
+    assert closing[0] in detached.stdout, (closing, detached.stdout[-2000:])  # "job failed (0/1 …)", "job hung; …"
     assert wait_job_processes_gone(job_id, timeout=15) == []
 
 

@@ -5,6 +5,7 @@ and detached) and on localhost. The stacks are py-spy's, taken by each host's ag
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -170,7 +171,8 @@ def test_hang_timeout_stops_a_local_deadlock_and_names_the_odd_rank(tmp_path: Pa
     out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch", "--hang-timeout", "15",
                     "deadlock.py", cwd=tmp_path, timeout=240)
     assert out.returncode == 124, out.stdout + out.stderr
-    assert re.search(r"^dlrun: root cause: job hung: rank 1 on localhost is in stuck_in_data_loading "
+    assert re.search(r"^dlrun: root cause: job hung \(no output for 15 s\): "
+                     r"rank 1 on localhost is in stuck_in_data_loading "
                      r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce$", out.stdout, re.M), out.stdout
     assert re.search(r"^dlrun: no output for \d+ s; --hang-timeout 15 s", out.stdout, re.M), out.stdout
     assert "dlrun: job hung; every rank stopped (--hang-timeout); exit code 124" in out.stdout, out.stdout
@@ -222,7 +224,8 @@ def test_hang_timeout_ends_a_two_host_deadlock_by_itself(cluster: SshdCluster, t
     out = run_dlrun("launch", "--plain", "--grace", "2", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
                     "--framework", "torch", "--hang-timeout", "15", str(script), cwd=tmp_path, timeout=240)
     assert out.returncode == 124, out.stdout + out.stderr
-    assert re.search(r"^dlrun: root cause: job hung: rank 1 on host1 is in stuck_in_data_loading "
+    assert re.search(r"^dlrun: root cause: job hung \(no output for 15 s\): "
+                     r"rank 1 on host1 is in stuck_in_data_loading "
                      r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce$", out.stdout, re.M), out.stdout
     job = found(r"logs in dlrun-logs/([\w-]+)/", out.stdout)
     assert wait_job_processes_gone(job, timeout=30) == []
@@ -308,8 +311,12 @@ def test_hang_timeout_ends_a_detached_two_host_deadlock_by_itself(cluster: SshdC
     # no client: the keepers find the hang, take the stacks and stop the job
     attached = run_dlrun("attach", job, *common, cwd=tmp_path, timeout=240)
     assert attached.returncode == 124, attached.stdout + attached.stderr
-    assert re.search(r"root cause: hung \(no output for 15 s\): rank 1 on host1 is in stuck_in_data_loading "
-                     r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce", attached.stdout), attached.stdout
+    assert re.search(r"^dlrun: root cause: job hung \(no output for 15 s\): "
+                     r"rank 1 on host1 is in stuck_in_data_loading "
+                     r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce$", attached.stdout, re.M), attached.stdout
+    # the groups under it and the closing line, as an attached launch shows them
+    assert re.search(r"^  rank 1 \(host1\): .*stuck_in_data_loading", attached.stdout, re.M), attached.stdout
+    assert "dlrun: job hung; every rank stopped (--hang-timeout); exit code 124" in attached.stdout, attached.stdout
     assert wait_job_processes_gone(job, timeout=30) == []
 
 
@@ -393,6 +400,53 @@ def test_flight_recorder_dumps_come_back_and_name_the_rank_behind(tmp_path: Path
     assert not Path(f"/tmp/dlrun-{job}").exists()  # the host's copies went with the job
 
 
+# what ProcessGroupNCCL does with TORCH_NCCL_DEBUG_INFO_PIPE_FILE (no NCCL here): make the pipe
+# <stem><rank>.pipe, and on a byte write the dump to TORCH_FR_DUMP_TEMP_FILE<rank> from a thread of
+# its own. Rank 0's dump takes 4 s (on a lent H100, torch's own came later than dlrun's stop);
+# rank 1 reads the byte and never writes one.
+SLOW_DUMP = """
+import os, pickle, threading, time
+
+rank = int(os.environ["RANK"])
+pipe = os.environ["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] + str(rank) + ".pipe"
+os.mkfifo(pipe)
+
+
+def monitor():
+    with open(pipe, "rb") as fh:
+        fh.read(1)
+    if rank == 0:
+        time.sleep(4)
+        data = pickle.dumps({"version": "2.10", "pg_status": {"0": {"last_enqueued_collective": 7}}, "entries": []})
+        with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "wb") as out:
+            out.write(data[:10])  # written in two parts, as a big dump is
+            out.flush()
+            time.sleep(0.05)
+            out.write(data[10:])
+
+
+threading.Thread(target=monitor, daemon=True).start()
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.mark.slow
+def test_a_hangs_stop_waits_for_the_flight_recorder_dumps_it_asked_for(tmp_path: Path) -> None:
+    (tmp_path / "slow_dump.py").write_text(SLOW_DUMP)
+    out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch", "--hang-timeout", "5",
+                    "slow_dump.py", cwd=tmp_path, timeout=240)
+    assert out.returncode == 124, out.stdout + out.stderr
+    job = found(r"logs in dlrun-logs/([\w-]+)/", out.stdout)
+    folder = tmp_path / "dlrun-logs" / job / "flight-recorder"
+    # rank 1 wrote none: the stop did not wait for it for ever
+    assert sorted(p.name for p in folder.iterdir()) == ["trace_rank_0"], out.stdout
+    assert pickle.loads((folder / "trace_rank_0").read_bytes())["pg_status"]["0"]["last_enqueued_collective"] == 7
+    assert "flight recorder dumps: " in out.stdout and "flight-recorder/ (rank 0)" in out.stdout, out.stdout
+    assert not Path(f"/tmp/dlrun-{job}").exists()  # the pipes and the folder went with the job
+
+
 @pytest.mark.slow
 @pytest.mark.ssh
 def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster: SshdCluster, tmp_path: Path) -> None:
@@ -425,7 +479,8 @@ def test_a_detached_hang_without_py_spy_leaves_faulthandler_dumps(cluster: SshdC
     job = out.stdout.strip().splitlines()[-1].split()[-1]
     attached = run_dlrun("attach", job, *common, cwd=tmp_path, timeout=240)
     assert attached.returncode == 124, attached.stdout + attached.stderr
-    assert "root cause: hung (no output for 10 s): no rank's stack could be taken" in attached.stdout, attached.stdout
+    assert "root cause: job hung (no output for 10 s): no rank's stack could be taken" in attached.stdout, \
+        attached.stdout
     assert re.search(r"\[1 host1\]   File \".*deadlock\.py\", line \d+ in stuck_in_data_loading", attached.stdout)
     assert re.search(r"\[0 host0\]   File \".*deadlock\.py\", line \d+ in train_step", attached.stdout)
     assert wait_job_processes_gone(job, timeout=30) == []

@@ -84,8 +84,9 @@ def test_rank_lists() -> None:
 
 def test_the_hang_lines_name_the_folder_and_the_hosts_notes() -> None:
     stacks = tuple(rank_stacks("h1", answer({0: (REDUCE, REDUCE), 1: (SLEEP, SLEEP)})))
-    lines = hang_lines(StackAnswer(stacks, Path("logs/stacks-1"), {"h3": "py-spy not shipped: no answer"}))
-    assert lines[0] == "hung: rank 1 on h1 is in stuck_in_data_loading (train.py:6) while rank 0 waits in all_reduce"
+    lines = hang_lines(StackAnswer(stacks, Path("logs/stacks-1"), {"h3": "py-spy not shipped: no answer"}), 30)
+    assert lines[0] == ("hung (no output for 30 s): rank 1 on h1 is in stuck_in_data_loading (train.py:6)"
+                        " while rank 0 waits in all_reduce")
     assert lines[-2:] == ["  h3: py-spy not shipped: no answer", "  full stacks: logs/stacks-1"]
 
 
@@ -116,6 +117,19 @@ def test_the_hang_watch_fires_once_after_silence_and_no_busy_gpu() -> None:
     assert not watch.hung()  # the GPU was busy 29 s ago
     clock.now += 1
     assert watch.hung() and not watch.hung()
+
+
+def test_the_notice_says_a_busy_gpu_holds_the_hang_off() -> None:
+    """Seen on a lent H100: a kernel spinning 40 s with no output; the notice said the stop was
+    coming while the busy GPU kept it off."""
+    clock = Clock()
+    watch = HangWatch(10, clock)
+    for _ in range(2):  # a sample every 5 s, each at 100 %
+        clock.now += 5
+        watch.gpu([100.0])
+    assert not watch.hung()
+    assert watch.notice() == ("no output for 10 s, but a GPU is busy: not a hang while one is"
+                              " (--hang-timeout 10 s counts once every GPU is idle)")
 
 
 def test_a_hang_timeout_of_zero_never_fires() -> None:
