@@ -14,6 +14,8 @@ cd "$(dirname "$0")/.."
 py=${1:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
+parts=" ${SMOKE_PARTS:-topo noop bench ddp lightning stacks trouble} "
+want() { [[ $parts == *" $1 "* ]]; }  # SMOKE_PARTS="stacks trouble" runs those parts alone (after "machine")
 section() { printf '\n===== %s\n' "$*"; }
 timed() {  # timed LABEL CMD...: run, show the last lines, record wall time and exit code
   local label=$1; shift
@@ -21,7 +23,7 @@ timed() {  # timed LABEL CMD...: run, show the last lines, record wall time and 
   start=$EPOCHREALTIME
   "$@" >"/tmp/gpu_smoke.$label.log" 2>&1; code=$?
   end=$EPOCHREALTIME
-  grep -E 'facts |img/s|lightning global rank|noop: |Error|error' "/tmp/gpu_smoke.$label.log" | tail -n 12
+  grep -E 'facts |img/s|lightning global rank|noop: |fr-dump: |Error|error' "/tmp/gpu_smoke.$label.log" | tail -n 12
   awk -v l="$label" -v c="$code" -v s="$start" -v e="$end" 'BEGIN { printf "%s: exit %s, %.1f s\n", l, c, e - s }'
   awk -v l="$label" -v c="$code" -v s="$start" -v e="$end" 'BEGIN { printf "%s %s %.3f\n", l, c, e - s }' >>/tmp/gpu_smoke.times
   return "$code"
@@ -34,11 +36,21 @@ nvidia-smi | sed -n 3p
 ngpu=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 echo "GPUs visible to torch: $ngpu"
 [ "$ngpu" -ge 1 ] || { echo "no GPU: nothing to smoke-test"; exit 1; }
+echo "kernel.yama.ptrace_scope = $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo 'absent (no Yama)')"
+# dlrun ships the client's py-spy to the hosts; an offline machine needs one brought along:
+# DLRUN_PY_SPY=<path>, or a py-spy beside $py or on PATH (a copy at ./py-spy in the tree is used)
+if [ -z "${DLRUN_PY_SPY:-}" ] && [ -x ./py-spy ]; then export DLRUN_PY_SPY=$PWD/py-spy; fi
+"$py" -c 'import os, shutil, sys; p = os.environ.get("DLRUN_PY_SPY") or shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy"); print("py-spy:", p); sys.exit(p is None)' \
+  || echo "py-spy: none (the stack steps fail: copy a py-spy binary to ./py-spy)"
 
+if want topo; then
 section "dlrun topo"
 timed topo "$py" -m dlrun topo || status=1
 tail -n 25 /tmp/gpu_smoke.topo.log
 
+fi
+
+if want noop; then
 section "launch cost: a no-op NCCL job (init, barrier, exit), $ngpu rank(s); goal: dlrun <= bare + 0.5 s"
 bare() {  # every rank started by hand, as torchrun would set them up; fails if any rank fails
   local port pids=() code=0 r
@@ -65,6 +77,9 @@ d=$(noop_median dlrun) b=$(noop_median bare)
 [ -n "$d" ] && [ -n "$b" ] && awk -v d="$d" -v b="$b" \
   'BEGIN { printf "noop dlrun - bare: %+.2f s (goal <= +0.50 s): %s\n", d - b, (d - b <= 0.5 ? "met" : "NOT met") }'
 
+fi
+
+if want bench; then
 section "dlrun topo --bench (bf16 GEMM, HBM copy, H2D/D2H, NCCL all-reduce across the GPUs)"
 # exit 1 here means a finding (a number far below the expectation), which is a result to read,
 # not a broken dlrun: the JSON keeps every number for docs/gpu.md
@@ -85,6 +100,9 @@ assert not failed, f"a bench measurement failed: {failed}"
 assert doc["level"] == "torch-cuda", doc["level"]
 PY
 
+fi
+
+if want ddp; then
 section "DDP on NCCL, $ngpu rank(s), cuda:LOCAL_RANK"
 timed ddp-dlrun "$py" -m dlrun launch --plain --framework torch --np "$ngpu" scripts/gpu_ddp.py || status=1
 timed ddp-torchrun "$py" -m torch.distributed.run --standalone --nproc-per-node "$ngpu" scripts/gpu_ddp.py
@@ -99,6 +117,9 @@ detached() {
 }
 timed ddp-dlrun-detached detached || status=1
 
+fi
+
+if want lightning; then
 section "Lightning Trainer(accelerator='gpu', strategy='ddp'), $ngpu rank(s)"
 if "$py" -c 'import lightning' 2>/dev/null || "$py" -c 'import pytorch_lightning' 2>/dev/null; then
   timed lightning-dlrun "$py" -m dlrun launch --plain --framework torch --np "$ngpu" scripts/gpu_lightning.py || status=1
@@ -107,13 +128,10 @@ else
   echo "lightning is not installed: skipped"
 fi
 
+fi
+
+if want stacks; then
 section "stuck ranks: dlrun stack and --hang-timeout (docs/stacks.md)"
-echo "kernel.yama.ptrace_scope = $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo 'absent (no Yama)')"
-# dlrun ships the client's py-spy to the hosts; an offline machine needs one brought along:
-# DLRUN_PY_SPY=<path>, or a py-spy beside $py or on PATH (a copy at ./py-spy in the tree is used)
-if [ -z "${DLRUN_PY_SPY:-}" ] && [ -x ./py-spy ]; then export DLRUN_PY_SPY=$PWD/py-spy; fi
-"$py" -c 'import os, shutil, sys; p = os.environ.get("DLRUN_PY_SPY") or shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy"); print("py-spy:", p); sys.exit(p is None)' \
-  || echo "py-spy: none (the stack steps fail: copy a py-spy binary to ./py-spy)"
 stuck_stack() {  # stuck_stack [RUNNER...]: a rank stuck in a CUDA op, `dlrun stack` from a second process
   local log job pid code
   log=$(mktemp /tmp/gpu_smoke.stuck-job.XXXXXX)
@@ -159,6 +177,79 @@ hang_timeout() {  # an idle GPU and a rank in stuck_in_data_loading: --hang-time
   [ "$code" = 124 ] && grep -q 'root cause: job hung: .*stuck_in_data_loading' /tmp/gpu_smoke.hang.out
 }
 timed hang-timeout hang_timeout || status=1
+
+fi
+if want trouble; then
+section "jobs in trouble: a CUDA error and an OOM in the root cause, an NCCL hang's flight recorder, a busy GPU is no hang"
+root_cause() {  # root_cause MODE TEXT: a rank fails on the GPU; a non-zero exit and a root cause naming TEXT
+  local out=/tmp/gpu_smoke.fail-$1.out code
+  "$py" -m dlrun launch --plain --framework torch --np 1 scripts/gpu_fail.py "$1" >"$out" 2>&1
+  code=$?
+  echo "exit $code"
+  sed -n '/root cause/,/^rank /p' "$out"
+  [ "$code" != 0 ] && [ "$code" != 124 ] && sed -n '/root cause/,/^rank /p' "$out" | grep -qF "$2"
+}
+timed fail-assert root_cause assert 'device-side assert triggered' || status=1
+cat /tmp/gpu_smoke.fail-assert.log
+timed fail-oom root_cause oom 'OutOfMemoryError' || status=1
+cat /tmp/gpu_smoke.fail-oom.log
+flight_files() {  # flight_files DIR: the flight recorder dumps under DIR, each with its size
+  find "$1" -path '*flight-recorder*' -type f -printf '%p %s bytes\n' 2>/dev/null
+}
+# how long torch takes to write a dump asked for through its pipe, the ring full (dlrun holds a
+# hang's stop for the dumps up to RECORD_WAIT, dlrun/remote/rankpolicy.py)
+timed fr-dump "$py" scripts/gpu_fr_dump.py 3000 || status=1
+hang_nccl() {  # an NCCL rank idle: --hang-timeout stops it (124) and torch's flight recorder dump comes back
+  local out=/tmp/gpu_smoke.hang-nccl.out code logs
+  "$py" -m dlrun launch --plain --framework torch --np 1 --hang-timeout 15 scripts/gpu_stuck.py nccl >"$out" 2>&1
+  code=$?
+  logs=$(sed -n 's#^dlrun: logs in \(.*\)/$#\1#p' "$out" | tail -n 1)
+  grep -E 'root cause|flight|NCCL RAS|exit code' "$out"
+  flight_files "$logs" | tee /tmp/gpu_smoke.hang-nccl.flight
+  ls -la /tmp/dlrun-*/flight-recorder/ 2>&1 | head -n 5  # a dump written after the job's end stays here
+  [ "$code" = 124 ] && [ -s /tmp/gpu_smoke.hang-nccl.flight ] && grep -q 'flight recorder dumps: ' "$out" && "$py" - "$logs" <<'PY'
+import pathlib, sys
+from dlrun.run.flight import read_dump
+for path in sorted(pathlib.Path(sys.argv[1]).rglob("flight-recorder/*")):
+    dump = read_dump(path.read_bytes())
+    assert dump is not None, f"{path}: not read"
+    print(path.name, "read:", sorted(dump)[:8], "entries", len(dump.get("entries") or []), "pg_status", dump.get("pg_status"))
+PY
+}
+timed hang-nccl hang_nccl || status=1
+cat /tmp/gpu_smoke.hang-nccl.log
+hang_nccl_detached() {  # the same, detached: the keeper stops it, attach says 124, the dump is in the job's folder
+  local job code
+  job=$("$py" -m dlrun launch --detach --framework torch --np 1 --hang-timeout 15 scripts/gpu_stuck.py nccl \
+    | sed -n 's/^dlrun: detached job //p')
+  [ -n "$job" ] || return 1
+  "$py" -m dlrun attach "$job"
+  code=$?
+  echo "attach exit $code"
+  flight_files "$HOME/.dlrun/jobs/$job" | tee /tmp/gpu_smoke.hang-detached.flight
+  [ "$code" = 124 ] && [ -s /tmp/gpu_smoke.hang-detached.flight ]
+}
+timed hang-nccl-detached hang_nccl_detached || status=1
+cat /tmp/gpu_smoke.hang-nccl-detached.log
+busy_is_no_hang() {  # a spinning kernel and no output for 40 s: --hang-timeout 10 must wait; SIGTERM leaves nothing
+  local log=/tmp/gpu_smoke.busy.out pid alive left
+  "$py" -m dlrun launch --plain --framework torch --np 1 --hang-timeout 10 scripts/gpu_stuck.py cuda >"$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 120); do grep -q '] ready' "$log" && break; sleep 1; done
+  sleep 40
+  kill -0 "$pid" 2>/dev/null && alive=yes || alive=no
+  nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader
+  kill -TERM "$pid"; wait "$pid"
+  echo "alive after 40 s: $alive; dlrun's exit on SIGTERM: $?"
+  sleep 3
+  left=$(pgrep -f 'gpu_stuck.py' || true)
+  echo "processes left: ${left:-none}; GPU apps left: $(nvidia-smi --query-compute-apps=pid --format=csv,noheader | tr '\n' ' ')"
+  cat "$log"
+  [ "$alive" = yes ] && ! grep -q 'job hung' "$log" && [ -z "$left" ]
+}
+timed busy-no-hang busy_is_no_hang || status=1
+cat /tmp/gpu_smoke.busy-no-hang.log
+fi
 
 section result
 [ "$status" -eq 0 ] && echo "gpu smoke: every dlrun job passed" || echo "gpu smoke: a dlrun job FAILED (logs in /tmp/gpu_smoke.*.log)"
