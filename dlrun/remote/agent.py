@@ -1118,7 +1118,7 @@ def _run_agent(argv: list[str]) -> int:
             elif op == "dump":  # faulthandler's dump (PYTHONFAULTHANDLER) of ranks py-spy could not read
                 agent.dump(message)
             elif op == "record":  # torch's flight recorder: dump now, through its pipe
-                agent.record(float(message.get("wait", 10)))
+                agent.record(float(message.get("wait", 15)))
             elif op == "start" and not started:
                 started = True
                 eof_grace = float(message.get("eof_grace", eof_grace))
