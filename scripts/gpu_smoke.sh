@@ -6,8 +6,12 @@
 # user and, when run as root, as a plain login user, where Yama's ptrace_scope applies) and an
 # idle-GPU hang that `--hang-timeout` must stop (exit 124); and, after topo, the launch cost: a
 # no-op NCCL job (launch, init, barrier, exit) timed under dlrun, torchrun and bare python,
-# interleaved, NOOP_ROUNDS times (default 3).
+# interleaved, NOOP_ROUNDS times (default 3); last, jobs in trouble: a CUDA error and an OOM in
+# the root cause, torch's flight recorder dump time, NCCL hangs whose dumps must come back
+# (attached and detached), and a busy GPU that is no hang.
 #   scripts/gpu_smoke.sh [python]      (default python3; needs torch, and lightning for its part)
+#   SMOKE_PARTS="stacks trouble" scripts/gpu_smoke.sh   runs those parts alone (of: topo noop bench
+#   ddp lightning stacks trouble), e.g. to rerun one inside a lent machine's minutes
 # Prints what each one did; exits non-zero when a dlrun job fails. docs/gpu.md records its runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
