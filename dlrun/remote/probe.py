@@ -562,6 +562,7 @@ def main() -> None:
     except Exception as exc:  # the caller must always get a document
         import traceback
 
+        globals().get("_dlrun_lines", lambda: None)()  # the loader's source, for the lines shown
         doc["fatal"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
     sys.stdout.flush()
