@@ -196,36 +196,42 @@ def numa_nodes() -> list[int]:
     return sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit())
 
 
-def tensorflow_version() -> dict[str, str] | None:
-    """The installed TensorFlow distribution's name and version, read off the metadata folder
-    names on sys.path: importlib.metadata's answer without its scan of every distribution."""
-    wanted = {d.replace("-", "_"): d for d in TF_DISTS}
-    found: dict[str, str] = {}
+def dist_infos() -> list[tuple[str, str]]:
+    """(normalized name, version) of every ``*.dist-info``/``*.egg-info`` folder on sys.path, in
+    sys.path order: importlib.metadata's names without its scan of every distribution. Read once
+    per probe (each folder is listed once; only names with the suffix meet the pattern)."""
+    out = []
     for entry in sys.path:
         for name in listdir(entry or "."):
-            match = DIST_INFO.match(name)
-            if match:
-                dist = wanted.get(match.group(1).lower().replace("-", "_").replace(".", "_"))
-                if dist is not None and dist not in found:
-                    found[dist] = match.group(2)
+            if name.endswith("-info"):
+                match = DIST_INFO.match(name)
+                if match:
+                    out.append((match.group(1).lower().replace("-", "_").replace(".", "_"), match.group(2)))
+    return out
+
+
+def tensorflow_version(infos: list[tuple[str, str]] | None = None) -> dict[str, str] | None:
+    """The installed TensorFlow distribution's name and version (``infos``: ``dist_infos()``)."""
+    wanted = {d.replace("-", "_"): d for d in TF_DISTS}
+    found: dict[str, str] = {}
+    for name, version in dist_infos() if infos is None else infos:
+        dist = wanted.get(name)
+        if dist is not None and dist not in found:
+            found[dist] = version
     for dist in TF_DISTS:
         if dist in found:
             return {"dist": dist, "version": found[dist]}
     return None
 
 
-def dist_versions(names: tuple[str, ...]) -> dict[str, str]:
-    """Versions of these distributions (normalized names), from the metadata folder names on
-    sys.path, the first found winning as an import would."""
+def dist_versions(names: tuple[str, ...], infos: list[tuple[str, str]] | None = None) -> dict[str, str]:
+    """Versions of these distributions (normalized names), the first found on sys.path winning
+    as an import would (``infos``: ``dist_infos()``)."""
     wanted = {n.replace("-", "_").lower() for n in names}
     found: dict[str, str] = {}
-    for entry in sys.path:
-        for name in listdir(entry or "."):
-            match = DIST_INFO.match(name)
-            if match:
-                dist = match.group(1).lower().replace("-", "_").replace(".", "_")
-                if dist in wanted and dist not in found:
-                    found[dist] = match.group(2)
+    for dist, version in dist_infos() if infos is None else infos:
+        if dist in wanted and dist not in found:
+            found[dist] = version
     return found
 
 
@@ -233,10 +239,10 @@ TORCH_CUDA = re.compile(r"""^cuda\s*(?::[^=]*)?=\s*['"]([^'"]+)['"]""", re.M)
 NCCL_DISTS = ("nvidia_nccl_cu13", "nvidia_nccl_cu12", "nvidia_nccl_cu11")
 
 
-def frameworks() -> dict[str, Any]:
+def frameworks(infos: list[tuple[str, str]] | None = None) -> dict[str, Any]:
     """torch's version with its CUDA build and NCCL, Keras and tf_keras: what must agree across
     hosts. Read from metadata and ``torch/version.py`` as text, never by importing torch."""
-    versions = dist_versions(("torch", "keras", "tf_keras", *NCCL_DISTS))
+    versions = dist_versions(("torch", "keras", "tf_keras", *NCCL_DISTS), infos)
     out: dict[str, Any] = {"keras": versions.get("keras"), "tf_keras": versions.get("tf_keras")}
     if "torch" in versions:
         cuda = None
@@ -548,8 +554,9 @@ def gather(doc: dict[str, Any]) -> None:
         commands["query_gpu"] = query
     doc["commands"] = commands
     collect_gpu_numa(sysfs, str(query.get("stdout") or ""))
-    doc["tensorflow"] = tensorflow_version()
-    doc["frameworks"] = frameworks()
+    infos = dist_infos()
+    doc["tensorflow"] = tensorflow_version(infos)
+    doc["frameworks"] = frameworks(infos)
     ip_addr = commands.get("ip_addr")
     if ip_addr is not None and (ip_addr.get("rc") != 0 or not str(ip_addr.get("stdout") or "").strip()):
         doc["interfaces_ioctl"] = interfaces_ioctl()
