@@ -9,6 +9,9 @@ the login shell's ``exec /bin/sh -s``: ``dlrun.transport.shell``), a few hundred
 the program's source arrives on stdin first (10 ASCII digits of length, then the source).
 The loader reads exactly that much with ``os.read``, so the program's own input that follows
 is untouched, and runs it as ``__main__`` with ``sys.argv = ["dlrun-<name>", args...]``.
+Tracebacks show the program's lines: the loader gives ``linecache`` its source when an exception
+leaves the program, and a program that prints one itself calls ``_dlrun_lines()`` first
+(``linecache`` imports ``tokenize``: about a millisecond of every host's CPU at every start).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ CODE_CACHE = ("dlrun", "code")
 #: Runs on the host (Python >= 3.8): read the program from fd 0, run it as __main__. What comes
 #: first may be a stage (a ``+`` and 9 digits of length instead of 10 digits): the code cache,
 #: ``CACHE_STAGE``, which defines ``_dlrun_code``; without it the program is compiled.
-LOADER = """import linecache, os, sys
+LOADER = """import os, sys
 def _dlrun_read(n):
     b = b""
     while len(b) < n:
@@ -55,8 +58,17 @@ _dlrun_raw = _dlrun_read(int(_dlrun_n))
 _dlrun_src = _dlrun_raw.decode("utf-8")
 sys.argv = sys.argv[1:]
 _dlrun_name = "<" + sys.argv[0] + ">"
-linecache.cache[_dlrun_name] = (len(_dlrun_src), None, _dlrun_src.splitlines(True), _dlrun_name)
-exec(_dlrun_code(_dlrun_raw, _dlrun_name) if "_dlrun_code" in globals() else compile(_dlrun_src, _dlrun_name, "exec"))
+def _dlrun_lines():
+    import linecache
+    linecache.cache[_dlrun_name] = (len(_dlrun_src), None, _dlrun_src.splitlines(True), _dlrun_name)
+_dlrun_c = _dlrun_code(_dlrun_raw, _dlrun_name) if "_dlrun_code" in globals() else None
+try:
+    exec(_dlrun_c or compile(_dlrun_src, _dlrun_name, "exec"))
+except SystemExit:
+    raise
+except BaseException:
+    _dlrun_lines()
+    raise
 """
 
 #: The loader's stage: ``_dlrun_code(source bytes, name)``, the program's compiled code from the

@@ -1524,6 +1524,7 @@ def main() -> None:
     except BaseException:
         import traceback
 
+        globals().get("_dlrun_lines", lambda: None)()  # the loader's source, for the lines shown
         traceback.print_exc()
     finally:
         unpin_version()

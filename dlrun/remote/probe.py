@@ -6,7 +6,8 @@ never parses what the tools print (that is ``dlrun.topo.parse``'s job) and alway
 one JSON line, even when something inside it fails; a missing tool is recorded as missing.
 
 Gathered: ``nvidia-smi`` (``--query-gpu``, retried with basic fields when a driver refuses one;
-``topo -m``; ``-L``; the plain header), ``ip -o -4 addr show`` (or ``if_nameindex`` + ioctl),
+``topo -m``; ``-L``; the plain header), the IPv4 addresses (the kernel's netlink dump; where that
+fails ``ip -o -4 addr show``, then ``if_nameindex`` + ioctl),
 ``/proc/net/route``, ``/etc/os-release``, CPU and NUMA counts, the TensorFlow version from
 ``*.dist-info`` names on ``sys.path``, the InfiniBand and GPU PCI sysfs files under
 ``$DLRUN_SYSFS_ROOT`` (default ``/``) and ``ibstat`` when sysfs shows no RDMA device. Every command
@@ -20,7 +21,8 @@ binary, the GPUs the driver lists, the interpreter and this program's source are
 Output (``version`` 1): ``{"version", "hostname", "python", "executable", "cpu_count",
 "cpu_usable", "numa_nodes", "os_release", "platform", "tensorflow", "frameworks", "sysfs_root", "sysfs":
 {path: content}, "commands": {name: {"argv", "path", "rc", "stdout", "stderr", "missing",
-"timed_out", "error", "seconds"}}, "interfaces_ioctl", "proc_net_route", "fatal"}``.
+"timed_out", "error", "seconds"}}, "interfaces_netlink" (or the ``ip_addr`` command, then
+"interfaces_ioctl"), "proc_net_route", "fatal"}``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import time
@@ -193,36 +196,42 @@ def numa_nodes() -> list[int]:
     return sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit())
 
 
-def tensorflow_version() -> dict[str, str] | None:
-    """The installed TensorFlow distribution's name and version, read off the metadata folder
-    names on sys.path: importlib.metadata's answer without its scan of every distribution."""
-    wanted = {d.replace("-", "_"): d for d in TF_DISTS}
-    found: dict[str, str] = {}
+def dist_infos() -> list[tuple[str, str]]:
+    """(normalized name, version) of every ``*.dist-info``/``*.egg-info`` folder on sys.path, in
+    sys.path order: importlib.metadata's names without its scan of every distribution. Read once
+    per probe (each folder is listed once; only names with the suffix meet the pattern)."""
+    out = []
     for entry in sys.path:
         for name in listdir(entry or "."):
-            match = DIST_INFO.match(name)
-            if match:
-                dist = wanted.get(match.group(1).lower().replace("-", "_").replace(".", "_"))
-                if dist is not None and dist not in found:
-                    found[dist] = match.group(2)
+            if name.endswith("-info"):
+                match = DIST_INFO.match(name)
+                if match:
+                    out.append((match.group(1).lower().replace("-", "_").replace(".", "_"), match.group(2)))
+    return out
+
+
+def tensorflow_version(infos: list[tuple[str, str]] | None = None) -> dict[str, str] | None:
+    """The installed TensorFlow distribution's name and version (``infos``: ``dist_infos()``)."""
+    wanted = {d.replace("-", "_"): d for d in TF_DISTS}
+    found: dict[str, str] = {}
+    for name, version in dist_infos() if infos is None else infos:
+        dist = wanted.get(name)
+        if dist is not None and dist not in found:
+            found[dist] = version
     for dist in TF_DISTS:
         if dist in found:
             return {"dist": dist, "version": found[dist]}
     return None
 
 
-def dist_versions(names: tuple[str, ...]) -> dict[str, str]:
-    """Versions of these distributions (normalized names), from the metadata folder names on
-    sys.path, the first found winning as an import would."""
+def dist_versions(names: tuple[str, ...], infos: list[tuple[str, str]] | None = None) -> dict[str, str]:
+    """Versions of these distributions (normalized names), the first found on sys.path winning
+    as an import would (``infos``: ``dist_infos()``)."""
     wanted = {n.replace("-", "_").lower() for n in names}
     found: dict[str, str] = {}
-    for entry in sys.path:
-        for name in listdir(entry or "."):
-            match = DIST_INFO.match(name)
-            if match:
-                dist = match.group(1).lower().replace("-", "_").replace(".", "_")
-                if dist in wanted and dist not in found:
-                    found[dist] = match.group(2)
+    for dist, version in dist_infos() if infos is None else infos:
+        if dist in wanted and dist not in found:
+            found[dist] = version
     return found
 
 
@@ -230,10 +239,10 @@ TORCH_CUDA = re.compile(r"""^cuda\s*(?::[^=]*)?=\s*['"]([^'"]+)['"]""", re.M)
 NCCL_DISTS = ("nvidia_nccl_cu13", "nvidia_nccl_cu12", "nvidia_nccl_cu11")
 
 
-def frameworks() -> dict[str, Any]:
+def frameworks(infos: list[tuple[str, str]] | None = None) -> dict[str, Any]:
     """torch's version with its CUDA build and NCCL, Keras and tf_keras: what must agree across
     hosts. Read from metadata and ``torch/version.py`` as text, never by importing torch."""
-    versions = dist_versions(("torch", "keras", "tf_keras", *NCCL_DISTS))
+    versions = dist_versions(("torch", "keras", "tf_keras", *NCCL_DISTS), infos)
     out: dict[str, Any] = {"keras": versions.get("keras"), "tf_keras": versions.get("tf_keras")}
     if "torch" in versions:
         cuda = None
@@ -248,12 +257,86 @@ def frameworks() -> dict[str, Any]:
     return out
 
 
+RTM_NEWADDR, RTM_GETADDR = 20, 22
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+NLM_F_REQUEST, NLM_F_DUMP, NLM_F_DUMP_INTR = 0x1, 0x300, 0x10
+IFA_ADDRESS, IFA_LOCAL = 1, 2
+
+
+def interfaces_netlink(timeout: float = 5.0) -> list[dict[str, Any]] | None:
+    """Each interface's IPv4 addresses as ``ip -o -4 addr show`` lists them (interfaces and
+    addresses in the kernel's order, down interfaces too, none without an address), from the
+    kernel's RTM_GETADDR dump over a netlink socket: no process. None where netlink cannot answer
+    whole (no AF_NETLINK, a refused socket, an error, an interrupted dump, a cut reply, a
+    timeout): the caller then runs ``ip``."""
+    try:
+        import socket
+
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
+    except (ImportError, AttributeError, OSError):
+        return None
+    header, ifaddr = struct.Struct("=IHHII"), struct.Struct("=BBBBI")
+    by_index: dict[int, list[str]] = {}
+    try:
+        sock.settimeout(timeout)
+        sock.bind((0, 0))
+        own, seq = sock.getsockname()[0], 1
+        request = ifaddr.pack(socket.AF_INET, 0, 0, 0, 0)
+        sock.sendto(header.pack(header.size + len(request), RTM_GETADDR, NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
+                    + request, (0, 0))
+        done = False
+        while not done:
+            data, _, flags, _ = sock.recvmsg(1 << 16)
+            if flags & socket.MSG_TRUNC or not data:
+                return None
+            pos = 0
+            while pos + header.size <= len(data) and not done:
+                length, kind, msg_flags, msg_seq, pid = header.unpack_from(data, pos)
+                if length < header.size or pos + length > len(data):
+                    return None
+                body, end, pos = pos + header.size, pos + length, (pos + length + 3) & ~3
+                if msg_seq != seq or pid != own:
+                    continue
+                if kind == NLMSG_ERROR or msg_flags & NLM_F_DUMP_INTR:
+                    return None
+                done = kind == NLMSG_DONE
+                if kind == RTM_NEWADDR and end - body >= ifaddr.size:
+                    family, _, _, _, index = ifaddr.unpack_from(data, body)
+                    address = ifa_address(data, body + ifaddr.size, end)
+                    if family == socket.AF_INET and address:
+                        by_index.setdefault(index, []).append(socket.inet_ntoa(address))
+        out = []
+        for index, addresses in by_index.items():
+            try:  # named now: one that went away since is left out, as `ip` (its own dump) leaves it
+                out.append({"name": socket.if_indextoname(index), "ipv4": addresses})
+            except OSError:
+                pass
+        return out
+    except OSError:  # socket.timeout too
+        return None
+    finally:
+        sock.close()
+
+
+def ifa_address(data: bytes, at: int, end: int) -> bytes | None:
+    """The address of one RTM_NEWADDR message's attributes: IFA_LOCAL, else IFA_ADDRESS (for a
+    point-to-point link IFA_ADDRESS is the peer; ``ip`` prints the local one first)."""
+    found: dict[int, bytes] = {}
+    while at + 4 <= end:
+        size, kind = struct.unpack_from("=HH", data, at)
+        if size < 4 or at + size > end:
+            break
+        if kind in (IFA_ADDRESS, IFA_LOCAL) and size == 8:
+            found[kind] = data[at + 4:at + 8]
+        at += (size + 3) & ~3
+    return found.get(IFA_LOCAL) or found.get(IFA_ADDRESS)
+
+
 def interfaces_ioctl() -> list[dict[str, Any]]:
     """IPv4 interfaces from the kernel directly, for hosts without a usable ``ip``."""
     try:
         import fcntl
         import socket
-        import struct
     except ImportError:
         return []
     out: list[dict[str, Any]] = []
@@ -445,8 +528,12 @@ def gather(doc: dict[str, Any]) -> None:
         ("topo", ["nvidia-smi", "topo", "-m"], timeout),
         ("list", ["nvidia-smi", "-L"], timeout),
         ("header", ["nvidia-smi"], timeout),
-        ("ip_addr", ["ip", "-o", "-4", "addr", "show"], min(timeout, 5.0)),
     ]
+    netlink = interfaces_netlink(min(timeout, 5.0))
+    if netlink is None:
+        jobs.append(("ip_addr", ["ip", "-o", "-4", "addr", "show"], min(timeout, 5.0)))
+    else:
+        doc["interfaces_netlink"] = netlink
     if not ib_devices:
         jobs.append(("ibstat", ["ibstat"], min(timeout, 10.0)))
     smi = which("nvidia-smi")
@@ -467,10 +554,11 @@ def gather(doc: dict[str, Any]) -> None:
         commands["query_gpu"] = query
     doc["commands"] = commands
     collect_gpu_numa(sysfs, str(query.get("stdout") or ""))
-    doc["tensorflow"] = tensorflow_version()
-    doc["frameworks"] = frameworks()
-    ip_addr = commands["ip_addr"]
-    if ip_addr.get("rc") != 0 or not str(ip_addr.get("stdout") or "").strip():
+    infos = dist_infos()
+    doc["tensorflow"] = tensorflow_version(infos)
+    doc["frameworks"] = frameworks(infos)
+    ip_addr = commands.get("ip_addr")
+    if ip_addr is not None and (ip_addr.get("rc") != 0 or not str(ip_addr.get("stdout") or "").strip()):
         doc["interfaces_ioctl"] = interfaces_ioctl()
 
 
@@ -481,6 +569,7 @@ def main() -> None:
     except Exception as exc:  # the caller must always get a document
         import traceback
 
+        globals().get("_dlrun_lines", lambda: None)()  # the loader's source, for the lines shown
         doc["fatal"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
     sys.stdout.flush()

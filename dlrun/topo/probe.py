@@ -116,19 +116,26 @@ def _merge_listed(gpus: tuple[Gpu, ...], listed_text: str) -> tuple[Gpu, ...]:
     return tuple(out)
 
 
+def _listed_interfaces(raw: Any) -> tuple[NetInterface, ...]:
+    """The probe's own list of interfaces (``interfaces_netlink``, ``interfaces_ioctl``):
+    ``[{"name", "ipv4": [...]}]``, wrong types skipped."""
+    items: list[NetInterface] = []
+    if isinstance(raw, list):
+        for item in raw:
+            if isinstance(item, dict) and isinstance(item.get("name"), str):
+                addrs = item.get("ipv4")
+                listed = addrs if isinstance(addrs, list) else []
+                items.append(NetInterface(item["name"], tuple(a for a in listed if isinstance(a, str))))
+    return tuple(items)
+
+
 def _interfaces(doc: Mapping[str, Any], ip_cmd: Mapping[str, Any]) -> tuple[NetInterface, ...]:
-    found = parse_ip_addr(_command_stdout(ip_cmd)) if ip_cmd.get("rc") == 0 else ()
+    """From the kernel's netlink dump, or where the probe fell back, ``ip``'s output, then the ioctl list."""
+    found = _listed_interfaces(doc.get("interfaces_netlink"))
+    if not found and ip_cmd.get("rc") == 0:
+        found = parse_ip_addr(_command_stdout(ip_cmd))
     if not found:
-        raw = doc.get("interfaces_ioctl")
-        items: list[NetInterface] = []
-        if isinstance(raw, list):
-            for item in raw:
-                if isinstance(item, dict) and isinstance(item.get("name"), str):
-                    addrs = item.get("ipv4")
-                    listed = addrs if isinstance(addrs, list) else []
-                    ipv4 = tuple(a for a in listed if isinstance(a, str))
-                    items.append(NetInterface(item["name"], ipv4))
-        found = tuple(items)
+        found = _listed_interfaces(doc.get("interfaces_ioctl"))
     default = parse_proc_net_route(_str(doc.get("proc_net_route")) or "")
     return tuple(replace(i, default_route=i.name == default) for i in found)
 

@@ -39,16 +39,24 @@ def marker(token: str) -> bytes:
 
 
 def boot_script(argv: Sequence[str], token: str) -> bytes:
-    """The script ``/bin/sh -s`` reads: the marker, then ``exec argv``, on one line.
+    """The script ``/bin/sh -s`` reads: the marker, then ``exec argv``, as one complete command.
 
-    One line, so sh has parsed the ``exec`` before it prints the marker and reads no further:
-    bytes sent after the marker reach the program, even from an ``sh`` that reads its script in
-    blocks (dash). The marker is printed in two pieces, so the script's own text never holds
-    it whole (a shell that echoes its input cannot fake it).
+    One complete command, so sh has parsed the ``exec`` before it prints the marker and reads no
+    further: bytes sent after the marker reach the program, even from an ``sh`` that reads its
+    script in blocks (dash). The marker is printed in two pieces, so the script's own text never
+    holds it whole (a shell that echoes its input cannot fake it).
+
+    An argv ``sh -c SCRIPT NAME ARGS...`` (the agent's PID-namespace wrapper) is run by this shell
+    itself, one exec fewer on every host: ``set -- ARGS``, then SCRIPT in braces (still one
+    complete command, parsed whole before the marker), then ``exit`` with its status where SCRIPT
+    does not exec. Only ``$0`` differs (``sh``, not NAME).
     """
     if not argv:
         raise ValueError("an empty argv")
     say = shlex.join(["printf", "%s%s\\n", MARKER_PREFIX, token])
+    if len(argv) >= 4 and argv[0] == "sh" and argv[1] == "-c":
+        script = argv[2] if argv[2].endswith("\n") else argv[2] + "\n"
+        return f"{say} >&2 && {say} && set -- {shlex.join(argv[4:])} && {{\n{script}}}; exit\n".encode()
     return f"{say} >&2 && {say} && exec {shlex.join(argv)}\n".encode()
 
 

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,54 @@ def test_argv_arrives_verbatim_and_the_programs_stdin_is_whole(login: str) -> No
     assert not os.path.exists("/tmp/dlrun-injected")
 
 
+#: A multi-line ``sh -c`` script, as the agent's PID-namespace wrapper is: it ends in an exec.
+WRAPPED = 'if [ -z "${NOT_SET:-}" ]; then\n  x=1\nfi\nexec "$@"\n'
+
+
+@pytest.mark.parametrize("login", SHELLS)
+def test_an_sh_c_argv_runs_in_the_boot_shell_with_its_args_and_stdin_whole(login: str) -> None:
+    """``sh -c SCRIPT NAME ARGS...`` is run by the boot shell itself (one exec fewer): the args
+    arrive verbatim, and bytes sent after the marker all reach what SCRIPT execs."""
+    token = shell.new_token()
+    script = shell.boot_script(["sh", "-c", WRAPPED, "dlrun-agent", sys.executable, "-c", PROGRAM, *HOSTILE], token)
+    assert b"exec sh -c" not in script
+    proc = subprocess.Popen([login, "-c", shell.BOOT_COMMAND], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    proc.stdin.write(script)
+    proc.stdin.flush()
+    assert read_until(proc, shell.marker(token)) == shell.marker(token)
+    payload = os.urandom(300_000) + b"\nthe end\n"
+    proc.stdin.write(payload)
+    proc.stdin.close()
+    answer = json.loads(proc.stdout.read())
+    stderr = proc.stderr.read()
+    assert proc.wait(30) == 0, stderr
+    assert answer == {"argv": HOSTILE, "size": len(payload), "sha": hashlib.sha256(payload).hexdigest()}
+    assert stderr == shell.marker(token)
+
+
+def test_an_sh_c_script_that_does_not_exec_ends_the_shell_with_its_status(tmp_path: Path) -> None:
+    """Where SCRIPT ends without an exec, the boot shell exits with its status: what the client
+    sends after the marker is never read as commands."""
+    token = shell.new_token()
+    touched = tmp_path / "touched"
+    proc = subprocess.Popen(["sh", "-c", shell.BOOT_COMMAND], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(shell.boot_script(["sh", "-c", 'echo "got $1"\n(exit 7)', "name", "it's"], token))
+    proc.stdin.flush()
+    head = read_until(proc, shell.marker(token))
+    try:
+        proc.stdin.write(f"touch {touched}\n".encode())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    out = head + proc.stdout.read()
+    assert proc.wait(30) == 7
+    assert out.endswith(b"got it's\n") and not touched.exists()
+
+
 def test_what_a_startup_file_prints_comes_before_the_marker() -> None:
     token = shell.new_token()
     noisy = "echo 'Welcome to h2'; echo 'module: loaded' >&2; " + shell.BOOT_COMMAND
@@ -80,6 +129,8 @@ def test_the_script_never_holds_the_marker_whole() -> None:
     script = shell.boot_script(["python3", "-c", "pass"], token)
     assert shell.marker(token).strip() not in script
     assert script.count(b"\n") == 1 and script.endswith(b"\n")
+    wrapped = shell.boot_script(["sh", "-c", WRAPPED, "dlrun-agent", "python3"], token)
+    assert shell.marker(token).strip() not in wrapped
 
 
 def test_notes_and_errors_name_what_the_shell_printed() -> None:

@@ -157,6 +157,53 @@ def test_no_usable_cache_still_runs(tmp_path: Path) -> None:
     assert run_loader(blocker) == "from the source"  # the cache folder cannot be made
 
 
+FAILING = """import sys
+def hook(*info):
+    import traceback
+    sys.stderr.write("".join(traceback.format_exception(*info)))
+sys.excepthook = hook
+def fail():
+    raise ValueError("shown")  # the line a traceback must show
+if sys.argv[1:] == ["caught"]:
+    try:
+        fail()
+    except ValueError:
+        import traceback
+        _dlrun_lines()
+        print(traceback.format_exc())
+elif sys.argv[1:] == ["exit"]:
+    import atexit
+    atexit.register(lambda: print("linecache" in sys.modules))
+    sys.exit(3)
+else:
+    print("linecache" in sys.modules, flush=True)
+    fail()
+"""
+
+
+@pytest.mark.parametrize("stage", [True, False])
+def test_tracebacks_show_the_programs_lines_and_a_clean_run_imports_no_linecache(tmp_path: Path, stage: bool) -> None:
+    """The loader gives linecache the program's source only when it is needed: an exception that
+    leaves the program (here a traceback-module excepthook, as Python 3.13's default is) or a
+    program that prints one itself after ``_dlrun_lines()``; a run that ends well imports no
+    ``linecache`` (``tokenize`` with it: a millisecond of CPU per host per launch)."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run(boot_argv([sys.executable], "probe", *args), input=payload(FAILING, stage),
+                             capture_output=True, env=env, timeout=60)
+        return subprocess.CompletedProcess(out.args, out.returncode, out.stdout.decode(), out.stderr.decode())
+
+    uncaught = run()
+    assert uncaught.returncode == 1 and uncaught.stdout.strip() == "False"  # not imported before it failed
+    assert 'raise ValueError("shown")  # the line a traceback must show' in uncaught.stderr, uncaught.stderr
+    assert 'File "<dlrun-probe>", line 7, in fail' in uncaught.stderr
+    caught = run("caught")
+    assert caught.returncode == 0 and 'raise ValueError("shown")' in caught.stdout, caught
+    exited = run("exit")
+    assert exited.returncode == 3 and exited.stdout.strip() == "False", exited  # sys.exit is no failure
+
+
 def test_a_detached_jobs_agent_runs_the_cached_code(tmp_path: Path) -> None:
     """The keeper starts each attempt's agent through the same stage: the agent's entry is what
     runs (a forged entry that leaves a mark where the keeper started it, then is the agent; the
