@@ -459,6 +459,16 @@ class Keeper:
         self.stacks_asked = False  # SIGUSR1 from ``dlrun-jobs``: stack-request.json waits (dlrun stack)
         # --hang-timeout (docs/stacks.md): own silence and GPU use; the leader also the followers'
         self.hang = dict(config.get("hang") or {})
+        self.reset_hang_watch()
+        # --checkpoint-dir: each keeper's ckptsync.Worker; the leader makes the folders the same
+        checkpoint = config.get("checkpoint")
+        self.ckpt = load_module(str(checkpoint["source"]), "ckptsync") if checkpoint else None
+        self.ckpt_worker = self.ckpt.Worker(checkpoint) if self.ckpt is not None else None
+        self.ckpt_asked = 0  # the leader's requests so far (each answer names its request)
+
+    def reset_hang_watch(self) -> None:
+        """The hang watch of a fresh attempt: no silence yet, no hang asked or answered, no stop
+        pending (a restart after a hang must not inherit the last attempt's)."""
         self.last_output = time.monotonic()
         self.last_busy = float("-inf")
         self.quiet_of: dict[str, tuple[float, float, float]] = {}  # follower -> (quiet, idle, when told)
@@ -466,11 +476,6 @@ class Keeper:
         self.hang_deadline = 0.0
         self.hang_answers: dict[str, Any] = {}
         self.hang_stop_at: float | None = None  # the dumps asked for: the stop follows then
-        # --checkpoint-dir: each keeper's ckptsync.Worker; the leader makes the folders the same
-        checkpoint = config.get("checkpoint")
-        self.ckpt = load_module(str(checkpoint["source"]), "ckptsync") if checkpoint else None
-        self.ckpt_worker = self.ckpt.Worker(checkpoint) if self.ckpt is not None else None
-        self.ckpt_asked = 0  # the leader's requests so far (each answer names its request)
 
     # ---------------------------------------------------------------- records
     def record(self, final: bool = False) -> dict[str, Any]:
@@ -873,6 +878,7 @@ class Keeper:
             self.sync_checkpoints(failed_at)
             for peer in self.peers.values():
                 peer.send({"op": "restart", "attempt": attempt})
+        self.reset_hang_watch()
         self.start_agent()
         self.record()
 

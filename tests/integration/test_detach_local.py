@@ -208,3 +208,39 @@ def test_a_detached_progress_bar_reaches_logs_follow_as_it_happens(tmp_path: Pat
     assert follow.returncode == 0, rest
     assert "[0 localhost] done\n" in rest, rest
     assert wait_job_processes_gone(job, timeout=15) == []
+
+
+# attempt 0 hangs; attempt 1 works, a line a second, then ends well
+HANG_THEN_WORK = """
+import os, time
+if os.environ["DLRUN_RESTART_COUNT"] == "0":
+    print("ready", flush=True)
+    while True:
+        time.sleep(1)
+for step in range(int(os.environ["STEPS"])):
+    print("step", step, flush=True)
+    time.sleep(1)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stacks", ["faulthandler", "py-spy"])
+def test_a_detached_restart_after_a_hang_starts_a_fresh_hang_watch(tmp_path: Path, stacks: str) -> None:
+    """Found in review: the leader keeper's restart kept the hang's pending stop (faulthandler's
+    SIGABRT ended the ranks inside DUMP_WAIT: the next attempt was stopped at once) and its hang
+    id (60 s after the hang, the healthy attempt was stopped as hung with the old stacks)."""
+    script = tmp_path / "hang_then_work.py"
+    script.write_text(HANG_THEN_WORK)
+    steps = 8 if stacks == "faulthandler" else 70  # past HANG_ANSWER (60 s) after the hang
+    env = {"HOME": str(tmp_path / "home"), "STEPS": str(steps)}
+    if stacks == "faulthandler":
+        env["DLRUN_PY_SPY"] = ""  # none shipped: the hang's stop sends SIGABRT for faulthandler's dump
+    out = run_dlrun("launch", "--detach", "--framework", "none", "-n", "1", "--grace", "2", "--hang-timeout", "5",
+                    "--max-restarts", "1", "--env", "STEPS", str(script), cwd=tmp_path, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].removeprefix("dlrun: detached job ")
+    attached = run_dlrun("attach", job, cwd=tmp_path, timeout=240, env=env)
+    assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr
+    assert f"step {steps - 1}" in attached.stdout, attached.stdout[-3000:]
+    assert re.search(r"attempt 1 \(job [\w-]+\) failed: hung \(no output for 5 s\)", attached.stdout), attached.stdout
+    assert wait_job_processes_gone(job, timeout=15) == []
