@@ -316,6 +316,8 @@ def test_hang_timeout_ends_a_detached_two_host_deadlock_by_itself(cluster: SshdC
                      r"\(deadlock\.py:\d+\) while rank 0 waits in all_reduce$", attached.stdout, re.M), attached.stdout
     # the groups under it and the closing line, as an attached launch shows them
     assert re.search(r"^  rank 1 \(host1\): .*stuck_in_data_loading", attached.stdout, re.M), attached.stdout
+    assert re.search(rf"^  flight recorder dumps: ~/\.dlrun/jobs/{job}/host-<host>/attempt-0/flight-recorder/"
+                     " on each host", attached.stdout, re.M), attached.stdout
     assert "dlrun: job hung; every rank stopped (--hang-timeout); exit code 124" in attached.stdout, attached.stdout
     assert wait_job_processes_gone(job, timeout=30) == []
 
