@@ -197,6 +197,7 @@ class Supervisor:
         self.hang_stop_at: float | None = None  # faulthandler dumps asked for: the stop waits for them
         self.recordings: dict[int, dict[str, Any]] = {}  # rank -> its flight recorder dump (dlrun.run.flight)
         self.dumped: set[int] = set()  # ranks whose dumps are in <log_dir>/flight-recorder/
+        self.recorded_at: float | None = None  # when the hang asked for flight recorder dumps
         self.control = ControlServer(control_id or self._job_id(), self._control)  # dlrun stack JOB
 
     # --------------------------------------------------------------------- public
@@ -590,6 +591,7 @@ class Supervisor:
                                  " prints their stacks to their logs")
                 with contextlib.suppress(DlrunError):
                     link.channel.send(encode_message({"op": "dump", "ranks": mine}))
+        self.recorded_at = self.clock()
         self.view.notice("stopping every rank (--hang-timeout)")
         # a SIGTERM would cut the dumps short: stop once they are written
         self.stopping = True  # what ends now is stopped, not failed
@@ -607,6 +609,8 @@ class Supervisor:
                 except DlrunError:
                     pass
         deadline = self.clock() + grace + self.stop_margin
+        if self.recorded_at is not None:  # an agent may hold this stop for the dumps up to RECORD_WAIT
+            deadline = max(deadline, self.recorded_at + RECORD_WAIT + grace + self.stop_margin)
         self.stop_deadline = deadline if self.stop_deadline is None else min(self.stop_deadline, deadline)
 
     # --------------------------------------------------------------------- result
