@@ -172,7 +172,8 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
             result = _attempt(replace(config, attempt=attempt, run_id=job_id), engine, attempt_id, shown,
                               logs / f"attempt-{attempt}" if config.max_restarts else logs, warnings=warnings)
             history.append(Attempt(attempt, attempt_id, tuple(dict.fromkeys(r.host for r in result.ranks)),
-                                   result.exit_code, result.root_cause, result.interrupted_by, dropped))
+                                   result.exit_code, result.root_cause, result.interrupted_by, dropped,
+                                   result.hang[0] if result.hang else ""))
             final = replace(result, job_id=job_id, attempts=attempt + 1, history=tuple(history))
             last = not rankpolicy.restart(attempt, config.max_restarts, result.exit_code, result.interrupted_by).again
             regrouped = Regrouped() if last else engine.regroup(config, result)

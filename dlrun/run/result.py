@@ -57,6 +57,7 @@ class Attempt:
     root_cause: RankResult | None = None
     interrupted_by: int | None = None
     dropped: tuple[str, ...] = ()
+    hang: str = ""  # --hang-timeout stopped it: the hang's first line (``hung (no output for S s): …``)
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,8 @@ def attempt_text(attempt: Attempt) -> str:
         end = f"host {root.host} lost (rank {root.rank}): {(root.error or '').splitlines()[0][:160]}"
     elif root is not None:
         end = f"rank {root.rank} on host {root.host} exited with code {root.exit_code}"
+    elif attempt.hang:
+        end = attempt.hang
     elif attempt.interrupted_by is not None:
         end = f"interrupted by signal {attempt.interrupted_by}"
     else:

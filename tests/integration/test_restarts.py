@@ -183,3 +183,7 @@ def test_lost_hosts_and_each_attempts_line() -> None:
         "  attempt 2 (job J-r1, 1 host, without h1, h2): succeeded",
     ]
     assert attempt_lines(RunResult((), 0, history=history[:1])) == []
+    hung = (Attempt(0, "J", ("h0",), 124, hang="hung (no output for 5 s): the rank is in stuck (t.py:3)"),
+            Attempt(1, "J-r1", ("h0",), 0))
+    assert attempt_lines(RunResult((), 0, history=hung))[1] == (
+        "  attempt 1 (job J, 1 host): hung (no output for 5 s): the rank is in stuck (t.py:3)")
