@@ -40,6 +40,20 @@ def read_until(proc: subprocess.Popen[bytes], mark: bytes, timeout: float = 30) 
     return out
 
 
+def the_rest_arrives_whole(proc: subprocess.Popen[bytes], token: str) -> None:
+    """300 KB sent after the marker reach PROGRAM whole, with HOSTILE as its argv; the shell
+    printed nothing but the marker."""
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    payload = os.urandom(300_000) + b"\nthe end\n"
+    proc.stdin.write(payload)
+    proc.stdin.close()
+    answer = json.loads(proc.stdout.read())
+    stderr = proc.stderr.read()
+    assert proc.wait(30) == 0, stderr
+    assert answer == {"argv": HOSTILE, "size": len(payload), "sha": hashlib.sha256(payload).hexdigest()}
+    assert stderr == shell.marker(token)
+
+
 @pytest.mark.parametrize("login", SHELLS)
 def test_argv_arrives_verbatim_and_the_programs_stdin_is_whole(login: str) -> None:
     """Payload bytes sent after the marker all reach the program, even from a ``/bin/sh`` that
@@ -52,14 +66,7 @@ def test_argv_arrives_verbatim_and_the_programs_stdin_is_whole(login: str) -> No
     proc.stdin.flush()
     head = read_until(proc, shell.marker(token))
     assert head == shell.marker(token)  # a clean shell printed nothing before it
-    payload = os.urandom(300_000) + b"\nthe end\n"
-    proc.stdin.write(payload)
-    proc.stdin.close()
-    answer = json.loads(proc.stdout.read())
-    stderr = proc.stderr.read()
-    assert proc.wait(30) == 0, stderr
-    assert answer == {"argv": HOSTILE, "size": len(payload), "sha": hashlib.sha256(payload).hexdigest()}
-    assert stderr == shell.marker(token)
+    the_rest_arrives_whole(proc, token)
     assert not os.path.exists("/tmp/dlrun-injected")
 
 
@@ -80,14 +87,7 @@ def test_an_sh_c_argv_runs_in_the_boot_shell_with_its_args_and_stdin_whole(login
     proc.stdin.write(script)
     proc.stdin.flush()
     assert read_until(proc, shell.marker(token)) == shell.marker(token)
-    payload = os.urandom(300_000) + b"\nthe end\n"
-    proc.stdin.write(payload)
-    proc.stdin.close()
-    answer = json.loads(proc.stdout.read())
-    stderr = proc.stderr.read()
-    assert proc.wait(30) == 0, stderr
-    assert answer == {"argv": HOSTILE, "size": len(payload), "sha": hashlib.sha256(payload).hexdigest()}
-    assert stderr == shell.marker(token)
+    the_rest_arrives_whole(proc, token)
 
 
 def test_an_sh_c_script_that_does_not_exec_ends_the_shell_with_its_status(tmp_path: Path) -> None:
