@@ -28,7 +28,6 @@ import pwd
 import random
 import resource
 import statistics
-import struct
 import subprocess
 import sys
 import time
@@ -38,7 +37,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import launch as bench_launch
 
-HEADER = struct.Struct(">BiI")
+from dlrun.remote.agent import FrameDecoder
+
 KINDS = {1: "hello", 2: "started", 5: "exit", 7: "done", 8: "probe", 9: "survey", 12: "ports"}
 ANSWERS = {"probe": 8, "survey": 9, "ports": 12}
 
@@ -128,9 +128,15 @@ def split_stream(stream: bytes) -> tuple[bytes, list[dict[str, Any]], bytes]:
     return payload, questions, spec
 
 
-def read_frames(fd: int, buf: bytearray, t0: float, marks: dict[str, float], until: set[int] | None,
-                counts: dict[int, int], need: dict[int, int]) -> None:
+def read_frames(fd: int, decoder: FrameDecoder, t0: float, marks: dict[str, float], until: set[int] | None,
+                counts: dict[int, int], need: dict[int, int], data: bytes = b"") -> None:
+    """Count the agent's frames (``agent.FrameDecoder``) until one of ``until`` or ``need``'s
+    counts came; ``data``: bytes already read after the start marker."""
     while True:
+        for kind, _rank, _payload in decoder.feed(data):
+            counts[kind] = counts.get(kind, 0) + 1
+            if kind in KINDS:
+                marks.setdefault(KINDS[kind], time.perf_counter() - t0)
         if until is not None and any(k in until for k in counts):
             return
         if need and all(counts.get(k, 0) >= n for k, n in need.items()):
@@ -138,17 +144,6 @@ def read_frames(fd: int, buf: bytearray, t0: float, marks: dict[str, float], unt
         data = os.read(fd, 65536)
         if not data:
             raise RuntimeError("the session ended early")
-        buf += data
-        pos = 0
-        while len(buf) - pos >= HEADER.size:
-            kind, _rank, length = HEADER.unpack_from(buf, pos)
-            if len(buf) - pos - HEADER.size < length:
-                break
-            pos += HEADER.size + length
-            counts[kind] = counts.get(kind, 0) + 1
-            if kind in KINDS:
-                marks.setdefault(KINDS[kind], time.perf_counter() - t0)
-        del buf[:pos]
 
 
 def session_env(user: pwd.struct_passwd) -> dict[str, str]:
@@ -177,13 +172,13 @@ def replay_once(cap: dict[str, Any]) -> dict[str, float]:
             raise RuntimeError("no start marker")
         got += data
     marks: dict[str, float] = {"marker": time.perf_counter() - t0}
-    buf = bytearray(got.partition(mark)[2])
+    buf = FrameDecoder()
     proc.stdin.write(payload + b"".join(json.dumps(q).encode() + b"\n" for q in questions))
     proc.stdin.flush()
     counts: dict[int, int] = {}
     need = {ANSWERS[q["op"]]: 1 for q in questions if q.get("op") in ANSWERS}
     need[1] = 1
-    read_frames(fd, buf, t0, marks, None, counts, need)
+    read_frames(fd, buf, t0, marks, None, counts, need, got.partition(mark)[2])
     proc.stdin.write(spec)
     proc.stdin.flush()
     read_frames(fd, buf, t0, marks, {7}, counts, {})
