@@ -16,7 +16,7 @@ leaves the program, and a program that prints one itself calls ``_dlrun_lines()`
 
 from __future__ import annotations
 
-import hashlib
+import binascii
 from collections.abc import Sequence
 from importlib import resources
 
@@ -73,14 +73,18 @@ except BaseException:
 
 #: The loader's stage: ``_dlrun_code(source bytes, name)``, the program's compiled code from the
 #: login user's cache when a valid entry for this source and interpreter is there, else compiled
-#: (and written there). docs/architecture.md, "The code cache"; anything wrong means compile. The
-#: temporary file's name is random, not the pid: agents in PID namespaces of their own are all pid 1
-#: or 2, and hosts sharing a home (one machine under several names, NFS) write the same folder.
+#: (and written there). docs/architecture.md, "The code cache"; anything wrong means compile. An
+#: entry holds the source it was compiled from, compared byte for byte: no SHA-256 on the host
+#: (``hashlib`` loads libcrypto, 3 ms of every host's CPU at every launch); CRC-32 (``binascii``,
+#: built in) names the entry and checks the marshalled code. The temporary file's name is random,
+#: not the pid: agents in PID namespaces of their own are all pid 1 or 2, and hosts sharing a home
+#: (one machine under several names, NFS) write the same folder.
 CACHE_STAGE = """def _dlrun_code(raw, name):
     import marshal
-    from hashlib import sha256
-    uid, key = os.geteuid(), "%s-%s-%s" % (name[1:-1], sha256(raw).hexdigest()[:40], sys.implementation.cache_tag)
-    head, d = ("dlrun-code 1 " + key + "\\n").encode(), -1
+    from binascii import crc32
+    uid, n = os.geteuid(), len(raw)
+    key = "%s-%d-%08x-%s" % (name[1:-1], n, crc32(raw), sys.implementation.cache_tag)
+    head, d = ("dlrun-code 2 " + key + "\\n").encode(), -1
     try:
         top = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dlrun", "code")
         os.makedirs(top, 0o700, exist_ok=True)
@@ -93,9 +97,11 @@ CACHE_STAGE = """def _dlrun_code(raw, name):
             f = os.open(key, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=d)
             with os.fdopen(f, "rb") as fh:
                 st, data = os.fstat(f), fh.read(1 << 24)
-            body = data[len(head) + 32:]
+            at = len(head) + n
+            body = data[at + 8:]
             if (st.st_uid == uid and not st.st_mode & 0o022 and (st.st_mode & 0o170000) == 0o100000
-                    and data.startswith(head) and sha256(body).digest() == data[len(head):len(head) + 32]):
+                    and data.startswith(head) and data[len(head):at] == raw
+                    and data[at:at + 8] == b"%08x" % crc32(body)):
                 code = marshal.loads(body)
                 if type(code) is type(_dlrun_code.__code__):
                     os.close(d)
@@ -109,7 +115,7 @@ CACHE_STAGE = """def _dlrun_code(raw, name):
             body = marshal.dumps(code)
             f = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=d)
             with os.fdopen(f, "wb") as fh:
-                fh.write(head + sha256(body).digest() + body)
+                fh.write(head + raw + b"%08x" % crc32(body) + body)
             os.replace(tmp, key, src_dir_fd=d, dst_dir_fd=d)
         except (OSError, ValueError):
             if f >= 0:
@@ -123,11 +129,12 @@ CACHE_STAGE = """def _dlrun_code(raw, name):
 
 
 def cache_entry(name: str, source: bytes, cache_tag: str) -> tuple[str, bytes]:
-    """(file name, header) of program ``dlrun-<name>``'s entry in the code cache, as the loader
-    makes them for a host whose ``sys.implementation.cache_tag`` is ``cache_tag``; the entry is
-    the header, the SHA-256 of the marshalled code, then that code."""
-    key = f"dlrun-{name}-{hashlib.sha256(source).hexdigest()[:40]}-{cache_tag}"
-    return key, f"dlrun-code 1 {key}\n".encode()
+    """(file name, what comes before the checksum) of program ``dlrun-<name>``'s entry in the code
+    cache, as the loader makes them for a host whose ``sys.implementation.cache_tag`` is
+    ``cache_tag``; the entry is a header line, the source, the CRC-32 of the marshalled code (8
+    hex digits), then that code."""
+    key = f"dlrun-{name}-{len(source)}-{binascii.crc32(source):08x}-{cache_tag}"
+    return key, f"dlrun-code 2 {key}\n".encode() + source
 
 
 def boot_argv(python: Sequence[str], name: str, *args: str) -> list[str]:

@@ -51,7 +51,7 @@ SIOCGIFADDR = 0x8915
 
 
 GPU_CACHED = ("topo", "header")  # what cannot change while the cache key stays the same
-CACHE_HEADER = b"dlrun-probe 1 "
+CACHE_HEADER = b"dlrun-probe 2 "
 
 
 def sysfs_root() -> str:
@@ -381,9 +381,9 @@ def own_source() -> bytes | None:
 
 
 def gpu_cache_key(smi: str) -> str | None:
-    """What the cached ``nvidia-smi`` answers depend on, hashed; None where it cannot be told
-    (no boot id, no source)."""
-    import hashlib
+    """What the cached ``nvidia-smi`` answers depend on, as text (an entry repeats it whole);
+    None where it cannot be told (no boot id, no source)."""
+    from binascii import crc32
 
     boot_id = read("/proc/sys/kernel/random/boot_id")
     source = own_source()
@@ -402,9 +402,20 @@ def gpu_cache_key(smi: str) -> str | None:
         f"python {sys.executable} {sys.version}",
         "sysfs " + sysfs_root(),
         f"uid {os.geteuid()}",
-        "probe " + hashlib.sha256(source).hexdigest(),
+        f"probe {len(source)} {crc32(source):08x}",
     ]
-    return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()
+    return "\n".join(parts)
+
+
+def gpu_cache_head(key: str) -> tuple[str, bytes]:
+    """(file name, header) of ``key``'s entry: named by the key's CRC-32 and length, it starts
+    with the key itself, then the CRC-32 of the answers (8 hex digits), then the answers (JSON).
+    CRC-32, not SHA-256: ``hashlib`` loads libcrypto, 3 ms of every GPU host's CPU per launch."""
+    from binascii import crc32
+
+    raw = key.encode("utf-8", "surrogateescape")
+    name = f"{crc32(raw):08x}-{len(raw)}"
+    return name, CACHE_HEADER + name.encode() + b"\n" + raw + b"\n"
 
 
 def _cache_dir(create: bool) -> int | None:
@@ -425,14 +436,15 @@ def _cache_dir(create: bool) -> int | None:
 
 def read_gpu_cache(key: str) -> dict[str, Any] | None:
     """The cached answers for ``key``: only from a regular file of the user's own, mode 0600 or
-    less, one link, whose header names ``key`` and whose digest checks out."""
-    import hashlib
+    less, one link, whose header repeats ``key`` and whose checksum checks out."""
+    from binascii import crc32
 
     d = _cache_dir(False)
     if d is None:
         return None
+    name, head = gpu_cache_head(key)
     try:
-        fd = os.open(key, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=d)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=d)
         with os.fdopen(fd, "rb") as handle:
             st = os.fstat(handle.fileno())
             data = handle.read(1 << 22)
@@ -440,11 +452,10 @@ def read_gpu_cache(key: str) -> dict[str, Any] | None:
         return None
     finally:
         os.close(d)
-    head = CACHE_HEADER + key.encode() + b"\n"
-    body = data[len(head) + 32:]
+    body = data[len(head) + 8:]
     if (st.st_uid != os.geteuid() or st.st_mode & 0o077 or (st.st_mode & 0o170000) != 0o100000
             or st.st_nlink != 1 or not data.startswith(head)
-            or hashlib.sha256(body).digest() != data[len(head):len(head) + 32]):
+            or data[len(head):len(head) + 8] != b"%08x" % crc32(body)):
         return None
     try:
         found = json.loads(body.decode("utf-8"))
@@ -458,19 +469,20 @@ def read_gpu_cache(key: str) -> dict[str, Any] | None:
 
 def write_gpu_cache(key: str, answers: dict[str, Any]) -> None:
     """Store ``answers`` under ``key`` (atomically, mode 0600); a failure leaves no entry."""
-    import hashlib
+    from binascii import crc32
 
     d = _cache_dir(True)
     if d is None:
         return
+    name, head = gpu_cache_head(key)
     body = json.dumps(answers, sort_keys=True).encode("utf-8")
     # random, not the pid: agents in PID namespaces of their own share pids, hosts share homes
-    tmp, fd = f"{key}.{os.urandom(8).hex()}.tmp", -1
+    tmp, fd = f"{name}.{os.urandom(8).hex()}.tmp", -1
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=d)
         with os.fdopen(fd, "wb") as handle:
-            handle.write(CACHE_HEADER + key.encode() + b"\n" + hashlib.sha256(body).digest() + body)
-        os.replace(tmp, key, src_dir_fd=d, dst_dir_fd=d)
+            handle.write(head + b"%08x" % crc32(body) + body)
+        os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
         prune_gpu_cache(d)
     except OSError:
         if fd >= 0:  # never another writer's file

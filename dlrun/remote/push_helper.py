@@ -19,7 +19,6 @@ fetch them when their plan names ``sources`` (host-to-host checkpoint copies).
 from __future__ import annotations
 
 import _thread
-import hashlib
 import io
 import json
 import os
@@ -70,8 +69,7 @@ def temp_for(final: str) -> str:
     # per helper process: two hosts that share a workdir (one machine under two names, an NFS
     # home) may write the same file at once, and each must rename its own temporary file
     folder, name = os.path.split(final)
-    tag = hashlib.sha1(name.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return os.path.join(folder, f"{PART}{tag}-{os.getpid()}")
+    return os.path.join(folder, f"{PART}{tag(name)}-{os.getpid()}")
 
 
 def stamp(st: os.stat_result) -> list[Any]:
@@ -85,6 +83,8 @@ HASH_LOCK = _thread.allocate_lock()
 
 
 def sha256_of(path: str) -> str:
+    import hashlib  # here, not at the top: libcrypto costs 3 ms, and a survey with nothing changed hashes nothing
+
     digest = hashlib.sha256()
     mine = HASH_LOCK.acquire(False)
     buf = HASH_BUF if mine else memoryview(bytearray(1 << 20))
@@ -225,6 +225,14 @@ CLAIM_PREFIX = ".dlrun-claim-"
 CLAIM_MAX_AGE = 600.0  # seconds: an older claim file is an earlier launch's, removed by the next claim
 
 
+def tag(text: str) -> str:
+    """A short name for ``text`` in a file name (16 hex digits: two CRC-32s)."""
+    from binascii import crc32
+
+    raw = text.encode("utf-8", "surrogateescape")
+    return f"{crc32(raw):08x}{crc32(raw[::-1]):08x}"
+
+
 def claim(root: str, token: str, claimant: str) -> str | None:
     """Which host of this launch (``token``) claimed the folder ``root`` first, itself or another:
     hosts that see one folder (an NFS home) get the same answer. The claim is a file in ``root``,
@@ -232,9 +240,8 @@ def claim(root: str, token: str, claimant: str) -> str | None:
     claimant's name. None when no claim could be made or read."""
     base = nearest_existing(root)
     rest = os.path.relpath(root, base)
-    marker = os.path.join(base, CLAIM_PREFIX + token
-                          + ("" if rest == "." else "-" + hashlib.sha256(rest.encode()).hexdigest()[:12]))
-    mine = f"{marker}.{os.getpid()}.{hashlib.sha256(claimant.encode()).hexdigest()[:12]}"
+    marker = os.path.join(base, CLAIM_PREFIX + token + ("" if rest == "." else "-" + tag(rest)))
+    mine = f"{marker}.{os.getpid()}.{tag(claimant)}"
     try:
         now = time.time()
         for name in os.listdir(base):  # earlier launches' claims (another host's may come and go now)
@@ -860,6 +867,8 @@ class Receiver:
             TEMPS.append(temp)
         except OSError as exc:
             problem = os_problem(exc, final)
+        import hashlib
+
         hasher = hashlib.sha256()
         left = size
         while left > 0:

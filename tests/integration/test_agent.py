@@ -440,23 +440,25 @@ def test_the_last_exit_and_done_go_out_in_one_write() -> None:
     assert any((agent.EXIT, 0) in [(k, r) for k, r, _ in write] for write in writes[:-1])  # not held back
 
 
-def test_before_the_spec_the_agent_imports_no_typing_ctypes_or_secrets(tmp_path: Path) -> None:
+def test_before_the_spec_the_agent_imports_no_typing_ctypes_secrets_or_hashlib(tmp_path: Path) -> None:
     """What a launch asks before the spec (watch, survey, ports, probe) loads none of the modules
     a host's start does not need: ``typing`` (the push helper's annotations), ``ctypes`` (only
-    outside a PID namespace, or for a rank's tracer), ``secrets``."""
+    outside a PID namespace, or for a rank's tracer), ``secrets``, and ``hashlib`` where no file
+    changed (it loads libcrypto: the code cache, the probe and the claim use CRC-32)."""
     root = tmp_path / "code"
     root.mkdir()
-    request = {"targets": [{"root": str(root), "paths": ["a.py"]}]}
+    request = {"targets": [{"root": str(root), "paths": ["a.py"], "claim": {"token": "t1", "host": "h1"}}]}
     report = "import sys\nprint(' '.join(sorted(sys.modules)))\n"
     argv = agent.pidns_argv(agent_cmd()) if shutil.which("unshare") and unshare_works() else agent_cmd("--in-pidns")
     frames = talk(argv, [{"op": "watch", "host_timeout": 30},
                          {"op": "survey", "source": helper_source(), "request": request},
                          {"op": "ports", "ports": [1]}, {"op": "probe", "source": source_of("probe")},
                          {"op": "probe", "source": report}])
-    assert json.loads(next(p for k, _, p in frames if k == agent.SURVEY))["targets"]
+    [reply] = json.loads(next(p for k, _, p in frames if k == agent.SURVEY))["targets"]
+    assert reply["claimed_by"] == "h1"
     loaded = set([p for k, _, p in frames if k == agent.PROBE][-1].decode().split())
-    assert {"json", "subprocess", "hashlib"} <= loaded  # the report saw the agent's modules
-    assert not loaded & {"typing", "ctypes", "secrets", "asyncio", "unittest"}
+    assert {"json", "subprocess", "binascii"} <= loaded  # the report saw the agent's modules
+    assert not loaded & {"typing", "ctypes", "secrets", "asyncio", "unittest", "hashlib", "_hashlib"}
 
 
 @pytest.mark.parametrize(("content", "restricted"), [

@@ -5,12 +5,12 @@ and its pure output parser."""
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+from binascii import crc32
 from pathlib import Path
 from typing import Any
 
@@ -432,6 +432,14 @@ def test_a_failed_answer_is_not_cached(tmp_path: Path) -> None:
     assert not folder.exists() or not any(folder.iterdir())
 
 
+def forge(entry: bytes) -> bytes:
+    """``entry`` (header and key, CRC-32 of the answers in 8 hex digits, the answers) with the
+    link matrix's NV1 made NV9 and a checksum that fits."""
+    at = entry.index(b"\n", entry.index(b"\nprobe ") + 1) + 1  # the key's last line names the probe
+    head, body = entry[:at], entry[at + 8:].replace(b"NV1", b"NV9")
+    return head + b"%08x" % crc32(body) + body
+
+
 @pytest.mark.parametrize("how", ["tampered", "group-readable", "symlink", "foreign owner", "open folder"])
 def test_a_bad_cache_entry_is_ignored(how: str, tmp_path: Path) -> None:
     bin_dir, log = logged_smi(tmp_path)
@@ -439,9 +447,7 @@ def test_a_bad_cache_entry_is_ignored(how: str, tmp_path: Path) -> None:
     probed(env)
     folder = tmp_path / "xdg" / "dlrun" / "probe"
     [entry] = list(folder.iterdir())
-    head = b"dlrun-probe 1 " + entry.name.encode() + b"\n"
-    body = entry.read_bytes()[len(head) + 32:].replace(b"NV1", b"NV9")
-    forged = head + hashlib.sha256(body).digest() + body  # a digest that fits: only place and mode reject it
+    forged = forge(entry.read_bytes())  # a checksum that fits: only place and mode reject it
     if how == "tampered":
         entry.write_bytes(entry.read_bytes().replace(b"NV1", b"NV9"))
     elif how == "group-readable":
@@ -473,9 +479,8 @@ def test_a_well_formed_forgery_would_be_read(tmp_path: Path) -> None:
     env = env_with_path(bin_dir, DLRUN_SYSFS_ROOT=str(SYSFS_H100), XDG_CACHE_HOME=str(tmp_path / "xdg"))
     probed(env)
     [entry] = list((tmp_path / "xdg" / "dlrun" / "probe").iterdir())
-    head = b"dlrun-probe 1 " + entry.name.encode() + b"\n"
-    body = entry.read_bytes()[len(head) + 32:].replace(b"NV1", b"NV9")
-    entry.write_bytes(head + hashlib.sha256(body).digest() + body)
+    assert entry.read_bytes().startswith(b"dlrun-probe 2 " + entry.name.encode() + b"\nboot ")  # the key, whole
+    entry.write_bytes(forge(entry.read_bytes()))
     doc = probed(env)
     assert doc["commands"]["topo"]["cached"] is True
     assert parse_probe_output("n", json.dumps(doc)).links["GPU0"]["GPU1"] == "NV9"
