@@ -202,6 +202,42 @@ def reap_orphans(cluster: Any, timeout: float = 5.0) -> tuple[float, float]:
     return hosts, client
 
 
+class HostCgroup:
+    """A cgroup-v1 ``cpuacct`` group holding every sshd listener: each process a session starts
+    stays in it (re-parented or not) and the kernel sums their CPU in nanoseconds, the listener's
+    own accept and fork included; the reaped-children count above rounds to clock ticks per
+    process and misses the listener's part. ``None`` where the group cannot be made (not root,
+    no cpuacct hierarchy)."""
+
+    ROOT = Path("/sys/fs/cgroup/cpuacct")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def make(cls, cluster: Any) -> HostCgroup | None:
+        path = cls.ROOT / f"dlrun-bench-{os.getpid()}"
+        try:
+            path.mkdir()
+            for h in cluster.hosts:
+                if h.pid is not None:
+                    (path / "cgroup.procs").write_text(str(h.pid))
+        except OSError:
+            return None
+        return cls(path)
+
+    def usage(self) -> float:
+        return int((self.path / "cpuacct.usage").read_text()) / 1e9
+
+    def remove(self) -> None:
+        try:
+            for pid in (self.path / "cgroup.procs").read_text().split():
+                (self.ROOT / "cgroup.procs").write_text(pid)
+            self.path.rmdir()
+        except OSError:
+            pass
+
+
 def settle(cluster: Any, timeout: float = 5.0) -> None:
     """Wait until no sshd session of the cluster is left (their CPU is then counted)."""
     deadline = time.monotonic() + timeout
@@ -281,6 +317,7 @@ class Sample:
     client_cpu: float
     host_cpu: float
     load1: float
+    host_cpu_cg: float = float("nan")  # the hosts' cpuacct cgroup (every process a listener started), when there is one
 
 
 @dataclass
@@ -291,6 +328,7 @@ class Bench:
     trivial: Path
     protos: dict[str, str] = field(default_factory=dict)  # column name → PYTHONPATH of a dlrun copy
     tomls: dict[int, Path] = field(default_factory=dict)
+    cgroup: HostCgroup | None = None
 
     @property
     def cfg(self) -> str:
@@ -369,13 +407,15 @@ class Bench:
         settle(self.cluster)
         load = load1()
         cpu0, hcpu0 = client_cpu(), host_cpu(self.cluster)
+        cg0 = self.cgroup.usage() if self.cgroup else float("nan")
         t0 = time.perf_counter()
         run(n)
         wall = time.perf_counter() - t0
         cpu1 = client_cpu()
         settle(self.cluster)
         on_hosts, on_client = reap_orphans(self.cluster)  # after cpu1, which never has their CPU
-        return Sample(name, n, wall, cpu1 - cpu0 + on_client, host_cpu(self.cluster) - hcpu0 + on_hosts, load)
+        cg = self.cgroup.usage() - cg0 if self.cgroup else float("nan")
+        return Sample(name, n, wall, cpu1 - cpu0 + on_client, host_cpu(self.cluster) - hcpu0 + on_hosts, load, cg)
 
 
 def _ratio(wall: dict[str, float], a: str, b: str) -> str:
@@ -741,13 +781,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     base = make_base_dir()
     cluster = None
+    bench: Bench | None = None
     if not become_subreaper():
         print("note: not a child subreaper here: the hosts' CPU misses host programs that outlive their"
               " sshd session", file=sys.stderr)
     try:
         cluster = start_bench_cluster(max(host_counts), base, args.python)
         trivial = write_script(scripts_dir(base), "trivial.py", TRIVIAL)
-        bench = Bench(cluster, base, args.python, trivial, protos=protos)
+        bench = Bench(cluster, base, args.python, trivial, protos=protos, cgroup=HostCgroup.make(cluster))
         info = machine_info(cluster, args.python)
         tools = bench.tools(tool_names)
         print(f"# dlrun launch benchmark: {', '.join(tools)} on {host_counts} hosts, median of {args.repeat}\n")
@@ -798,6 +839,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if cluster is not None:
             cluster.stop(remove=True)
+        if bench is not None and bench.cgroup is not None:
+            bench.cgroup.remove()
         if args.keep:
             print(f"kept {base}", file=sys.stderr)
         else:
