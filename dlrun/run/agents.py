@@ -14,7 +14,7 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +22,7 @@ from typing import Any
 from dlrun.errors import DlrunError
 from dlrun.inventory import Host
 from dlrun.plan import heartbeat_interval
-from dlrun.remote import agent, boot_argv, boot_payload
+from dlrun.remote import agent, boot_argv, boot_payload, source_of
 from dlrun.run.events import Closed, Event, EventQueue, Frames
 from dlrun.transport.base import Channel, Transport, default_python
 
@@ -43,6 +43,18 @@ class HostLink:
 
 def encode_message(message: Mapping[str, Any]) -> bytes:
     return json.dumps(message).encode() + b"\n"
+
+
+def source_messages(op: str, source: str) -> Callable[[Mapping[str, Any]], bytes]:
+    """Encodes ``{"op": op, "source": source, **rest}`` for each host with the source (tens of KB)
+    encoded once per launch, not once per host (0.7 ms of the client's CPU per host)."""
+    head = b'{"op": ' + json.dumps(op).encode() + b', "source": ' + json.dumps(source).encode()
+
+    def encode(rest: Mapping[str, Any]) -> bytes:
+        tail = json.dumps(dict(rest)).encode()
+        return head + (b", " + tail[1:] if rest else b"}") + b"\n"
+
+    return encode
 
 
 def with_agent_words(reason: str, stderr: str, code: int | None) -> str:
@@ -107,19 +119,21 @@ class HostAgents:
             return
         requests: dict[str, bytes] = {}
         watch = encode_message({"op": "watch", "host_timeout": self.host_timeout}) if self.host_timeout else b""
+        probe_line = encode_message({"op": "probe", "source": probe}) if probe is not None else b""
+        survey_line: Callable[[Mapping[str, Any]], bytes] | None = None
         for link in links:
             name, asked, request = link.host.name, set(), watch
             survey = (surveys or {}).get(name)
             if survey is not None:
-                from dlrun.remote import source_of
-
-                request += encode_message({"op": "survey", "source": source_of("push_helper"), "request": survey})
+                if survey_line is None:
+                    survey_line = source_messages("survey", source_of("push_helper"))
+                request += survey_line({"request": survey})
                 asked.add(agent.SURVEY)
             if (wanted := (ports or {}).get(name)) is not None:
                 request += encode_message({"op": "ports", "ports": list(wanted)})
                 asked.add(agent.PORTS)
             if probe is not None:
-                request += encode_message({"op": "probe", "source": probe})
+                request += probe_line
                 asked.add(agent.PROBE)
             self.asked[name] = frozenset(asked)
             requests[name] = request

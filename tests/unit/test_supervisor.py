@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import io
+import json
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from dlrun.inventory import parse_inline
 from dlrun.plan import make_plan
 from dlrun.remote import source_of
 from dlrun.render import WorkerCommand, worker_commands
+from dlrun.run.agents import source_messages
 from dlrun.run.result import RankState, RunResult
 from dlrun.run.supervisor import Supervisor
 from dlrun.run.view import PlainView
@@ -185,3 +189,13 @@ def test_the_loops_events_are_typed_records(tmp_path: Path) -> None:
     assert seen and all(isinstance(event, get_args(Event)) for event in seen), seen
     assert {type(e) for e in seen} >= {Frames, Closed, Notice}
     assert {e.host for e in seen if isinstance(e, Closed)} == {"a"}
+
+
+@pytest.mark.parametrize("rest", [{}, {"request": {"targets": [{"root": "~/code", "paths": ["a \" b\\n.py"]}]}}])
+def test_a_message_with_a_source_encoded_once_is_the_message(rest: dict[str, object]) -> None:
+    """The survey's source is encoded once per launch and joined to each host's request: what
+    each agent reads is the same JSON as encoding the whole message."""
+    source = 'print("é\\t\\u2028")\n' * 3
+    line = source_messages("survey", source)(rest)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert json.loads(line) == {"op": "survey", "source": source, **rest}
