@@ -300,6 +300,8 @@ def interfaces_netlink(timeout: float = 5.0) -> list[dict[str, Any]] | None:
                 if kind == NLMSG_ERROR or msg_flags & NLM_F_DUMP_INTR:
                     return None
                 done = kind == NLMSG_DONE
+                if done and end - body >= 4 and struct.unpack_from("=i", data, body)[0] < 0:
+                    return None  # a dump the kernel ended with an error (as `ip` reads NLMSG_DONE)
                 if kind == RTM_NEWADDR and end - body >= ifaddr.size:
                     family, _, _, _, index = ifaddr.unpack_from(data, body)
                     address = ifa_address(data, body + ifaddr.size, end)

@@ -147,3 +147,49 @@ def test_a_cut_attribute_is_skipped_not_read_past() -> None:
     cut = b"\x40\x00\x02\x00" + bytes([10, 0, 0, 7])  # says 64 bytes, has 8
     assert probe.ifa_address(cut, 0, 8) is None
     assert probe.ifa_address(address + b"\x00\x00\x00\x00" + local, 0, 20) == bytes([10, 0, 0, 8])
+
+
+class _KernelReply:
+    """A netlink socket whose dump answer is ``datagram`` (the kernel cannot be made to fail a
+    dump on purpose): for the parser's reading of NLMSG_DONE only."""
+
+    datagram = b""
+
+    def __init__(self, *_args: object) -> None:
+        pass
+
+    def settimeout(self, _timeout: float) -> None:
+        pass
+
+    def bind(self, _address: object) -> None:
+        pass
+
+    def getsockname(self) -> tuple[int, int]:
+        return (4242, 0)
+
+    def sendto(self, data: bytes, _address: object) -> int:
+        return len(data)
+
+    def recvmsg(self, _size: int) -> tuple[bytes, list[object], int, object]:
+        return self.datagram, [], 0, None
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("status", "whole"), [(0, True), (-4, False)])
+def test_a_dump_the_kernel_ends_with_an_error_counts_as_no_answer(monkeypatch: pytest.MonkeyPatch, status: int,
+                                                                   whole: bool) -> None:
+    """The kernel ends a dump that failed partway with NLMSG_DONE carrying a negative error (as
+    ``ip`` reads it): the addresses so far are not the whole list, so ``ip`` runs instead."""
+    import socket
+    import struct
+
+    header = struct.Struct("=IHHII")
+    body = struct.pack("=BBBBI", socket.AF_INET, 8, 0, 0, 1) + b"\x08\x00\x02\x00" + bytes([10, 0, 0, 7])
+    address = header.pack(header.size + len(body), probe.RTM_NEWADDR, 2, 1, 4242) + body
+    done = header.pack(header.size + 4, probe.NLMSG_DONE, 2, 1, 4242) + struct.pack("=i", status)
+    _KernelReply.datagram = address + done
+    monkeypatch.setattr(socket, "socket", _KernelReply)
+    listed = probe.interfaces_netlink()
+    assert (listed == [{"name": socket.if_indextoname(1), "ipv4": ["10.0.0.7"]}]) if whole else listed is None
