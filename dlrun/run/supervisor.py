@@ -197,7 +197,9 @@ class Supervisor:
         self.hang_stop_at: float | None = None  # faulthandler dumps asked for: the stop waits for them
         self.recordings: dict[int, dict[str, Any]] = {}  # rank -> its flight recorder dump (dlrun.run.flight)
         self.dumped: set[int] = set()  # ranks whose dumps are in <log_dir>/flight-recorder/
+        self.dump_came: set[int] = set()  # ranks whose agent sent a dump back, kept or not
         self.recorded_at: float | None = None  # when the hang asked for flight recorder dumps
+        self.record_asked: set[int] = set()  # the ranks running then, with torch's dump pipe
         self.control = ControlServer(control_id or self._job_id(), self._control)  # dlrun stack JOB
 
     # --------------------------------------------------------------------- public
@@ -520,6 +522,8 @@ class Supervisor:
             folder.mkdir(exist_ok=True)
             (folder / name).write_bytes(data)
         rank, dump = rank_of(name), read_dump(data)
+        if rank is not None:
+            self.dump_came.add(rank)
         if rank is not None and self.log_dir is not None:
             self.dumped.add(rank)
         if rank is not None and dump is not None:
@@ -530,6 +534,12 @@ class Supervisor:
         from dlrun.remote.stack_groups import rank_list
 
         lines = lagging_lines(self.recordings)
+        silent = sorted(self.record_asked - self.dump_came) if self.dump_came else []
+        if silent:  # the hang asked every rank's pipe: one that sent nothing back is itself a clue
+            came = sorted(self.dump_came)
+            lines.append(f"flight recorder: {'rank' if len(silent) == 1 else 'ranks'} {rank_list(silent)} sent no"
+                         f" dump back when asked ({'rank' if len(came) == 1 else 'ranks'} {rank_list(came)} did):"
+                         " no NCCL process group there yet, or stuck where torch's dump thread cannot run")
         if self.dumped and self.log_dir is not None:
             noun = "rank" if len(self.dumped) == 1 else "ranks"
             ranks = rank_list(sorted(self.dumped))
@@ -592,6 +602,8 @@ class Supervisor:
                 with contextlib.suppress(DlrunError):
                     link.channel.send(encode_message({"op": "dump", "ranks": mine}))
         self.recorded_at = self.clock()
+        self.record_asked = {n for n, rank in self.ranks.items() if rank.started is not None and rank.exit_code is None
+                             and rank.command.env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE")}
         self.view.notice("stopping every rank (--hang-timeout)")
         # a SIGTERM would cut the dumps short: stop once they are written
         self.stopping = True  # what ends now is stopped, not failed

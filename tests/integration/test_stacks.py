@@ -446,6 +446,9 @@ def test_a_hangs_stop_waits_for_the_flight_recorder_dumps_it_asked_for(tmp_path:
     assert sorted(p.name for p in folder.iterdir()) == ["trace_rank_0"], out.stdout
     assert pickle.loads((folder / "trace_rank_0").read_bytes())["pg_status"]["0"]["last_enqueued_collective"] == 7
     assert "flight recorder dumps: " in out.stdout and "flight-recorder/ (rank 0)" in out.stdout, out.stdout
+    # the rank that was asked and sent nothing back is named: often the one that is stuck
+    assert ("  flight recorder: rank 1 sent no dump back when asked (rank 0 did): no NCCL process group there"
+            " yet, or stuck where torch's dump thread cannot run\n") in out.stdout, out.stdout
     assert not Path(f"/tmp/dlrun-{job}").exists()  # the pipes and the folder went with the job
 
 
