@@ -26,7 +26,7 @@ os.environ.update({"TORCH_FR_DUMP_TEMP_FILE": f"{folder}/trace_rank_",
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dlrun.run.flight import read_dump  # noqa: E402
+from dlrun.remote.stack_groups import read_dump  # noqa: E402
 
 count = int(sys.argv[1]) if len(sys.argv) > 1 else 3000
 torch.cuda.set_device(0)

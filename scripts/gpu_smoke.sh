@@ -213,7 +213,7 @@ hang_nccl() {  # an NCCL rank idle: --hang-timeout stops it (124) and torch's fl
   ls -la /tmp/dlrun-*/flight-recorder/ 2>&1 | head -n 5  # a dump written after the job's end stays here
   [ "$code" = 124 ] && [ -s /tmp/gpu_smoke.hang-nccl.flight ] && grep -q 'flight recorder dumps: ' "$out" && "$py" - "$logs" <<'PY'
 import pathlib, sys
-from dlrun.run.flight import read_dump
+from dlrun.remote.stack_groups import read_dump
 for path in sorted(pathlib.Path(sys.argv[1]).rglob("flight-recorder/*")):
     dump = read_dump(path.read_bytes())
     assert dump is not None, f"{path}: not read"

@@ -44,6 +44,7 @@ MAX_GREETINGS_PER_SOURCE = 8  # of them from one address: one flooding neighbour
 INDEX_EVERY = 1.0  # seconds between two lines of a rank log's time index
 RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
 HANG_ANSWER = 60.0  # seconds every host has to send its stacks once the job hangs
+FLIGHT_WAIT = 10.0  # seconds the leader waits for the hosts' flight recorder digests before the result
 CKPT_ANSWER = 1800.0  # seconds every host (the leader's own too) has to answer one checkpoint request
 RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 
@@ -459,6 +460,12 @@ class Keeper:
         self.stacks_asked = False  # SIGUSR1 from ``dlrun-jobs``: stack-request.json waits (dlrun stack)
         # --hang-timeout (docs/stacks.md): own silence and GPU use; the leader also the followers'
         self.hang = dict(config.get("hang") or {})
+        # torch jobs' flight recorder dumps: each keeper digests its own, the leader reads them all
+        self.groups_source = config.get("groups_source")  # dlrun.remote.stack_groups, where needed
+        self.groups_module: Any = None
+        self.flight = self.groups_source is not None and any(  # every keeper of a torch job alike
+            "TORCH_FR_DUMP_TEMP_FILE" in (r.get("env") or {}) for r in self.specs[0]["ranks"])
+        self.flight_lines: list[str] = []  # what the dumps say, in the result (a failed job's)
         self.reset_hang_watch()
         # --checkpoint-dir: each keeper's ckptsync.Worker; the leader makes the folders the same
         checkpoint = config.get("checkpoint")
@@ -476,6 +483,11 @@ class Keeper:
         self.hang_deadline = 0.0
         self.hang_answers: dict[str, Any] = {}
         self.hang_stop_at: float | None = None  # the dumps asked for: the stop follows then
+        self.record_asked: list[int] = []  # the ranks running when the hang asked for dumps (leader)
+        self.digests: dict[int, Any] = {}  # this attempt's dumps: rank -> digest (None: unreadable)
+        self.flight_from: set[str] = set()  # the hosts whose digests are in (the leader's)
+        self.flight_sent = False  # this follower's digests went to the leader
+        self.flight_until: float | None = None  # the leader's wait for them ends then
 
     # ---------------------------------------------------------------- records
     def record(self, final: bool = False) -> dict[str, Any]:
@@ -485,7 +497,7 @@ class Keeper:
             "state": self.job_state(), "started_at": self.started_at,
             "ranks": [self.ranks[r] for r in sorted(self.ranks)],
             "exit_code": self.exit_code, "root_cause": self.root_cause, "root_tail": self.root_tail,
-            "hung": self.hang_cause,
+            "hung": self.hang_cause, "flight_recorder": self.flight_lines,
             "root": self.root, "notes": self.notes,
             "attempts": self.attempt + 1, "history": self.history,
             "port": self.port,
@@ -683,6 +695,7 @@ class Keeper:
             self.report(rank, "exit", code, info)
         elif kind == DONE:
             self.agent_done = True
+            self.flight_report()  # its dumps came before DONE
         elif kind == GPU:
             self.gpu_sample(payload)
         elif kind == FILE:  # a flight recorder dump: kept with the attempt's logs
@@ -695,6 +708,11 @@ class Keeper:
                     fh.write(data)
             except OSError as exc:  # a full disk loses the dump, not the job
                 self.note(f"flight recorder dump {name} on {self.host} not written ({exc})")
+            groups = self.groups() if self.flight else None
+            rank_no = groups.rank_of(name) if groups is not None else None
+            if groups is not None and rank_no is not None:  # what the leader reads of it
+                dump = groups.read_dump(data)
+                self.digests[rank_no] = None if dump is None else groups.dump_digest(dump)
         elif kind == STACKS:  # dlrun-jobs waits for this file
             try:
                 answer = dict(json.loads(payload))
@@ -839,6 +857,10 @@ class Keeper:
             print("dlrun-keeper: " + self.policy.restart_notice(self.attempt, max_restarts, code), flush=True)
             self.restart(self.attempt + 1)
             return False
+        if code and self.flight_pending():
+            return False  # the hosts' flight recorder digests first (FLIGHT_WAIT at most)
+        if code and self.flight:
+            self.flight_lines = self.flight_evidence()
         if self.interrupted_by is not None:
             for entry in self.ranks.values():
                 if entry["state"] == "failed" and entry["code"] in (128 + signal.SIGTERM, 128 + signal.SIGKILL):
@@ -852,6 +874,52 @@ class Keeper:
         for peer in self.peers.values():
             peer.send({"op": "end", "result": result})
         return True
+
+    # ---------------------------------------------------------------- flight recorder dumps
+    def groups(self) -> Any:
+        """``dlrun.remote.stack_groups``, loaded once from the config's source (None without one)."""
+        if self.groups_module is None and self.groups_source:
+            self.groups_module = load_module(str(self.groups_source), "stack_groups")
+        return self.groups_module
+
+    def flight_report(self) -> None:
+        """This host's agent has ended: a follower sends its dumps' digests to the leader (none
+        is an answer too), once per attempt; the leader counts its own in."""
+        if not self.flight or self.flight_sent:
+            return
+        self.flight_sent = True
+        if self.leader:
+            self.flight_from.add(self.host)
+        elif self.leader_peer is not None:
+            self.leader_peer.send({"op": "flight", "attempt": self.attempt,
+                                   "digests": {str(rank): d for rank, d in self.digests.items()}})
+
+    def flight_pending(self) -> bool:
+        """The leader: whether a host that is still there has not sent its digests, within
+        ``FLIGHT_WAIT`` of the first ask (its agent ends right after its ranks)."""
+        if not self.flight:
+            return False
+        gone = {name for name, peer in self.peers.items() if peer.closed}
+        gone |= {str(e["host"]) for e in self.ranks.values() if e["state"] == "lost"}
+        waiting = {self.host, *self.followers} - self.flight_from - gone
+        if not waiting:
+            return False
+        now = time.monotonic()
+        if self.flight_until is None:
+            self.flight_until = now + FLIGHT_WAIT
+        return now < self.flight_until
+
+    def flight_evidence(self) -> list[str]:
+        """What the dumps say (``stack_groups``: who is behind, who sent none when asked) and
+        where they are."""
+        groups = self.groups()
+        readable = {rank: d for rank, d in self.digests.items() if d is not None}
+        lines = [*groups.lagging_lines(readable), *groups.silent_lines(self.record_asked, sorted(self.digests))]
+        if self.digests and not self.hang_cause:  # a hang's lines name the folders already
+            noun = "rank" if len(self.digests) == 1 else "ranks"
+            lines.append(f"flight recorder dumps: ~/.dlrun/jobs/{self.job_id}/host-<host>/attempt-{self.attempt}/"
+                         f"flight-recorder/ on each host ({noun} {groups.rank_list(sorted(self.digests))})")
+        return lines
 
     def restart(self, attempt: int) -> None:
         """Run the job again with attempt K's spec (pre-rendered by the client, with its restart
@@ -1046,7 +1114,7 @@ class Keeper:
         """The stacks are in (or overdue): the odd group is the root cause; stop the job."""
         if self.stopping or self.ended:
             return
-        groups_of = load_module(str(self.hang["groups_source"]), "stack_groups")
+        groups_of = self.groups()
         stacks = [s for host, answer in sorted(self.hang_answers.items()) for s in groups_of.rank_stacks(host, answer)]
         groups = groups_of.group_ranks(sorted(stacks, key=lambda s: s.rank))
         cause = groups_of.hang_cause(groups) if stacks else "no host sent its ranks' stacks"
@@ -1068,6 +1136,8 @@ class Keeper:
             self.root_tail, self.failed_code = lines[-self.policy.TAIL_LINES:], self.policy.HANG_EXIT
         # the dumps first (a SIGTERM would cut them short); what ends meanwhile is stopped, not failed
         self.stopping = True
+        if any("TORCH_NCCL_DEBUG_INFO_PIPE_FILE" in (r.get("env") or {}) for r in self.specs[self.attempt]["ranks"]):
+            self.record_asked = sorted(r for r, e in self.ranks.items() if e["state"] == "running")
         for target in [None, *self.peers.values()]:
             for message in ({"op": "record", "wait": self.policy.RECORD_WAIT}, {"op": "dump", "ranks": unread}):
                 if target is None:
@@ -1206,6 +1276,7 @@ class Keeper:
         elif kind == "agent-closed":
             self.agent_done = True
             self.closed_generation = self.generation
+            self.flight_report()
             if self.agent is not None and any(self.ranks[r]["state"] not in self.policy.FINAL_STATES for r in self.own):
                 try:  # its guardian writes why once it has killed what the agent left
                     self.agent.wait(5)
@@ -1264,6 +1335,9 @@ class Keeper:
                 self.on_rank(name, int(message["rank"]), str(message["what"]), message.get("code"), message)
             elif op == "note":
                 self.note(str(message.get("text", ""))[:500])
+            elif op == "flight" and int(message.get("attempt", -1)) == self.attempt:
+                self.digests.update({int(rank): d for rank, d in (message.get("digests") or {}).items()})
+                self.flight_from.add(name)
             elif op == "beat" and "quiet" in message:
                 self.quiet_of[name] = (float(message["quiet"]), float(message["idle"]), time.monotonic())
             elif op == "stacks-answer" and self.hang_id is not None:
@@ -1293,6 +1367,7 @@ class Keeper:
             self.root_cause = result.get("root_cause")
             self.root_tail = result.get("root_tail") or []
             self.hang_cause = bool(result.get("hung"))
+            self.flight_lines = list(result.get("flight_recorder") or [])
             self.root = result.get("root") or {}
             self.notes = list(result.get("notes") or [])
             self.history = list(result.get("history") or [])

@@ -1,6 +1,7 @@
-"""Ranks' stacks as records, grouped by where each rank is: what ``dlrun stack`` and
-``--hang-timeout`` print (pure functions). Standard library only, Python >= 3.8: the client
-imports it, and a detached job's leader keeper loads it from source (``--hang-timeout``).
+"""A job in trouble, read: ranks' stacks grouped by where each rank is (what ``dlrun stack`` and
+``--hang-timeout`` print), NCCL RAS's findings, and which rank PyTorch's flight recorder dumps
+say is behind (pure functions). Standard library only, Python >= 3.8: the client imports it,
+and a detached job's keepers load it from source (``--hang-timeout``, torch jobs' dumps).
 
 The hosts answer with py-spy's JSON (``dlrun.remote.stacks``): two samples a few seconds
 apart, each a list of threads, innermost frame first. A rank's *place* is its main thread's
@@ -368,3 +369,108 @@ def _fold_ranks(block: Sequence[str]) -> list[str]:
         if line:
             out.append(line)
     return out
+
+
+# ----------------------------------------------------------------------------- flight recorder
+# A dump (``TORCH_FR_DUMP_TEMP_FILE<rank>``, written by torch on an NCCL watchdog timeout or on
+# demand) is a pickle of plain values, read with an unpickler that refuses every class: a dump can
+# name no code to run. Each process group's ``pg_status`` says how far the rank got
+# (``last_enqueued_collective``); a rank whose count is lower than the others' is behind, and the
+# collective the others entered next is what it never reached.
+
+DUMP_NAME = re.compile(r"(\d+)$")  # trace_rank_<N>
+DIGEST_ENTRIES = 64  # collectives per process group a digest keeps, the latest
+
+
+def read_dump(data: bytes) -> dict[str, Any] | None:
+    """A dump's dict, or None for anything that is not one made of plain values."""
+    import io
+    import pickle  # here, not at the top: few jobs read a dump
+
+    class _PlainValues(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            raise pickle.UnpicklingError(f"a flight recorder dump names {module}.{name}: not read")
+
+    try:
+        found = _PlainValues(io.BytesIO(data)).load()
+    except Exception:
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def rank_of(name: str) -> int | None:
+    match = DUMP_NAME.search(name)
+    return int(match.group(1)) if match else None
+
+
+def dump_digest(dump: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``lagging_lines`` reads of a dump, small enough for a keeper to send its leader as
+    JSON: each process group's status and its latest ``DIGEST_ENTRIES`` collectives."""
+    status = dump.get("pg_status")
+    entries: list[dict[str, Any]] = []
+    kept: dict[str, int] = {}
+    for entry in reversed(list(dump.get("entries") or ())):
+        if not isinstance(entry, dict) or entry.get("is_p2p"):
+            continue
+        pg = str(entry.get("pg_id"))
+        if kept.get(pg, 0) < DIGEST_ENTRIES:
+            kept[pg] = kept.get(pg, 0) + 1
+            entries.append({"pg_id": pg, "collective_seq_id": entry.get("collective_seq_id"),
+                            "profiling_name": str(entry.get("profiling_name"))})
+    digest: dict[str, Any] = {"entries": entries[::-1]}
+    if isinstance(status, dict) and status:
+        digest["pg_status"] = {str(pg): {"last_enqueued_collective": s.get("last_enqueued_collective", -1)}
+                               for pg, s in status.items() if isinstance(s, dict)}
+    return digest
+
+
+def _progress(dump: Mapping[str, Any]) -> dict[str, int]:
+    """Process group id -> the last collective this rank enqueued there."""
+    status = dump.get("pg_status")
+    if isinstance(status, dict) and status:
+        return {str(pg): int(s.get("last_enqueued_collective", -1)) for pg, s in status.items() if isinstance(s, dict)}
+    found: dict[str, int] = {}
+    for entry in dump.get("entries") or ():
+        if not entry.get("is_p2p"):
+            pg = str(entry.get("pg_id"))
+            found[pg] = max(found.get(pg, -1), int(entry.get("collective_seq_id") or -1))
+    return found
+
+
+def _op(dump: Mapping[str, Any], pg: str, seq: int) -> str:
+    for entry in dump.get("entries") or ():
+        if str(entry.get("pg_id")) == pg and entry.get("collective_seq_id") == seq and not entry.get("is_p2p"):
+            return f"#{seq} {entry.get('profiling_name')}"
+    return f"#{seq}"
+
+
+def lagging_lines(dumps: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    """One line per process group where the ranks' dumps (or digests) disagree: who is behind, and where."""
+    progress = {rank: _progress(dump) for rank, dump in dumps.items()}
+    lines = []
+    for pg in sorted({pg for p in progress.values() for pg in p}, key=lambda p: (len(p), p)):
+        reached = {rank: p[pg] for rank, p in progress.items() if pg in p}
+        if len(set(reached.values())) < 2:
+            continue
+        low = min(reached.values())
+        behind = sorted(r for r, n in reached.items() if n == low)
+        ahead = sorted(r for r, n in reached.items() if n > low)
+        noun = "rank" if len(behind) == 1 else "ranks"
+        verb = "is" if len(behind) == 1 else "are"
+        last = _op(dumps[behind[0]], pg, low) if low >= 0 else "none"
+        nxt = _op(dumps[ahead[0]], pg, low + 1)
+        lines.append(f"flight recorder: {noun} {rank_list(behind)} {verb} behind in process group {pg}: "
+                     f"last collective {last}, while {'rank' if len(ahead) == 1 else 'ranks'} "
+                     f"{rank_list(ahead)} entered {nxt}")
+    return lines
+
+
+def silent_lines(asked: Sequence[int], came: Sequence[int]) -> list[str]:
+    """The ranks a hang asked for a dump (running, with torch's pipe) that sent none back while
+    others did: no NCCL process group there yet, or stuck where torch's dump thread cannot run."""
+    silent = sorted(set(asked) - set(came))
+    if not silent or not came:
+        return []
+    return [f"flight recorder: {'rank' if len(silent) == 1 else 'ranks'} {rank_list(silent)} sent no dump back"
+            f" when asked ({'rank' if len(came) == 1 else 'ranks'} {rank_list(sorted(came))} did): no NCCL"
+            " process group there yet, or stuck where torch's dump thread cannot run"]

@@ -99,6 +99,7 @@ class JobRecord:
     root_cause: str | None = None
     root_tail: tuple[str, ...] = ()
     hung: bool = False  # --hang-timeout stopped it: root_cause and root_tail are the hang's lines
+    flight_recorder: tuple[str, ...] = ()  # what the ranks' flight recorder dumps say (a failed torch job)
     alive: bool = False
     rank_states: tuple[RankEntry, ...] = ()
     history: tuple[FailedAttempt, ...] = ()  # the failed attempts before the last
@@ -131,15 +132,18 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
                    grace: float, host_timeout: float, script: str, pidns_source: str,
                    gpu_every: float = 0.0, rendezvous_source: str | None = None,
                    ends_job: Callable[[WorkerCommand], bool] | None = None,
-                   hang: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+                   hang: Mapping[str, Any] | None = None,
+                   groups_source: str | None = None) -> dict[str, dict[str, Any]]:
     """Each host's keeper config, host 0 (the leader) first; followers lack the leader's port
     (and, for Horovod, its rendezvous port). ``attempts``: each attempt's job id and ranks
     (``--max-restarts``: rendered ahead, each with its restart count), on the same hosts.
     ``rendezvous_source``: Horovod, the leader runs ``dlrun.remote.rendezvous``. ``ends_job``:
     the ranks whose end ends the job (tf-ps: the chief), the leader's ``enders``. ``hang``:
-    ``--hang-timeout``'s ``{"timeout", "stacks", "groups_source"}`` (the leader alone gets the
-    grouping's source)."""
+    ``--hang-timeout``'s ``{"timeout", "stacks"}``. ``groups_source``: ``dlrun.remote.stack_groups``,
+    for the leader's hang and every keeper of a job with torch's flight recorder (each digests
+    its host's dumps, the leader reads them all)."""
     commands = attempts[0][1]
+    flight = any("TORCH_FR_DUMP_TEMP_FILE" in c.env for c in commands)
     by_host: dict[str, list[WorkerCommand]] = {}
     for command in commands:
         by_host.setdefault(command.host_name, []).append(command)
@@ -166,7 +170,9 @@ def keeper_configs(job_id: str, attempts: Sequence[tuple[str, Sequence[WorkerCom
             "specs": specs[name],
         }
         if hang is not None:
-            config["hang"] = {k: v for k, v in hang.items() if k != "groups_source" or name == leader}
+            config["hang"] = dict(hang)
+        if groups_source is not None and (flight or (hang is not None and name == leader)):
+            config["groups_source"] = groups_source
         if name == leader:
             config["key_pem"] = key_pem
             config["world"] = {str(c.rank): c.host_name for c in commands}
@@ -232,7 +238,8 @@ def record_of(document: Mapping[str, Any]) -> JobRecord:
         started_at=float(document.get("started_at") or 0), script=str(document.get("script", "")),
         hosts=strings(document.get("hosts")), exit_code=code(document.get("exit_code")),
         root_cause=None if cause is None else str(cause), root_tail=strings(document.get("root_tail")),
-        hung=bool(document.get("hung")), alive=bool(document.get("alive")), rank_states=ranks, history=history,
+        hung=bool(document.get("hung")), flight_recorder=strings(document.get("flight_recorder")),
+        alive=bool(document.get("alive")), rank_states=ranks, history=history,
         root=evidence,
         notes=strings(document.get("notes")), host=str(document.get("host", "")), leader=bool(document.get("leader")))
 
@@ -268,7 +275,7 @@ def merge(found: Sequence[JobRecord]) -> list[JobRecord]:
     for job_id, record in sorted(jobs.items()):
         if record.state not in FINAL and job_id in orphaned:  # a frozen leader: its followers tell
             record = replace(record, state="lost", exit_code=255, root_cause=orphaned[job_id].root_cause, root_tail=(),
-                             hung=False)
+                             hung=False, flight_recorder=())
         if record.state in FINAL:
             record = ended_ranks(record, finals.get(job_id, {}))
         records.append(replace(record, alive=alive[job_id]))
@@ -363,7 +370,8 @@ def start_detached(config: LaunchConfig, job: Handover, job_id: str) -> RunResul
         script=" ".join(mask_argv(["-m"] * config.module + [config.script, *config.args]))[:200],
         pidns_source=source_of("agent"), gpu_every=config.gpu_every,
         rendezvous_source=source_of("rendezvous") if config.framework == "horovod" else None,
-        ends_job=job.ends_job, hang=hang_config(config, transport, list(hosts.values())))
+        ends_job=job.ends_job, hang=hang_config(config, transport, list(hosts.values())),
+        groups_source=source_of("stack_groups"))
     names = list(configs)
     for name, checkpoint in checkpoint_configs(config, job.addresses, commands).items():
         configs[name]["checkpoint"] = checkpoint
@@ -428,16 +436,15 @@ def checkpoint_configs(config: LaunchConfig, addresses: Mapping[str, str],
 
 
 def hang_config(config: LaunchConfig, transport: Transport, hosts: Sequence[Host]) -> dict[str, Any] | None:
-    """``--hang-timeout`` for the keepers: py-spy shipped to the hosts now, the agents' stack
-    message, and the grouping the leader loads (``docs/stacks.md``)."""
+    """``--hang-timeout`` for the keepers: py-spy shipped to the hosts now and the agents' stack
+    message (``docs/stacks.md``)."""
     if not config.hang_timeout:
         return None
     from dlrun.run.hang import stacks_message
     from dlrun.run.tools import ship_pyspy
 
     sha256, _notes = ship_pyspy(transport, hosts)  # a host without it: its ranks say so in the stacks
-    return {"timeout": config.hang_timeout, "stacks": stacks_message("", sha256),
-            "groups_source": source_of("stack_groups")}
+    return {"timeout": config.hang_timeout, "stacks": stacks_message("", sha256)}
 
 
 def wait_started(transport: Transport, leader: Host, job_id: str) -> JobRecord:
@@ -782,6 +789,7 @@ def run_result(record: JobRecord) -> RunResult:
     code = 1 if record.exit_code is None else record.exit_code
     hang = (record.root_cause, *(f"  {text}" for text in record.root_tail)) if record.hung and record.root_cause else ()
     return RunResult(ranks=ranks, exit_code=code, root_cause=root, job_id=record.job_id, hang=hang,
+                     flight_recorder=record.flight_recorder,
                      interrupted_by=code - 128 if record.state == "stopped" and code > 128 else None,
                      attempts=len(record.history) + 1)
 

@@ -85,7 +85,7 @@ class RunResult:
     history: tuple[Attempt, ...] = ()
     stopped_at: float | None = None  # wall clock (time.time) when dlrun began stopping the ranks: a failure's time
     hang: tuple[str, ...] = ()  # --hang-timeout stopped the job: the cause, then the ranks' groups (dlrun.run.hang)
-    flight_recorder: tuple[str, ...] = ()  # who the ranks' flight recorder dumps say is behind (dlrun.run.flight)
+    flight_recorder: tuple[str, ...] = ()  # who the ranks' flight recorder dumps say is behind (stack_groups)
 
     @property
     def ok(self) -> bool:

@@ -80,7 +80,6 @@ from dlrun.run.events import (
     Tick,
     Wake,
 )
-from dlrun.run.flight import lagging_lines, rank_of, read_dump
 from dlrun.run.gpus import GpuSample, GpuStats, IdleWatch, csv_rows, parse_sample, visible_gpus
 from dlrun.run.hang import HangWatch, StackRequests, answer_json, hang_lines
 from dlrun.run.result import RankResult, RankState, RunResult, rank_state
@@ -195,7 +194,7 @@ class Supervisor:
         self.hang = HangWatch(hang_timeout, clock)
         self.hang_lines: tuple[str, ...] = ()  # the hang's root cause and groups, once it stopped the job
         self.hang_stop_at: float | None = None  # faulthandler dumps asked for: the stop waits for them
-        self.recordings: dict[int, dict[str, Any]] = {}  # rank -> its flight recorder dump (dlrun.run.flight)
+        self.recordings: dict[int, dict[str, Any]] = {}  # rank -> its flight recorder dump (stack_groups)
         self.dumped: set[int] = set()  # ranks whose dumps are in <log_dir>/flight-recorder/
         self.dump_came: set[int] = set()  # ranks whose agent sent a dump back, kept or not
         self.recorded_at: float | None = None  # when the hang asked for flight recorder dumps
@@ -515,6 +514,8 @@ class Supervisor:
 
     def _recording(self, payload: bytes) -> None:
         """A flight recorder dump a host sent back: to ``<log_dir>/flight-recorder/``, and read."""
+        from dlrun.remote.stack_groups import rank_of, read_dump  # few jobs send one: not at every launch
+
         raw, _, data = payload.partition(b"\0")
         name = os.path.basename(raw.decode("utf-8", "replace")).strip(".") or "dump"
         if self.log_dir is not None:
@@ -531,15 +532,9 @@ class Supervisor:
 
     def _flight_lines(self) -> list[str]:
         """Which rank the dumps say is behind, and where the dumps are."""
-        from dlrun.remote.stack_groups import rank_list
+        from dlrun.remote.stack_groups import lagging_lines, rank_list, silent_lines
 
-        lines = lagging_lines(self.recordings)
-        silent = sorted(self.record_asked - self.dump_came) if self.dump_came else []
-        if silent:  # the hang asked every rank's pipe: one that sent nothing back is itself a clue
-            came = sorted(self.dump_came)
-            lines.append(f"flight recorder: {'rank' if len(silent) == 1 else 'ranks'} {rank_list(silent)} sent no"
-                         f" dump back when asked ({'rank' if len(came) == 1 else 'ranks'} {rank_list(came)} did):"
-                         " no NCCL process group there yet, or stuck where torch's dump thread cannot run")
+        lines = lagging_lines(self.recordings) + silent_lines(sorted(self.record_asked), sorted(self.dump_came))
         if self.dumped and self.log_dir is not None:
             noun = "rank" if len(self.dumped) == 1 else "ranks"
             ranks = rank_list(sorted(self.dumped))

@@ -454,6 +454,24 @@ def test_a_hangs_stop_waits_for_the_flight_recorder_dumps_it_asked_for(tmp_path:
 
 @pytest.mark.slow
 @pytest.mark.ssh
+def test_a_detached_hang_names_the_rank_that_sent_no_dump_back(cluster: SshdCluster, tmp_path: Path) -> None:
+    script = shared_script(cluster, "slow_dump.py", SLOW_DUMP)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
+    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", "--hang-timeout", "5", *common,
+                    str(script), cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    attached = run_dlrun("attach", job, *common, cwd=tmp_path, timeout=240)
+    assert attached.returncode == 124, attached.stdout + attached.stderr
+    # rank 0 (host0) wrote its dump 4 s after the byte; rank 1 (host1) read the byte and wrote none
+    assert ("  flight recorder: rank 1 sent no dump back when asked (rank 0 did): no NCCL process group there"
+            " yet, or stuck where torch's dump thread cannot run\n") in attached.stdout, attached.stdout
+    assert wait_job_processes_gone(job, timeout=30) == []
+
+
+@pytest.mark.slow
+@pytest.mark.ssh
 def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster: SshdCluster, tmp_path: Path) -> None:
     from support.sshd_cluster import TEST_USER_HOME
 
@@ -469,6 +487,11 @@ def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster: SshdC
     for rank, host in ((0, "host0"), (1, "host1")):
         dump = TEST_USER_HOME / ".dlrun" / "jobs" / job / f"host-{host}" / "attempt-0" / "flight-recorder"
         assert (dump / f"trace_rank_{rank}").stat().st_size > 0
+    # the leader read every host's dumps (each keeper's digest) before the result: as attached
+    assert ("  flight recorder: rank 1 is behind in process group 0: last collective #2 gloo:all_reduce, while rank"
+            " 0 entered #3 gloo:broadcast\n") in attached.stdout, attached.stdout
+    assert (f"  flight recorder dumps: ~/.dlrun/jobs/{job}/host-<host>/attempt-0/flight-recorder/ on each host"
+            " (ranks 0-1)\n") in attached.stdout, attached.stdout
     assert wait_job_processes_gone(job, timeout=30) == []
 
 

@@ -61,6 +61,23 @@ def test_host_0_leads_and_alone_gets_the_key_and_the_world() -> None:
     assert specs[0]["host_timeout"] == 30.0  # the keeper pings its agent: a frozen keeper's ranks stop too
 
 
+def test_the_reading_of_dumps_and_stacks_goes_where_it_is_read() -> None:
+    def configs_of(framework: str, hang: dict[str, object] | None) -> dict[str, dict[str, object]]:
+        inventory = load_inventory("a:1,b:2")
+        config = LaunchConfig(script="train.py", hosts="a:1,b:2", framework=framework)
+        commands = render_commands(config, inventory, "job1")[1]
+        return keeper_configs("job1", [("job1", commands)], agent_argv_of=lambda h: ["agent"], token="t",
+                              cert_pem="C", key_pem="K", grace=3.0, host_timeout=30.0, script="train.py",
+                              pidns_source="SRC", hang=hang, groups_source="GROUPS")
+
+    # torch: every keeper digests its dumps for the leader
+    assert [c.get("groups_source") for c in configs_of("torch", None).values()] == ["GROUPS", "GROUPS"]
+    # no flight recorder: the leader alone, for the hang's stacks; nobody without a hang
+    hang = {"timeout": 5.0, "stacks": {}}
+    assert [c.get("groups_source") for c in configs_of("tf", hang).values()] == ["GROUPS", None]
+    assert [c.get("groups_source") for c in configs_of("tf", None).values()] == [None, None]
+
+
 def test_what_detach_does_not_support_is_refused() -> None:
     for framework in ("torch", "horovod", "tf-ps"):
         check_detach(LaunchConfig(script="t.py", framework=framework, detach=True), True)

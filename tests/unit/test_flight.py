@@ -1,13 +1,17 @@
 """Reading flight recorder dumps recorded from real gloo ranks (``tests/fixtures/flight_recorder/
-record.py``: rank 1 never enters the third collective), and refusing pickles that are not dumps."""
+record.py``: rank 1 never enters the third collective), their digests (what a keeper sends its
+leader), and refusing pickles that are not dumps."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
-from dlrun.run.flight import lagging_lines, rank_of, read_dump
+from dlrun.remote import keeper, source_of
+from dlrun.remote.stack_groups import DIGEST_ENTRIES, dump_digest, lagging_lines, rank_of, read_dump, silent_lines
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "flight_recorder"
 
@@ -41,3 +45,76 @@ def test_a_pickle_that_names_a_class_or_is_no_dump_is_not_read() -> None:
     assert read_dump(pickle.dumps(os.system)) is None  # would name a function
     assert read_dump(b"not a pickle") is None
     assert read_dump(pickle.dumps([1, 2])) is None  # plain, but not a dump
+
+
+def test_a_digest_says_what_the_whole_dump_says_and_survives_json() -> None:
+    found = dumps()
+    digests = {rank: json.loads(json.dumps(dump_digest(dump))) for rank, dump in found.items()}
+    assert lagging_lines(digests) == lagging_lines(found)
+    without_status = {rank: {k: v for k, v in d.items() if k != "pg_status"} for rank, d in digests.items()}
+    assert lagging_lines(without_status) == lagging_lines(found)
+
+
+def test_a_digest_keeps_each_groups_latest_collectives_only() -> None:
+    entries = [{"pg_id": pg, "collective_seq_id": seq, "profiling_name": f"nccl:all_reduce{seq}", "is_p2p": False}
+               for seq in range(1, 201) for pg in (0, 1)]
+    entries.append({"pg_id": 0, "collective_seq_id": 0, "profiling_name": "nccl:send", "is_p2p": True})
+    digest = dump_digest({"entries": entries, "pg_status": {"0": {"last_enqueued_collective": 200}}})
+    kept = [(e["pg_id"], e["collective_seq_id"]) for e in digest["entries"]]
+    assert len(kept) == 2 * DIGEST_ENTRIES and ("0", 200) in kept and ("1", 137) in kept and ("1", 136) not in kept
+    assert digest["pg_status"] == {"0": {"last_enqueued_collective": 200}}
+
+
+def test_ranks_asked_that_sent_nothing_are_named_only_beside_ranks_that_did() -> None:
+    assert silent_lines([0, 1, 2, 3], [0, 2]) == [
+        "flight recorder: ranks 1,3 sent no dump back when asked (ranks 0,2 did): no NCCL process group there"
+        " yet, or stuck where torch's dump thread cannot run"]
+    assert silent_lines([0, 1], []) == []  # none answered: gloo only, or none had a pipe: no clue in that
+    assert silent_lines([0, 1], [0, 1]) == []
+    assert silent_lines([], [0]) == []  # no hang asked: a dump on a watchdog timeout names nobody
+
+
+def flight_leader(tmp_path: Path) -> Any:
+    """A torch job's leader keeper (rank 0 on h) with one follower (rank 1 on f), as loaded on a host."""
+    env = {"TORCH_FR_DUMP_TEMP_FILE": "/tmp/x/trace_rank_", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": "/tmp/x/pipe_rank_"}
+    config = {"job_id": "j", "host": "h", "leader": True,
+              "specs": [{"job_id": "j", "ranks": [{"rank": 0, "env": env}]}],
+              "world": {"0": "h", "1": "f"}, "followers": ["f"], "rankpolicy_source": source_of("rankpolicy"),
+              "groups_source": source_of("stack_groups")}
+    one = keeper.Keeper(config, str(tmp_path), None, None)
+    one.stop_own = lambda: setattr(one, "stopping", True)
+    return one
+
+
+def test_the_leader_keeper_waits_for_the_followers_digests_then_says_what_an_attached_launch_says(
+        tmp_path: Path) -> None:
+    one = flight_leader(tmp_path)
+    one.on_rank("h", 0, "exited", 3, {"stopped": False})
+    one.on_rank("f", 1, "exited", 143, {"stopped": True})
+    one.on_frame(keeper.FILE, -1, b"trace_rank_0\0" + (FIXTURES / "trace_rank_0").read_bytes())
+    one.on_frame(keeper.DONE, -1, b"")
+    assert not one.decide()  # f's digests are not in yet
+    digest = dump_digest(read_dump((FIXTURES / "trace_rank_1").read_bytes()) or {})
+    one.on_message("f", json.loads(json.dumps({"op": "flight", "attempt": 0, "digests": {"1": digest}})))
+    assert one.decide() and one.exit_code == 3
+    assert one.record()["flight_recorder"] == [
+        "flight recorder: rank 1 is behind in process group 0: last collective #2 gloo:all_reduce, while rank 0"
+        " entered #3 gloo:broadcast",
+        "flight recorder dumps: ~/.dlrun/jobs/j/host-<host>/attempt-0/flight-recorder/ on each host (ranks 0-1)"]
+    assert (tmp_path / "attempt-0" / "flight-recorder" / "trace_rank_0").is_file()
+
+
+def test_the_leader_keeper_does_not_wait_for_a_lost_host_nor_for_ever(tmp_path: Path, monkeypatch: Any) -> None:
+    lost = flight_leader(tmp_path / "lost")
+    lost.on_frame(keeper.DONE, -1, b"")
+    lost.lose_host("f", "silent for 30 s")
+    lost.on_rank("h", 0, "exited", 143, {"stopped": True})
+    assert lost.decide() and lost.exit_code == 255 and lost.record()["flight_recorder"] == []
+    silent = flight_leader(tmp_path / "silent")
+    silent.on_frame(keeper.DONE, -1, b"")
+    silent.on_rank("h", 0, "exited", 3, {"stopped": False})
+    silent.on_rank("f", 1, "exited", 143, {"stopped": True})
+    assert not silent.decide()
+    clock = [keeper.time.monotonic() + keeper.FLIGHT_WAIT + 1]
+    monkeypatch.setattr(keeper.time, "monotonic", lambda: clock[0])
+    assert silent.decide() and silent.exit_code == 3  # FLIGHT_WAIT passed: the result without f's

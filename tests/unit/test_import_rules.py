@@ -15,7 +15,7 @@ PURE = ("inventory.py", "allocation.py", "plan.py", "render.py", "command.py",
         "topo/records.py", "topo/parse.py", "topo/findings.py", "topo/report.py",
         "topo/expect.py", "topo/bench.py",
         "push/tree.py", "push/shard.py", "run/gpus.py", "run/rootcause.py", "run/result.py",
-        "remote/stack_groups.py", "run/flight.py")
+        "remote/stack_groups.py")
 PURE_MAY_NOT = ("dlrun.transport", "subprocess", "socket", "paramiko", "rich.live", "multiprocessing", "asyncio")
 
 
@@ -53,12 +53,13 @@ def test_the_listed_pure_modules_exist() -> None:
 
 
 @pytest.mark.parametrize("path", [p for p in modules() if rel(p).startswith("remote/")], ids=rel)
-def test_remote_programs_use_only_the_standard_library(path: Path) -> None:
+def test_remote_programs_use_only_the_standard_library_and_python38(path: Path) -> None:
     # tf_server serves a TF job: TF is there; the bench measures torch where torch is installed
     job_framework = {"tf_server.py": {"tensorflow"}, "bench.py": {"torch"}}.get(path.name, set())
     outside = {n.split(".")[0] for n in imports_of(path)} - set(sys.stdlib_module_names) - {"__future__"}
     outside -= job_framework
     assert not outside, f"{rel(path)} imports {outside}: it runs on hosts that have only Python"
+    ast.parse(path.read_text(encoding="utf-8"), feature_version=(3, 8))  # and Python 3.8 or later
 
 
 @pytest.mark.parametrize("name", PURE)
