@@ -18,6 +18,7 @@ import hmac
 import json
 import os
 import queue
+import select
 import signal
 import socket
 import ssl
@@ -259,24 +260,65 @@ def client_context(cert_pem: str) -> ssl.SSLContext:
 
 
 class Peer:
-    """One TLS connection carrying JSON lines; a thread reads it into the keeper's queue."""
+    """One TLS connection carrying JSON lines; a thread reads it into the keeper's queue.
+
+    OpenSSL allows one SSL object in one thread at a time, and CPython's ``recv`` and ``send``
+    take no lock of their own: a read in the reader thread beside a send (the keeper's loop, the
+    heartbeat) breaks the TLS stream, which the other side sees as a closed connection (a host
+    wrongly lost). So every TLS call holds ``tls`` and none blocks under it: the socket is
+    non-blocking, and a reader waits for bytes (``select``; ``pending`` for bytes TLS already
+    decrypted) and a sender for room outside it. ``sending`` keeps one message's bytes together;
+    a send that finds no room for ``timeout`` seconds (``--host-timeout``) closes the peer."""
 
     def __init__(self, sock: ssl.SSLSocket, name: str) -> None:
         self.sock = sock
         self.name = name
-        self.lock = threading.Lock()
+        self.timeout = sock.gettimeout()  # None: a send waits as long as it takes
+        sock.setblocking(False)
+        self.tls = threading.Lock()
+        self.sending = threading.Lock()
         self.heard = time.monotonic()
         self.closed = False
 
     def send(self, message: dict[str, Any]) -> None:
-        data = json.dumps(message).encode() + b"\n"
-        with self.lock:
-            if self.closed:
-                return
-            try:
-                self.sock.sendall(data)
-            except OSError:
-                self.closed = True
+        data = memoryview(json.dumps(message).encode() + b"\n")
+        with self.sending:
+            deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            sent = 0
+            while sent < len(data):
+                try:
+                    with self.tls:
+                        if self.closed:
+                            return
+                        try:  # after a want-write, the same bytes again (as OpenSSL requires)
+                            sent += self.sock.send(data[sent:sent + 16384])
+                            continue
+                        except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError):
+                            pass
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise OSError(f"no room to send for {self.timeout:g} s")
+                    select.select([], [self.sock], [], min(1.0, left) if left is not None else 1.0)
+                except (OSError, ValueError):  # gone, or a peer that stopped reading
+                    with self.tls:
+                        self.closed = True
+                    return
+
+    def receive(self, wait: float = 1.0) -> bytes | None:
+        """What the peer sent next (b"" once the connection is over), or None if nothing came
+        within ``wait`` seconds (silence: the keeper's clock, ``heard``, judges it)."""
+        try:
+            with self.tls:
+                ready = self.sock.pending() > 0
+            if not ready and not select.select([self.sock], [], [], wait)[0]:
+                return None
+            with self.tls:
+                try:
+                    return self.sock.recv(65536)
+                except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
+                    return None
+        except (OSError, ValueError):  # closed, here or by the peer
+            return b""
 
     def read_into(self, events: queue.Queue[Event], buffered: bytes = b"") -> None:
         buf = buffered
@@ -288,12 +330,9 @@ class Peer:
                     events.put(("peer", self.name, json.loads(line)))
                 except ValueError:
                     pass
-            try:
-                data = self.sock.recv(65536)
-            except socket.timeout:  # silence: the keeper's clock (``heard``) judges it
+            data = self.receive()
+            if data is None:
                 continue
-            except OSError:
-                data = b""
             if not data:
                 events.put(("peer-closed", self.name))
                 return
@@ -301,12 +340,12 @@ class Peer:
             buf += data
 
     def close(self) -> None:
-        with self.lock:
+        with self.tls:
             self.closed = True
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+            try:
+                self.sock.close()
+            except OSError:
+                pass
 
 
 def read_line(sock: ssl.SSLSocket, limit: int = 65536) -> tuple[bytes, bytes]:
