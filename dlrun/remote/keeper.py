@@ -293,12 +293,18 @@ class Peer:
                         try:  # after a want-write, the same bytes again (as OpenSSL requires)
                             sent += self.sock.send(data[sent:sent + 16384])
                             continue
-                        except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError):
-                            pass
+                        except (ssl.SSLWantWriteError, BlockingIOError):
+                            reads_first = False
+                        except ssl.SSLWantReadError:  # TLS reads first: the reader thread does
+                            reads_first = True
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise OSError(f"no room to send for {self.timeout:g} s")
-                    select.select([], [self.sock], [], min(1.0, left) if left is not None else 1.0)
+                    pause = min(0.05 if reads_first else 1.0, 1.0 if left is None else left)
+                    if reads_first:
+                        time.sleep(pause)
+                    else:
+                        select.select([], [self.sock], [], pause)
                 except (OSError, ValueError):  # gone, or a peer that stopped reading
                     with self.tls:
                         self.closed = True
