@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from dlrun.remote import keeper, source_of
 from dlrun.remote.stack_groups import DIGEST_ENTRIES, dump_digest, lagging_lines, rank_of, read_dump, silent_lines
@@ -74,7 +77,7 @@ def test_ranks_asked_that_sent_nothing_are_named_only_beside_ranks_that_did() ->
     assert silent_lines([], [0]) == []  # no hang asked: a dump on a watchdog timeout names nobody
 
 
-def flight_leader(tmp_path: Path) -> Any:
+def flight_leader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """A torch job's leader keeper (rank 0 on h) with one follower (rank 1 on f), as loaded on a host."""
     env = {"TORCH_FR_DUMP_TEMP_FILE": "/tmp/x/trace_rank_", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": "/tmp/x/pipe_rank_"}
     config = {"job_id": "j", "host": "h", "leader": True,
@@ -82,13 +85,13 @@ def flight_leader(tmp_path: Path) -> Any:
               "world": {"0": "h", "1": "f"}, "followers": ["f"], "rankpolicy_source": source_of("rankpolicy"),
               "groups_source": source_of("stack_groups")}
     one = keeper.Keeper(config, str(tmp_path), None, None)
-    one.stop_own = lambda: setattr(one, "stopping", True)
+    monkeypatch.setattr(one, "stop_own", lambda: setattr(one, "stopping", True))  # no agent here to stop
     return one
 
 
 def test_the_leader_keeper_waits_for_the_followers_digests_then_says_what_an_attached_launch_says(
-        tmp_path: Path) -> None:
-    one = flight_leader(tmp_path)
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    one = flight_leader(tmp_path, monkeypatch)
     one.on_rank("h", 0, "exited", 3, {"stopped": False})
     one.on_rank("f", 1, "exited", 143, {"stopped": True})
     one.on_frame(keeper.FILE, -1, b"trace_rank_0\0" + (FIXTURES / "trace_rank_0").read_bytes())
@@ -104,17 +107,18 @@ def test_the_leader_keeper_waits_for_the_followers_digests_then_says_what_an_att
     assert (tmp_path / "attempt-0" / "flight-recorder" / "trace_rank_0").is_file()
 
 
-def test_the_leader_keeper_does_not_wait_for_a_lost_host_nor_for_ever(tmp_path: Path, monkeypatch: Any) -> None:
-    lost = flight_leader(tmp_path / "lost")
+def test_the_leader_keeper_does_not_wait_for_a_lost_host_nor_for_ever(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    lost = flight_leader(tmp_path / "lost", monkeypatch)
     lost.on_frame(keeper.DONE, -1, b"")
     lost.lose_host("f", "silent for 30 s")
     lost.on_rank("h", 0, "exited", 143, {"stopped": True})
     assert lost.decide() and lost.exit_code == 255 and lost.record()["flight_recorder"] == []
-    silent = flight_leader(tmp_path / "silent")
+    silent = flight_leader(tmp_path / "silent", monkeypatch)
     silent.on_frame(keeper.DONE, -1, b"")
     silent.on_rank("h", 0, "exited", 3, {"stopped": False})
     silent.on_rank("f", 1, "exited", 143, {"stopped": True})
     assert not silent.decide()
-    clock = [keeper.time.monotonic() + keeper.FLIGHT_WAIT + 1]
-    monkeypatch.setattr(keeper.time, "monotonic", lambda: clock[0])
+    later = time.monotonic() + keeper.FLIGHT_WAIT + 1
+    monkeypatch.setattr(time, "monotonic", lambda: later)
     assert silent.decide() and silent.exit_code == 3  # FLIGHT_WAIT passed: the result without f's
