@@ -233,16 +233,23 @@ def test_hang_timeout_ends_a_two_host_deadlock_by_itself(cluster: SshdCluster, t
     assert len(folders) == 1 and {"rank-0.txt", "rank-1.txt", "summary.txt"} <= set(files_of(folders[0]))
 
 
+def detached_torch_job(cluster: SshdCluster, tmp_path: Path, name: str, source: str, *options: str,
+                       env: dict[str, str] | None = None) -> tuple[str, list[str]]:
+    """``source`` as a detached torch job on two sshd hosts (``--grace 2``): its id, and the options
+    that reach its hosts (for ``attach``, ``logs``, ``stop``)."""
+    script = shared_script(cluster, name, source)
+    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
+    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
+    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", *options, *common, str(script),
+                    cwd=tmp_path, timeout=180, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.strip().splitlines()[-1].split()[-1], common
+
+
 @pytest.mark.slow
 @pytest.mark.ssh
 def test_stack_of_a_detached_two_host_deadlock(cluster: SshdCluster, tmp_path: Path) -> None:
-    script = shared_script(cluster, "deadlock.py", DEADLOCK)
-    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
-    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
-    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", *common, str(script),
-                    cwd=tmp_path, timeout=180)
-    assert out.returncode == 0, out.stdout + out.stderr
-    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    job, common = detached_torch_job(cluster, tmp_path, "deadlock.py", DEADLOCK)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # both ranks past init_process_group
@@ -301,13 +308,7 @@ def test_a_host_without_py_spy_says_so_for_each_rank(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.ssh
 def test_hang_timeout_ends_a_detached_two_host_deadlock_by_itself(cluster: SshdCluster, tmp_path: Path) -> None:
-    script = shared_script(cluster, "deadlock.py", DEADLOCK)
-    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
-    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
-    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", "--hang-timeout", "15", *common,
-                    str(script), cwd=tmp_path, timeout=180)
-    assert out.returncode == 0, out.stdout + out.stderr
-    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    job, common = detached_torch_job(cluster, tmp_path, "deadlock.py", DEADLOCK, "--hang-timeout", "15")
     # no client: the keepers find the hang, take the stacks and stop the job
     attached = run_dlrun("attach", job, *common, cwd=tmp_path, timeout=240)
     assert attached.returncode == 124, attached.stdout + attached.stderr
@@ -455,13 +456,7 @@ def test_a_hangs_stop_waits_for_the_flight_recorder_dumps_it_asked_for(tmp_path:
 @pytest.mark.slow
 @pytest.mark.ssh
 def test_a_detached_hang_names_the_rank_that_sent_no_dump_back(cluster: SshdCluster, tmp_path: Path) -> None:
-    script = shared_script(cluster, "slow_dump.py", SLOW_DUMP)
-    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
-    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
-    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", "--hang-timeout", "5", *common,
-                    str(script), cwd=tmp_path, timeout=180)
-    assert out.returncode == 0, out.stdout + out.stderr
-    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    job, common = detached_torch_job(cluster, tmp_path, "slow_dump.py", SLOW_DUMP, "--hang-timeout", "5")
     attached = run_dlrun("attach", job, *common, cwd=tmp_path, timeout=240)
     assert attached.returncode == 124, attached.stdout + attached.stderr
     # rank 0 (host0) wrote its dump 4 s after the byte; rank 1 (host1) read the byte and wrote none
@@ -475,13 +470,7 @@ def test_a_detached_hang_names_the_rank_that_sent_no_dump_back(cluster: SshdClus
 def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster: SshdCluster, tmp_path: Path) -> None:
     from support.sshd_cluster import TEST_USER_HOME
 
-    script = shared_script(cluster, "recorded.py", RECORDED)
-    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
-    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
-    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", *common, str(script),
-                    cwd=tmp_path, timeout=180)
-    assert out.returncode == 0, out.stdout + out.stderr
-    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    job, common = detached_torch_job(cluster, tmp_path, "recorded.py", RECORDED)
     attached = run_dlrun("attach", job, *common, cwd=tmp_path, timeout=240)
     assert attached.returncode == 3, attached.stdout + attached.stderr
     for rank, host in ((0, "host0"), (1, "host1")):
@@ -498,13 +487,8 @@ def test_a_detached_jobs_flight_recorder_dumps_stay_with_its_logs(cluster: SshdC
 @pytest.mark.slow
 @pytest.mark.ssh
 def test_a_detached_hang_without_py_spy_leaves_faulthandler_dumps(cluster: SshdCluster, tmp_path: Path) -> None:
-    script = shared_script(cluster, "deadlock.py", DEADLOCK)
-    hosts = hosts_toml(cluster, tmp_path / "hosts.toml", 2)
-    common = ["--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config)]
-    out = run_dlrun("launch", "--detach", "--framework", "torch", "--grace", "2", "--hang-timeout", "10", *common,
-                    str(script), cwd=tmp_path, timeout=180, env={"DLRUN_PY_SPY": ""})  # none shipped
-    assert out.returncode == 0, out.stdout + out.stderr
-    job = out.stdout.strip().splitlines()[-1].split()[-1]
+    job, common = detached_torch_job(cluster, tmp_path, "deadlock.py", DEADLOCK, "--hang-timeout", "10",
+                                     env={"DLRUN_PY_SPY": ""})  # none shipped
     attached = run_dlrun("attach", job, *common, cwd=tmp_path, timeout=240)
     assert attached.returncode == 124, attached.stdout + attached.stderr
     assert "root cause: job hung (no output for 10 s): no rank's stack could be taken" in attached.stdout, \
