@@ -1168,8 +1168,7 @@ class Keeper:
         if missing:
             lines.append(f"no stacks from {', '.join(missing)} within {HANG_ANSWER:g} s")
         lines.append(f"full stacks: ~/.dlrun/jobs/{self.job_id}/host-<host>/stacks-{self.hang_id}/ on each host")
-        if any("TORCH_FR_DUMP_TEMP_FILE" in (r.get("env") or {}) for r in self.specs[self.attempt]["ranks"]):
-            # asked for below; each host's come back with its agent's end, after this record
+        if self.flight:  # asked for below; each host's come back with its agent's end, after this record
             lines.append(f"flight recorder dumps: ~/.dlrun/jobs/{self.job_id}/host-<host>/attempt-{self.attempt}/"
                          "flight-recorder/ on each host (NCCL ranks)")
         unread = [s.rank for s in stacks if not s.taken]
