@@ -307,11 +307,16 @@ def side_greet(conn: Any, context: Any, token: bytes, won: Any) -> None:
     import threading
 
     through = threading.Event()
+    try:
+        watch = conn.dup()  # wrap_socket takes conn's descriptor: the timer shuts the connection through its own
+    except OSError:  # no descriptor left: no stranger is worth one
+        conn.close()
+        return
 
     def expire() -> None:
         if not through.is_set():
             try:
-                conn.shutdown(socket.SHUT_RDWR)
+                watch.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
 
@@ -342,6 +347,7 @@ def side_greet(conn: Any, context: Any, token: bytes, won: Any) -> None:
         (tls or conn).close()
     finally:
         timer.cancel()
+        watch.close()
 
 
 def side_channel(side: dict[str, Any], out: Any) -> Any:

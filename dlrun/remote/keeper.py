@@ -410,11 +410,16 @@ class Door:
                 joined: Callable[[ssl.SSLSocket, dict[str, Any], bytes], None]) -> None:
         """One stranger: TLS, then the token within ``AUTH_TIMEOUT``; ``joined`` if it is in."""
         through = threading.Event()
+        try:
+            watch = raw.dup()  # wrap_socket takes raw's descriptor: the timer shuts the connection through its own
+        except OSError:  # no descriptor left: no stranger is worth one
+            raw.close()
+            return
 
         def expire() -> None:  # the whole greeting, not each read: a trickle is no way around it
             if not through.is_set():
                 try:
-                    raw.shutdown(socket.SHUT_RDWR)
+                    watch.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
 
@@ -436,6 +441,7 @@ class Door:
             return
         finally:
             timer.cancel()
+            watch.close()
         joined(sock, hello, rest)
 
 

@@ -82,3 +82,29 @@ def test_a_peer_that_stops_reading_is_closed_after_the_timeout_and_reading_goes_
     finally:
         a.close()
         b.close()
+
+
+def test_the_door_closes_on_a_stranger_who_trickles_the_hello_past_auth_timeout() -> None:
+    # TLS done at once, then the hello a byte per AUTH_TIMEOUT / 4 (each read inside its own
+    # timeout): the door's timer closes it after AUTH_TIMEOUT in all, and nobody joins
+    job = make_job_tls("j")
+    joined: list[object] = []
+    door = keeper.Door(lambda given: given == "the token")
+    server, ours = socket.socketpair()
+    greeter = threading.Thread(target=door.welcome, args=(
+        server, keeper.server_context(job.cert_pem, job.key_pem), lambda *args: joined.append(args)))
+    greeter.start()
+    line = b'{"token": "the token", "host": "h1"}\n'
+    sent = 0
+    with keeper.client_context(job.cert_pem).wrap_socket(ours) as tls:
+        try:
+            for byte in line:
+                if not greeter.is_alive():
+                    break
+                tls.sendall(bytes([byte]))
+                sent += 1
+                greeter.join(timeout=keeper.AUTH_TIMEOUT / 4)
+        except OSError:
+            pass
+        greeter.join(timeout=60)
+    assert not greeter.is_alive() and not joined and sent < len(line), sent

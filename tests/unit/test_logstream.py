@@ -133,3 +133,33 @@ def test_the_side_channel_lets_in_no_one_who_trickles_even_the_right_token() -> 
     assert greet(token, b"x" * 43 + b"\n", None)[0] == 0  # a wrong token: out
     let_in, sent = greet(token, token + b"\n", jobs.SIDE_AUTH / 4)
     assert let_in == 0 and sent < len(token) + 1
+
+
+def test_a_trickled_tls_handshake_is_cut_off_too() -> None:
+    # a ClientHello sent a byte at a time (each byte well inside a read's timeout) is closed after
+    # about jobs.SIDE_AUTH: CPython bounds the whole handshake by the socket's timeout, and the
+    # timer (through its own descriptor: wrap_socket takes the connection's) would too
+    pair = make_job_tls("logs test")
+    client = side_context(pair.cert_pem, pair.key_pem)
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    hello = client.wrap_bio(incoming, outgoing)
+    with pytest.raises(ssl.SSLWantReadError):
+        hello.do_handshake()
+    first = outgoing.read()
+    server, ours = socket.socketpair()
+    greeter = threading.Thread(target=jobs.side_greet, args=(
+        server, jobs.server_context(pair.cert_pem, pair.key_pem), b"t" * 43, lambda tls: True))
+    greeter.start()
+    sent = 0
+    try:
+        for byte in first[: int(8 * jobs.SIDE_AUTH / (jobs.SIDE_AUTH / 4))]:  # 8 x SIDE_AUTH at most
+            if not greeter.is_alive():
+                break
+            ours.sendall(bytes([byte]))
+            sent += 1
+            greeter.join(timeout=jobs.SIDE_AUTH / 4)
+    except OSError:
+        pass
+    greeter.join(timeout=60)
+    ours.close()
+    assert not greeter.is_alive() and sent < 8 * 4, sent
