@@ -14,6 +14,8 @@ from typing import Any
 from dlrun.remote import keeper
 from dlrun.tls import make_job_tls
 
+from support.trickle import trickle
+
 
 def pair(timeout: float | None) -> tuple[keeper.Peer, keeper.Peer]:
     job = make_job_tls("j")
@@ -95,16 +97,6 @@ def test_the_door_closes_on_a_stranger_who_trickles_the_hello_past_auth_timeout(
         server, keeper.server_context(job.cert_pem, job.key_pem), lambda *args: joined.append(args)))
     greeter.start()
     line = b'{"token": "the token", "host": "h1"}\n'
-    sent = 0
     with keeper.client_context(job.cert_pem).wrap_socket(ours) as tls:
-        try:
-            for byte in line:
-                if not greeter.is_alive():
-                    break
-                tls.sendall(bytes([byte]))
-                sent += 1
-                greeter.join(timeout=keeper.AUTH_TIMEOUT / 4)
-        except OSError:
-            pass
-        greeter.join(timeout=60)
+        sent = trickle(tls.sendall, line, greeter, keeper.AUTH_TIMEOUT / 4)
     assert not greeter.is_alive() and not joined and sent < len(line), sent

@@ -21,6 +21,8 @@ from dlrun.run.logstream import ChannelSource, Frames, side_context
 from dlrun.testing import FakeTransport
 from dlrun.tls import make_job_tls
 
+from support.trickle import trickle
+
 
 def chopped(data: bytes, seed: int) -> Frames:
     """Frames over ``data`` handed out in random sizes (1 byte to 100 KB), as sockets do."""
@@ -106,19 +108,13 @@ def greet(token: bytes, shown: bytes, pace: float | None) -> tuple[int, int]:
     greeter = threading.Thread(target=jobs.side_greet, args=(
         server, jobs.server_context(pair.cert_pem, pair.key_pem), token, take))
     greeter.start()
-    sent = 0
     with side_context(pair.cert_pem, pair.key_pem).wrap_socket(client) as tls:
-        try:
-            for at in range(len(shown)) if pace is not None else (None,):
-                if not greeter.is_alive():
-                    break
-                tls.sendall(shown if at is None else shown[at: at + 1])
-                sent += len(shown) if at is None else 1
-                if pace is not None:
-                    greeter.join(timeout=pace)
-        except (OSError, ssl.SSLError):
-            pass
-        greeter.join(timeout=60)
+        if pace is None:
+            tls.sendall(shown)
+            sent = len(shown)
+            greeter.join(timeout=60)
+        else:
+            sent = trickle(tls.sendall, shown, greeter, pace)
         assert not greeter.is_alive()
     for tls in won:
         tls.close()
@@ -150,16 +146,6 @@ def test_a_trickled_tls_handshake_is_cut_off_too() -> None:
     greeter = threading.Thread(target=jobs.side_greet, args=(
         server, jobs.server_context(pair.cert_pem, pair.key_pem), b"t" * 43, lambda tls: True))
     greeter.start()
-    sent = 0
-    try:
-        for byte in first[: int(8 * jobs.SIDE_AUTH / (jobs.SIDE_AUTH / 4))]:  # 8 x SIDE_AUTH at most
-            if not greeter.is_alive():
-                break
-            ours.sendall(bytes([byte]))
-            sent += 1
-            greeter.join(timeout=jobs.SIDE_AUTH / 4)
-    except OSError:
-        pass
-    greeter.join(timeout=60)
+    sent = trickle(ours.sendall, first[:32], greeter, jobs.SIDE_AUTH / 4)  # 8 x SIDE_AUTH at most
     ours.close()
     assert not greeter.is_alive() and sent < 8 * 4, sent
