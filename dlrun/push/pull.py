@@ -573,7 +573,11 @@ def _make_parents(dest: Path, root: Path) -> None:
         if folder.is_symlink():
             raise NotADirectoryError(20, "a link is in the way (not followed)", str(folder))
         if not folder.is_dir():
-            folder.mkdir()
+            try:
+                folder.mkdir()
+            except FileExistsError:  # another host's file made it a moment ago
+                if folder.is_symlink() or not folder.is_dir():
+                    raise
     if dest.is_dir() and not dest.is_symlink():
         raise IsADirectoryError(21, "a folder is in the way", str(dest))
 
