@@ -485,6 +485,11 @@ def _unknown_key_error(target: Target, known: KnownHostKeys, key: paramiko.PKey)
     )
 
 
+def _hung_up(target: Target) -> HostUnreachable:
+    return HostUnreachable(f"{target.hostname}:{target.port} hung up before the SSH banner (is it an SSH server?)",
+                           host=target.name)
+
+
 def _certifies(certificate: bytes, key: paramiko.PKey) -> bool:
     """Whether an OpenSSH certificate blob (type, nonce, then the public key's own fields) is
     for ``key``."""
@@ -703,6 +708,8 @@ class SSHTransport(Transport):
                 f"connection refused by {target.hostname}:{target.port} (is sshd running on that port?)",
                 host=target.name,
             ) from exc
+        except ConnectionResetError as exc:  # accepted, then reset before connect() returned
+            raise _hung_up(target) from exc
         except OSError as exc:
             raise HostUnreachable(f"cannot connect to {target.hostname}:{target.port}: {exc.strerror or exc}",
                                   host=target.name) from exc
@@ -831,14 +838,20 @@ class SSHTransport(Transport):
             client.close()
             raise HostUnreachable(f"SSH handshake timed out after {timeout:g} s", host=target.name) from exc
         except (paramiko.SSHException, OSError, EOFError) as exc:
+            begun = client.get_transport()
+            banner = begun.remote_version if begun is not None else ""
             client.close()
             # a frozen sshd: the banner wait times out, or the key exchange gives up quietly
             if "No existing session" in str(exc) or isinstance(exc.__context__, TimeoutError):
                 raise HostUnreachable(f"no SSH answer (banner or key exchange) from {target.hostname}:{target.port}"
                                       f" within {timeout:g} s", host=target.name) from exc
-            if isinstance(exc.__context__, EOFError) and "banner" in str(exc):
-                raise HostUnreachable(f"{target.hostname}:{target.port} hung up before the SSH banner (is it an"
-                                      " SSH server?)", host=target.name) from exc
+            # closed or reset: while paramiko sent its banner (a bare EOFError) or read the host's
+            if isinstance(exc, EOFError) or isinstance(exc.__context__, (EOFError, ConnectionResetError)):
+                if not banner:
+                    raise _hung_up(target) from exc
+                raise HostUnreachable(f"{target.hostname}:{target.port} ({banner}) closed the connection during"
+                                      " the SSH handshake (sshd's MaxStartups, or a host under load?)",
+                                      host=target.name) from exc
             raise HostUnreachable(f"SSH connection failed: {exc or type(exc).__name__}", host=target.name) from exc
         transport = client.get_transport()
         if transport is not None:

@@ -287,8 +287,10 @@ def test_match_exec_in_ssh_config(tmp_path: Path) -> None:
     assert out.stdout.split() == ["10.9.8.7", "2201"]
 
 
-def test_a_port_that_is_no_ssh_server_is_named_without_a_traceback(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["close", "reset", "banner"])
+def test_a_port_that_is_no_ssh_server_is_named_without_a_traceback(tmp_path: Path, how: str) -> None:
     import socket
+    import struct
     import threading
 
     listener = socket.create_server(("127.0.0.1", 0))  # accepts, then hangs up: no SSH banner
@@ -300,6 +302,11 @@ def test_a_port_that_is_no_ssh_server_is_named_without_a_traceback(tmp_path: Pat
                 conn, _ = listener.accept()
             except OSError:
                 return
+            if how == "reset":  # RST, as a firewall or a closed socket with unread bytes answers
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            if how == "banner":  # an SSH server that drops the connection (MaxStartups) after its banner
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6 stand-in\r\n")
+                conn.recv(256)  # the client's banner, read: a close with unread bytes would be a reset
             conn.close()
 
     threading.Thread(target=hang_up, daemon=True).start()
@@ -313,7 +320,11 @@ def test_a_port_that_is_no_ssh_server_is_named_without_a_traceback(tmp_path: Pat
     finally:
         listener.close()
     assert out.returncode == 255, out.stdout + out.stderr
-    assert f"127.0.0.1:{port} hung up before the SSH banner" in out.stderr
+    if how == "banner":
+        assert (f"127.0.0.1:{port} (SSH-2.0-OpenSSH_9.6 stand-in) closed the connection during the SSH handshake"
+                in out.stderr), out.stderr
+    else:
+        assert f"127.0.0.1:{port} hung up before the SSH banner" in out.stderr
     assert "Traceback" not in out.stderr and "Exception (client)" not in out.stderr  # paramiko's own log
 
 
