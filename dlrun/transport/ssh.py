@@ -845,8 +845,10 @@ class SSHTransport(Transport):
             if "No existing session" in str(exc) or isinstance(exc.__context__, TimeoutError):
                 raise HostUnreachable(f"no SSH answer (banner or key exchange) from {target.hostname}:{target.port}"
                                       f" within {timeout:g} s", host=target.name) from exc
-            # closed or reset: while paramiko sent its banner (a bare EOFError) or read the host's
-            if isinstance(exc, EOFError) or isinstance(exc.__context__, (EOFError, ConnectionResetError)):
+            # closed or reset: while paramiko sent its banner (a bare EOFError), read the host's
+            # (chained), or after it (a bare reset from the transport's reader)
+            closed = (EOFError, ConnectionResetError)
+            if isinstance(exc, closed) or isinstance(exc.__context__, closed):
                 if not banner:
                     raise _hung_up(target) from exc
                 raise HostUnreachable(f"{target.hostname}:{target.port} ({banner}) closed the connection during"
