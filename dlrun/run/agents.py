@@ -156,8 +156,8 @@ class HostAgents:
     def _pinger(self, link: HostLink, interval: float) -> None:
         ping = encode_message({"op": "ping"})
         while not self.quiet.wait(interval):
-            if link.channel is None or link.closed or link.done or link.silent:
-                return
+            if link.channel is None or link.closed or link.done or link.silent or self.quiet.is_set():
+                return  # (quiet again: close() may have come during the checks)
             try:
                 link.channel.send(ping)
             except DlrunError:

@@ -19,10 +19,10 @@ from support.sshd_cluster import count_job_processes as job_processes
 
 SLEEPER = """
 import os, subprocess, sys, time
-print("ready", os.getpid(), flush=True)
 if "--fork" in sys.argv:
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print("ready", os.getpid(), flush=True)  # after the children: the test counts them at once
 time.sleep(600)
 """
 
@@ -49,7 +49,6 @@ def start_job(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], str, l
         if "] ready" in line:
             ready += 1
     assert job_id and ready == 2, "".join(lines)
-    time.sleep(0.5)  # let forked children start
     return proc, job_id, job_processes(job_id)
 
 

@@ -33,8 +33,8 @@ print("report", json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
 
 SLEEPER = """
 import os, subprocess, sys, time
-print("ready", os.environ["DLRUN_HOST"], flush=True)
 subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)  # escapes
+print("ready", os.environ["DLRUN_HOST"], flush=True)  # after the child: the test counts both at once
 time.sleep(600)
 """
 

@@ -24,9 +24,9 @@ pytestmark = pytest.mark.ssh
 
 SLEEPER = """
 import os, subprocess, sys, time
-print("ready", flush=True)
 if "--setsid" in sys.argv:
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+print("ready", flush=True)  # after the child: the test counts it at once
 time.sleep(600)
 """
 
@@ -237,8 +237,8 @@ def test_unreachable_host_named_quickly_and_nothing_started(cluster: SshdCluster
         fh.write('[[hosts]]\naddress = "127.0.0.9"\nport = 2299\n'
                  '[[hosts]]\naddress = "no-such-host.invalid"\nport = 22\n')
     start = time.monotonic()
-    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "--connect-timeout", "3",
-                    str(script), cwd=tmp_path, timeout=60)
+    out = run_dlrun("launch", "--plain", "--hosts", str(hosts), *ssh_args(cluster), "--connect-timeout", "10",
+                    str(script), cwd=tmp_path, timeout=60)  # (both fail at once; the timeout also bounds host0's start)
     assert out.returncode == 255
     assert time.monotonic() - start < 30
     assert "2 hosts cannot be reached; no rank was started" in out.stderr

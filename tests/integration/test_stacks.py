@@ -383,8 +383,13 @@ if rank != 1:
     dist.broadcast(t, 0, async_op=True)
 with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "wb") as fh:
     fh.write(c10d._dump_fr_trace())
+open(f"dumped-{rank}", "w").close()
 print("dumped", flush=True)
-time.sleep(3 if rank == 1 else 60)
+if rank == 1:  # fails once the others' dumps are whole (a fixed wait can be too short on a busy machine)
+    deadline = time.monotonic() + 120
+    while not all(os.path.exists(f"dumped-{r}") for r in (0, 2)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+time.sleep(0.5 if rank == 1 else 60)
 sys.exit(3)
 """
 

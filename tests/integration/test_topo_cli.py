@@ -109,7 +109,7 @@ def test_topo_over_ssh_reports_each_host_and_unreachable_ones(cluster: SshdClust
     with hosts.open("a") as fh:
         fh.write('[[hosts]]\naddress = "127.0.0.9"\nport = 2299\n')
     out = run_dlrun("topo", "--json", "--hosts", str(hosts), "--ssh-config", str(cluster.ssh_config),
-                    "--connect-timeout", "3", cwd=tmp_path, timeout=120)
+                    "--connect-timeout", "10", cwd=tmp_path, timeout=120)  # refused at once; bounds the others too
     assert out.returncode == 1, out.stdout + out.stderr  # the unreachable host is an error finding
     doc = json.loads(out.stdout)
     check_shape(doc)
