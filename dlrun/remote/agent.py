@@ -23,7 +23,8 @@ import time
 
 TYPE_CHECKING = False  # typing costs milliseconds on every host: annotations only
 if TYPE_CHECKING:
-    from typing import IO, Any
+    import socket
+    from typing import IO, Any, Sequence
 
 HEADER = struct.Struct(">BiI")
 HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, PROBE, SURVEY, PONG, GPU, PORTS, STACKS, FILE = range(1, 15)
@@ -109,6 +110,29 @@ def port_free(port: int) -> bool:
         finally:
             sock.close()
     return True
+
+
+def claim_ports(ports: Sequence[int]) -> list[socket.socket] | None:
+    """Claims ``ports`` for this launch, machine-wide and for every user, until the sockets
+    returned close (the kernel closes them when the process ends): an abstract Unix socket
+    ``dlrun-port-N`` each, so that two launches that found the same free ports before their
+    ranks bound them do not both take them. None: another launch holds one of them. Where
+    abstract sockets do not exist (not Linux), nothing is claimed: the free check alone."""
+    import errno
+    import socket
+
+    held: list[socket.socket] = []
+    for port in ports:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(f"\0dlrun-port-{port}")
+        except OSError as exc:
+            sock.close()
+            for other in held:
+                other.close()
+            return None if exc.errno == errno.EADDRINUSE else []
+        held.append(sock)
+    return held
 
 
 def which(name: str) -> str | None:

@@ -483,6 +483,7 @@ class Keeper:
         self.stopping = False
         self.kill_at: float | None = None
         self.ended = False  # the job's result is known (leader: decided; follower: told or leader lost)
+        self.port_claims: list[Any] = []  # this machine's ranks' ports, claimed (hold_ports)
         self.started_at = time.time()
         # the leader's view of the whole job: rank -> {"host", "state", "code"}
         world = config.get("world") or {}
@@ -1254,6 +1255,18 @@ class Keeper:
             # the agent's silence clock (the spec's host_timeout): a frozen keeper's ranks stop too
             self.tell_agent({"op": "ping"})
 
+    def hold_ports(self, ports: list[int]) -> None:
+        """Claims this machine's ports that dlrun chose for the ranks (``claim_ports``) for as long
+        as the job lives: dlrun holds them until it has handed the job over, then lets go."""
+        claim = load_module(str(self.config["agent_source"]), "agent").claim_ports
+        deadline = time.monotonic() + CONNECT_TIMEOUT
+        while not self.ended and time.monotonic() < deadline:
+            held = claim(ports)
+            if held is not None:
+                self.port_claims = held  # closed by the kernel as this keeper ends
+                return
+            time.sleep(0.02)
+
     # ---------------------------------------------------------------- the loop
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -1265,6 +1278,9 @@ class Keeper:
             threading.Thread(target=self.accept, daemon=True).start()
             if self.rendezvous is not None:
                 self.rendezvous.start()  # bound before the fork; its thread starts here
+            if self.config.get("claim_ports"):
+                threading.Thread(target=self.hold_ports, args=(list(self.config["claim_ports"]),),
+                                 daemon=True).start()
         else:
             try:
                 self.connect_leader()

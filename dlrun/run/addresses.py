@@ -11,16 +11,19 @@ from typing import TYPE_CHECKING
 
 from dlrun.inventory import Host, Inventory
 from dlrun.plan import DEFAULT_BASE_PORT, Plan, is_loopback
+from dlrun.remote.agent import claim_ports
 from dlrun.render import SocketIface
 
 if TYPE_CHECKING:
     from dlrun.topo.records import HostReport
 
 
-def local_base_port(inventory: Inventory, np: int | None) -> int:
+def local_base_port(inventory: Inventory, np: int | None, claims: dict[int, socket.socket] | None = None) -> int:
     """The base port for a job whose ranks all run on this machine: the first run of free ports
     from ``DEFAULT_BASE_PORT`` up (two local jobs side by side, e.g. CI smoke tests, would
-    otherwise collide on 23456). Hosts elsewhere: ``DEFAULT_BASE_PORT``, which is checked there."""
+    otherwise collide on 23456) that no other launch on this machine has claimed. The run's
+    claims (``claim_ports``, by port) go to ``claims``; the caller closes them when its ranks have ended.
+    Hosts elsewhere: ``DEFAULT_BASE_PORT``, which is checked there."""
     if not all(h.is_local for h in inventory.hosts):
         return DEFAULT_BASE_PORT
     count = np or (inventory.total_slots if all(h.slots for h in inventory.hosts) else 16)  # 16: slots from GPUs
@@ -35,6 +38,14 @@ def local_base_port(inventory: Inventory, np: int | None) -> int:
 
     for base in range(DEFAULT_BASE_PORT, 65536 - count, count):
         if all(free(base + i) for i in range(count)):
+            held = claim_ports(range(base, base + count))
+            if held is None:
+                continue  # another launch chose these a moment ago; its ranks have not bound them yet
+            if claims is not None:
+                claims.update(zip(range(base, base + count), held, strict=False))  # none held: not Linux
+            else:
+                for sock in held:
+                    sock.close()
             return base
     return DEFAULT_BASE_PORT
 

@@ -346,13 +346,15 @@ class Handover:
     """What the engine hands the keepers: the transport that reaches the hosts, every attempt's
     id and rendered ranks (restart count and ports in their env), the job's secret (the keepers'
     token and the rendezvous key's root), the hosts' addresses as the session found them, and
-    which rank's end ends the job."""
+    which rank's end ends the job, and the ports of this machine the launch claimed for its
+    ranks (``local_base_port``): the leader keeper claims them in turn."""
 
     transport: Transport
     attempts: tuple[tuple[str, tuple[WorkerCommand, ...]], ...]
     secret: str
     addresses: Mapping[str, str]
     ends_job: Callable[[WorkerCommand], bool] | None = None
+    claimed_ports: tuple[int, ...] = ()
 
 
 def start_detached(config: LaunchConfig, job: Handover, job_id: str) -> RunResult:
@@ -380,6 +382,8 @@ def start_detached(config: LaunchConfig, job: Handover, job_id: str) -> RunResul
     leader = hosts[names[0]]
     address = job.addresses.get(leader.name, leader.address)
     configs[names[0]]["bind"] = address  # the leader listens where its followers reach it, not everywhere
+    if job.claimed_ports:  # every rank is on this machine: the leader holds the claim once dlrun has gone
+        configs[names[0]]["claim_ports"] = list(job.claimed_ports)
     try:
         answer = run_program(transport, leader, "keeper", configs[names[0]], job_id, lasting=True)
         for name in names[1:]:

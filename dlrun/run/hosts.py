@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -205,6 +206,7 @@ class HostsEngine:
         self.reconnect: tuple[Host, ...] = ()  # hosts lost in the last attempt: reconnected, probed again
         self.job_secret = secrets.token_hex(32)  # a detached job's keepers' token (and rendezvous key's root)
         self.failed_at: float | None = None  # when the last attempt failed (its copies then may be half written)
+        self.port_claims: dict[int, socket.socket] = {}  # ports here chosen for local ranks, until the session ends
 
     @property
     def inventory(self) -> Inventory:
@@ -223,7 +225,8 @@ class HostsEngine:
         base_port_given, ports_chosen = config.base_port is not None, False
         if config.base_port is None and inventory.all_local:
             ports_chosen = True
-            config = replace(config, base_port=local_base_port(inventory, config.np))
+            claims = None if config.dry_run else self.port_claims  # a dry run starts nothing: no claim
+            config = replace(config, base_port=local_base_port(inventory, config.np, claims))
         slots_from_gpus = config.preflight and any(h.slots is None for h in inventory.hosts)
         if slots_from_gpus:  # slots come from the probe: every host may be used
             used_hosts = inventory.hosts
@@ -385,6 +388,9 @@ class HostsEngine:
             pusher.shutdown(wait=False, cancel_futures=True)
             agents.close()
             transport.close()
+            for claim in self.port_claims.values():
+                claim.close()
+            self.port_claims.clear()
 
     def regroup(self, config: LaunchConfig, failed: RunResult) -> Regrouped:
         """After a failed attempt: the hosts it lost are reconnected (and probed) by the next
@@ -468,7 +474,7 @@ class HostsEngine:
                 ends_job = placement.ends_job
         assert self.transport is not None
         return start_detached(config, Handover(self.transport, tuple(attempts), self.job_secret, self.found.addresses,
-                                               ends_job), job_id)
+                                               ends_job, tuple(self.port_claims)), job_id)
 
     @contextmanager
     def _place(self, config: LaunchConfig, job_id: str, *, detached: bool) -> Iterator[Placement]:
@@ -479,7 +485,7 @@ class HostsEngine:
         if config.attempt:
             config = self.shrunk(config, self.inventory)
             if self.prepared.ports_chosen:  # a fresh run of free ports (the last attempt's may still be held)
-                config = replace(config, base_port=local_base_port(self.inventory, config.np))
+                config = replace(config, base_port=local_base_port(self.inventory, config.np, self.port_claims))
             if self.reconnect:
                 agents = self.rejoin(config)
         with ExitStack() as stack:

@@ -13,6 +13,7 @@ import pytest
 
 from support.cli import REPO, dlrun_argv, run_dlrun
 from support.sshd_cluster import wait_job_processes_gone
+from support.wait import wait_until
 
 STEPS = """
 import os, sys, time
@@ -244,3 +245,37 @@ def test_a_detached_restart_after_a_hang_starts_a_fresh_hang_watch(tmp_path: Pat
     assert f"step {steps - 1}" in attached.stdout, attached.stdout[-3000:]
     assert re.search(r"attempt 1 \(job [\w-]+\) failed: hung \(no output for 5 s\)", attached.stdout), attached.stdout
     assert wait_job_processes_gone(job, timeout=15) == []
+
+
+#: says its MASTER_PORT (a file in the folder given) and never binds it: only the claim protects it
+PORT_SAYER = """
+import os, sys, time
+open(os.path.join(sys.argv[1], os.environ["MASTER_PORT"] + "-" + str(os.getpid())), "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_detached_jobs_launched_one_after_another_get_their_own_ports(tmp_path: Path) -> None:
+    from dlrun.remote.agent import claim_ports
+
+    script, said = tmp_path / "ports.py", tmp_path / "said"
+    script.write_text(PORT_SAYER)
+    said.mkdir()
+    home = {"HOME": str(tmp_path / "home")}
+    jobs = []
+    try:
+        for _ in range(2):  # a sweep: the first job's ranks have not bound their port when the second starts
+            out = run_dlrun("launch", "--detach", "--framework", "torch", "-n", "1", str(script), str(said),
+                            cwd=tmp_path, timeout=120, env=home)
+            assert out.returncode == 0, out.stdout + out.stderr
+            jobs.append(out.stdout.strip().splitlines()[-1].removeprefix("dlrun: detached job "))
+        assert wait_until(lambda: len(list(said.iterdir())) == 2, 60)
+        ports = sorted(int(p.name.split("-")[0]) for p in said.iterdir())
+        assert ports[0] != ports[1], ports
+        assert claim_ports(ports) is None  # held by the jobs' keepers, dlrun long gone
+    finally:
+        for job in jobs:
+            run_dlrun("stop", job, cwd=tmp_path, timeout=120, env=home)
+    for job in jobs:
+        assert wait_job_processes_gone(job, timeout=30) == []
