@@ -58,9 +58,12 @@ def source_messages(op: str, source: str) -> Callable[[Mapping[str, Any]], bytes
 
 
 def with_agent_words(reason: str, stderr: str, code: int | None) -> str:
-    """``reason``, then the last lines the agent (or what started it) wrote, and its exit code."""
-    detail = stderr.strip().splitlines()[-3:]
-    return reason + (": " + " / ".join(detail) if detail else "") + ("" if code is None else f" (agent exit {code})")
+    """``reason``, then the last lines the agent (or what started it) wrote, and its exit code
+    (each unless ``reason`` says it already: a local agent's failed send does)."""
+    detail = " / ".join(stderr.strip().splitlines()[-3:])
+    if detail and detail not in reason:
+        reason += ": " + detail
+    return reason if code is None or f"(exit {code})" in reason else f"{reason} (agent exit {code})"
 
 
 def close_aside(channel: Channel) -> None:

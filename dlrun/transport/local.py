@@ -53,7 +53,16 @@ class LocalChannel(Channel):
                 self.proc.stdin.write(data)
                 self.proc.stdin.flush()
             except (BrokenPipeError, ValueError, OSError) as exc:
-                raise HostUnreachable(f"{self.what} is gone", host=self.host) from exc
+                raise HostUnreachable(self._gone(), host=self.host) from exc
+
+    def _gone(self) -> str:
+        """Why the program stopped reading: its exit code and last lines of stderr (a wrong
+        ``python`` on this machine says why it failed, as a host over SSH does)."""
+        code = self.wait(2)
+        if code is None:
+            return f"{self.what} closed its input"
+        detail = " / ".join(self.stderr_text().strip().splitlines()[-3:])
+        return f"{self.what} ended (exit {code}) before reading its input" + (f": {detail}" if detail else "")
 
     def recv(self, max_bytes: int = 65536) -> bytes:
         assert self.proc.stdout is not None

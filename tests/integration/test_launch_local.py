@@ -531,3 +531,17 @@ def test_the_python_api_runs_a_job_from_a_thread(tmp_path: Path) -> None:
                              output=dlrun.OutputOptions(log_dir=tmp_path / "logs"),
                              view=PlainView(io.StringIO())).result(timeout=120)
     assert result.exit_code == 0 and result.ranks[0].tail == ("hello",)
+
+
+@pytest.mark.parametrize("preflight", [True, False])
+def test_a_local_python_that_fails_at_once_is_named_with_what_it_said(tmp_path: Path, preflight: bool) -> None:
+    # whether dlrun's write to it fails (broken pipe) or it ends before answering: the same words
+    (tmp_path / "t.py").write_text("print(1)\n")
+    (tmp_path / "hosts.toml").write_text('[[hosts]]\naddress = "localhost"\nslots = 1\n'
+                                         'python = "sh -c \\"echo this python is broken >&2; exit 3\\" --"\n')
+    out = run_dlrun("launch", "--plain", "--hosts", "hosts.toml", *([] if preflight else ["--no-preflight"]), "t.py",
+                    cwd=tmp_path, timeout=60)
+    text = out.stdout + out.stderr
+    assert out.returncode == (1 if preflight else 255), text
+    assert "exit 3)" in text and ": this python is broken" in text, text
+    assert "broken: this python is broken" not in text and " is gone" not in text, text
