@@ -28,22 +28,29 @@ from dlrun.push.tree import Manifest
 from dlrun.transport.base import Channel, Transport
 
 #: ``$1`` folder ("" or ``~``-relative allowed), ``$2`` stamp file ("": next to the folder),
-#: ``$3`` key, ``$4`` "always" or "changed", ``$5`` the command. First line: a marker.
+#: ``$3`` key, ``$4`` "always" or "changed", ``$5`` the command. First line: a marker. Where
+#: ``flock`` exists, one setup at a time per stamp (two jobs, or hosts sharing an NFS folder): the
+#: next finds the stamp the first wrote and runs nothing.
 WRAPPER = r"""exec 2>&1
 d=$1
 case $d in "~") d=$HOME ;; "~/"*) d=$HOME/${d#"~/"} ;; esac
 if [ -n "$d" ]; then cd "$d" || { echo "dlrun-setup: cannot enter $d"; exit 126; }; fi
 stamp=$2
 [ -n "$stamp" ] || stamp=$(dirname "$PWD")/.dlrun-cache/$(basename "$PWD").setup
+(umask 077 && mkdir -p "$(dirname "$stamp")") 2>/dev/null
+if command -v flock >/dev/null 2>&1 && (umask 077 && : >>"$stamp.lock") 2>/dev/null; then
+  exec 9>>"$stamp.lock"
+  flock 9
+fi
 if [ "$4" != always ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$3" ]; then
   echo "dlrun-setup: unchanged"
   exit 0
 fi
 echo "dlrun-setup: running in $PWD"
-sh -c "$5"
+sh -c "$5" 9>&-
 code=$?
 if [ "$code" -eq 0 ]; then
-  (umask 077 && mkdir -p "$(dirname "$stamp")" && printf '%s\n' "$3" > "$stamp.$$" && mv -f "$stamp.$$" "$stamp")
+  (umask 077 && printf '%s\n' "$3" > "$stamp.$$" && mv -f "$stamp.$$" "$stamp")
 fi
 exit "$code"
 """
