@@ -187,7 +187,7 @@ def write(key: str, answer: str) -> None:
     if d is None:
         return
     body = answer.encode("utf-8")
-    tmp = f"{key}.{os.getpid()}.tmp"
+    tmp = f"{key}.{os.getpid()}.{os.urandom(4).hex()}.tmp"  # one of its own: threads look the same name up at once
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=d)
         with os.fdopen(fd, "wb") as fh:
