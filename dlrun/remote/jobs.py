@@ -29,6 +29,7 @@ KEEP_DAYS = 7
 CHUNK = 1 << 20  # bytes of one piece of the streamed ``logs`` answer
 SIDE_FROM = 8 << 20  # bytes of a ``logs`` answer from which it takes the TLS side channel dlrun offers
 SIDE_WAIT = 20.0  # seconds the side channel waits for dlrun's connection before the answer goes on stdout
+START_GRACE = 60.0  # seconds a job folder without its keeper's pid counts as starting, not lost
 SIDE_AUTH = 1.0  # seconds a connection to the side channel has for TLS and the token, in all (as the keeper's)
 SIDE_GREETINGS = 32  # connections to the side channel greeted at once (each a thread, SIDE_AUTH at most)
 STACKS_TIMEOUT = 45.0  # seconds the keepers here have to answer a stack request
@@ -99,12 +100,23 @@ def host_record(job_id: str, hostdir: str) -> dict[str, Any]:
     record = read_json(os.path.join(hostdir, "result.json"))
     if record is None:
         record = read_json(os.path.join(hostdir, "state.json")) or {"job_id": job_id, "state": "starting"}
-        gone = not alive and (owned_here(hostdir) or not os.path.exists(os.path.join(hostdir, "keeper.pid")))
+        gone = not alive and (owned_here(hostdir) or not_started(hostdir))
         if gone and record.get("state") not in ("succeeded", "failed", "stopped"):
             record["state"] = "lost"
             record["root_cause"] = record.get("root_cause") or "the job's keeper on this host is gone"
     record["alive"] = alive
     return record
+
+
+def not_started(hostdir: str) -> bool:
+    """A host folder whose keeper never wrote its pid: gone, once the folder is older than
+    ``START_GRACE`` (until then it is a keeper between its folder and its fork: starting)."""
+    if os.path.exists(os.path.join(hostdir, "keeper.pid")):
+        return False
+    try:
+        return time.time() - os.stat(hostdir).st_mtime > START_GRACE
+    except OSError:
+        return True
 
 
 def job_records(job_id: str) -> list[dict[str, Any]]:
