@@ -386,6 +386,24 @@ def pin_tree(folder: str) -> tuple[str, int] | None:
     return None
 
 
+def resolve_pinned(given: str) -> tuple[str, tuple[str, int] | None]:
+    """``given`` resolved (``~``, the project link) and its pushed tree pinned (``pin_tree``). A
+    push's collection renames a tree away before it looks for pins one last time
+    (``push_helper.collect_versions``): a tree gone once pinned was collected between the two
+    steps here, and the link names a newer one, resolved again."""
+    for _ in range(5):
+        folder = os.path.realpath(os.path.expanduser(given))
+        pin = pin_tree(folder)
+        if pin is None or os.path.isdir(folder):
+            return folder, pin
+        try:
+            os.unlink(pin[0])
+        except OSError:
+            pass
+        os.close(pin[1])
+    return folder, None
+
+
 class Agent:
     def __init__(self, out: IO[bytes], in_namespace: bool, stdin_fd: int | None = None) -> None:
         self.out_fd = out.fileno()
@@ -577,8 +595,12 @@ class Agent:
                 self.take_stacks(self.stacks.queued.pop(0))
 
     def start(self, spec: dict[str, Any]) -> None:
-        folders = {os.path.realpath(os.path.expanduser(str(r["cwd"]))) for r in spec["ranks"] if r.get("cwd")}
-        self.pins = [pin for pin in map(pin_tree, sorted(folders)) if pin]  # held until the agent ends
+        resolved: dict[str, str] = {}  # each rank folder as given -> the pushed tree it runs in, pinned
+        self.pins: list[tuple[str, int]] = []  # held until the agent ends
+        for given in sorted({str(r["cwd"]) for r in spec["ranks"] if r.get("cwd")}):
+            resolved[given], pin = resolve_pinned(given)
+            if pin:
+                self.pins.append(pin)
         self.job_id = str(spec.get("job_id", ""))
         self.gpus = GpuSampler(float(spec.get("gpu_every", 0) or 0))
         self.tag = str(spec.get("tag") or self.job_id)
@@ -591,8 +613,8 @@ class Agent:
             env["DLRUN_JOB_ID"] = self.job_id
             env["DLRUN_AGENT_TAG"] = self.tag
             argv = [str(a) for a in item["argv"]]
-            # the folder as resolved now: the pushed code tree pinned above, whatever a push swaps in later
-            cwd = os.path.realpath(os.path.expanduser(item["cwd"])) if item.get("cwd") else None
+            # the folder as resolved above: the pushed code tree pinned there, whatever a push swaps in later
+            cwd = resolved[str(item["cwd"])] if item.get("cwd") else None
             recorder = env.get("TORCH_FR_DUMP_TEMP_FILE")  # torch's flight recorder dumps there: a folder
             if env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE"):  # a torch job: NCCL's RAS for dlrun stack
                 self.pipes[rank] = env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]

@@ -533,6 +533,13 @@ def collect_versions(root: str, current: str) -> list[str]:
         return kept
     for name in names:
         path = os.path.join(vdir, name)
+        if name.startswith(".gc-"):  # what a collection could not finish: gone for an hour (by ctime,
+            try:                     # which its rename set), so no longer another push's to put back
+                if time.time() - os.lstat(path).st_ctime > 3600:
+                    shutil.rmtree(path, ignore_errors=True)
+            except OSError:
+                pass
+            continue
         if not name.startswith(VERSION_PREFIX) or "." in name or path == current:
             continue
         if any(u == path or u.startswith(path + os.sep) for u in used) or pinned(path, names):
@@ -549,8 +556,23 @@ def collect_versions(root: str, current: str) -> list[str]:
             except OSError:
                 pass
 
-        shutil.rmtree(path, onerror=writable)
-        if not os.path.lexists(path):
+        # away from its name first, then the pins once more: a job that resolved the tree before
+        # and pins it now either is seen here (the tree comes back) or sees it gone and resolves
+        # again (``agent.resolve_pinned``)
+        away = os.path.join(vdir, f".gc-{name}-{os.urandom(4).hex()}")
+        try:
+            os.rename(path, away)
+        except OSError:
+            continue
+        try:
+            held = pinned(path, sorted(os.listdir(vdir)))
+        except OSError:
+            held = True
+        if held:
+            os.rename(away, path)
+            continue
+        shutil.rmtree(away, onerror=writable)
+        if not os.path.lexists(away):
             try:
                 os.unlink(path + ".json")
             except OSError:
