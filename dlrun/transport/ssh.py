@@ -568,6 +568,8 @@ class SSHTransport(Transport):
         self.targets: dict[str, Target] = {}
         self._known_hosts_lock = threading.Lock()
         self._jump_lock = threading.Lock()
+        self._store_lock = threading.Lock()  # a connect thread's client kept, or closed: never lost to close()
+        self._closed = False  # by close(); a connect thereafter opens again
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ config
@@ -600,6 +602,7 @@ class SSHTransport(Transport):
 
     # ------------------------------------------------------------------ connect
     def connect(self, hosts: Sequence[Host]) -> Mapping[str, str]:
+        self._closed = False
         todo = [h for h in hosts if h.name not in self.clients]
         if len(todo) >= PROGRESS_FROM:
             print(f"dlrun: reading the ssh config for {len(todo)} hosts", file=sys.stderr, flush=True)
@@ -679,10 +682,12 @@ class SSHTransport(Transport):
             client = self._client(self.targets[host.name])
         except TransportError as exc:
             return exc
-        if abandoned is not None and abandoned.is_set():  # connect gave up while this one was under way
+        with self._store_lock:  # connect gave up, or the transport closed, while this one was under way
+            late = self._closed or (abandoned is not None and abandoned.is_set())
+            if not late:
+                self.clients[host.name] = client
+        if late:
             client.close()
-            return None
-        self.clients[host.name] = client
         return None
 
     def _socket(self, target: Target) -> _Sock:
@@ -757,7 +762,12 @@ class SSHTransport(Transport):
             except TransportError as exc:
                 hop.error = exc
                 raise
-            self.jump_clients.append(hop.client)
+            with self._store_lock:
+                late = self._closed
+                if not late:
+                    self.jump_clients.append(hop.client)
+            if late:
+                hop.client.close()
             return hop.client
 
     def _connect_hop(self, spec: str, via: paramiko.SSHClient | None, seen: frozenset[str]) -> paramiko.SSHClient:
@@ -961,8 +971,11 @@ class SSHTransport(Transport):
     def close(self) -> None:
         # bastions first: a target's socket is a channel on its bastion, and closing it over
         # a dead bastion connection could wait; over a closed one it returns at once
-        for client in [*self.jump_clients, *self.clients.values()]:
+        with self._store_lock:
+            self._closed = True
+            clients = [*self.jump_clients, *self.clients.values()]
+            self.clients.clear()
+            self.jump_clients.clear()
+            self.jump_hops.clear()
+        for client in clients:
             client.close()
-        self.clients.clear()
-        self.jump_clients.clear()
-        self.jump_hops.clear()

@@ -637,3 +637,27 @@ def test_known_hosts_by_alias_hashed_names_and_strict_host_key_checking(cluster:
     capsys.readouterr()
     connect("loose0")  # StrictHostKeyChecking no: accepted, with a warning naming the host
     assert "warning: loose0: StrictHostKeyChecking no" in capsys.readouterr().err
+
+
+def test_a_connection_that_comes_after_close_is_closed_not_kept(cluster: SshdCluster,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # a Python API user's launch gave up (an interrupt) while one host's handshake ran: that
+    # connection must not outlive the transport, with its keep-alive thread
+    from dlrun.inventory import load_inventory
+    from dlrun.transport.ssh import SSHTransport
+
+    transport = SSHTransport(config_file=str(cluster.ssh_config))
+    host = load_inventory(str(hosts_toml(cluster, cluster.scripts / "one-host.toml", 1))).hosts[0]
+    made: list[Any] = []
+    real_client = transport._client
+
+    def closed_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        client = real_client(*args, **kwargs)
+        made.append(client)
+        transport.close()
+        return client
+
+    monkeypatch.setattr(transport, "_client", closed_meanwhile)
+    transport.connect([host])
+    assert made and transport.clients == {}
+    assert made[0].get_transport() is None or not made[0].get_transport().is_active()
