@@ -250,7 +250,7 @@ def test_a_detached_restart_after_a_hang_starts_a_fresh_hang_watch(tmp_path: Pat
 #: says its MASTER_PORT (a file in the folder given) and never binds it: only the claim protects it
 PORT_SAYER = """
 import os, sys, time
-open(os.path.join(sys.argv[1], os.environ["MASTER_PORT"] + "-" + str(os.getpid())), "w").close()
+open(os.path.join(sys.argv[1], os.environ["MASTER_PORT"] + "-" + os.urandom(4).hex()), "w").close()  # pid: 2 in each
 time.sleep(600)
 """
 
