@@ -266,7 +266,7 @@ def _dlrun_options_first(args: list[str], takes_value: dict[str, bool],
         help="NAME=VALUE lines for every rank (repeatable; -e wins). Only you may read the file (chmod 600).")
 @option("Job", "--base-port", type=click.IntRange(1, 65535),
         help=f"Port of local rank 0 (default {DEFAULT_BASE_PORT}; on this machine alone, the first free run "
-        "of ports from there, so that jobs side by side do not collide).")
+        "of ports from there that no other launch has claimed, so that jobs side by side do not collide).")
 @option("Job", "--iface", help="Network interface for Gloo/NCCL sockets on every host (default: per host, see README).")
 @option("Job", "--grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
         help="Seconds between SIGTERM and SIGKILL.")

@@ -30,7 +30,8 @@ from dlrun.transport.base import Channel, Transport
 #: ``$1`` folder ("" or ``~``-relative allowed), ``$2`` stamp file ("": next to the folder),
 #: ``$3`` key, ``$4`` "always" or "changed", ``$5`` the command. First line: a marker. Where
 #: ``flock`` exists, one setup at a time per stamp (two jobs, or hosts sharing an NFS folder): the
-#: next finds the stamp the first wrote and runs nothing.
+#: next finds the stamp the first wrote and runs nothing (no lock, as on an NFS without lockd:
+#: it runs anyway, and says nothing before its marker line).
 WRAPPER = r"""exec 2>&1
 d=$1
 case $d in "~") d=$HOME ;; "~/"*) d=$HOME/${d#"~/"} ;; esac
@@ -40,7 +41,7 @@ stamp=$2
 (umask 077 && mkdir -p "$(dirname "$stamp")") 2>/dev/null
 if command -v flock >/dev/null 2>&1 && (umask 077 && : >>"$stamp.lock") 2>/dev/null; then
   exec 9>>"$stamp.lock"
-  flock 9
+  flock 9 2>/dev/null
 fi
 if [ "$4" != always ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$3" ]; then
   echo "dlrun-setup: unchanged"

@@ -112,26 +112,33 @@ def port_free(port: int) -> bool:
     return True
 
 
-def claim_ports(ports: Sequence[int]) -> list[socket.socket] | None:
+def claim_ports(ports: Sequence[int], keeper: bool = False) -> list[socket.socket] | None:
     """Claims ``ports`` for this launch, machine-wide and for every user, until the sockets
     returned close (the kernel closes them when the process ends): an abstract Unix socket
     ``dlrun-port-N`` each, so that two launches that found the same free ports before their
-    ranks bound them do not both take them. None: another launch holds one of them. Where
-    abstract sockets do not exist (not Linux), nothing is claimed: the free check alone."""
+    ranks bound them do not both take them. None: another launch holds one of them. A detached
+    job's leader keeper (``keeper``) claims them under ``dlrun-keeper-port-N`` while the launch
+    still holds its own, which a launch also tries: the hand-over leaves no gap. Where abstract
+    sockets do not exist (not Linux), nothing is claimed: the free check alone."""
     import errno
     import socket
 
+    names = ("dlrun-keeper-port",) if keeper else ("dlrun-port", "dlrun-keeper-port")
     held: list[socket.socket] = []
     for port in ports:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(f"\0dlrun-port-{port}")
-        except OSError as exc:
-            sock.close()
-            for other in held:
-                other.close()
-            return None if exc.errno == errno.EADDRINUSE else []
-        held.append(sock)
+        for name in names:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.bind(f"\0{name}-{port}")
+            except OSError as exc:
+                sock.close()
+                for other in held:
+                    other.close()
+                return None if exc.errno == errno.EADDRINUSE else []
+            if name == names[0]:
+                held.append(sock)
+            else:
+                sock.close()  # only tried: no keeper holds it
     return held
 
 
@@ -360,6 +367,7 @@ class StackTaker:
 
 
 VERSIONS = ".dlrun-versions"  # as dlrun.remote.push_helper names it
+COLLECTING = ".collecting"  # <version>.collecting: a push removes that version now (as push_helper names it)
 
 
 def pin_tree(folder: str) -> tuple[str, int] | None:
@@ -388,13 +396,13 @@ def pin_tree(folder: str) -> tuple[str, int] | None:
 
 def resolve_pinned(given: str) -> tuple[str, tuple[str, int] | None]:
     """``given`` resolved (``~``, the project link) and its pushed tree pinned (``pin_tree``). A
-    push's collection renames a tree away before it looks for pins one last time
-    (``push_helper.collect_versions``): a tree gone once pinned was collected between the two
-    steps here, and the link names a newer one, resolved again."""
+    push's collection marks a tree (``<tree>.collecting``) before it looks for pins one last
+    time (``push_helper.collect_versions``): a tree so marked, or gone, once pinned is being
+    collected, and the link names a newer one, resolved again."""
     for _ in range(5):
         folder = os.path.realpath(os.path.expanduser(given))
         pin = pin_tree(folder)
-        if pin is None or os.path.isdir(folder):
+        if pin is None or (os.path.isdir(folder) and not os.path.lexists(folder + COLLECTING)):
             return folder, pin
         try:
             os.unlink(pin[0])

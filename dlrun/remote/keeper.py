@@ -1256,16 +1256,12 @@ class Keeper:
             self.tell_agent({"op": "ping"})
 
     def hold_ports(self, ports: list[int]) -> None:
-        """Claims this machine's ports that dlrun chose for the ranks (``claim_ports``) for as long
-        as the job lives: dlrun holds them until it has handed the job over, then lets go."""
-        claim = load_module(str(self.config["agent_source"]), "agent").claim_ports
-        deadline = time.monotonic() + CONNECT_TIMEOUT
-        while not self.ended and time.monotonic() < deadline:
-            held = claim(ports)
-            if held is not None:
-                self.port_claims = held  # closed by the kernel as this keeper ends
-                return
-            time.sleep(0.02)
+        """Claims this machine's ports that dlrun chose for the ranks (``claim_ports``, a keeper's
+        names) for as long as the job lives: dlrun holds its own until the hand-over is done."""
+        held = load_module(str(self.config["agent_source"]), "agent").claim_ports(ports, keeper=True)
+        if held is None:
+            self.note(f"ports {ports[0]}-{ports[-1]} are claimed by another job's keeper as well")
+        self.port_claims = held or []  # closed by the kernel as this keeper ends
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> int:
@@ -1279,8 +1275,7 @@ class Keeper:
             if self.rendezvous is not None:
                 self.rendezvous.start()  # bound before the fork; its thread starts here
             if self.config.get("claim_ports"):
-                threading.Thread(target=self.hold_ports, args=(list(self.config["claim_ports"]),),
-                                 daemon=True).start()
+                self.hold_ports(list(self.config["claim_ports"]))
         else:
             try:
                 self.connect_leader()

@@ -293,6 +293,7 @@ def unclaim(root: str) -> None:
 VERSIONS = ".dlrun-versions"
 NEXT = "next"
 VERSION_PREFIX = "v-"
+COLLECTING = ".collecting"  # <version>.collecting: a push removes that version now (``agent.COLLECTING``)
 
 
 def versions_dir(root: str) -> str:
@@ -533,13 +534,6 @@ def collect_versions(root: str, current: str) -> list[str]:
         return kept
     for name in names:
         path = os.path.join(vdir, name)
-        if name.startswith(".gc-"):  # what a collection could not finish: gone for an hour (by ctime,
-            try:                     # which its rename set), so no longer another push's to put back
-                if time.time() - os.lstat(path).st_ctime > 3600:
-                    shutil.rmtree(path, ignore_errors=True)
-            except OSError:
-                pass
-            continue
         if not name.startswith(VERSION_PREFIX) or "." in name or path == current:
             continue
         if any(u == path or u.startswith(path + os.sep) for u in used) or pinned(path, names):
@@ -556,27 +550,37 @@ def collect_versions(root: str, current: str) -> list[str]:
             except OSError:
                 pass
 
-        # away from its name first, then the pins once more: a job that resolved the tree before
-        # and pins it now either is seen here (the tree comes back) or sees it gone and resolves
-        # again (``agent.resolve_pinned``)
-        away = os.path.join(vdir, f".gc-{name}-{os.urandom(4).hex()}")
+        # marked first, then the pins and the processes once more: a job that resolved the tree
+        # before and pins it now either is seen here (kept) or sees the mark, or the tree gone, and
+        # resolves again (``agent.resolve_pinned``); the tree keeps its name while it is looked at
+        mark = path + COLLECTING
         try:
-            os.rename(path, away)
-        except OSError:
-            continue
-        try:
-            held = pinned(path, sorted(os.listdir(vdir)))
-        except OSError:
-            held = True
-        if held:
-            os.rename(away, path)
-            continue
-        shutil.rmtree(away, onerror=writable)
-        if not os.path.lexists(away):
+            os.close(os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        except FileExistsError:  # another push collects it now, or one that died left its mark
             try:
-                os.unlink(path + ".json")
+                if time.time() - os.lstat(mark).st_mtime > 3600:
+                    os.unlink(mark)
             except OSError:
                 pass
+            continue
+        except OSError:
+            continue
+        try:
+            held = pinned(path, sorted(os.listdir(vdir))) or any(
+                u == path or u.startswith(path + os.sep) for u in versions_in_use())
+        except OSError:
+            held = True
+        if not held:
+            shutil.rmtree(path, onerror=writable)
+            if not os.path.lexists(path):
+                try:
+                    os.unlink(path + ".json")
+                except OSError:
+                    pass
+        try:
+            os.unlink(mark)
+        except OSError:
+            pass
     return kept
 
 

@@ -227,6 +227,17 @@ class HostsEngine:
             ports_chosen = True
             claims = None if config.dry_run else self.port_claims  # a dry run starts nothing: no claim
             config = replace(config, base_port=local_base_port(inventory, config.np, claims))
+        try:
+            used_hosts = self._used_hosts(config, inventory)
+        except BaseException:
+            self.release_ports()
+            raise
+        self.prepared = Prepared(inventory, used_hosts, base_port_given, ports_chosen)
+        self.found = Found(inventory)
+        return config
+
+    @staticmethod
+    def _used_hosts(config: LaunchConfig, inventory: Inventory) -> tuple[Host, ...]:
         slots_from_gpus = config.preflight and any(h.slots is None for h in inventory.hosts)
         if slots_from_gpus:  # slots come from the probe: every host may be used
             used_hosts = inventory.hosts
@@ -235,9 +246,12 @@ class HostsEngine:
             used_hosts = tuple({c.spec.host.name: c.spec.host for c in trial}.values())
         if config.min_hosts is not None and config.min_hosts > len(used_hosts):
             raise UsageError(f"--min-hosts {config.min_hosts}: the job has {len(used_hosts)} hosts")
-        self.prepared = Prepared(inventory, used_hosts, base_port_given, ports_chosen)
-        self.found = Found(inventory)
-        return config
+        return used_hosts
+
+    def release_ports(self, keep: Sequence[int] = ()) -> None:
+        """Lets go of this machine's claimed ports (``local_base_port``), but ``keep``."""
+        for port in [p for p in self.port_claims if p not in keep]:
+            self.port_claims.pop(port).close()
 
     def probes(self, config: LaunchConfig) -> bool:
         """The preflight probes the hosts (a dry run's too, unless its ranks all run here)."""
@@ -388,9 +402,7 @@ class HostsEngine:
             pusher.shutdown(wait=False, cancel_futures=True)
             agents.close()
             transport.close()
-            for claim in self.port_claims.values():
-                claim.close()
-            self.port_claims.clear()
+            self.release_ports()
 
     def regroup(self, config: LaunchConfig, failed: RunResult) -> Regrouped:
         """After a failed attempt: the hosts it lost are reconnected (and probed) by the next
@@ -485,7 +497,10 @@ class HostsEngine:
         if config.attempt:
             config = self.shrunk(config, self.inventory)
             if self.prepared.ports_chosen:  # a fresh run of free ports (the last attempt's may still be held)
+                earlier = list(self.port_claims)
                 config = replace(config, base_port=local_base_port(self.inventory, config.np, self.port_claims))
+                if not detached:  # the last attempt's ranks have ended (a detached job's run later)
+                    self.release_ports(keep=[p for p in self.port_claims if p not in earlier])
             if self.reconnect:
                 agents = self.rejoin(config)
         with ExitStack() as stack:

@@ -52,8 +52,12 @@ class LocalChannel(Channel):
             try:
                 self.proc.stdin.write(data)
                 self.proc.stdin.flush()
-            except (BrokenPipeError, ValueError, OSError) as exc:
-                raise HostUnreachable(self._gone(), host=self.host) from exc
+                return
+            except ValueError as exc:  # dlrun closed it (close_stdin): the program may be well
+                raise HostUnreachable(f"{self.what} is gone", host=self.host) from exc
+            except OSError as exc:  # a broken pipe: the program stopped reading
+                failed = exc
+        raise HostUnreachable(self._gone(), host=self.host) from failed
 
     def _gone(self) -> str:
         """Why the program stopped reading: its exit code and last lines of stderr (a wrong

@@ -602,7 +602,8 @@ class SSHTransport(Transport):
 
     # ------------------------------------------------------------------ connect
     def connect(self, hosts: Sequence[Host]) -> Mapping[str, str]:
-        self._closed = False
+        with self._store_lock:
+            self._closed = False
         todo = [h for h in hosts if h.name not in self.clients]
         if len(todo) >= PROGRESS_FROM:
             print(f"dlrun: reading the ssh config for {len(todo)} hosts", file=sys.stderr, flush=True)

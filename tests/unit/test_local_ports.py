@@ -3,6 +3,7 @@ and claimed, so that two launches started together do not both take them."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -32,8 +33,9 @@ def test_two_launches_in_one_process_get_different_ports_until_the_first_ends() 
     assert a != b and sorted(first) == [a, a + 1] and sorted(second) == [b, b + 1]
     for sock in first.values():
         sock.close()
-    assert local_base_port(HERE, 2, {}) == a  # free again: the first launch's ranks have ended
-    for sock in second.values():
+    again = claim_ports(range(a, a + 2))  # free again: the first launch's ranks have ended
+    assert again
+    for sock in [*again, *second.values()]:
         sock.close()
 
 
@@ -53,8 +55,8 @@ def test_a_launch_in_another_process_holds_its_ports_until_it_ends() -> None:
     assert claim_ports(range(theirs, theirs + 2)) is not None  # its process ended, the kernel let go
 
 
-def test_a_run_half_claimed_elsewhere_is_skipped_and_nothing_of_it_stays_held() -> None:
-    base = local_base_port(HERE, 2)  # no list: found, and let go at once
+def test_a_run_half_claimed_elsewhere_is_refused_whole_and_nothing_of_it_stays_held() -> None:
+    base = 64000 + os.getpid() % 1000  # a run of its own, away from the launches' 23456 and up
     elsewhere = claim_ports([base + 1])
     assert elsewhere
     try:
@@ -66,3 +68,20 @@ def test_a_run_half_claimed_elsewhere_is_skipped_and_nothing_of_it_stays_held() 
     finally:
         for sock in elsewhere:
             sock.close()
+
+
+def test_a_detached_jobs_keeper_claims_them_while_the_launch_still_holds_them() -> None:
+    base = 63000 + os.getpid() % 1000
+    launch = claim_ports([base, base + 1])
+    assert launch
+    keeper = claim_ports([base, base + 1], keeper=True)  # the hand-over: no moment unclaimed
+    assert keeper
+    for sock in launch:
+        sock.close()
+    assert claim_ports([base]) is None  # another launch still finds them taken
+    for sock in keeper:
+        sock.close()
+    free = claim_ports([base])
+    assert free
+    for sock in free:
+        sock.close()
