@@ -402,7 +402,8 @@ def resolve_pinned(given: str) -> tuple[str, tuple[str, int] | None]:
     for _ in range(5):
         folder = os.path.realpath(os.path.expanduser(given))
         pin = pin_tree(folder)
-        if pin is None or (os.path.isdir(folder) and not os.path.lexists(folder + COLLECTING)):
+        tree = pin[0].rpartition(".pin-")[0] if pin else ""  # the version holding folder
+        if pin is None or (os.path.isdir(folder) and not os.path.lexists(tree + COLLECTING)):
             return folder, pin
         try:
             os.unlink(pin[0])

@@ -61,7 +61,7 @@ def test_a_job_whose_tree_is_collected_before_its_pin_runs_in_the_newer_one(
     real_pin = agent.pin_tree
 
     def swapped_and_collected_first(folder: str) -> tuple[str, int] | None:
-        if Path(folder) == old:  # ... then a push swaps v-2 in and collects v-1 before the pin
+        if Path(folder) == old / "sub":  # ... then a push swaps v-2 in and collects v-1 before the pin
             (tmp_path / "proj").unlink()
             (tmp_path / "proj").symlink_to(os.path.relpath(new, tmp_path))
             (old.parent / "v-1.collecting").touch()  # the push's mark: it looks for pins next
@@ -70,8 +70,10 @@ def test_a_job_whose_tree_is_collected_before_its_pin_runs_in_the_newer_one(
         return real_pin(folder)
 
     monkeypatch.setattr(agent, "pin_tree", swapped_and_collected_first)
-    folder, pin = agent.resolve_pinned(str(root))
-    assert folder == str(new) and pin is not None and pin[0].startswith(str(new) + ".pin-")
+    (old / "sub").mkdir()  # ranks may run in a folder inside the tree: the mark is the tree's
+    (new / "sub").mkdir()
+    folder, pin = agent.resolve_pinned(str(root / "sub"))
+    assert folder == str(new / "sub") and pin is not None and pin[0].startswith(str(new) + ".pin-")
     assert not list(old.parent.glob("v-1.pin-*"))  # the stale pin was taken back
     os.close(pin[1])
 
