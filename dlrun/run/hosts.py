@@ -248,9 +248,9 @@ class HostsEngine:
             raise UsageError(f"--min-hosts {config.min_hosts}: the job has {len(used_hosts)} hosts")
         return used_hosts
 
-    def release_ports(self, keep: Sequence[int] = ()) -> None:
-        """Lets go of this machine's claimed ports (``local_base_port``), but ``keep``."""
-        for port in [p for p in self.port_claims if p not in keep]:
+    def release_ports(self, ports: Sequence[int] | None = None) -> None:
+        """Lets go of these claimed ports of this machine (``local_base_port``; None: all)."""
+        for port in list(self.port_claims) if ports is None else ports:
             self.port_claims.pop(port).close()
 
     def probes(self, config: LaunchConfig) -> bool:
@@ -500,7 +500,7 @@ class HostsEngine:
                 earlier = list(self.port_claims)
                 config = replace(config, base_port=local_base_port(self.inventory, config.np, self.port_claims))
                 if not detached:  # the last attempt's ranks have ended (a detached job's run later)
-                    self.release_ports(keep=[p for p in self.port_claims if p not in earlier])
+                    self.release_ports(earlier)
             if self.reconnect:
                 agents = self.rejoin(config)
         with ExitStack() as stack:

@@ -545,3 +545,25 @@ def test_a_local_python_that_fails_at_once_is_named_with_what_it_said(tmp_path: 
     assert out.returncode == (1 if preflight else 255), text
     assert "exit 3)" in text and ": this python is broken" in text, text
     assert "broken: this python is broken" not in text and " is gone" not in text, text
+
+
+#: attempt 0 says its MASTER_PORT and fails; attempt 1 says which of its own and attempt 0's
+#: ports are still claimed (by dlrun) while it runs
+PORT_CLAIMS = """
+import os, sys
+from dlrun.remote.agent import claim_ports
+port = int(os.environ["MASTER_PORT"])
+if os.environ["DLRUN_RESTART_COUNT"] == "0":
+    open("first-port", "w").write(str(port))
+    sys.exit(3)
+first = int(open("first-port").read())
+print("claimed", "first", claim_ports([first]) is None, "mine", claim_ports([port]) is None, flush=True)
+"""
+
+
+def test_a_restart_takes_new_ports_and_lets_go_of_the_last_attempts(tmp_path: Path) -> None:
+    script = write(tmp_path / "claims.py", PORT_CLAIMS)
+    out = run_dlrun("launch", "--plain", "--framework", "torch", "-n", "1", "--max-restarts", "1", str(script),
+                    cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "] claimed first False mine True\n" in out.stdout, out.stdout
