@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,6 +61,19 @@ def test_remote_programs_use_only_the_standard_library_and_python38(path: Path) 
     outside -= job_framework
     assert not outside, f"{rel(path)} imports {outside}: it runs on hosts that have only Python"
     ast.parse(path.read_text(encoding="utf-8"), feature_version=(3, 8))  # and Python 3.8 or later
+
+
+def test_host_programs_call_nothing_newer_than_python38(tmp_path: Path) -> None:
+    """``ast.parse(feature_version=...)`` checks syntax only; vermin knows when each standard
+    library name arrived (``os.waitstatus_to_exitcode``, ``str.removeprefix``: 3.9)."""
+    from dlrun.remote import CACHE_STAGE, LOADER
+
+    (tmp_path / "loader.py").write_text(LOADER + CACHE_STAGE, encoding="utf-8")
+    paths = [str(p) for p in modules() if rel(p).startswith("remote/") and p.name != "__init__.py"]
+    run = subprocess.run([sys.executable, "-c", "import sys; from vermin import main; sys.exit(main())",
+                          "--target=3.8-", "--violations", "--no-tips", "-q", *paths, str(tmp_path / "loader.py")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
 
 
 @pytest.mark.parametrize("name", PURE)
