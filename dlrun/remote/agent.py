@@ -880,13 +880,20 @@ class Agent:
 
     def send_recordings(self) -> None:
         """The flight recorder dumps this host's ranks left (``<prefix><rank>``, written by torch on
-        a timeout or on demand): each as a FILE frame (name, NUL, bytes), then removed; what
-        exceeds ``FILE_LIMIT`` stays. Only its own ranks': hosts of one machine share the folder."""
+        a timeout or on demand): each as a FILE frame (name, NUL, bytes), then removed. One past
+        what is left of ``FILE_LIMIT`` stays, and its frame says where (NUL, then JSON: name, path,
+        size, limit). Only its own ranks': hosts of one machine share the folder."""
         budget = FILE_LIMIT
         for rank, prefix in sorted(self.recorders.items()):
             path = prefix + str(rank)
             try:
-                if not os.path.isfile(path) or os.path.getsize(path) > budget:
+                if not os.path.isfile(path):
+                    continue
+                size = os.path.getsize(path)
+                if size > budget:
+                    left = {"name": os.path.basename(path), "path": os.path.abspath(path), "size": size,
+                            "limit": FILE_LIMIT}
+                    self.emit(FILE, AGENT_RANK, b"\0" + json.dumps(left).encode("utf-8"))
                     continue
                 with open(path, "rb") as fh:
                     data = fh.read(budget)

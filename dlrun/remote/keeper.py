@@ -751,6 +751,13 @@ class Keeper:
         elif kind == GPU:
             self.gpu_sample(payload)
         elif kind == FILE:  # a flight recorder dump: kept with the attempt's logs
+            groups = self.groups() if self.flight else None
+            if payload.startswith(b"\0"):  # too large to send: where it stayed
+                left = groups.left_on_host(payload, self.host) if groups is not None else None
+                if left is not None:
+                    self.digests[left[0]] = None
+                    self.note(left[1])
+                return
             raw, _, data = payload.partition(b"\0")
             folder = os.path.join(self.attempt_dir, "flight-recorder")
             name = os.path.basename(raw.decode("utf-8", "replace")).strip(".") or "dump"
@@ -760,7 +767,6 @@ class Keeper:
                     fh.write(data)
             except OSError as exc:  # a full disk loses the dump, not the job
                 self.note(f"flight recorder dump {name} on {self.host} not written ({exc})")
-            groups = self.groups() if self.flight else None
             rank_no = groups.rank_of(name) if groups is not None else None
             if groups is not None and rank_no is not None:  # what the leader reads of it
                 dump = groups.read_dump(data)

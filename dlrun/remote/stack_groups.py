@@ -465,6 +465,23 @@ def lagging_lines(dumps: Mapping[int, Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+def left_on_host(payload: bytes, host: str) -> tuple[int, str] | None:
+    """(rank, line) of an agent's FILE frame that names a dump too large to send back (NUL, then
+    JSON: name, path, size, limit): where it is, on which host; ``None`` for a dump's frame."""
+    if not payload.startswith(b"\0"):
+        return None
+    try:
+        left = json.loads(payload[1:])
+        rank, size, limit = rank_of(str(left["name"])), int(left["size"]), int(left["limit"])
+        path = str(left["path"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    if rank is None:
+        return None
+    return rank, (f"flight recorder: rank {rank}'s dump ({size / (1 << 20):.1f} MiB, over the"
+                  f" {limit / (1 << 20):g} MiB a host sends back) stayed on {host}: {path}")
+
+
 def silent_lines(asked: Sequence[int], came: Sequence[int]) -> list[str]:
     """The ranks a hang asked for a dump (running, with torch's pipe) that sent none back while
     others did: no NCCL process group there yet, or stuck where torch's dump thread cannot run."""

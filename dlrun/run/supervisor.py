@@ -197,6 +197,7 @@ class Supervisor:
         self.recordings: dict[int, dict[str, Any]] = {}  # rank -> its flight recorder dump (stack_groups)
         self.dumped: set[int] = set()  # ranks whose dumps are in <log_dir>/flight-recorder/
         self.dump_came: set[int] = set()  # ranks whose agent sent a dump back, kept or not
+        self.dumps_left: list[str] = []  # dumps too large to send back: where each stayed
         self.recorded_at: float | None = None  # when the hang asked for flight recorder dumps
         self.record_asked: set[int] = set()  # the ranks running then, with torch's dump pipe
         self.control = ControlServer(control_id or self._job_id(), self._control)  # dlrun stack JOB
@@ -361,7 +362,7 @@ class Supervisor:
             self._gpu(host, payload)
             return
         if kind == agent.FILE:
-            self._recording(payload)
+            self._recording(host, payload)
             return
         if kind == agent.STACKS:
             with contextlib.suppress(ValueError, AttributeError):
@@ -512,10 +513,16 @@ class Supervisor:
         if not self.stopping:
             self._stop_all(self.grace)
 
-    def _recording(self, payload: bytes) -> None:
-        """A flight recorder dump a host sent back: to ``<log_dir>/flight-recorder/``, and read."""
-        from dlrun.remote.stack_groups import rank_of, read_dump  # few jobs send one: not at every launch
+    def _recording(self, host: str, payload: bytes) -> None:
+        """A flight recorder dump a host sent back: to ``<log_dir>/flight-recorder/``, and read;
+        or where one too large to send stayed."""
+        from dlrun.remote.stack_groups import left_on_host, rank_of, read_dump  # few jobs send one
 
+        left = left_on_host(payload, host)
+        if left is not None:
+            self.dump_came.add(left[0])
+            self.dumps_left.append(left[1])
+            return
         raw, _, data = payload.partition(b"\0")
         name = os.path.basename(raw.decode("utf-8", "replace")).strip(".") or "dump"
         if self.log_dir is not None:
@@ -535,6 +542,7 @@ class Supervisor:
         from dlrun.remote.stack_groups import lagging_lines, rank_list, silent_lines
 
         lines = lagging_lines(self.recordings) + silent_lines(sorted(self.record_asked), sorted(self.dump_came))
+        lines += self.dumps_left
         if self.dumped and self.log_dir is not None:
             noun = "rank" if len(self.dumped) == 1 else "ranks"
             ranks = rank_list(sorted(self.dumped))

@@ -458,6 +458,51 @@ def test_a_hangs_stop_waits_for_the_flight_recorder_dumps_it_asked_for(tmp_path:
     assert not Path(f"/tmp/dlrun-{job}").exists()  # the pipes and the folder went with the job
 
 
+# rank 0's dump is larger than a host sends back (agent.FILE_LIMIT, 16 MiB); rank 1's is small
+BIG_DUMP = """
+import os, pickle, threading, time
+
+rank = int(os.environ["RANK"])
+pipe = os.environ["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] + str(rank) + ".pipe"
+os.mkfifo(pipe)
+
+
+def monitor():
+    with open(pipe, "rb") as fh:
+        fh.read(1)
+    pad = b"x" * (17 << 20) if rank == 0 else b""
+    data = pickle.dumps({"version": "2.10", "pg_status": {"0": {"last_enqueued_collective": 7}}, "entries": [],
+                         "pad": pad})
+    with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "wb") as out:
+        out.write(data)
+
+
+threading.Thread(target=monitor, daemon=True).start()
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.mark.slow
+def test_a_dump_too_large_to_send_back_is_named_where_it_stayed(tmp_path: Path) -> None:
+    (tmp_path / "big_dump.py").write_text(BIG_DUMP)
+    out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch", "--hang-timeout", "5",
+                    "big_dump.py", cwd=tmp_path, timeout=240)
+    assert out.returncode == 124, out.stdout + out.stderr
+    job = found(r"logs in dlrun-logs/([\w-]+)/", out.stdout)
+    folder = tmp_path / "dlrun-logs" / job / "flight-recorder"
+    assert sorted(p.name for p in folder.iterdir()) == ["trace_rank_1"], out.stdout
+    stayed = found(r"flight recorder: rank 0's dump \(17\.0 MiB, over the 16 MiB a host sends back\) stayed on"
+                   r" localhost: (\S+)\n", out.stdout)
+    try:
+        assert pickle.loads(Path(stayed).read_bytes())["pg_status"]["0"]["last_enqueued_collective"] == 7
+        assert "rank 0 sent no dump back" not in out.stdout, out.stdout  # it did: too large to send
+    finally:
+        Path(stayed).unlink(missing_ok=True)
+        os.removedirs(Path(stayed).parent)
+
+
 @pytest.mark.slow
 @pytest.mark.ssh
 def test_a_detached_hang_names_the_rank_that_sent_no_dump_back(cluster: SshdCluster, tmp_path: Path) -> None:

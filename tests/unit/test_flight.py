@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 
 from dlrun.remote import keeper, source_of
-from dlrun.remote.stack_groups import DIGEST_ENTRIES, dump_digest, lagging_lines, rank_of, read_dump, silent_lines
+from dlrun.remote.stack_groups import (
+    DIGEST_ENTRIES,
+    dump_digest,
+    lagging_lines,
+    left_on_host,
+    rank_of,
+    read_dump,
+    silent_lines,
+)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "flight_recorder"
 
@@ -122,3 +130,27 @@ def test_the_leader_keeper_does_not_wait_for_a_lost_host_nor_for_ever(tmp_path: 
     later = time.monotonic() + keeper.FLIGHT_WAIT + 1
     monkeypatch.setattr(time, "monotonic", lambda: later)
     assert silent.decide() and silent.exit_code == 3  # FLIGHT_WAIT passed: the result without f's
+
+
+def left_frame(name: str, size: int) -> bytes:
+    """What an agent sends for a dump past its host's budget (``agent.send_recordings``)."""
+    return b"\0" + json.dumps({"name": name, "path": f"/tmp/x/{name}", "size": size, "limit": 16 << 20}).encode()
+
+
+def test_a_dump_too_large_to_send_is_named_with_its_host_and_path() -> None:
+    assert left_on_host(left_frame("trace_rank_3", 40 << 20), "gpu7") == (
+        3, "flight recorder: rank 3's dump (40.0 MiB, over the 16 MiB a host sends back) stayed on gpu7:"
+           " /tmp/x/trace_rank_3")
+    assert left_on_host(b"trace_rank_3\0" + b"\0data", "gpu7") is None  # a dump's own frame
+    assert left_on_host(b"\0not json", "gpu7") is None
+
+
+def test_a_keeper_notes_where_a_dump_too_large_to_send_stayed_and_counts_it_as_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    one = flight_leader(tmp_path, monkeypatch)
+    one.record_asked = [0, 1]
+    one.on_frame(keeper.FILE, -1, left_frame("trace_rank_0", 20 << 20))
+    assert 0 in one.digests and not (tmp_path / "attempt-0" / "flight-recorder").exists()
+    assert ("flight recorder: rank 0's dump (20.0 MiB, over the 16 MiB a host sends back) stayed on h:"
+            " /tmp/x/trace_rank_0") in one.notes
+    assert not any("rank 0 sent no dump" in line for line in one.flight_evidence())
