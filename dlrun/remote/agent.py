@@ -559,10 +559,12 @@ class Agent:
             if not stem or rank in self.exited or proc.returncode is not None:
                 continue
             try:
-                fd = os.open(f"{stem}{rank}.pipe", os.O_WRONLY | os.O_NONBLOCK)
+                fd = os.open(f"{stem}{rank}.pipe", os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
             except OSError:
                 continue
             try:
+                if (os.fstat(fd).st_mode & 0o170000) != 0o010000:  # a FIFO, as torch makes: no file
+                    continue
                 os.write(fd, b"1")
                 if rank in self.recorders:
                     self.recording[rank] = [-1.0, time.monotonic()]
@@ -615,12 +617,14 @@ class Agent:
         self.tag = str(spec.get("tag") or self.job_id)
         # only where Yama restricts: the hook costs ctypes, and a fork where Popen could vfork
         ptracer = ptracer_hook(os.getpid()) if ptrace_restricted() else None
+        folders: dict[str, str | None] = {}  # /tmp/dlrun-<job> -> the private folder its rank files go to
         for item in spec["ranks"]:
             rank = int(item["rank"])
             env = dict(os.environ)
             env.update({str(k): str(v) for k, v in item.get("env", {}).items()})
             env["DLRUN_JOB_ID"] = self.job_id
             env["DLRUN_AGENT_TAG"] = self.tag
+            private_rank_files(env, folders)
             argv = [str(a) for a in item["argv"]]
             # the folder as resolved above: the pushed code tree pinned there, whatever a push swaps in later
             cwd = resolved[str(item["cwd"])] if item.get("cwd") else None
@@ -954,6 +958,58 @@ exec "$@"
 
 #: What the controller takes of a rank's TORCHELASTIC_ERROR_FILE (torch's ``@record`` output).
 ERROR_FILE_LIMIT = 256 * 1024
+
+
+#: Where dlrun.render puts a torch job's rank files on a host (``/tmp/dlrun-<job>/``), and those files:
+#: torch's ``@record`` error file, the flight recorder's dumps and its pipes.
+JOB_TMP = "/tmp/dlrun-"
+RANK_FILES = ("TORCHELASTIC_ERROR_FILE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
+
+
+def private_folder(top: str) -> str | None:
+    """``top`` (``/tmp/dlrun-<job>``) when it is this user's own folder that no one else could write
+    to (made now, or by another host or rank of the job on this machine), made private; else a new
+    private folder beside it (``<top>-<random>``), as torchrun's ``mkdtemp``. Another user may make
+    the name first (a restart's ``<job>-r1`` is easy to guess) and then read a rank's error file,
+    plant one, or link it to the user's files. None when no folder could be made."""
+    uid = os.geteuid()
+    name = top
+    for _ in range(8):
+        try:
+            os.mkdir(name, 0o700)
+            return name
+        except FileExistsError:
+            pass
+        except OSError:
+            return None
+        try:
+            st = os.lstat(name)
+            if st.st_uid == uid and (st.st_mode & 0o170000) == 0o040000 and not st.st_mode & 0o022:
+                if st.st_mode & 0o077:
+                    os.chmod(name, 0o700)
+                return name
+        except OSError:
+            pass
+        name = top + "-" + os.urandom(6).hex()
+    return None
+
+
+def private_rank_files(env: dict[str, str], folders: dict[str, str | None]) -> None:
+    """Move the rank files ``env`` names under ``/tmp/dlrun-<job>/`` into the folder
+    ``private_folder`` chose for it (``folders``: the choices so far); without one, the rank
+    runs without them (no error file, no flight recorder) rather than in another user's folder."""
+    for key in RANK_FILES:
+        value = env.get(key, "")
+        if not value.startswith(JOB_TMP):
+            continue
+        top = "/".join(value.split("/")[:3])
+        if top not in folders:
+            folders[top] = private_folder(top)
+        chosen = folders[top]
+        if chosen is None:
+            del env[key]
+        else:
+            env[key] = chosen + value[len(top):]
 
 
 def prepare_error_file(path: str) -> None:

@@ -131,3 +131,43 @@ def test_the_root_cause_block_in_order() -> None:
         "  last 1 line of rank 1:",
         "    | last",
     ]
+
+
+# Attempt 0 plays another user of the host: it makes the restart's folder (/tmp/dlrun-<job>-r1, an
+# easy name to guess) theirs and open to all, with the attempt's rank folder in it. Attempt 1's
+# rank records its exception as torch's @record does.
+PLANTED = """
+import json, os, sys
+planted = "/tmp/dlrun-" + os.environ["DLRUN_JOB_ID"] + "-r1"
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    os.makedirs(planted + "/attempt_1/0")
+    for folder in (planted, planted + "/attempt_1", planted + "/attempt_1/0"):
+        os.chown(folder, 65534, 65534)
+        os.chmod(folder, 0o777)
+    sys.exit(3)
+path = os.environ["TORCHELASTIC_ERROR_FILE"]
+print("error file:", path, flush=True)
+with open(path, "w") as fh:
+    json.dump({"message": {"message": "RuntimeError: secret-laden failure", "extraInfo": {"py_callstack": ""}}}, fh)
+sys.exit(1)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays another user with chown")
+def test_a_restarts_rank_files_stay_out_of_a_folder_another_user_made_first(tmp_path: Path) -> None:
+    (tmp_path / "planted.py").write_text(PLANTED)
+    out = run_dlrun("launch", "--plain", "--framework", "torch", "-n", "1", "--max-restarts", "1", "planted.py",
+                    cwd=tmp_path, timeout=120)
+    job = out.stdout.split("logs in dlrun-logs/", 1)[1].split("/", 1)[0]
+    planted = Path(f"/tmp/dlrun-{job}-r1")
+    try:
+        assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
+        used = out.stdout.split("error file: ", 1)[1].split("\n", 1)[0]
+        assert used.startswith(f"{planted}-") and used.endswith("/attempt_1/0/error.json"), used
+        assert not (planted / "attempt_1" / "0" / "error.json").exists()  # they read nothing
+        last = out.stdout[out.stdout.rindex("dlrun: root cause:"):]
+        assert "RuntimeError: secret-laden failure" in root_cause_block(last)  # the evidence is whole
+        assert not Path(used).parents[2].exists()  # the private folder went with the job
+    finally:
+        for folder in (planted / "attempt_1" / "0", planted / "attempt_1", planted):
+            folder.rmdir()
