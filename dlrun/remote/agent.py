@@ -940,12 +940,15 @@ class Agent:
 #: own process through ``/proc`` and fails (error 304) under a namespace that shows the host's.
 #: ``--propagation slave`` lets mounts the host makes later (an automounted NFS) reach the ranks.
 #: A login user who does not own ``/`` (not root) tries the user namespace first: a PID namespace
-#: alone needs CAP_SYS_ADMIN, and each refused try costs a process.
+#: alone needs CAP_SYS_ADMIN, and each refused try costs a process. Only root may fall back to
+#: ``--map-root-user`` (util-linux before 2.38 has no ``--map-current-user``: Ubuntu 22.04, RHEL
+#: 8 and 9): another user's ranks would run as uid 0 in there (``getpwuid`` says ``/root``, ssh
+#: reads ``/root/.ssh``, ``mpirun`` refuses root), so they run plainly, with the sweep.
 PIDNS_WRAPPER = """\
 if [ -z "${DLRUN_NO_PIDNS:-}" ]; then
-  a="--pid" b="--user --map-current-user --pid"
-  [ -O / ] 2>/dev/null || { a=$b b="--pid"; }
-  for o in "$a" "$b" "--user --map-root-user --pid"; do
+  a="--pid" b="--user --map-current-user --pid" c="--user --map-root-user --pid"
+  [ -O / ] 2>/dev/null || { a=$b b="--pid" c=""; }
+  for o in "$a" "$b" ${c:+"$c"}; do
     if unshare $o --mount-proc --propagation slave --fork --kill-child \\
         sh -c 'read -r p _ </proc/self/stat && [ "$p" = 1 ] && [ "$$" = 1 ]' </dev/null >/dev/null 2>&1; then
       exec unshare $o --mount-proc --propagation slave --fork --kill-child "$@" --in-pidns

@@ -14,6 +14,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ from dlrun.topo.probe import parse_probe_output
 from dlrun.transport.base import Channel
 from dlrun.transport.local import HostRouter, LocalTransport
 
+from support.sshd_cluster import ensure_test_user
 from support.wait import wait_until
 
 
@@ -159,6 +161,32 @@ def test_wrapper_falls_back_without_unshare_and_on_request(tmp_path: Path) -> No
     assert hello(talk(agent.pidns_argv(agent_cmd()), probe, env=env))["pidns"] is False
     env = {**os.environ, "DLRUN_NO_PIDNS": "1"}
     assert hello(talk(agent.pidns_argv(agent_cmd()), probe, env=env))["pidns"] is False
+
+
+# util-linux before 2.38 (Ubuntu 22.04, RHEL 8 and 9): no --map-current-user; the rest goes to the real one
+OLD_UNSHARE = """#!/bin/sh
+case " $* " in *" --map-current-user "*) echo "unshare: unrecognized option '--map-current-user'" >&2; exit 1;; esac
+exec REAL "$@"
+"""
+
+
+@pytest.mark.skipif(not shutil.which("unshare") or os.geteuid() != 0, reason="needs unshare(1), and root to be a user")
+def test_a_login_user_whose_unshare_cannot_map_them_runs_as_themselves_not_as_namespace_root() -> None:
+    user = ensure_test_user()
+    folder = Path(tempfile.mkdtemp(prefix="dlrun-old-unshare-"))  # where the login user may run it
+    try:
+        folder.chmod(0o755)
+        fake = folder / "unshare"
+        fake.write_text(OLD_UNSHARE.replace("REAL", shutil.which("unshare") or "unshare"))
+        fake.chmod(0o755)
+        report = "import os, pwd; print(os.getuid(), pwd.getpwuid(os.getuid()).pw_dir)"
+        argv = ["runuser", "-u", user.pw_name, "--", "env", f"PATH={folder}:{os.environ['PATH']}",
+                *agent.pidns_argv([sys.executable, "-c", report])]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd="/")
+    finally:
+        shutil.rmtree(folder)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(user.pw_uid), user.pw_dir], out.stdout  # before: "0 /root"
 
 
 @pytest.mark.skipif(not shutil.which("unshare"), reason="no unshare(1) here")
