@@ -567,3 +567,17 @@ def test_a_restart_takes_new_ports_and_lets_go_of_the_last_attempts(tmp_path: Pa
                     cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "] claimed first False mine True\n" in out.stdout, out.stdout
+
+
+def test_a_terminal_that_is_not_utf8_gets_every_line_and_the_summary(tmp_path: Path) -> None:
+    # LANG=en_US.ISO-8859-1 as PYTHONIOENCODING says it; the ranks write bytes, so it binds only dlrun
+    (tmp_path / "s.py").write_text('import sys\nsys.stdout.buffer.write("caf\\u00e9 \\u2713 ".encode() + b"\\xe9\\n")\n'
+                                   'sys.stdout.flush()\nprint("done", flush=True)\n')
+    out = subprocess.run(dlrun_argv("launch", "--plain", "--np", "2", "--framework", "none", "s.py"), cwd=tmp_path,
+                         capture_output=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONIOENCODING": "latin-1"})
+    shown = out.stdout.decode("latin-1")
+    assert out.returncode == 0, shown + out.stderr.decode("latin-1")  # before: UnicodeEncodeError, exit 1
+    assert "[1 localhost] caf\u00e9 \\u2713 \\ufffd\n" in shown and "all 2 ranks succeeded" in shown
+    logs = next((tmp_path / "dlrun-logs").iterdir())
+    assert (logs / "rank-0.log").read_text(encoding="utf-8") == "caf\u00e9 \u2713 \ufffd\ndone\n"
