@@ -577,7 +577,8 @@ def gather(doc: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    doc: dict[str, Any] = {"version": VERSION, "sysfs_root": sysfs_root()}
+    doc: dict[str, Any] = {"version": VERSION, "sysfs_root": sysfs_root(),
+                           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     try:
         gather(doc)
     except Exception as exc:  # the caller must always get a document

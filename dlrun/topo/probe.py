@@ -28,7 +28,7 @@ from dlrun.topo.parse import (
     parse_sysfs_pci_numa,
     parse_topo_matrix,
 )
-from dlrun.topo.records import Gpu, HostReport, NetInterface, TopoMatrix, attach_nic_affinity
+from dlrun.topo.records import Gpu, HostReport, NetInterface, TopoMatrix, attach_nic_affinity, visible_subset
 
 PROBE_VERSION = 1
 
@@ -215,6 +215,11 @@ def parse_probe_output(host: str, stdout: str) -> HostReport:
     if not nics:
         notes.append("no RDMA (InfiniBand/RoCE) device")
 
+    cuda_visible = doc.get("cuda_visible_devices")
+    cuda_visible = cuda_visible if isinstance(cuda_visible, str) else None
+    if cuda_visible is not None and gpus:
+        kept = len(visible_subset(gpus, cuda_visible))
+        notes.append(f"CUDA_VISIBLE_DEVICES={cuda_visible!r} on this host: jobs use {kept} of its GPUs")
     numa = doc.get("numa_nodes")
     tf = doc.get("tensorflow")
     fw_doc = doc.get("frameworks")
@@ -246,6 +251,7 @@ def parse_probe_output(host: str, stdout: str) -> HostReport:
         interfaces=_interfaces(doc, _command(commands, "ip_addr")),
         notes=tuple(notes),
         problems=tuple(problems),
+        cuda_visible=cuda_visible,
     )
 
 

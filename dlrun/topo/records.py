@@ -228,6 +228,35 @@ class Nic:
         return self.state == "ACTIVE"
 
 
+def visible_subset(gpus: Sequence[Gpu], cuda_visible: str) -> tuple[str, ...]:
+    """The slots (as :attr:`HostReport.cuda_devices` names them) that ``CUDA_VISIBLE_DEVICES``
+    leaves, read as CUDA reads it: comma-separated nvidia-smi indices, ``GPU-`` or ``MIG-``
+    UUIDs or unique prefixes of them, up to the first entry that names no device or one named
+    already (CUDA ignores the rest); ``""`` or ``-1`` leave none. An index is nvidia-smi's, which
+    is CUDA's own where ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or the GPUs are all one model. A GPU
+    with MIG on stands for its first MIG device."""
+    def slot(gpu: Gpu) -> str | None:
+        if gpu.mig:
+            return next((m.uuid for m in gpu.mig_devices if m.uuid), None)
+        return gpu.uuid or str(gpu.index)
+
+    chosen: list[str] = []
+    for entry in (e.strip() for e in cuda_visible.split(",")):
+        found: str | None = None
+        if entry.isdigit():
+            found = next((slot(g) for g in gpus if g.index == int(entry)), None)
+        elif entry.startswith("GPU-") and len(entry) > 4:
+            named = [g for g in gpus if g.uuid and g.uuid.startswith(entry)]
+            found = slot(named[0]) if len(named) == 1 else None
+        elif entry.startswith("MIG-") and len(entry) > 4:
+            named_mig = [m.uuid for g in gpus for m in g.mig_devices if m.uuid and m.uuid.startswith(entry)]
+            found = named_mig[0] if len(named_mig) == 1 else None
+        if found is None or found in chosen:
+            break
+        chosen.append(found)
+    return tuple(chosen)
+
+
 @dataclass(frozen=True)
 class NetInterface:
     """A network interface and its IPv4 addresses (for NCCL/Gloo socket interface choice)."""
@@ -279,6 +308,7 @@ class HostReport:
     interfaces: tuple[NetInterface, ...] = ()
     notes: tuple[str, ...] = ()
     problems: tuple[str, ...] = ()
+    cuda_visible: str | None = None  # the host's own CUDA_VISIBLE_DEVICES (None: not set there)
 
     @classmethod
     def unreachable(cls, host: str, error: str) -> HostReport:
@@ -301,7 +331,10 @@ class HostReport:
     @property
     def gpu_slots(self) -> int:
         """Ranks the GPUs can hold: one per GPU, or one per MIG device where MIG is on (a GPU
-        with MIG on and no MIG device holds none: CUDA sees nothing there)."""
+        with MIG on and no MIG device holds none: CUDA sees nothing there); where the host sets
+        ``CUDA_VISIBLE_DEVICES``, the devices it names."""
+        if self.cuda_visible is not None:
+            return len(self.cuda_devices)
         return sum(len(g.mig_devices) if g.mig else 1 for g in self.gpus)
 
     @property
@@ -311,8 +344,12 @@ class HostReport:
         GPU UUIDs (``GPU-…``), or MIG device UUIDs (``MIG-…``) where MIG is on: UUIDs do not
         depend on ``CUDA_DEVICE_ORDER`` (CUDA's default order is not nvidia-smi's). A GPU whose
         UUID is unknown is given by its nvidia-smi index; a MIG device without a UUID (``-q``
-        output has none) is left out.
+        output has none) is left out. Where the host sets ``CUDA_VISIBLE_DEVICES`` (a user kept
+        to some GPUs of a shared machine), only the devices it names, in its order
+        (:func:`visible_subset`), as torchrun's ranks, which inherit it, would see.
         """
+        if self.cuda_visible is not None:
+            return visible_subset(self.gpus, self.cuda_visible)
         out: list[str] = []
         for gpu in self.gpus:
             if gpu.mig:

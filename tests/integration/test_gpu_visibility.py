@@ -53,3 +53,18 @@ def test_each_ranks_local_rank_indexes_a_gpu_it_sees(tmp_path: Path, framework: 
 def test_tf_workers_never_share_a_gpu(tmp_path: Path) -> None:
     ranks = seen(tmp_path, "tf")
     assert sorted(r["CUDA_VISIBLE_DEVICES"] for r in ranks) == UUIDS
+
+
+def test_a_host_that_keeps_the_user_to_some_gpus_gets_ranks_on_those_only(tmp_path: Path) -> None:
+    # a shared machine: `export CUDA_VISIBLE_DEVICES=2,3` (or a Slurm step); torchrun's ranks inherit it
+    script = tmp_path / "seen.py"
+    script.write_text(SCRIPT)
+    host = four_gpu_host(tmp_path)
+    out = run_dlrun("launch", "--plain", "--framework", "torch", str(script), cwd=tmp_path, timeout=120,
+                    env={**host, "CUDA_VISIBLE_DEVICES": f"2,{UUIDS[3][:12]}"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    ranks = [json.loads(m) for m in re.findall(r"SEEN (\{.*\})", out.stdout)]
+    assert len(ranks) == 2  # one per GPU the user may use, not 4 (before: GPU-0 to GPU-3, others' too)
+    assert {r["CUDA_VISIBLE_DEVICES"] for r in ranks} == {f"{UUIDS[2]},{UUIDS[3]}"}
+    topo = run_dlrun("topo", cwd=tmp_path, timeout=120, env={**host, "CUDA_VISIBLE_DEVICES": "2,3"})
+    assert "CUDA_VISIBLE_DEVICES='2,3' on this host: jobs use 2 of its GPUs" in topo.stdout, topo.stdout

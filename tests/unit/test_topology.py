@@ -545,3 +545,19 @@ def test_host_report_json_shape() -> None:
     assert (
         down["reachable"] is False and down["gpus"] == [] and down["error"] == "connection refused"
     )
+
+
+def test_cuda_visible_devices_keeps_the_gpus_it_names_as_cuda_reads_it() -> None:
+    from dlrun.topo.records import Gpu, MigDevice, visible_subset
+
+    gpus = [Gpu(index=i, name="H100", uuid=f"GPU-{i}aaa-bbbb") for i in range(4)]
+    mig = Gpu(index=4, name="A100", uuid="GPU-4aaa-bbbb", mig=True,
+              mig_devices=(MigDevice("1g.10gb", 0, "MIG-x1"), MigDevice("1g.10gb", 1, "MIG-x2")))
+    every = [*gpus, mig]
+    assert visible_subset(every, "2,3") == ("GPU-2aaa-bbbb", "GPU-3aaa-bbbb")
+    assert visible_subset(every, "3, GPU-1a") == ("GPU-3aaa-bbbb", "GPU-1aaa-bbbb")  # order kept, prefixes
+    assert visible_subset(every, "1,9,2") == ("GPU-1aaa-bbbb",)  # CUDA stops at one it cannot find
+    assert visible_subset(every, "1,1") == ("GPU-1aaa-bbbb",)
+    assert visible_subset(every, "GPU-") == () and visible_subset(every, "") == () and visible_subset(every, "-1") == ()
+    assert visible_subset(every, "MIG-x2,4") == ("MIG-x2", "MIG-x1")
+    assert visible_subset(every, "MIG-x") == ()  # not unique: names no device
