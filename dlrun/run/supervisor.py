@@ -114,6 +114,7 @@ class _Rank:
     error: str | None = None
     traceback: TracebackCatcher = field(default_factory=TracebackCatcher)  # the exception it raised
     error_file: tuple[str, ...] = ()  # its TORCHELASTIC_ERROR_FILE, from the EXIT frame
+    unlogged: int = 0  # lines its log file could not take (a full disk): the screen had them
 
 
 
@@ -239,9 +240,13 @@ class Supervisor:
             self.control.close()
             stop_beating.set()
             self.agents.hang_up()
-            for rank in self.ranks.values():
+            for number, rank in self.ranks.items():
                 if rank.log is not None:
-                    rank.log.close()
+                    with contextlib.suppress(OSError):
+                        rank.log.close()
+                if rank.unlogged:
+                    self.view.notice(f"rank {number}'s log lacks {rank.unlogged} of its lines (they were shown"
+                                     " here; the disk was full)")
             if self.gpu_csv is not None:
                 self.gpu_csv.close()
         return self._result()
@@ -301,9 +306,8 @@ class Supervisor:
                     self._handle(self.events.get_nowait())
                 except queue.Empty:
                     break
-            for rank in self.ranks.values():
-                if rank.log is not None:
-                    rank.log.flush()
+            for number, rank in self.ranks.items():
+                self._log(number, rank, None, 0)
             self.view.flush()
             self._watch()
             if self.stop_deadline is not None and self.clock() > self.stop_deadline:
@@ -379,8 +383,7 @@ class Supervisor:
             if texts:  # a chunk's lines go to the tail, the file and the screen in one step each
                 rank.tail.extend(texts[-TAIL_LINES:])
                 joined = "\n".join(texts)
-                if rank.log is not None:
-                    rank.log.write(joined + "\n")
+                self._log(rank_no, rank, joined, len(texts))
                 if rank.traceback.reading or TRACEBACK_START in joined:  # a line at a time only there
                     for text in texts:
                         rank.traceback.feed(text)
@@ -433,11 +436,30 @@ class Supervisor:
             if warning is not None:
                 self.view.notice(f"warning: {warning}")
 
+    def _log(self, rank_no: int, rank: _Rank, text: str | None, lines: int) -> None:
+        """``text`` (``lines`` lines) to the rank's log file, or (None) a flush. A full disk (or
+        any write error) stops that file, not the job: its lines are counted and still shown,
+        and the root cause still has them, as a keeper counts what it drops."""
+        if rank.log is None:
+            rank.unlogged += lines if self.log_dir is not None else 0
+            return
+        try:
+            if text is None:
+                rank.log.flush()
+            else:
+                rank.log.write(text + "\n")
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                rank.log.close()
+            rank.log = None
+            rank.unlogged += lines
+            self.view.notice(f"warning: rank {rank_no}'s log {self.log_dir}/rank-{rank_no}.log: {exc.strerror or exc};"
+                             " its lines from here on are shown only")
+
     def _line(self, rank_no: int, rank: _Rank, text: str, stream: str) -> None:
         rank.tail.append(text)
         rank.traceback.feed(text)
-        if rank.log is not None:
-            rank.log.write(text + "\n")
+        self._log(rank_no, rank, text, 1)
         if not self.hurry:
             self.view.line(rank_no, text, stream)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import os
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,34 @@ def test_a_restarts_rank_files_stay_out_of_a_folder_another_user_made_first(tmp_
     finally:
         for folder in (planted / "attempt_1" / "0", planted / "attempt_1", planted):
             folder.rmdir()
+
+
+FILLS_THE_LOG_DISK = """
+import os, sys
+for i in range(40000):
+    print(f"step {i}: " + "x" * 60)
+sys.stdout.flush()
+if os.environ["DLRUN_RANK"] == "1":
+    raise RuntimeError("out of patience at the end")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs")
+def test_a_full_disk_under_the_logs_loses_the_log_not_the_job_or_its_root_cause(tmp_path: Path) -> None:
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        (tmp_path / "fill.py").write_text(FILLS_THE_LOG_DISK)
+        out = run_dlrun("launch", "--plain", "--framework", "none", "-n", "2", "--log-dir", str(small), "fill.py",
+                        cwd=tmp_path, timeout=180)
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+    # before: dlrun itself died with OSError: [Errno 28] (exit 1, no root cause, no summary)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "No space left on device; its lines from here on are shown only" in out.stdout, out.stdout[-3000:]
+    assert "RuntimeError: out of patience at the end" in root_cause_block(out.stdout)
+    assert re.search(r"rank 1's log lacks \d+ of its lines", out.stdout), out.stdout[-3000:]
