@@ -154,7 +154,7 @@ def launch_config(
         script=str(script), args=tuple(str(a) for a in args), hosts=hosts, np=np, base_port=job.base_port,
         framework=framework, dry_run=output.dry_run, json_output=output.json_output,
         log_dir=None if output.log_dir is None else str(output.log_dir), grace=job.grace,
-        ranks_shown=None if output.ranks is None else tuple(output.ranks), env=hang_env(env, job.hang_timeout),
+        ranks_shown=None if output.ranks is None else tuple(output.ranks), env=dict(env or {}),
         iface=job.iface, plain=output.plain, pidns=job.pidns, preflight=job.preflight,
         bench=job.bench_seconds if job.bench else 0.0, push=push.push,
         data=None if push.data is None else str(push.data), shard=push.shard, split_lines=push.split_lines,
@@ -164,16 +164,6 @@ def launch_config(
         no_python=job.no_python, insecure_workdir=push.insecure_workdir,
         checkpoint_dirs=tuple(job.checkpoint_dir), hang_timeout=job.hang_timeout, ssh=ssh_settings(ssh),
     )
-
-
-def hang_env(env: Mapping[str, str] | None, hang_timeout: float) -> dict[str, str]:
-    """``--hang-timeout`` turns Python's faulthandler on in every rank (unless the job set it):
-    a rank whose stack py-spy cannot take dumps its threads on SIGABRT when the hang stops it
-    (``docs/stacks.md``)."""
-    found = dict(env or {})
-    if hang_timeout:
-        found.setdefault("PYTHONFAULTHANDLER", "1")
-    return found
 
 
 def topo(

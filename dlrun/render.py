@@ -259,7 +259,9 @@ def worker_commands(
     """
     commands = []
     for spec in plan.ranks:
-        env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}  # live logs by default; env tables may say otherwise
+        # live logs, and faulthandler's stacks of every thread on a segfault (a CUDA extension, a data
+        # loader's C code) and on --hang-timeout's SIGABRT; env tables may say otherwise
+        env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
         env.update(spec.host.env)
         env.update(extra_env or {})
         env.update(dlrun_env(plan, spec))

@@ -62,6 +62,18 @@ def test_a_rank_killed_by_a_signal_names_it(tmp_path: Path) -> None:
     assert "exception (" not in block
 
 
+def test_a_segfault_leaves_the_ranks_python_stack_in_the_root_cause(tmp_path: Path) -> None:
+    script = tmp_path / "segv.py"
+    script.write_text("import os, signal\ndef decode_batch():\n    os.kill(os.getpid(), signal.SIGSEGV)\n"
+                      "decode_batch()\n")
+    out = run_dlrun("launch", "--plain", "--framework", "none", "-n", "1", str(script), cwd=tmp_path, timeout=120)
+    assert out.returncode == 139, out.stdout[-3000:]
+    block = root_cause_block(out.stdout)
+    # before: "killed by SIGSEGV (139)" and nothing else (faulthandler was on under --hang-timeout only)
+    assert "  killed by SIGSEGV (139)" in block and "Fatal Python error: Segmentation fault" in block, block
+    assert 'File "' + str(script) + '", line 3 in decode_batch' in block, block
+
+
 RECORDED = """
 from torch.distributed.elastic.multiprocessing.errors import record
 

@@ -103,7 +103,7 @@ def test_a_full_hosts_command_line_gives_the_config_it_gave_before(tmp_path: Pat
             "--data", str(tmp_path / "ds"), "--shard", "size", "train.py", "--epochs", "3"]
     assert config_of(argv) == LaunchConfig(
         script="train.py", args=("--epochs", "3"), hosts="h1:2,h2:2", np=4, base_port=3000, framework="torch",
-        log_dir="L", grace=5.0, ranks_shown=(0, 2), env={"B": "2", "A": "1", "PYTHONFAULTHANDLER": "1"},
+        log_dir="L", grace=5.0, ranks_shown=(0, 2), env={"B": "2", "A": "1"},
         ssh=SSHSettings(config_file="cfg", accept_new_host_keys=True, connect_timeout=3.0, known_hosts="kh",
                         host_timeout=0.0, host_timeout_given=True, transport="ssh"),
         pidns=False, plain=True, iface="eth1", bench=20.0, data=str(tmp_path / "ds"), shard="size",
