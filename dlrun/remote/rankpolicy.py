@@ -225,10 +225,12 @@ class RankLines:
 
 
 def rank_state(code: int | None, stopping: bool, signalled: bool = False) -> str:
-    """A rank's state from how it exited: one the agent signalled to stop, or that exits non-zero
-    while the job is being stopped, was stopped (its signal's 128 + N, or 0 from a framework that
-    exits cleanly on SIGTERM, as Lightning does), not a new failure."""
-    if signalled or (stopping and code != 0):
+    """A rank's state from how it exited: one the agent signalled to stop (its signal's 128 + N,
+    or 0 from a framework that exits cleanly on SIGTERM, as Lightning does), or that a signal
+    ended while the job was being stopped, was stopped, not a new failure. One that exited
+    non-zero by itself meanwhile failed: every rank of a bad node that crashes at once is
+    shown, not the first alone."""
+    if signalled or (stopping and (code is None or code > 128 or code < 0)):
         return "stopped"
     return "succeeded" if code == 0 else "failed"
 

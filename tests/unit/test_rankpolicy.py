@@ -146,6 +146,9 @@ def test_a_ranks_state_from_how_it_exited() -> None:
     assert rank_state(0, stopping=True) == "succeeded"
     assert rank_state(143, stopping=True) == "stopped"
     assert rank_state(3, stopping=False) == "failed"
+    assert rank_state(1, stopping=True) == "failed"  # crashed by itself while the job stopped: not "stopped"
+    assert rank_state(1, stopping=True, signalled=True) == "stopped"
+    assert rank_state(-15, stopping=True) == "stopped" and rank_state(None, stopping=True) == "stopped"
     assert rank_state(0, stopping=True, signalled=True) == "stopped"  # Lightning exits 0 on SIGTERM
 
 
