@@ -31,6 +31,7 @@ MAX_LINE = 1 << 20  # bytes: a longer line is cut into pieces of this size
 FRAMES_SHOWN = 3  # the innermost frames of a traceback shown in a root cause
 EXCEPTION_CHARS = 400  # an exception line longer than this is cut (a tensor in the message)
 TRACEBACK_START = "Traceback (most recent call last):"
+LAST_OUTPUT = 5  # lines after a traceback (torch's teardown warnings) that still leave it the rank's last words
 MAX_PREFIX = 80  # characters before TRACEBACK_START that still count as a prefix ([rank0]: , [1,0]<stderr>:)
 
 
@@ -114,8 +115,19 @@ class TracebackCatcher:
 
     def __init__(self) -> None:
         self.last: tuple[str, ...] = ()
+        self.after = 0  # lines the rank printed since ``last`` ended: many, and it may have been caught
         self._frames: list[str] | None = None
         self._prefix = ""
+
+    def skip(self, lines: int) -> None:
+        """Lines of the rank that were not fed (no traceback in them): they count in ``after``."""
+        self.after += lines
+
+    @property
+    def final(self) -> bool:
+        """The last traceback was (about) the rank's last output: what it died of, not one it
+        logged and went on from (``logging.exception``, a retried upload)."""
+        return bool(self.last) and self.after <= LAST_OUTPUT
 
     @property
     def reading(self) -> bool:
@@ -129,6 +141,7 @@ class TracebackCatcher:
             self._prefix = line[:where]
             return
         if self._frames is None:
+            self.after += 1
             return
         if self._prefix:
             if not line.startswith(self._prefix):
@@ -146,6 +159,7 @@ class TracebackCatcher:
         if not line.strip():
             return
         self.last = (*tuple(innermost(self._frames)), cut(line))
+        self.after = 0
         self._frames = None
 
 
@@ -213,6 +227,8 @@ class RankLines:
         if self.traceback.reading or TRACEBACK_START in "\n".join(texts):  # a line at a time only there
             for text in texts:
                 self.traceback.feed(text)
+        else:
+            self.traceback.skip(len(texts))
 
     def flush(self) -> list[tuple[int, str]]:
         """What the streams hold without a line end (the rank exited): (stream, line) pairs."""

@@ -35,6 +35,7 @@ class RankResult:
     tail: tuple[str, ...] = ()
     error: str | None = None  # agent's words when the rank could not start
     exception: tuple[str, ...] = ()  # its output's last Python traceback: innermost frames, exception line
+    exception_final: bool = True  # that traceback was its last output (else many lines followed: maybe caught)
     error_file: tuple[str, ...] = ()  # what torch's @record wrote to TORCHELASTIC_ERROR_FILE (lines shown)
     hint: tuple[str, ...] = ()  # the root cause's: what the failure more likely comes from (peers that left early)
 
@@ -86,6 +87,7 @@ class RunResult:
     stopped_at: float | None = None  # wall clock (time.time) when dlrun began stopping the ranks: a failure's time
     hang: tuple[str, ...] = ()  # --hang-timeout stopped the job: the cause, then the ranks' groups (dlrun.run.hang)
     flight_recorder: tuple[str, ...] = ()  # who the ranks' flight recorder dumps say is behind (stack_groups)
+    raised_first: tuple[str, ...] = ()  # a rank still running that raised before the root cause did
 
     @property
     def ok(self) -> bool:

@@ -115,6 +115,7 @@ class _Rank:
     traceback: TracebackCatcher = field(default_factory=TracebackCatcher)  # the exception it raised
     error_file: tuple[str, ...] = ()  # its TORCHELASTIC_ERROR_FILE, from the EXIT frame
     unlogged: int = 0  # lines its log file could not take (a full disk): the screen had them
+    raised_at: float | None = None  # when its last traceback ended (the clock's time)
 
 
 
@@ -174,6 +175,7 @@ class Supervisor:
         self.root_cause: int | None = None
         self.stopped_at: float | None = None  # wall clock when dlrun began stopping the ranks
         self.finished_before: tuple[tuple[int, str], ...] = ()  # ranks that exited 0 before the root cause
+        self.raised_first: tuple[str, ...] = ()  # a running rank that raised before the root cause (lines)
         self.lost_host: str | None = None
         self.interrupted_by: int | None = None
         self.signals: list[int] = []  # interrupt()'s, handled before any queued event
@@ -385,8 +387,13 @@ class Supervisor:
                 joined = "\n".join(texts)
                 self._log(rank_no, rank, joined, len(texts))
                 if rank.traceback.reading or TRACEBACK_START in joined:  # a line at a time only there
+                    before = rank.traceback.last
                     for text in texts:
                         rank.traceback.feed(text)
+                    if rank.traceback.last is not before:
+                        rank.raised_at = self.clock()
+                else:
+                    rank.traceback.skip(len(texts))
                 if not self.hurry:
                     self.view.lines(rank_no, texts, stream)
         elif kind == agent.STARTED:
@@ -458,7 +465,10 @@ class Supervisor:
 
     def _line(self, rank_no: int, rank: _Rank, text: str, stream: str) -> None:
         rank.tail.append(text)
+        before = rank.traceback.last
         rank.traceback.feed(text)
+        if rank.traceback.last is not before:
+            rank.raised_at = self.clock()
         self._log(rank_no, rank, text, 1)
         if not self.hurry:
             self.view.line(rank_no, text, stream)
@@ -476,6 +486,7 @@ class Supervisor:
             return
         if code != 0:
             self.root_cause = rank_no
+            self.raised_first = self._raised_first(rank_no, rank)
             self.finished_before = tuple((n, r.command.host_name) for n, r in sorted(self.ranks.items())
                                          if r.state == RankState.SUCCEEDED)
             self.view.notice(
@@ -485,6 +496,22 @@ class Supervisor:
         elif self.ends_job is not None and self.ends_job(rank.command):
             self.view.notice(f"rank {rank_no} ({rank.command.spec.task_type}) finished: stopping the servers")
             self._stop_all(self.grace)
+
+    def _raised_first(self, rank_no: int, rank: _Rank) -> tuple[str, ...]:
+        """A rank still running whose last words were a traceback that came before the failed
+        rank's own (its exception, or its exit): it raised first, and what the failed rank died
+        of (a collective's timeout, a peer gone) may only follow from it. A non-daemon thread or
+        a stuck teardown keeps such a rank alive, and on 64 GPUs 63 ranks time out waiting."""
+        mine = rank.raised_at if rank.traceback.final and rank.raised_at is not None else self.clock()
+        first = min(((other.raised_at, n) for n, other in self.ranks.items()
+                     if n != rank_no and other.exit_code is None and other.raised_at is not None
+                     and other.raised_at < mine and other.traceback.final), default=None)
+        if first is None:
+            return ()
+        at, n = first
+        other = self.ranks[n]
+        return (f"rank {n} on {other.command.host_name} raised first, {mine - at:.1f} s before, and printed"
+                " little since (still running then):", *(f"  | {text}" for text in other.traceback.last))
 
     def _closed(self, host: str, code: int | None, stderr: str) -> None:
         link = self.agents.lost(host)
@@ -672,6 +699,7 @@ class Supervisor:
                     tail=tuple(rank.tail),
                     error=rank.error,
                     exception=rank.traceback.last,
+                    exception_final=rank.traceback.final,
                     error_file=rank.error_file,
                 )
             )
@@ -701,4 +729,5 @@ class Supervisor:
             gpu_warnings=tuple(self.gpu_idle.warned.values()),
             hang=self.hang_lines,
             flight_recorder=tuple(self._flight_lines()) if exit_code else (),
+            raised_first=self.raised_first if root is not None else (),
         )

@@ -52,6 +52,7 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
         lines[0] = f"dlrun: root cause: host {root.host} (rank {root.rank}): {root.error}"
     elif root.error:
         lines.append(f"  error: {root.error}")
+    lines.extend(f"  {text}" for text in result.raised_first)  # what the failure may only follow from
     lines.extend(f"  {text}" for text in result.flight_recorder)  # which rank the dumps say is behind
     if root.rank in by_rank and by_rank[root.rank].argv:  # a detached job's record may not have it
         argv = [a if len(a) <= 200 else f"<inline program, {len(a)} bytes>" for a in mask_argv(by_rank[root.rank].argv)]
@@ -61,7 +62,10 @@ def root_cause_lines(result: RunResult, commands: Sequence[WorkerCommand]) -> li
         lines.append(f"  error file (TORCHELASTIC_ERROR_FILE of rank {root.rank}):")
         lines.extend(f"    | {text}" for text in root.error_file)
     if root.exception and root.exception[-1] != recorded_line:  # @record's message says it already
-        lines.append(f"  exception (last frames of rank {root.rank}'s traceback):")
+        died_of = root.exception_final or root.exit_code == 1  # 1: Python's own exit on an uncaught exception
+        lines.append(f"  exception (last frames of rank {root.rank}'s traceback):" if died_of else
+                     f"  an earlier traceback of rank {root.rank} (many lines came after it: it may have been"
+                     " caught):")
         lines.extend(f"    | {text}" for text in root.exception)
     lines.extend(f"  hint: {text}" for text in root.hint)
     if root.state != RankState.LOST and (killed := signal_text(root.exit_code)):

@@ -52,6 +52,54 @@ def test_the_exception_is_shown_even_when_lines_followed_it(tmp_path: Path) -> N
     assert "cleanup line 29" in block.split("last 20 lines", 1)[1]  # the tail as before
 
 
+# rank 1 raises, but a non-daemon thread keeps it alive; rank 0 then times out waiting for it
+RAISES_AND_LINGERS = """
+import os, sys, threading, time
+marker = os.path.join(os.environ["MARKS"], "raised")
+if os.environ["DLRUN_RANK"] == "1":
+    threading.Thread(target=time.sleep, args=(60,)).start()
+    open(marker, "w").close()
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+while not os.path.exists(marker):
+    time.sleep(0.05)
+time.sleep(1)
+raise TimeoutError("Timed out waiting 1000ms for recv operation to complete")
+"""
+
+
+def test_a_rank_that_raised_first_and_lingers_is_named_beside_the_one_that_timed_out(tmp_path: Path) -> None:
+    (tmp_path / "linger.py").write_text(RAISES_AND_LINGERS)
+    out = run_dlrun("launch", "--plain", "--framework", "none", "-n", "2", "--grace", "1", "linger.py",
+                    cwd=tmp_path, timeout=120, env={"MARKS": str(tmp_path)})
+    assert out.returncode == 1, out.stdout[-3000:]
+    block = root_cause_block(out.stdout)
+    assert block.startswith("dlrun: root cause: rank 0 on host localhost exited with code 1"), block
+    # before: only rank 0's TimeoutError; the rank it waited for was nowhere in the root cause
+    assert re.search(r"\n  rank 1 on localhost raised first, \d+\.\d s before, and printed little since", block), block
+    assert "  | RuntimeError: CUDA error: an illegal memory access was encountered" in block, block
+
+
+CAUGHT_THEN_KILLED = """
+import logging, os, signal
+try:
+    raise ConnectionError("transient: upload failed, retrying")
+except ConnectionError:
+    logging.exception("upload")
+for step in range(30):
+    print(f"step {step}", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_traceback_the_rank_went_on_from_is_not_called_what_it_died_of(tmp_path: Path) -> None:
+    (tmp_path / "caught.py").write_text(CAUGHT_THEN_KILLED)
+    out = run_dlrun("launch", "--plain", "--framework", "none", "-n", "1", "caught.py", cwd=tmp_path, timeout=120)
+    assert out.returncode == 137, out.stdout[-3000:]
+    block = root_cause_block(out.stdout)
+    assert "an earlier traceback of rank 0 (many lines came after it: it may have been caught):" in block, block
+    assert "exception (last frames" not in block and "  killed by SIGKILL (137)" in block, block
+
+
 def test_a_rank_killed_by_a_signal_names_it(tmp_path: Path) -> None:
     script = tmp_path / "abort.py"
     script.write_text("import os\nprint('about to abort', flush=True)\nos.abort()\n")
