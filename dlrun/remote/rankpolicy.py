@@ -28,6 +28,7 @@ HANG_BUSY_UTIL = 5.0  # a GPU at this utilization (%) or above is working: the j
 GPU_CSV_COLUMNS = ("time", "host", "gpu", "util", "mem_used_mib", "mem_total_mib", "power_w", "temp_c")  # gpu.csv
 FINAL_STATES = ("succeeded", "failed", "stopped", "lost")  # a rank's (and a detached job's) states that are an end
 MAX_LINE = 1 << 20  # bytes: a longer line is cut into pieces of this size
+TAIL_CHARS = 4000  # characters of one line of a root cause's tail (its head and its tail)
 FRAMES_SHOWN = 3  # the innermost frames of a traceback shown in a root cause
 EXCEPTION_CHARS = 400  # an exception line longer than this is cut (a tensor in the message)
 TRACEBACK_START = "Traceback (most recent call last):"
@@ -36,7 +37,12 @@ MAX_PREFIX = 80  # characters before TRACEBACK_START that still count as a prefi
 
 
 def cut(text: str, limit: int = EXCEPTION_CHARS) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    """``text``, or its head and its tail around an ellipsis in ``limit`` characters: a long
+    exception message (a tensor, a list of shapes) often says what matters at its end."""
+    if len(text) <= limit:
+        return text
+    tail = limit // 3
+    return text[: limit - tail - 1] + "…" + text[len(text) - tail:]
 
 
 def _whole_characters(data: bytes) -> tuple[str, bytes]:

@@ -100,6 +100,17 @@ def test_a_traceback_the_rank_went_on_from_is_not_called_what_it_died_of(tmp_pat
     assert "exception (last frames" not in block and "  killed by SIGKILL (137)" in block, block
 
 
+def test_a_huge_exception_message_keeps_its_end_and_the_root_cause_stays_small(tmp_path: Path) -> None:
+    script = tmp_path / "huge.py"
+    script.write_text('raise RuntimeError("shape mismatch: " + "x" * 2_000_000 + " END_OF_MESSAGE")\n')
+    out = run_dlrun("launch", "--plain", "--framework", "none", "-n", "1", str(script), cwd=tmp_path, timeout=120)
+    assert out.returncode == 1
+    block = root_cause_block(out.stdout)
+    assert len(block) < 20_000, len(block)  # before: 2 MB of it, in lines of 1 MiB
+    exception = block[block.index("exception ("):block.index("\n  last ")]
+    assert "RuntimeError: shape mismatch: xxx" in exception and "END_OF_MESSAGE" in exception
+
+
 def test_a_rank_killed_by_a_signal_names_it(tmp_path: Path) -> None:
     script = tmp_path / "abort.py"
     script.write_text("import os\nprint('about to abort', flush=True)\nos.abort()\n")

@@ -44,10 +44,11 @@ def test_the_last_of_chained_tracebacks_wins_and_a_long_line_is_cut() -> None:
     catcher = TracebackCatcher()
     for line in ["Traceback (most recent call last):", *frames(1), "KeyError: 'x'", "",
                  "During handling of the above exception, another exception occurred:", "",
-                 "Traceback (most recent call last):", *frames(2), "RuntimeError: " + "x" * 1000]:
+                 "Traceback (most recent call last):", *frames(2), "RuntimeError: " + "x" * 1000 + " got (3, 5)"]:
         catcher.feed(line)
     assert catcher.last[:-1] == tuple(frames(2)) and catcher.last[-1].startswith("RuntimeError: xxx")
-    assert len(catcher.last[-1]) == 400 and catcher.last[-1].endswith("…")
+    assert len(catcher.last[-1]) == 400 and "x…x" in catcher.last[-1]
+    assert catcher.last[-1].endswith("xx got (3, 5)")  # a message's end often says what is wrong
 
 
 def test_signals_are_named() -> None:
