@@ -257,6 +257,9 @@ def _check_table(
             raise InventoryError(
                 f"must be a string, not {_type_name(value)}", source=source, line=line_of(key), key=f"{where}.{key}"
             )
+        if key == "user" and not _USER.fullmatch(value):  # as user@host is checked: it reaches ssh's %r
+            raise InventoryError(f"invalid user name {value!r}", source=source, line=line_of(key), key=f"{where}.{key}",
+                                 hint="a login name: letters, digits and . _ - (DOMAIN\\name and name@realm too)")
         if key in _INT_KEYS and (not isinstance(value, int) or isinstance(value, bool)):
             raise InventoryError(
                 f"must be an integer, not {_type_name(value)}", source=source, line=line_of(key), key=f"{where}.{key}"

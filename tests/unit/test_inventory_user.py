@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dlrun.errors import InventoryError
-from dlrun.inventory import parse_hostfile, parse_inline
+from dlrun.inventory import parse_hostfile, parse_inline, parse_toml_inventory
 
 
 def test_inline_user_at_host_with_slots_and_ranges() -> None:
@@ -34,3 +34,11 @@ def test_bad_user_names_are_refused(spec: str) -> None:
 def test_bad_user_in_a_hostfile_names_the_line() -> None:
     with pytest.raises(InventoryError, match=r"hf:2: key 'user': invalid user name"):
         parse_hostfile("ok@n1\n;x@n2 slots=1\n", source="hf")
+
+
+@pytest.mark.parametrize(("table", "line"), [("[defaults]\nuser = \"$(touch x)x\"\n", 2),
+                                             ("[[hosts]]\naddress = \"n1\"\nuser = \"-oProxyCommand=x\"\n", 3)])
+def test_a_bad_user_in_hosts_toml_names_the_file_line_and_key(table: str, line: int) -> None:
+    # as user@host is checked: the name reaches ssh's %r (a Match exec, a ProxyCommand)
+    with pytest.raises(InventoryError, match=rf"hosts.toml:{line}: key '[\w.\[\]0-9]*user': invalid user name"):
+        parse_toml_inventory(table + ("" if "hosts" in table else "[[hosts]]\naddress = \"n1\"\n"), source="hosts.toml")
