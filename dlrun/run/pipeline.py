@@ -163,8 +163,11 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
         if config.detach:
             return engine.detach(config, job_id, shown)
         warnings = (warning,) if warning else engine.warnings
-        logs.mkdir(parents=True, exist_ok=True)
-        logs.chmod(0o700)  # private, as the hosts' job folders are: the ranks' lines may hold secrets
+        logs.parent.mkdir(parents=True, exist_ok=True)
+        # private, as the hosts' job folders are: the ranks' lines may hold secrets; made here, now
+        # (a folder someone else made first under a shared dlrun-logs/ is refused), and the files in
+        # it are made 0600 without following links (supervisor.private_file)
+        logs.mkdir(mode=0o700)
         attempt = 0
         dropped: tuple[str, ...] = ()
         while True:

@@ -121,6 +121,15 @@ class _Rank:
 
 
 
+def private_file(path: Path) -> IO[str]:
+    """A new file of the job's logs, for writing: mode 0600, never through a link, never one that
+    is there already. Where another user may write the folder above the job's (a shared
+    ``dlrun-logs/``) and swaps the job's folder for a link to theirs, the lines stay unreadable
+    to them, or the open fails, instead of landing in a file of theirs."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return open(fd, "w", encoding="utf-8")
+
+
 def agent_spec(job_id: str, host: str, commands: Sequence[WorkerCommand], *, grace: float,
                host_timeout: float, gpu_every: float) -> dict[str, Any]:
     """The spec that starts one host's ranks (``dlrun.remote.agent``'s protocol)."""
@@ -230,7 +239,7 @@ class Supervisor:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             for number, rank in self.ranks.items():
-                rank.log = open(self.log_dir / f"rank-{number}.log", "w", encoding="utf-8")  # noqa: SIM115
+                rank.log = private_file(self.log_dir / f"rank-{number}.log")
         self.view.start([r.command for r in self.ranks.values()], self.log_dir)
         stop_beating = threading.Event()
         self.control.start()
@@ -432,7 +441,7 @@ class Supervisor:
         if not samples:
             return
         if self.gpu_csv is None and self.log_dir is not None:
-            self.gpu_csv = open(self.log_dir / "gpu.csv", "w", encoding="utf-8")  # noqa: SIM115
+            self.gpu_csv = private_file(self.log_dir / "gpu.csv")
             self.gpu_csv.write(",".join(GPU_CSV_COLUMNS) + "\n")
         if self.gpu_csv is not None:
             self.gpu_csv.write(csv_rows(samples))

@@ -581,3 +581,12 @@ def test_a_terminal_that_is_not_utf8_gets_every_line_and_the_summary(tmp_path: P
     assert "[1 localhost] caf\u00e9 \\u2713 \\ufffd\n" in shown and "all 2 ranks succeeded" in shown
     logs = next((tmp_path / "dlrun-logs").iterdir())
     assert (logs / "rank-0.log").read_text(encoding="utf-8") == "caf\u00e9 \u2713 \ufffd\ndone\n"
+
+
+def test_the_jobs_log_folder_and_files_are_the_users_alone(tmp_path: Path) -> None:
+    (tmp_path / "s.py").write_text("print('secret', flush=True)\n")
+    out = run_dlrun("launch", "--plain", "--np", "1", "--framework", "none", "s.py", cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    logs = next((tmp_path / "dlrun-logs").iterdir())
+    assert oct(logs.stat().st_mode & 0o777) == oct(0o700)
+    assert oct((logs / "rank-0.log").stat().st_mode & 0o777) == oct(0o600)

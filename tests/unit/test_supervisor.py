@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import stat
 import threading
 import time
 from pathlib import Path
@@ -199,3 +200,17 @@ def test_a_message_with_a_source_encoded_once_is_the_message(rest: dict[str, obj
     line = source_messages("survey", source)(rest)
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     assert json.loads(line) == {"op": "survey", "source": source, **rest}
+
+
+def test_a_log_file_is_private_new_and_never_reached_through_a_link(tmp_path: Path) -> None:
+    from dlrun.run.supervisor import private_file
+
+    with private_file(tmp_path / "rank-0.log") as fh:
+        fh.write("secret\n")
+    assert stat.S_IMODE((tmp_path / "rank-0.log").stat().st_mode) == 0o600
+    (tmp_path / "theirs").write_text("")
+    (tmp_path / "rank-1.log").symlink_to(tmp_path / "theirs")  # a folder swapped for another user's
+    for name in ("rank-0.log", "rank-1.log"):
+        with pytest.raises(OSError):
+            private_file(tmp_path / name)
+    assert (tmp_path / "theirs").read_text() == ""
