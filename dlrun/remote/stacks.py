@@ -33,9 +33,27 @@ DUMP_TIMEOUT = 20.0  # seconds for one py-spy dump
 OUTPUT_LIMIT = 4 << 20
 
 
+def exec_allowed(folder: str) -> bool:
+    """May programs run from ``folder`` (or where it would be made)? Not on a ``noexec`` mount, as
+    NFS homes of HPC clusters often are."""
+    path = folder
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return not os.statvfs(path).f_flag & getattr(os, "ST_NOEXEC", 0)
+    except OSError:
+        return True
+
+
 def cache_dir() -> str:
+    """``$XDG_CACHE_HOME/dlrun/tools`` (``~/.cache``), or ``$XDG_RUNTIME_DIR/dlrun/tools`` where the
+    cache is on a ``noexec`` mount and the runtime folder is not."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "dlrun", "tools")
+    first = os.path.join(base, "dlrun", "tools")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if not exec_allowed(first) and runtime and os.path.isdir(runtime) and exec_allowed(runtime):
+        return os.path.join(runtime, "dlrun", "tools")
+    return first
 
 
 def cached(sha256: str) -> str:
@@ -60,8 +78,10 @@ def find_pyspy(sha256: str) -> str | None:
 
 def have(request: dict[str, Any]) -> dict[str, Any]:
     path = cached(str(request.get("sha256") or ""))
-    return {"path": path if request.get("sha256") and os.access(path, os.X_OK) else None,
-            "machine": os.uname().machine, "system": os.uname().sysname}
+    there = bool(request.get("sha256")) and os.path.isfile(path)
+    return {"path": path if there and os.access(path, os.X_OK) else None,
+            "machine": os.uname().machine, "system": os.uname().sysname,
+            "noexec": there and not exec_allowed(path)}  # sending it again would not help
 
 
 def install(request: dict[str, Any], data: bytes) -> dict[str, Any]:
@@ -166,9 +186,12 @@ def take(request: dict[str, Any]) -> dict[str, Any]:
     pyspy = find_pyspy(str(request.get("sha256") or ""))
     answer: dict[str, Any] = {"ranks": {}}
     if pyspy is None:
+        why = "no py-spy on this host (none shipped for its machine, none on PATH)"
+        if request.get("sha256") and not exec_allowed(cache_dir()):
+            why = (f"py-spy was shipped to {cache_dir()}, on a mount where programs may not run (noexec):"
+                   " set XDG_CACHE_HOME for this host (its env in the inventory) to a folder where they may")
         for rank, pid in pids.items():
-            answer["ranks"][rank] = {"pid": pid, "method": "py-spy", "samples": [],
-                                     "error": "no py-spy on this host (none shipped for its machine, none on PATH)"}
+            answer["ranks"][rank] = {"pid": pid, "method": "py-spy", "samples": [], "error": why}
     else:
         answer = sample_all(pyspy, pids, request)
     if request.get("ras") and "nccl_ras" not in answer:  # without py-spy, RAS is what there is

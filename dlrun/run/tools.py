@@ -76,6 +76,8 @@ def ship_one(transport: Transport, host: Host, tool: Tool) -> str | None:
         return None
     answer = _run(transport, host, {"op": "have", "sha256": tool.sha256})
     if answer.get("path") is None:
+        if answer.get("noexec"):  # there, on a mount where it may not run: sending it again would not help
+            return "py-spy is in the host's cache, on a noexec mount: set XDG_CACHE_HOME there (the inventory's env)"
         if (answer.get("machine"), answer.get("system")) != (tool.machine, tool.system):
             return (f"py-spy not shipped: the host is {answer.get('system')} {answer.get('machine')}, this machine "
                     f"{tool.system} {tool.machine} (a py-spy on the host's PATH is used)")
