@@ -1627,10 +1627,16 @@ def main() -> None:
     job_id = str(config["job_id"])
     if not job_id or "/" in job_id or job_id.startswith("."):
         sys.exit(f"dlrun-keeper: bad job id {job_id!r}")
-    os.makedirs(jobs_root(), mode=0o700, exist_ok=True)
     jobdir = os.path.join(jobs_root(), job_id, host_folder(str(config["host"])))
-    os.makedirs(jobdir, mode=0o700, exist_ok=True)
-    os.chmod(os.path.dirname(jobdir), 0o700)
+    try:
+        os.makedirs(jobs_root(), mode=0o700, exist_ok=True)
+        os.makedirs(jobdir, mode=0o700, exist_ok=True)
+        os.chmod(os.path.dirname(jobdir), 0o700)
+    except OSError as exc:  # a read-only or full home: say which folder, and why, not a traceback
+        why = "the file system is read-only" if exc.errno == errno.EROFS else exc.strerror or str(exc)
+        sys.exit(f"dlrun-keeper: cannot make the job's folder {exc.filename or jobdir}: {why} (a detached job keeps"
+                 " its logs and state under ~/.dlrun/jobs on each host; run attached, or give the login user a"
+                 " writable home)")
     make_reserve(jobdir)
     listener = None
     context = None
