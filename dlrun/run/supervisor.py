@@ -627,8 +627,26 @@ class Supervisor:
         if not running:
             reply(StackAnswer((), None, {"*": "no host of the job runs ranks now"}))
             return
+        ended = [(r, n) for n, link in running.items() for r in link.ranks if self.ranks[r].exit_code is not None]
+        if ended:  # a rank that ended already (exit 0 early: a peer then waits for ever) is the clue, not "no stack"
+            reply = self._with_ended(ended, reply)
         self.stack_requests.ask({n: link.host for n, link in running.items()},
-                                {n: link.ranks for n, link in running.items()}, reply)
+                                {n: [r for r in link.ranks if self.ranks[r].exit_code is None]
+                                 for n, link in running.items()}, reply)
+
+    def _with_ended(self, ended: Sequence[tuple[int, str]],
+                    reply: Callable[[StackAnswer], None]) -> Callable[[StackAnswer], None]:
+        from dlrun.remote.stack_groups import RankStacks
+
+        def with_them(answer: StackAnswer) -> None:
+            extra = []
+            for number, host in ended:
+                rank = self.ranks[number]
+                took = "" if rank.started is None or rank.ended is None else f" after {rank.ended - rank.started:.1f} s"
+                extra.append(RankStacks(number, host, None, "none", (),
+                                        error=f"it exited {rank.exit_code}{took}, before the stacks were asked"))
+            reply(replace(answer, stacks=tuple(sorted((*answer.stacks, *extra), key=lambda r: r.rank))))
+        return with_them
 
     def _watch(self) -> None:
         """Each turn of the loop: overdue stack requests, and the hang watch."""
@@ -658,7 +676,8 @@ class Supervisor:
                 with contextlib.suppress(DlrunError):
                     link.channel.send(encode_message({"op": "record", "wait": RECORD_WAIT}))
         for name, link in self.links.items():  # faulthandler's dump instead (docs/stacks.md)
-            mine = [r for r in link.ranks if r in unread and self.ranks[r].command.env.get("PYTHONFAULTHANDLER")]
+            mine = [r for r in link.ranks if r in unread and self.ranks[r].exit_code is None
+                    and self.ranks[r].command.env.get("PYTHONFAULTHANDLER")]
             if mine and link.channel is not None and not link.closed:
                 self.view.notice(f"{name}: SIGABRT to rank{'s' if len(mine) > 1 else ''} {mine}: faulthandler"
                                  " prints their stacks to their logs")

@@ -458,6 +458,28 @@ def test_a_hangs_stop_waits_for_the_flight_recorder_dumps_it_asked_for(tmp_path:
     assert not Path(f"/tmp/dlrun-{job}").exists()  # the pipes and the folder went with the job
 
 
+EXITS_EARLY = """
+import os, time
+if os.environ["DLRUN_RANK"] == "1":
+    time.sleep(0.5)
+    os._exit(0)
+print("waiting", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_a_hang_says_a_rank_exited_early_instead_of_no_such_rank(tmp_path: Path) -> None:
+    (tmp_path / "early.py").write_text(EXITS_EARLY)
+    out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "none", "--hang-timeout", "5",
+                    "early.py", cwd=tmp_path, timeout=240)
+    assert out.returncode == 124, out.stdout + out.stderr
+    # before: "no stack: the host's agent had no such rank running", and a SIGABRT notice for it
+    assert re.search(r"rank 1 \(localhost\): no stack: it exited 0 after \d+\.\d s, before the stacks were asked",
+                     out.stdout), out.stdout
+    assert "SIGABRT" not in out.stdout and "no such rank" not in out.stdout, out.stdout
+
+
 # rank 0's dump is larger than a host sends back (agent.FILE_LIMIT, 16 MiB); rank 1's is small
 BIG_DUMP = """
 import os, pickle, threading, time
