@@ -14,6 +14,9 @@ per-rank log files always keep everything.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import shlex
 import sys
 from collections.abc import Collection, Sequence
@@ -136,11 +139,47 @@ def gpu_summary_lines(result: RunResult) -> list[str]:
     return [*gpu_lines(result.gpu_summary), *(f"dlrun: warning: {w}" for w in result.gpu_warnings)]
 
 
+class ReaderGone(io.TextIOBase):
+    """A stream whose reader may go away (``dlrun launch … | head``): its lines are then dropped,
+    that is said once on stderr, and the job goes on; the logs have every line. (Before, the
+    closed pipe stopped every rank and dlrun exited 1 without a word.)"""
+
+    def __init__(self, inner: TextIO) -> None:
+        super().__init__()
+        self.inner = inner
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return self.inner.write(text)
+            except BrokenPipeError:
+                self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self.inner.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def _gone(self) -> None:
+        self.gone = True
+        with contextlib.suppress(OSError, ValueError):  # later writes (the summary) land nowhere
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.inner.fileno())
+            os.close(null)
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write("dlrun: the output was closed (a pager or | head ended): the job goes on, every line"
+                             " in its logs\n")
+
+
 class PlainView:
     """``[<rank> <host>] <text>`` lines on a stream (CI, pipes, files)."""
 
     def __init__(self, out: TextIO | None = None, ranks: Collection[int] | None = None) -> None:
-        self.out = out or sys.stdout
+        self.out: TextIO = ReaderGone(out or sys.stdout)  # type: ignore[assignment]
         self.show = set(ranks) if ranks is not None else None
         self.prefix: dict[int, str] = {}
         self.commands: Sequence[WorkerCommand] = ()

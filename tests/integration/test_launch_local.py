@@ -590,3 +590,21 @@ def test_the_jobs_log_folder_and_files_are_the_users_alone(tmp_path: Path) -> No
     logs = next((tmp_path / "dlrun-logs").iterdir())
     assert oct(logs.stat().st_mode & 0o777) == oct(0o700)
     assert oct((logs / "rank-0.log").stat().st_mode & 0o777) == oct(0o600)
+
+
+def test_a_reader_that_goes_away_leaves_the_job_running_to_its_end(tmp_path: Path) -> None:
+    (tmp_path / "spam.py").write_text("import time\nfor i in range(200):\n    print(f'line {i}', flush=True)\n"
+                                      "    time.sleep(0.005)\n")
+    proc = subprocess.Popen(dlrun_argv("launch", "--plain", "--np", "2", "--framework", "none", "spam.py"),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout is not None and proc.stderr is not None
+    for _ in range(3):  # dlrun launch … | head -3
+        proc.stdout.readline()
+    proc.stdout.close()
+    code = proc.wait(timeout=120)
+    err = proc.stderr.read().decode()
+    assert code == 0, err  # before: every rank stopped, exit 1, not a word
+    assert "the output was closed (a pager or | head ended): the job goes on" in err
+    logs = next((tmp_path / "dlrun-logs").iterdir())
+    assert len((logs / "rank-1.log").read_text().splitlines()) == 200
