@@ -23,6 +23,7 @@ from pathlib import Path
 
 from dlrun.errors import DlrunError, TransportError
 from dlrun.inventory import Host
+from dlrun.logdir import private_folder
 from dlrun.push.shard import host_dir_name
 from dlrun.push.tree import Manifest
 from dlrun.transport.base import Channel, Transport
@@ -135,8 +136,7 @@ def run_setup(
     chosen = [h for h in hosts if h.name in commands]
     if not chosen:
         return ()
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_dir.chmod(0o700)  # the job's log folder is private, as the hosts' job folders are
+    private_folder(log_dir)  # the job's log folder is private, as the hosts' job folders are
 
     channels: list[Channel] = []
 

@@ -254,8 +254,9 @@ class HostsEngine:
             self.port_claims.pop(port).close()
 
     def probes(self, config: LaunchConfig) -> bool:
-        """The preflight probes the hosts (a dry run's too, unless its ranks all run here)."""
-        return config.preflight and (not config.dry_run or not self.inventory.all_local)
+        """The preflight probes the hosts (a dry run's too: this machine's GPUs decide its slots,
+        and its ranks' ``CUDA_VISIBLE_DEVICES``, as they do for any host)."""
+        return config.preflight
 
     def dry_run(self, config: LaunchConfig, job_id: str) -> DryRun:
         """``--dry-run``: the one usage check before it reaches the hosts (it writes nothing),
@@ -272,8 +273,9 @@ class HostsEngine:
         the probe, the push survey and the free ports, the preflight, a push that writes
         nothing), so the dry run shows the addresses, interfaces, GPUs and ports the ranks get;
         where a host cannot be reached, the plan as written, with a warning. Ranks on this
-        machine alone: the plan, which is what they get (their addresses and ``lo``)."""
-        if not self.inventory.all_local:
+        machine alone go through the same session where the preflight probes it (its GPUs give
+        the slots and each rank's ``CUDA_VISIBLE_DEVICES``); without the preflight, the plan."""
+        if not self.inventory.all_local or config.preflight:
             from dlrun.errors import TransportError
 
             try:

@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
+from dlrun.logdir import private_folder
 from dlrun.remote import rankpolicy
 from dlrun.render import WorkerCommand, mask_argv, mask_env, plan_to_json, printable
 from dlrun.run.checks import (
@@ -163,11 +164,9 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
         if config.detach:
             return engine.detach(config, job_id, shown)
         warnings = (warning,) if warning else engine.warnings
-        logs.parent.mkdir(parents=True, exist_ok=True)
-        # private, as the hosts' job folders are: the ranks' lines may hold secrets; made here, now
-        # (a folder someone else made first under a shared dlrun-logs/ is refused), and the files in
-        # it are made 0600 without following links (supervisor.private_file)
-        logs.mkdir(mode=0o700)
+        # private, as the hosts' job folders are: the ranks' lines may hold secrets; its files are
+        # made 0600 without following links (supervisor.private_file)
+        private_folder(logs)
         attempt = 0
         dropped: tuple[str, ...] = ()
         while True:

@@ -68,3 +68,13 @@ def test_a_host_that_keeps_the_user_to_some_gpus_gets_ranks_on_those_only(tmp_pa
     assert {r["CUDA_VISIBLE_DEVICES"] for r in ranks} == {f"{UUIDS[2]},{UUIDS[3]}"}
     topo = run_dlrun("topo", cwd=tmp_path, timeout=120, env={**host, "CUDA_VISIBLE_DEVICES": "2,3"})
     assert "CUDA_VISIBLE_DEVICES='2,3' on this host: jobs use 2 of its GPUs" in topo.stdout, topo.stdout
+
+
+def test_a_dry_run_here_shows_the_gpus_the_launch_gives(tmp_path: Path) -> None:
+    (tmp_path / "seen.py").write_text(SCRIPT)
+    out = run_dlrun("launch", "--dry-run", "--json", "--framework", "torch", "--hosts", "localhost", "seen.py",
+                    env=four_gpu_host(tmp_path), cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    ranks = json.loads(out.stdout)["ranks"]
+    # before: 1 rank without CUDA_VISIBLE_DEVICES, while the launch started 4 on the 4 GPUs
+    assert len(ranks) == 4 and {r["env"]["CUDA_VISIBLE_DEVICES"] for r in ranks} == {",".join(UUIDS)}

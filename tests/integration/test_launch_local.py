@@ -363,11 +363,14 @@ def test_local_jobs_side_by_side_take_free_ports(tmp_path: Path) -> None:
         assert out.returncode == 0, out.stdout + out.stderr
         ports = sorted(int(p) for p in re.findall(r"\] bound (\d+)$", out.stdout, re.M))
         assert len(ports) == 2 and 23456 not in ports and ports[1] == ports[0] + 1, out.stdout
-        given = run_dlrun("launch", "--dry-run", "--json", "--np", "2", "--base-port", "23456", str(script),
-                          cwd=tmp_path)  # a port the user names is used as named
-        assert json.loads(given.stdout)["ranks"][0]["port"] == 23456
+        taken = run_dlrun("launch", "--dry-run", "--json", "--np", "2", "--base-port", "23456", str(script),
+                          cwd=tmp_path)  # a dry run checks what the launch would, here too
+        assert taken.returncode == 1 and "localhost: port 23456 (rank 0) is in use" in taken.stderr, taken.stderr
     finally:
         busy.close()
+    given = run_dlrun("launch", "--dry-run", "--json", "--np", "2", "--base-port", "23456", str(script),
+                      cwd=tmp_path)  # a port the user names is used as named
+    assert json.loads(given.stdout)["ranks"][0]["port"] == 23456
 
 
 def test_push_options_that_would_do_nothing_are_usage_errors(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import stat
 import threading
 import time
@@ -214,3 +215,20 @@ def test_a_log_file_is_private_new_and_never_reached_through_a_link(tmp_path: Pa
         with pytest.raises(OSError):
             private_file(tmp_path / name)
     assert (tmp_path / "theirs").read_text() == ""
+
+
+def test_the_jobs_log_folder_is_made_private_or_taken_only_when_it_is_the_users(tmp_path: Path) -> None:
+    from dlrun.errors import UsageError
+    from dlrun.logdir import private_folder
+
+    private_folder(tmp_path / "logs" / "j1")  # made
+    private_folder(tmp_path / "logs" / "j1")  # the setup made it first: taken
+    assert stat.S_IMODE((tmp_path / "logs" / "j1").stat().st_mode) == 0o700
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "logs" / "j2").symlink_to(tmp_path / "elsewhere")
+    theirs = tmp_path / "logs" / "j3"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    for path in (tmp_path / "logs" / "j2", theirs):
+        with pytest.raises(UsageError, match="is there already and is not a folder of yours"):
+            private_folder(path)
