@@ -13,6 +13,7 @@ summary is the pipeline's: the supervisor only supervises (``Supervisor.supervis
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -37,7 +38,7 @@ from dlrun.run.checks import (
 from dlrun.run.config import DEFAULT_LOG_DIR, LaunchConfig, new_job_id, resolve_framework, say_framework
 from dlrun.run.engine import Engine, Regrouped
 from dlrun.run.hosts import HostsEngine
-from dlrun.run.result import Attempt, RunResult
+from dlrun.run.result import Attempt, RunResult, result_document
 from dlrun.run.screen import make_view
 from dlrun.run.supervisor import Supervisor, View
 
@@ -184,7 +185,7 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
                 shown.notice(f"not restarting: {why_not}")
             shown.finish(final)
             if last or why_not is not None:
-                return final
+                return _recorded(final, logs)
             newly = regrouped.dropped
             dropped = (*dropped, *newly)
             where = f" without {', '.join(newly)} (lost)" if newly else ""
@@ -194,7 +195,20 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
             signum = _pause(rankpolicy.RESTART_PAUSE)
             if signum is not None:
                 shown.notice(f"signal {signum} before the restart: not restarting")
-                return replace(final, exit_code=128 + signum, interrupted_by=signum)
+                return _recorded(replace(final, exit_code=128 + signum, interrupted_by=signum), logs)
+
+
+def _recorded(final: RunResult, logs: Path) -> RunResult:
+    """The job's end, also as ``<logs>/result.json`` (``result_document``): a file that cannot be
+    written costs a warning, not the result."""
+    try:
+        fd = os.open(logs / "result.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with open(fd, "w", encoding="utf-8") as fh:
+            json.dump(result_document(final), fh, indent=1)
+            fh.write("\n")
+    except OSError as exc:
+        print(f"dlrun: warning: {logs}/result.json not written: {exc.strerror or exc}", file=sys.stderr)
+    return final
 
 
 def _pause(seconds: float) -> int | None:

@@ -101,3 +101,32 @@ class RunResult:
             r.state in (RankState.STOPPED, RankState.NOT_STARTED) and r.exit_code == 255 and r.error)]
         return tuple(dict.fromkeys(lost))
 
+
+
+def result_document(result: RunResult) -> dict[str, Any]:
+    """What ``dlrun-logs/<job>/result.json`` says of an attached job, for CI and scripts: how it
+    ended (``outcome``: succeeded, failed, lost, hung, interrupted), the exit code, the root
+    cause (rank, host, code, the signal, the exception's line) and every rank's end. A rank's own
+    exit code may be one dlrun also uses (2, 124, 130, 255): ``outcome`` tells them apart."""
+    root = result.root_cause
+    if result.exit_code == 0:
+        outcome = "succeeded"
+    elif result.interrupted_by is not None:
+        outcome = "interrupted"
+    elif root is None and result.hang:
+        outcome = "hung"
+    elif root is not None and root.state == RankState.LOST:
+        outcome = "lost"
+    else:
+        outcome = "failed"
+    cause = None
+    if root is not None:
+        killed = rankpolicy.signal_text(root.exit_code) if root.state != RankState.LOST else None
+        cause = {"rank": root.rank, "host": root.host, "exit_code": root.exit_code,
+                 "signal": killed.split()[2] if killed else None,
+                 "exception": (root.error_file or root.exception or (None,))[-1], "error": root.error}
+    return {"job_id": result.job_id, "outcome": outcome, "exit_code": result.exit_code, "attempts": result.attempts,
+            "root_cause": cause, "raised_first": list(result.raised_first),
+            "hang": result.hang[0] if result.hang else None,
+            "ranks": [{"rank": r.rank, "host": r.host, "state": r.state.value, "exit_code": r.exit_code,
+                       "seconds": None if r.duration is None else round(r.duration, 3)} for r in result.ranks]}

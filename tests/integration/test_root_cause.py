@@ -5,6 +5,7 @@ killed it, and the warning dlrun gave before the start."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import subprocess
@@ -275,3 +276,15 @@ def test_a_full_disk_under_the_logs_loses_the_log_not_the_job_or_its_root_cause(
     assert "No space left on device; its lines from here on are shown only" in out.stdout, out.stdout[-3000:]
     assert "RuntimeError: out of patience at the end" in root_cause_block(out.stdout)
     assert re.search(r"rank 1's log lacks \d+ of its lines", out.stdout), out.stdout[-3000:]
+
+
+def test_result_json_tells_ci_a_ranks_own_exit_130_from_an_interrupt(tmp_path: Path) -> None:
+    (tmp_path / "ki.py").write_text("raise KeyboardInterrupt\n")  # exits 130, as dlrun does on Ctrl-C
+    out = run_dlrun("launch", "--plain", "--framework", "none", "-n", "1", "ki.py", cwd=tmp_path, timeout=120)
+    assert out.returncode == 130, out.stdout[-2000:]
+    logs = next((tmp_path / "dlrun-logs").iterdir())
+    doc = json.loads((logs / "result.json").read_text())
+    assert doc["outcome"] == "failed" and doc["exit_code"] == 130 and doc["attempts"] == 1
+    assert doc["root_cause"] == {"rank": 0, "host": "localhost", "exit_code": 130, "signal": "SIGINT",
+                                 "exception": "KeyboardInterrupt", "error": None}
+    assert [(r["rank"], r["state"]) for r in doc["ranks"]] == [(0, "failed")]
