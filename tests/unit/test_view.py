@@ -141,3 +141,24 @@ def test_names_that_look_like_markup_are_shown_as_written(tmp_path: object) -> N
     with PushView(["h[/]1"], live=True, console=push) as pv:
         pv.progress("h[/]1", 10, 100)
     assert "h[/]1" in push.export_text()
+
+
+def test_result_json_names_each_way_a_job_ends() -> None:
+    from dlrun.run.result import RankResult, RankState, RunResult, result_document
+
+    ok = RankResult(0, "h1", RankState.SUCCEEDED, 0, 1.0)
+    lost = RankResult(1, "h2", RankState.LOST, 255, 2.0, error="silent for 30 s")
+    aborted = RankResult(1, "h2", RankState.FAILED, 134, 2.0, exception=("x", "RuntimeError: boom"))
+    stopped = RankResult(0, "h1", RankState.STOPPED, 143, 1.0)
+    ends = {
+        "succeeded": RunResult(ranks=(ok,), exit_code=0),
+        "lost": RunResult(ranks=(ok, lost), exit_code=255, root_cause=lost),
+        "failed": RunResult(ranks=(ok, aborted), exit_code=134, root_cause=aborted),
+        "hung": RunResult(ranks=(stopped,), exit_code=124, hang=("hung (no output for 5 s): …",)),
+        "interrupted": RunResult(ranks=(stopped,), exit_code=130, interrupted_by=2),
+    }
+    for outcome, result in ends.items():
+        assert result_document(result)["outcome"] == outcome
+    failed = result_document(ends["failed"])["root_cause"]
+    assert failed["signal"] == "SIGABRT" and failed["exception"] == "RuntimeError: boom"
+    assert result_document(ends["lost"])["root_cause"]["signal"] is None
