@@ -833,6 +833,7 @@ class Keeper:
         if code and output is not None:
             evidence["tail"] = [self.policy.cut(t, RECORD_LINE) for t in output.tail]  # records stay small
             evidence["exception"] = list(output.traceback.last)
+            evidence["exception_final"] = output.traceback.final  # its last words, or an earlier traceback
             evidence["error_file"] = self.policy.error_file_lines(info.get("error_file"))
         if self.leader:
             self.on_rank(self.host, rank, what, code, evidence)  # which writes the record
@@ -879,7 +880,8 @@ class Keeper:
         tail = [str(t) for t in evidence.get("tail") or []]
         finished = [(r, str(e["host"])) for r, e in sorted(self.ranks.items()) if e["state"] == "succeeded"]
         hint = self.policy.early_exit_hint(rank, exception + error_file + tail, finished)
-        return {"rank": rank, "host": host, "exception": exception, "error_file": error_file, "hint": hint}
+        return {"rank": rank, "host": host, "exception": exception, "error_file": error_file, "hint": hint,
+                "exception_final": evidence.get("exception_final", True) is not False}
 
     def fail(self, cause: str, code: int, tail: list[str]) -> None:
         """The first failure is the root cause: stop every rank everywhere."""

@@ -82,6 +82,7 @@ class RootEvidence:
     exception: tuple[str, ...] = ()
     error_file: tuple[str, ...] = ()
     hint: tuple[str, ...] = ()
+    exception_final: bool = True  # the exception was the rank's last output (else an earlier traceback)
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ def record_of(document: Mapping[str, Any]) -> JobRecord:
     root = document.get("root") or {}
     evidence = RootEvidence(rank=code(root.get("rank")), host=None if root.get("host") is None else str(root["host"]),
                             exception=strings(root.get("exception")), error_file=strings(root.get("error_file")),
-                            hint=strings(root.get("hint")))
+                            hint=strings(root.get("hint")), exception_final=root.get("exception_final") is not False)
     cause = document.get("root_cause")
     return JobRecord(
         job_id=str(document.get("job_id", "")), state=str(document.get("state", "?")), ranks=len(ranks),
@@ -788,7 +789,8 @@ def run_result(record: JobRecord) -> RunResult:
                 continue
             if r.state == RankState.LOST or (r.state == RankState.FAILED and r.exit_code == record.exit_code):
                 root = replace(r, tail=record.root_tail, error=record.root_cause if r.state == RankState.LOST else None,
-                               exception=evidence.exception, error_file=evidence.error_file, hint=evidence.hint)
+                               exception=evidence.exception, error_file=evidence.error_file, hint=evidence.hint,
+                               exception_final=evidence.exception_final)
                 break
     code = 1 if record.exit_code is None else record.exit_code
     hang = (record.root_cause, *(f"  {text}" for text in record.root_tail)) if record.hung and record.root_cause else ()

@@ -120,6 +120,9 @@ FAILURES = {
                    "@record\ndef main() -> None:\n    raise RuntimeError('CUDA out of memory on rank 0 (recorded)')\n"
                    "main()\n"),
     "signal": ("none", "import os\nprint('about to abort', flush=True)\nos.abort()\n"),
+    "caught": ("none", "import logging, os, signal\ntry:\n    raise ConnectionError('upload failed, retrying')\n"
+               "except ConnectionError:\n    logging.exception('upload')\nfor i in range(30):\n"
+               "    print(f'step {i}', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n"),
     "hang": ("none", "import time\nprint('ready', flush=True)\ndef stuck_in_data_loading():\n    while True:\n"
                      "        time.sleep(1)\nstuck_in_data_loading()\n"),
 }
@@ -127,6 +130,7 @@ EXTRA = {"hang": ["--hang-timeout", "5"]}  # --hang-timeout's stop: the hang's l
 EVIDENCE = {"exception": "ValueError: bad batch 7: shape (3, 4) is not (3, 5)",
             "error_file": "RuntimeError: CUDA out of memory on rank 0 (recorded)",
             "signal": "  killed by SIGABRT (134)",
+            "caught": "  an earlier traceback of rank 0 (many lines came after it: it may have been caught):",
             "hang": "dlrun: root cause: job hung (no output for 5 s): the rank is in stuck_in_data_loading"}
 
 
