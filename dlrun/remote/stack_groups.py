@@ -263,6 +263,11 @@ def hang_cause(groups: Sequence[Group]) -> str:
     if not found:
         return "no rank's stack could be taken: " + (groups[0].error or "?" if groups else "no ranks")
     odd = found[0]
+    if len(found) > 1 and (len(found[1].ranks), found[1].waiting) == (len(odd.ranks), odd.waiting):
+        # no odd one out (two ranks in two places, neither in a collective): say so, blame none
+        return "the ranks disagree, none is the odd one: " + "; ".join(
+            f"{'rank' if len(g.ranks) == 1 else 'ranks'} {rank_list(g.ranks)} on {','.join(g.hosts)}"
+            f" {'is' if len(g.ranks) == 1 else 'are'} in {g.user or g.where}" for g in found)
     verb = "is" if len(odd.ranks) == 1 else "are"
     noun = "rank" if len(odd.ranks) == 1 else "ranks"
     hosts = ",".join(odd.hosts)

@@ -52,6 +52,17 @@ def test_of_two_single_ranks_the_one_not_in_a_collective_is_odd() -> None:
                                   " all_reduce")
 
 
+def test_two_ranks_in_two_places_and_neither_waiting_blame_neither() -> None:
+    barrier = json.loads(json.dumps(dump(SLEEP)).replace("stuck_in_data_loading", "wait_barrier"))
+    stacks = rank_stacks("h1", answer({1: (SLEEP, SLEEP)}))
+    stacks += rank_stacks("h1", {"ranks": {"0": {"pid": 100, "method": "py-spy", "samples": [
+        {"time": float(i), "threads": barrier} for i in range(2)]}}})
+    # before: "rank 0 on h1 is in wait_barrier … while rank 1 is in stuck_in_data_loading", a guess
+    assert hang_cause(group_ranks(stacks)) == (
+        "the ranks disagree, none is the odd one: rank 0 on h1 is in wait_barrier (train.py:6); rank 1 on h1 is in"
+        " stuck_in_data_loading (train.py:6)")
+
+
 def test_a_rank_that_moved_between_samples_is_marked_changed() -> None:
     groups = group_ranks(rank_stacks("h1", answer({0: (REDUCE, REDUCE), 1: (REDUCE, SLEEP)})))
     lines = summary_lines(groups)
