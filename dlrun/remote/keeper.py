@@ -474,6 +474,8 @@ class Keeper:
         self.indexed: dict[int, float] = {}  # rank -> when its index last got a line
         self.policy = load_module(str(config["rankpolicy_source"]), "rankpolicy")  # dlrun.remote.rankpolicy
         self.outputs: dict[int, Any] = {}  # rank -> its rankpolicy.RankLines (tail, traceback, splitters)
+        self.raised_at: dict[int, float] = {}  # own rank -> when its last traceback ended (time.time)
+        self.raised: dict[int, tuple[float, str, list[str]]] = {}  # the leader's: ranks whose last words were one
         self.dropped: dict[int, int] = {}  # rank -> log lines not written (the disk is full)
         self.written: dict[int, int] = {}  # rank -> bytes of its log written whole
         self.full_until = 0.0  # a log write failed: until then lines are only counted
@@ -722,9 +724,17 @@ class Keeper:
         if kind in (STDOUT, STDERR):
             self.last_output = time.monotonic()
         if kind in (STDOUT, STDERR) and rank in self.logs:
-            lines = self.outputs[rank].feed(kind, payload)
+            output = self.outputs[rank]
+            before = output.traceback.last
+            lines = output.feed(kind, payload)
             if lines:
                 self.write_log(rank, lines)
+            if output.traceback.last is not before:
+                self.raised_at[rank] = time.time()
+                self.tell_raised(rank, self.raised_at[rank], list(output.traceback.last))
+            elif rank in self.raised_at and not output.traceback.final:  # it went on: not its last words
+                del self.raised_at[rank]
+                self.tell_raised(rank, None, [])
         elif kind == STARTED:
             self.report(rank, "running", None)
         elif kind == ERROR and rank in self.logs:
@@ -822,6 +832,20 @@ class Keeper:
         except OSError:  # a full disk: the samples are the first thing to give up
             pass
 
+    def tell_raised(self, rank: int, at: float | None, lines: list[str]) -> None:
+        """A rank's traceback ended (``at``) while it runs, or (None) it printed on after it: the
+        leader keeps them, for the root cause's ``raised first`` (``rankpolicy.raised_first``)."""
+        if self.leader:
+            self.on_raised(self.host, rank, at, lines)
+        elif self.leader_peer is not None:
+            self.leader_peer.send({"op": "raised", "rank": rank, "at": at, "lines": lines})
+
+    def on_raised(self, host: str, rank: int, at: float | None, lines: list[Any]) -> None:
+        if at is None:
+            self.raised.pop(rank, None)
+        else:
+            self.raised[rank] = (float(at), host, [str(t) for t in lines][-8:])
+
     def report(self, rank: int, what: str, code: int | None, info: dict[str, Any] | None = None) -> None:
         """A rank started or exited (``info``: the agent's EXIT frame); with a failure, what its
         root cause shows: the tail, the exception it raised and its error file."""
@@ -834,6 +858,8 @@ class Keeper:
             evidence["tail"] = [self.policy.cut(t, RECORD_LINE) for t in output.tail]  # records stay small
             evidence["exception"] = list(output.traceback.last)
             evidence["exception_final"] = output.traceback.final  # its last words, or an earlier traceback
+            if output.traceback.final and rank in self.raised_at:
+                evidence["raised_at"] = self.raised_at[rank]
             evidence["error_file"] = self.policy.error_file_lines(info.get("error_file"))
         if self.leader:
             self.on_rank(self.host, rank, what, code, evidence)  # which writes the record
@@ -880,8 +906,10 @@ class Keeper:
         tail = [str(t) for t in evidence.get("tail") or []]
         finished = [(r, str(e["host"])) for r, e in sorted(self.ranks.items()) if e["state"] == "succeeded"]
         hint = self.policy.early_exit_hint(rank, exception + error_file + tail, finished)
+        running = {r: v for r, v in self.raised.items() if self.ranks.get(r, {}).get("state") == "running"}
+        first = self.policy.raised_first(running, rank, float(evidence.get("raised_at") or time.time()))
         return {"rank": rank, "host": host, "exception": exception, "error_file": error_file, "hint": hint,
-                "exception_final": evidence.get("exception_final", True) is not False}
+                "exception_final": evidence.get("exception_final", True) is not False, "raised_first": first}
 
     def fail(self, cause: str, code: int, tail: list[str]) -> None:
         """The first failure is the root cause: stop every rank everywhere."""
@@ -1402,6 +1430,8 @@ class Keeper:
         if self.leader:
             if op == "rank":
                 self.on_rank(name, int(message["rank"]), str(message["what"]), message.get("code"), message)
+            elif op == "raised":
+                self.on_raised(name, int(message["rank"]), message.get("at"), list(message.get("lines") or []))
             elif op == "note":
                 self.note(str(message.get("text", ""))[:500])
             elif op == "flight" and int(message.get("attempt", -1)) == self.attempt:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import signal
 from collections import deque
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 TAIL_LINES = 20  # a failed rank's last lines in its root cause
 RESTART_PAUSE = 1.0  # seconds between a failed attempt and the next (the hosts' ports settle)
@@ -167,6 +167,23 @@ class TracebackCatcher:
         self.last = (*tuple(innermost(self._frames)), cut(line))
         self.after = 0
         self._frames = None
+
+
+def raised_first(raised: Mapping[int, tuple[float, str, Sequence[str]]], failed: int, failed_at: float) -> list[str]:
+    """The root cause's note of a rank still running whose last words were a traceback that came
+    before the failed rank's own (``raised``: rank -> when its traceback ended, its host, the
+    traceback's lines; ``failed_at``: when the failed rank's ended, or its exit): it raised first,
+    and what the failed rank died of (a collective's timeout, a peer gone) may only follow from
+    it. A non-daemon thread or a stuck teardown keeps such a rank alive; on 64 GPUs, 63 ranks
+    time out waiting for it. The times are the hosts' clocks."""
+    first = min(((at, rank) for rank, (at, _host, _lines) in raised.items() if rank != failed and at < failed_at),
+                default=None)
+    if first is None:
+        return []
+    at, rank = first
+    _at, host, lines = raised[rank]
+    return [f"rank {rank} on {host} raised first, {failed_at - at:.1f} s before, and printed little since (still"
+            " running then):", *(f"  | {text}" for text in lines)]
 
 
 def innermost(frame_lines: Sequence[str]) -> list[str]:

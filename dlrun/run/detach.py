@@ -83,6 +83,7 @@ class RootEvidence:
     error_file: tuple[str, ...] = ()
     hint: tuple[str, ...] = ()
     exception_final: bool = True  # the exception was the rank's last output (else an earlier traceback)
+    raised_first: tuple[str, ...] = ()  # a rank still running that raised before it (rankpolicy.raised_first)
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,8 @@ def record_of(document: Mapping[str, Any]) -> JobRecord:
     root = document.get("root") or {}
     evidence = RootEvidence(rank=code(root.get("rank")), host=None if root.get("host") is None else str(root["host"]),
                             exception=strings(root.get("exception")), error_file=strings(root.get("error_file")),
-                            hint=strings(root.get("hint")), exception_final=root.get("exception_final") is not False)
+                            hint=strings(root.get("hint")), exception_final=root.get("exception_final") is not False,
+                            raised_first=strings(root.get("raised_first")))
     cause = document.get("root_cause")
     return JobRecord(
         job_id=str(document.get("job_id", "")), state=str(document.get("state", "?")), ranks=len(ranks),
@@ -795,7 +797,7 @@ def run_result(record: JobRecord) -> RunResult:
     code = 1 if record.exit_code is None else record.exit_code
     hang = (record.root_cause, *(f"  {text}" for text in record.root_tail)) if record.hung and record.root_cause else ()
     return RunResult(ranks=ranks, exit_code=code, root_cause=root, job_id=record.job_id, hang=hang,
-                     flight_recorder=record.flight_recorder,
+                     flight_recorder=record.flight_recorder, raised_first=record.root.raised_first if root else (),
                      interrupted_by=code - 128 if record.state == "stopped" and code > 128 else None,
                      attempts=len(record.history) + 1)
 

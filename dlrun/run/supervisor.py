@@ -65,6 +65,7 @@ from dlrun.remote.rankpolicy import (
     early_exit_hint,
     error_file_lines,
     job_exit_code,
+    raised_first,
 )
 from dlrun.render import WorkerCommand
 from dlrun.run.agents import HostAgents, HostLink, close_aside, encode_message, with_agent_words
@@ -509,20 +510,11 @@ class Supervisor:
             self._stop_all(self.grace)
 
     def _raised_first(self, rank_no: int, rank: _Rank) -> tuple[str, ...]:
-        """A rank still running whose last words were a traceback that came before the failed
-        rank's own (its exception, or its exit): it raised first, and what the failed rank died
-        of (a collective's timeout, a peer gone) may only follow from it. A non-daemon thread or
-        a stuck teardown keeps such a rank alive, and on 64 GPUs 63 ranks time out waiting."""
+        """``rankpolicy.raised_first``: a rank still running that raised before this one failed."""
         mine = rank.raised_at if rank.traceback.final and rank.raised_at is not None else self.clock()
-        first = min(((other.raised_at, n) for n, other in self.ranks.items()
-                     if n != rank_no and other.exit_code is None and other.raised_at is not None
-                     and other.raised_at < mine and other.traceback.final), default=None)
-        if first is None:
-            return ()
-        at, n = first
-        other = self.ranks[n]
-        return (f"rank {n} on {other.command.host_name} raised first, {mine - at:.1f} s before, and printed"
-                " little since (still running then):", *(f"  | {text}" for text in other.traceback.last))
+        raised = {n: (other.raised_at, other.command.host_name, other.traceback.last) for n, other in self.ranks.items()
+                  if other.exit_code is None and other.raised_at is not None and other.traceback.final}
+        return tuple(raised_first(raised, rank_no, mine))
 
     def _closed(self, host: str, code: int | None, stderr: str) -> None:
         link = self.agents.lost(host)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from support.cli import REPO, dlrun_argv, run_dlrun
+from support.scripts import RAISES_AND_LINGERS
 from support.sshd_cluster import wait_job_processes_gone
 from support.wait import wait_until
 
@@ -285,3 +286,21 @@ def test_detached_jobs_launched_one_after_another_get_their_own_ports(tmp_path: 
             run_dlrun("stop", job, cwd=tmp_path, timeout=120, env=home)
     for job in jobs:
         assert wait_job_processes_gone(job, timeout=30) == []
+
+
+def test_a_detached_job_names_the_rank_that_raised_first_and_lingers(tmp_path: Path) -> None:
+    (tmp_path / "linger.py").write_text(RAISES_AND_LINGERS)
+    home = {"HOME": str(tmp_path / "home")}
+    launched = run_dlrun("launch", "--detach", "--framework", "none", "--grace", "1", "-n", "2", "-e",
+                         f"MARKS={tmp_path}", "linger.py", cwd=tmp_path, timeout=180, env=home)
+    job = re.search(r"^dlrun: (?:detached job ([\w-]+)|job ([\w-]+) failed; exit code)", launched.stdout
+                    + launched.stderr, re.M)
+    assert job, launched.stdout + launched.stderr
+    job_id = job.group(1) or job.group(2)
+    detached = run_dlrun("attach", job_id, cwd=tmp_path, timeout=120, env=home)
+    assert detached.returncode == 1, detached.stdout[-3000:]
+    block = "\n".join(root_cause_block(detached.stdout))
+    assert block.startswith("dlrun: root cause: rank 0 on host localhost exited with code 1"), block
+    assert re.search(r"\n  rank 1 on localhost raised first, \d+\.\d s before, and printed little since", block), block
+    assert "  | RuntimeError: CUDA error: an illegal memory access was encountered" in block, block
+    assert wait_job_processes_gone(job_id, timeout=15) == []

@@ -17,6 +17,7 @@ import dlrun
 from dlrun.run.view import PlainView, root_cause_lines
 
 from support.cli import run_dlrun
+from support.scripts import RAISES_AND_LINGERS
 
 
 def root_cause_block(stdout: str) -> str:
@@ -53,19 +54,6 @@ def test_the_exception_is_shown_even_when_lines_followed_it(tmp_path: Path) -> N
     assert "cleanup line 29" in block.split("last 20 lines", 1)[1]  # the tail as before
 
 
-# rank 1 raises, but a non-daemon thread keeps it alive; rank 0 then times out waiting for it
-RAISES_AND_LINGERS = """
-import os, sys, threading, time
-marker = os.path.join(os.environ["MARKS"], "raised")
-if os.environ["DLRUN_RANK"] == "1":
-    threading.Thread(target=time.sleep, args=(60,)).start()
-    open(marker, "w").close()
-    raise RuntimeError("CUDA error: an illegal memory access was encountered")
-while not os.path.exists(marker):
-    time.sleep(0.05)
-time.sleep(1)
-raise TimeoutError("Timed out waiting 1000ms for recv operation to complete")
-"""
 
 
 def test_a_rank_that_raised_first_and_lingers_is_named_beside_the_one_that_timed_out(tmp_path: Path) -> None:

@@ -11,3 +11,17 @@ if dist.get_rank() == 0:
     raise ValueError(f"labels out of range: {torch.randint(0, 100, (40, 12))}")
 dist.barrier()
 """
+
+#: rank 1 raises, but a non-daemon thread keeps it alive; rank 0 then times out waiting for it
+RAISES_AND_LINGERS = """
+import os, sys, threading, time
+marker = os.path.join(os.environ["MARKS"], "raised")
+if os.environ["DLRUN_RANK"] == "1":
+    threading.Thread(target=time.sleep, args=(60,)).start()
+    open(marker, "w").close()
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+while not os.path.exists(marker):
+    time.sleep(0.05)
+time.sleep(1)
+raise TimeoutError("Timed out waiting 1000ms for recv operation to complete")
+"""
