@@ -1296,6 +1296,7 @@ def _finish(agent: Agent) -> int:
 def _on_signal(agent: Agent, signum: int) -> None:
     agent.signal_all(signal.SIGKILL)
     agent.sweep()
+    agent.remove_error_files()  # sshd's SIGHUP when the client went: no empty /tmp/dlrun-<job>/ left behind
     # Not for speed: a SystemExit raised here could land inside a probe or survey run by exec
     # (which answer any BaseException) and the agent would go on without its ranks.
     os._exit(128 + signum)

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -372,6 +373,25 @@ def test_a_failed_ranks_error_file_comes_back_with_its_exit(tmp_path: Path) -> N
     assert exits[0] == {"code": 1, "error_file": {"message": {"message": "ValueError: bad batch"}}}
     assert exits[1] == {"code": 0}
     assert not (tmp_path / "dlrun-j3").exists()
+
+
+def test_an_agent_ended_by_a_signal_leaves_no_rank_folder_behind(tmp_path: Path) -> None:
+    """sshd sends SIGHUP when the client's connection goes: the agent kills its ranks and takes
+    their folders away too (empty ``/tmp/dlrun-<job>/attempt_0/<rank>/`` piled up in /tmp)."""
+    error_file = tmp_path / "dlrun-j4" / "attempt_0" / "0" / "error.json"
+    spec = {"job_id": "j4", "ranks": [{"rank": 0, "argv": [sys.executable, "-c", "import time; time.sleep(60)"],
+                                       "env": {"TORCHELASTIC_ERROR_FILE": str(error_file)}}]}
+    proc = start_agent()
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps(spec).encode() + b"\n")
+    proc.stdin.flush()
+    decoder, frames = agent.FrameDecoder(), []
+    while not any(k == agent.STARTED for k, _, _ in frames):
+        frames += decoder.feed(read_some(proc.stdout))
+    assert error_file.parent.is_dir()
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=30) == 128 + signal.SIGHUP
+    assert not (tmp_path / "dlrun-j4").exists()
 
 
 def fake_nvidia_smi(folder: Path, body: str) -> dict[str, str]:
