@@ -385,7 +385,8 @@ def test_an_agent_ended_by_a_signal_leaves_no_rank_folder_behind(tmp_path: Path)
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(json.dumps(spec).encode() + b"\n")
     proc.stdin.flush()
-    decoder, frames = agent.FrameDecoder(), []
+    decoder = agent.FrameDecoder()
+    frames: list[tuple[int, int, bytes]] = []
     while not any(k == agent.STARTED for k, _, _ in frames):
         frames += decoder.feed(read_some(proc.stdout))
     assert error_file.parent.is_dir()
