@@ -183,7 +183,7 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
             why_not = regrouped.refused
             if why_not is not None:
                 shown.notice(f"not restarting: {why_not}")
-            shown.finish(final)
+            shown.finish(replace(final, restarting=not last and why_not is None))
             if last or why_not is not None:
                 return _recorded(final, logs)
             newly = regrouped.dropped

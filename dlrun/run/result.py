@@ -88,6 +88,7 @@ class RunResult:
     hang: tuple[str, ...] = ()  # --hang-timeout stopped the job: the cause, then the ranks' groups (dlrun.run.hang)
     flight_recorder: tuple[str, ...] = ()  # who the ranks' flight recorder dumps say is behind (stack_groups)
     raised_first: tuple[str, ...] = ()  # a rank still running that raised before the root cause did
+    restarting: bool = False  # an attempt that --max-restarts runs again: not the job's end
 
     @property
     def ok(self) -> bool:

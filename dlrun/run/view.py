@@ -128,7 +128,8 @@ def summary_lines(result: RunResult) -> list[str]:
     else:
         verdict = f"dlrun: job failed ({ok}/{len(result.ranks)} ranks succeeded)"
     lines.extend(attempt_lines(result))
-    lines.append(f"{verdict}; exit code {result.exit_code}")
+    if not result.restarting:  # an attempt run again is not the job's end: the restart's notice says it failed
+        lines.append(f"{verdict}; exit code {result.exit_code}")
     if result.log_dir is not None:
         lines.append(f"dlrun: logs in {result.log_dir}/")
     return lines

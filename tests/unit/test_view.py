@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -162,3 +163,15 @@ def test_result_json_names_each_way_a_job_ends() -> None:
     failed = result_document(ends["failed"])["root_cause"]
     assert failed["signal"] == "SIGABRT" and failed["exception"] == "RuntimeError: boom"
     assert result_document(ends["lost"])["root_cause"]["signal"] is None
+
+
+def test_an_attempt_that_is_run_again_does_not_say_the_job_failed() -> None:
+    from dlrun.run.result import RankResult, RankState, RunResult
+    from dlrun.run.view import summary_lines
+
+    failed = RankResult(0, "h1", RankState.FAILED, 3, 1.0)
+    result = RunResult(ranks=(failed,), exit_code=3, root_cause=failed)
+    assert summary_lines(result)[-1] == "dlrun: job failed (0/1 ranks succeeded); exit code 3"
+    # a CI that greps for "job failed" stopped at the first of --max-restarts' attempts
+    assert not any("job failed" in line or "exit code" in line
+                   for line in summary_lines(replace(result, restarting=True)))
