@@ -32,6 +32,10 @@ TAIL_CHARS = 4000  # characters of one line of a root cause's tail (its head and
 FRAMES_SHOWN = 3  # the innermost frames of a traceback shown in a root cause
 EXCEPTION_CHARS = 400  # an exception line longer than this is cut (a tensor in the message)
 TRACEBACK_START = "Traceback (most recent call last):"
+#: What Python prints between chained tracebacks, and how the root cause names the first one's
+#: exception, shown above the last one's frames (``raise … from``: its cause).
+CHAINED = {"The above exception was the direct cause of the following exception:": "caused by",
+           "During handling of the above exception, another exception occurred:": "while handling"}
 LAST_OUTPUT = 5  # lines after a traceback (torch's teardown warnings) that still leave it the rank's last words
 MAX_PREFIX = 80  # characters before TRACEBACK_START that still count as a prefix ([rank0]: , [1,0]<stderr>:)
 
@@ -121,6 +125,7 @@ class TracebackCatcher:
 
     def __init__(self) -> None:
         self.last: tuple[str, ...] = ()
+        self._cause: str | None = None  # a chained traceback's: the exception before it (raise … from)
         self.after = 0  # lines the rank printed since ``last`` ended: many, and it may have been caught
         self._frames: list[str] | None = None
         self._prefix = ""
@@ -147,6 +152,11 @@ class TracebackCatcher:
             self._prefix = line[:where]
             return
         if self._frames is None:
+            for mark, word in CHAINED.items():
+                at = line.find(mark)
+                if 0 <= at <= MAX_PREFIX and self.last:
+                    self._cause = f"{word}: {self.last[-1]}"
+                    return
             self.after += 1
             return
         if self._prefix:
@@ -164,7 +174,8 @@ class TracebackCatcher:
             return
         if not line.strip():
             return
-        self.last = (*tuple(innermost(self._frames)), cut(line))
+        self.last = (*([self._cause] if self._cause else []), *innermost(self._frames), cut(line))
+        self._cause = None
         self.after = 0
         self._frames = None
 

@@ -46,7 +46,9 @@ def test_the_last_of_chained_tracebacks_wins_and_a_long_line_is_cut() -> None:
                  "During handling of the above exception, another exception occurred:", "",
                  "Traceback (most recent call last):", *frames(2), "RuntimeError: " + "x" * 1000 + " got (3, 5)"]:
         catcher.feed(line)
-    assert catcher.last[:-1] == tuple(frames(2)) and catcher.last[-1].startswith("RuntimeError: xxx")
+    # the one it was raised while handling comes first, named (its frames are the earlier traceback's)
+    assert catcher.last[:-1] == ("while handling: KeyError: 'x'", *frames(2))
+    assert catcher.last[-1].startswith("RuntimeError: xxx")
     assert len(catcher.last[-1]) == 400 and "x…x" in catcher.last[-1]
     assert catcher.last[-1].endswith("xx got (3, 5)")  # a message's end often says what is wrong
 
@@ -218,3 +220,17 @@ def test_the_keeper_never_restarts_after_an_interrupt_or_a_lost_host(tmp_path: P
 
 def pytest_fail(text: str) -> None:
     raise AssertionError(text)
+
+
+def test_a_chained_tracebacks_cause_is_named_above_the_last_one_also_behind_a_prefix() -> None:
+    catcher = TracebackCatcher()
+    for line in ["Traceback (most recent call last):", *frames(1), "ValueError: loss is nan", "",
+                 "The above exception was the direct cause of the following exception:", "",
+                 "Traceback (most recent call last):", *frames(1), "RuntimeError: step failed"]:
+        catcher.feed("[rank3]: " + line if line else line)
+    assert catcher.last == ("caused by: ValueError: loss is nan", *frames(1), "RuntimeError: step failed")
+    assert catcher.final  # the markers are not lines after it
+    catcher.feed("Traceback (most recent call last):")  # an unrelated one later: no cause
+    for line in [*frames(1), "KeyError: 'k'"]:
+        catcher.feed(line)
+    assert catcher.last == (*frames(1), "KeyError: 'k'")
