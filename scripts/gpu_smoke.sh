@@ -10,15 +10,15 @@
 # the root cause, torch's flight recorder dump time, NCCL hangs whose dumps must come back
 # (attached and detached), and a busy GPU that is no hang.
 #   scripts/gpu_smoke.sh [python]      (default python3; needs torch, and lightning for its part)
-#   SMOKE_PARTS="stacks trouble" scripts/gpu_smoke.sh   runs those parts alone (of: topo noop bench
-#   ddp lightning stacks trouble), e.g. to rerun one inside a lent machine's minutes
+#   SMOKE_PARTS="stacks trouble" scripts/gpu_smoke.sh   runs those parts alone (of: topo visible noop
+#   bench ddp lightning stacks trouble), e.g. to rerun one inside a lent machine's minutes
 # Prints what each one did; exits non-zero when a dlrun job fails. docs/gpu.md records its runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${1:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
-parts=" ${SMOKE_PARTS:-topo noop bench ddp lightning stacks trouble} "
+parts=" ${SMOKE_PARTS:-topo visible noop bench ddp lightning stacks trouble} "
 want() { [[ $parts == *" $1 "* ]]; }  # SMOKE_PARTS="stacks trouble" runs those parts alone (after "machine")
 section() { printf '\n===== %s\n' "$*"; }
 timed() {  # timed LABEL CMD...: run, show the last lines, record wall time and exit code
@@ -51,6 +51,29 @@ if want topo; then
 section "dlrun topo"
 timed topo "$py" -m dlrun topo || status=1
 tail -n 25 /tmp/gpu_smoke.topo.log
+
+fi
+
+if want visible; then
+section "the machine's own CUDA_VISIBLE_DEVICES: slots and each rank's GPU follow it"
+# CUDA_VISIBLE_DEVICES=0: one rank, GPU 0's UUID; empty: no GPU, one CPU rank without the variable
+uuid0=$(nvidia-smi --query-gpu=uuid --format=csv,noheader -i 0)
+CUDA_VISIBLE_DEVICES=0 "$py" -m dlrun launch --dry-run --json --framework torch --hosts localhost scripts/gpu_noop.py \
+  >/tmp/gpu_smoke.visible.json 2>/tmp/gpu_smoke.visible.log
+CUDA_VISIBLE_DEVICES= "$py" -m dlrun launch --dry-run --json --framework torch --hosts localhost scripts/gpu_noop.py \
+  >/tmp/gpu_smoke.visible-none.json 2>>/tmp/gpu_smoke.visible.log
+UUID0=$uuid0 "$py" - <<'PY' || status=1
+import json, os
+one = json.load(open("/tmp/gpu_smoke.visible.json"))["ranks"]
+none = json.load(open("/tmp/gpu_smoke.visible-none.json"))["ranks"]
+print("visible=0:", len(one), "rank(s),", [r["env"].get("CUDA_VISIBLE_DEVICES") for r in one])
+print("visible='':", len(none), "rank(s),", [r["env"].get("CUDA_VISIBLE_DEVICES") for r in none])
+ok = [r["env"].get("CUDA_VISIBLE_DEVICES") for r in one] == [os.environ["UUID0"]] and len(none) == 1 \
+    and "CUDA_VISIBLE_DEVICES" not in none[0]["env"]
+print("visible:", "as expected" if ok else "NOT as expected")
+raise SystemExit(0 if ok else 1)
+PY
+CUDA_VISIBLE_DEVICES=0 timed visible-run "$py" -m dlrun launch --plain --framework torch scripts/gpu_noop.py || status=1
 
 fi
 
