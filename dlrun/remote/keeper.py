@@ -1022,6 +1022,8 @@ class Keeper:
             self.history.append({"attempt": self.attempt, "job_id": self.specs[self.attempt]["job_id"],
                                  "exit_code": self.failed_code, "root_cause": self.root_cause})
         self.attempt = attempt
+        self.raised.clear()  # the last attempt's ranks' tracebacks say nothing of the next one
+        self.raised_at.clear()
         for entry in self.ranks.values():
             entry.update(state="pending", code=None, started=None, ended=None)
         self.root_cause, self.root_tail, self.failed_code, self.root = None, [], 0, {}

@@ -145,6 +145,12 @@ class TracebackCatcher:
         """Inside a traceback: every line counts (otherwise only a traceback's first line does)."""
         return self._frames is not None
 
+    def wants(self, text: str) -> bool:
+        """Must these lines (joined) be fed one by one: inside a traceback, a traceback's start, or
+        the line between chained ones (which may come in a write of its own)? Else ``skip``."""
+        return self._frames is not None or TRACEBACK_START in text or (
+            bool(self.last) and any(mark in text for mark in CHAINED))
+
     def feed(self, line: str) -> None:
         where = line.find(TRACEBACK_START)
         if 0 <= where <= MAX_PREFIX:
@@ -155,7 +161,9 @@ class TracebackCatcher:
             for mark, word in CHAINED.items():
                 at = line.find(mark)
                 if 0 <= at <= MAX_PREFIX and self.last:
-                    self._cause = f"{word}: {self.last[-1]}"
+                    first = self.last[0]  # a chain of three names its first exception
+                    chained = first.startswith(tuple(f"{w}: " for w in CHAINED.values()))
+                    self._cause = first if chained else f"{word}: {self.last[-1]}"
                     return
             self.after += 1
             return
@@ -258,7 +266,7 @@ class RankLines:
     def seen(self, texts: Sequence[str]) -> None:
         """Lines of the rank (from a splitter, or dlrun's own about it) for the tail and the traceback."""
         self.tail.extend(texts[-TAIL_LINES:])
-        if self.traceback.reading or TRACEBACK_START in "\n".join(texts):  # a line at a time only there
+        if self.traceback.wants("\n".join(texts)):  # a line at a time only there
             for text in texts:
                 self.traceback.feed(text)
         else:

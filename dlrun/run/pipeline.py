@@ -195,6 +195,7 @@ def run_job(config: LaunchConfig, engine: Engine | None = None, *, view: View | 
             signum = _pause(rankpolicy.RESTART_PAUSE)
             if signum is not None:
                 shown.notice(f"signal {signum} before the restart: not restarting")
+                shown.notice(f"interrupted by signal {signum}; exit code {128 + signum}")  # the verdict CI looks for
                 return _recorded(replace(final, exit_code=128 + signum, interrupted_by=signum), logs)
 
 

@@ -58,7 +58,6 @@ from dlrun.remote.rankpolicy import (
     STOP_MARGIN,
     TAIL_CHARS,
     TAIL_LINES,
-    TRACEBACK_START,
     LineSplitter,
     TracebackCatcher,
     cut,
@@ -118,6 +117,7 @@ class _Rank:
     traceback: TracebackCatcher = field(default_factory=TracebackCatcher)  # the exception it raised
     error_file: tuple[str, ...] = ()  # its TORCHELASTIC_ERROR_FILE, from the EXIT frame
     unlogged: int = 0  # lines its log file could not take (a full disk): the screen had them
+    unflushed: int = 0  # lines written to its log file's buffer since the last flush that worked
     raised_at: float | None = None  # when its last traceback ended (the clock's time)
 
 
@@ -398,7 +398,7 @@ class Supervisor:
                 rank.tail.extend(texts[-TAIL_LINES:])
                 joined = "\n".join(texts)
                 self._log(rank_no, rank, joined, len(texts))
-                if rank.traceback.reading or TRACEBACK_START in joined:  # a line at a time only there
+                if rank.traceback.wants(joined):  # a line at a time only there
                     before = rank.traceback.last
                     for text in texts:
                         rank.traceback.feed(text)
@@ -465,15 +465,18 @@ class Supervisor:
         try:
             if text is None:
                 rank.log.flush()
+                rank.unflushed = 0
             else:
                 rank.log.write(text + "\n")
-        except OSError as exc:
+                rank.unflushed += lines
+        except OSError as exc:  # what the buffer held is lost too (a write that failed counts once)
             with contextlib.suppress(OSError):
                 rank.log.close()
             rank.log = None
-            rank.unlogged += lines
+            rank.unlogged += rank.unflushed + (lines if text is not None else 0)
+            rank.unflushed = 0
             self.view.notice(f"warning: rank {rank_no}'s log {self.log_dir}/rank-{rank_no}.log: {exc.strerror or exc};"
-                             " its lines from here on are shown only")
+                             " its last lines and those from here on are shown only")
 
     def _line(self, rank_no: int, rank: _Rank, text: str, stream: str) -> None:
         rank.tail.append(text)

@@ -254,8 +254,12 @@ def _slots(ok: Sequence[HostReport], slots_by_host: Mapping[str, int] | None) ->
         if slots is None or not report.gpus:
             continue
         capacity = report.gpu_slots
+        if capacity == 0 and report.cuda_visible is not None:
+            continue  # the host's CUDA_VISIBLE_DEVICES leaves no GPU (hidden on purpose): a CPU host for jobs
         if slots > capacity:
             unit = "GPU slots (MIG devices counted)" if capacity != len(report.gpus) else "GPUs"
+            if report.cuda_visible is not None:
+                unit = f"GPUs that the host's CUDA_VISIBLE_DEVICES={report.cuda_visible!r} leaves"
             found.append(
                 Finding(
                     "error",

@@ -78,3 +78,14 @@ def test_a_dry_run_here_shows_the_gpus_the_launch_gives(tmp_path: Path) -> None:
     ranks = json.loads(out.stdout)["ranks"]
     # before: 1 rank without CUDA_VISIBLE_DEVICES, while the launch started 4 on the 4 GPUs
     assert len(ranks) == 4 and {r["env"]["CUDA_VISIBLE_DEVICES"] for r in ranks} == {",".join(UUIDS)}
+
+
+@pytest.mark.parametrize("hidden", ["", "-1"])
+def test_a_host_that_hides_every_gpu_runs_a_cpu_rank_not_an_error(tmp_path: Path, hidden: str) -> None:
+    (tmp_path / "seen.py").write_text(SCRIPT)
+    out = run_dlrun("launch", "--dry-run", "--json", "--framework", "torch", "--hosts", "localhost", "seen.py",
+                    env={**four_gpu_host(tmp_path), "CUDA_VISIBLE_DEVICES": hidden}, cwd=tmp_path, timeout=120)
+    # before the review's fix: "1 slots but only 0 GPU slots … ranks would have to share a GPU"
+    assert out.returncode == 0, out.stdout + out.stderr
+    ranks = json.loads(out.stdout)["ranks"]
+    assert len(ranks) == 1 and "CUDA_VISIBLE_DEVICES" not in ranks[0]["env"]

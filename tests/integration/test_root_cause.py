@@ -261,7 +261,8 @@ def test_a_full_disk_under_the_logs_loses_the_log_not_the_job_or_its_root_cause(
         subprocess.run(["umount", "-l", str(small)], check=False)
     # before: dlrun itself died with OSError: [Errno 28] (exit 1, no root cause, no summary)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "No space left on device; its lines from here on are shown only" in out.stdout, out.stdout[-3000:]
+    assert "No space left on device; its last lines and those from here on are shown only" in out.stdout, \
+        out.stdout[-3000:]
     assert "RuntimeError: out of patience at the end" in root_cause_block(out.stdout)
     assert re.search(r"rank 1's log lacks \d+ of its lines", out.stdout), out.stdout[-3000:]
 

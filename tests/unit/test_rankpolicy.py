@@ -234,3 +234,16 @@ def test_a_chained_tracebacks_cause_is_named_above_the_last_one_also_behind_a_pr
     for line in [*frames(1), "KeyError: 'k'"]:
         catcher.feed(line)
     assert catcher.last == (*frames(1), "KeyError: 'k'")
+
+
+def test_the_line_between_chained_tracebacks_counts_when_it_comes_alone_and_a_chain_names_its_first() -> None:
+    from dlrun.remote.rankpolicy import RankLines
+
+    lines = RankLines()
+    chain = []
+    for error in ("OSError: disk gone", "ValueError: loss is nan", "RuntimeError: step failed"):
+        chain += ["Traceback (most recent call last):", *frames(1), error, "",
+                  "The above exception was the direct cause of the following exception:", ""]
+    for line in chain[:-3]:  # Python writes a traceback in many writes: each line a chunk of its own
+        lines.seen([line])
+    assert lines.traceback.last == ("caused by: OSError: disk gone", *frames(1), "RuntimeError: step failed")

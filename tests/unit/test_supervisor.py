@@ -9,7 +9,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -232,3 +232,19 @@ def test_the_jobs_log_folder_is_made_private_or_taken_only_when_it_is_the_users(
     for path in (tmp_path / "logs" / "j2", theirs):
         with pytest.raises(UsageError, match="is there already and is not a folder of yours"):
             private_folder(path)
+
+
+def test_a_full_disk_counts_the_lines_its_buffer_held_too() -> None:
+    from types import SimpleNamespace
+
+    from dlrun.run.supervisor import _Rank
+
+    notices: list[str] = []
+    rank = _Rank(command=cast(Any, None), log=open("/dev/full", "w", encoding="utf-8"))  # noqa: SIM115
+    this = cast(Any, SimpleNamespace(log_dir=Path("logs"), view=SimpleNamespace(notice=notices.append)))
+    for i in range(100):  # buffered: the writes work, the flush does not
+        Supervisor._log(this, 0, rank, f"line {i}", 1)
+    Supervisor._log(this, 0, rank, None, 0)
+    assert rank.log is None and rank.unlogged == 100  # before the review: 0
+    Supervisor._log(this, 0, rank, "later", 1)
+    assert rank.unlogged == 101 and len(notices) == 1 and "No space left on device" in notices[0]
