@@ -60,7 +60,7 @@ VOLATILE = {"SSH_CLIENT", "SSH_CONNECTION", "PWD", "OLDPWD", "SHLVL", "_", "SSH_
 def inherited_env(env: dict[str, str]) -> dict[str, str]:
     """A rank's env less what dlrun adds on purpose and what differs by nature."""
     return {k: v for k, v in env.items() if k not in VOLATILE and not k.startswith("DLRUN_")
-            and k != "PYTHONUNBUFFERED"}
+            and k not in ("PYTHONUNBUFFERED", "PYTHONFAULTHANDLER")}
 
 
 def facts_of(text: str) -> list[dict[str, Any]]:
