@@ -112,7 +112,7 @@ def result_document(result: RunResult) -> dict[str, Any]:
     root = result.root_cause
     if result.exit_code == 0:
         outcome = "succeeded"
-    elif result.interrupted_by is not None:
+    elif result.interrupted_by is not None and root is None:  # as the summary's verdict: a failure first
         outcome = "interrupted"
     elif root is None and result.hang:
         outcome = "hung"

@@ -573,10 +573,11 @@ class Supervisor:
         or where one too large to send stayed."""
         from dlrun.remote.stack_groups import left_on_host, rank_of, read_dump  # few jobs send one
 
-        left = left_on_host(payload, host)
-        if left is not None:
-            self.dump_came.add(left[0])
-            self.dumps_left.append(left[1])
+        if payload.startswith(b"\0"):  # not a dump: where one too large to send stayed
+            left = left_on_host(payload, host)
+            if left is not None:
+                self.dump_came.add(left[0])
+                self.dumps_left.append(left[1])
             return
         raw, _, data = payload.partition(b"\0")
         name = os.path.basename(raw.decode("utf-8", "replace")).strip(".") or "dump"
