@@ -671,7 +671,13 @@ def survey(spec: dict[str, Any]) -> tuple[dict[str, Any], Record, Record]:
     elif versioned:
         base = nearest_existing(os.path.dirname(root))  # checked by can_version
     elif not os.access(base, os.W_OK | os.X_OK):
-        error = "permission denied" if base == root else f"permission denied (cannot create {root})"
+        why = "permission denied"
+        try:  # root may write anywhere but a read-only mount: say which it is
+            if os.statvfs(base).f_flag & getattr(os, "ST_RDONLY", 1):
+                why = "read-only file system"
+        except OSError:
+            pass
+        error = why if base == root else f"{why} (cannot create {root})"
     try:
         vfs = os.statvfs(base)
         free, block, device = vfs.f_bavail * vfs.f_frsize, vfs.f_frsize, os.stat(base).st_dev
