@@ -36,6 +36,7 @@ HEADER = struct.Struct(">BiI")
 STARTED, STDOUT, STDERR, EXIT, ERROR, DONE, GPU, STACKS, FILE = 2, 3, 4, 5, 6, 7, 11, 13, 14
 #: The numbers the client uses too (the stop margin, the restart pause, gpu.csv's columns, the
 #: hang's) and the restart decision are ``dlrun.remote.rankpolicy``'s, loaded from source (``policy``).
+LEFT = "left"  # a digest's place for a dump too large to send back (a note says where it stayed)
 RECORD_LINE = 4000  # characters of one tail line kept in the job's records
 HANDSHAKE_TIMEOUT = 10.0  # a follower's wait for the leader's welcome, per try
 AUTH_TIMEOUT = 1.0  # a stranger at the leader's door must be through TLS and the token by then, in all
@@ -538,7 +539,7 @@ class Keeper:
         self.hang_answers: dict[str, Any] = {}
         self.hang_stop_at: float | None = None  # the dumps asked for: the stop follows then
         self.record_asked: list[int] = []  # the ranks running when the hang asked for dumps (leader)
-        self.digests: dict[int, Any] = {}  # this attempt's dumps: rank -> digest (None: unreadable)
+        self.digests: dict[int, Any] = {}  # this attempt's dumps: rank -> digest (None: unreadable; LEFT)
         self.flight_from: set[str] = set()  # the hosts whose digests are in (the leader's)
         self.flight_sent = False  # this follower's digests went to the leader
         self.flight_until: float | None = None  # the leader's wait for them ends then
@@ -765,7 +766,7 @@ class Keeper:
             if payload.startswith(b"\0"):  # too large to send: where it stayed
                 left = groups.left_on_host(payload, self.host) if groups is not None else None
                 if left is not None:
-                    self.digests[left[0]] = None
+                    self.digests[left[0]] = LEFT  # sent back none: it stayed on the host, named in a note
                     self.note(left[1])
                 return
             raw, _, data = payload.partition(b"\0")
@@ -1001,12 +1002,13 @@ class Keeper:
         """What the dumps say (``stack_groups``: who is behind, who sent none when asked) and
         where they are."""
         groups = self.groups()
-        readable = {rank: d for rank, d in self.digests.items() if d is not None}
+        readable = {rank: d for rank, d in self.digests.items() if isinstance(d, dict)}
         lines = [*groups.lagging_lines(readable), *groups.silent_lines(self.record_asked, sorted(self.digests))]
-        if self.digests and not self.hang_cause:  # a hang's lines name the folders already
-            noun = "rank" if len(self.digests) == 1 else "ranks"
+        kept = sorted(rank for rank, d in self.digests.items() if d != LEFT)  # in the job's folders
+        if kept and not self.hang_cause:  # a hang's lines name the folders already
+            noun = "rank" if len(kept) == 1 else "ranks"
             lines.append(f"flight recorder dumps: ~/.dlrun/jobs/{self.job_id}/host-<host>/attempt-{self.attempt}/"
-                         f"flight-recorder/ on each host ({noun} {groups.rank_list(sorted(self.digests))})")
+                         f"flight-recorder/ on each host ({noun} {groups.rank_list(kept)})")
         return lines
 
     def restart(self, attempt: int) -> None:

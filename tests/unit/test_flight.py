@@ -153,4 +153,6 @@ def test_a_keeper_notes_where_a_dump_too_large_to_send_stayed_and_counts_it_as_s
     assert 0 in one.digests and not (tmp_path / "attempt-0" / "flight-recorder").exists()
     assert ("flight recorder: rank 0's dump (20.0 MiB, over the 16 MiB a host sends back) stayed on h:"
             " /tmp/x/trace_rank_0") in one.notes
-    assert not any("rank 0 sent no dump" in line for line in one.flight_evidence())
+    evidence = one.flight_evidence()
+    assert not any("rank 0 sent no dump" in line for line in evidence)
+    assert not any(line.startswith("flight recorder dumps:") for line in evidence), evidence  # not in ~/.dlrun
