@@ -71,6 +71,7 @@ class _Pending:
     answers: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     waiting: set[str] = field(default_factory=set)
+    ended: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (host, how it ended): no stack
 
 
 class StackRequests:
@@ -87,11 +88,12 @@ class StackRequests:
         self.ids = itertools.count(1)
 
     def ask(self, hosts: Mapping[str, Host], ranks: Mapping[str, Sequence[int]],
-            reply: Callable[[StackAnswer], None]) -> None:
-        """Ship py-spy (a thread), then ``StacksReady(id, sha256, notes)`` comes back as an event."""
+            reply: Callable[[StackAnswer], None], ended: Mapping[int, tuple[str, str]] | None = None) -> None:
+        """Ship py-spy (a thread), then ``StacksReady(id, sha256, notes)`` comes back as an event.
+        ``ended``: ranks of those hosts that exited already, and how (the answer and its files say it)."""
         request_id = f"s{next(self.ids)}"
         self.pending[request_id] = _Pending(dict(hosts), {h: list(r) for h, r in ranks.items()}, reply,
-                                            self.clock() + ANSWER_TIMEOUT)
+                                            self.clock() + ANSWER_TIMEOUT, ended=dict(ended or {}))
 
         def ship() -> None:
             from dlrun.run.tools import ship_pyspy
@@ -157,6 +159,7 @@ class StackRequests:
             found += [RankStacks(rank, host, None, "none", (), error=why) for rank in pending.ranks.get(host, ())
                       if rank not in seen]
             stacks += found
+        stacks += [RankStacks(rank, host, None, "none", (), error=how) for rank, (host, how) in pending.ended.items()]
         stacks.sort(key=lambda r: r.rank)
         folder = None
         if self.log_dir is not None:

@@ -623,26 +623,18 @@ class Supervisor:
         if not running:
             reply(StackAnswer((), None, {"*": "no host of the job runs ranks now"}))
             return
-        ended = [(r, n) for n, link in running.items() for r in link.ranks if self.ranks[r].exit_code is not None]
-        if ended:  # a rank that ended already (exit 0 early: a peer then waits for ever) is the clue, not "no stack"
-            reply = self._with_ended(ended, reply)
-        self.stack_requests.ask({n: link.host for n, link in running.items()},
-                                {n: [r for r in link.ranks if self.ranks[r].exit_code is None]
-                                 for n, link in running.items()}, reply)
-
-    def _with_ended(self, ended: Sequence[tuple[int, str]],
-                    reply: Callable[[StackAnswer], None]) -> Callable[[StackAnswer], None]:
-        from dlrun.remote.stack_groups import RankStacks
-
-        def with_them(answer: StackAnswer) -> None:
-            extra = []
-            for number, host in ended:
+        # a rank that ended already (exit 0 early: a peer then waits for ever) is the clue, not "no stack"
+        ended: dict[int, tuple[str, str]] = {}
+        for name, link in running.items():
+            for number in link.ranks:
                 rank = self.ranks[number]
-                took = "" if rank.started is None or rank.ended is None else f" after {rank.ended - rank.started:.1f} s"
-                extra.append(RankStacks(number, host, None, "none", (),
-                                        error=f"it exited {rank.exit_code}{took}, before the stacks were asked"))
-            reply(replace(answer, stacks=tuple(sorted((*answer.stacks, *extra), key=lambda r: r.rank))))
-        return with_them
+                if rank.exit_code is not None:
+                    took = "" if rank.started is None or rank.ended is None else \
+                        f" after {rank.ended - rank.started:.1f} s"
+                    ended[number] = (name, f"it exited {rank.exit_code}{took}, before the stacks were asked")
+        self.stack_requests.ask({n: link.host for n, link in running.items()},
+                                {n: [r for r in link.ranks if r not in ended] for n, link in running.items()},
+                                reply, ended)
 
     def _watch(self) -> None:
         """Each turn of the loop: overdue stack requests, and the hang watch."""

@@ -478,6 +478,8 @@ def test_a_hang_says_a_rank_exited_early_instead_of_no_such_rank(tmp_path: Path)
     assert re.search(r"rank 1 \(localhost\): no stack: it exited 0 after \d+\.\d s, before the stacks were asked",
                      out.stdout), out.stdout
     assert "SIGABRT" not in out.stdout and "no such rank" not in out.stdout, out.stdout
+    folder = tmp_path / found(r"full stacks: (dlrun-logs/\S+)", out.stdout)
+    assert "it exited 0 after" in (folder / "rank-1.txt").read_text()  # the files say it too
 
 
 # rank 0's dump is larger than a host sends back (agent.FILE_LIMIT, 16 MiB); rank 1's is small
