@@ -1208,6 +1208,15 @@ class Keeper:
             return
         groups_of = self.groups()
         stacks = [s for host, answer in sorted(self.hang_answers.items()) for s in groups_of.rank_stacks(host, answer)]
+        asked = {s.rank for s in stacks}
+        ended = []  # a rank that exited already (exit 0 early: a peer then waits for ever) is the clue
+        for rank, entry in sorted(self.ranks.items()):
+            if rank not in asked and entry.get("code") is not None:
+                took = (f" after {float(entry['ended']) - float(entry['started']):.1f} s"
+                        if entry.get("started") and entry.get("ended") else "")
+                how = f"it exited {entry['code']}{took}, before the stacks were asked"
+                ended.append(groups_of.RankStacks(rank, str(entry["host"]), None, "none", (), error=how))
+        stacks += ended
         groups = groups_of.group_ranks(sorted(stacks, key=lambda s: s.rank))
         cause = groups_of.hang_cause(groups) if stacks else "no host sent its ranks' stacks"
         lines = list(groups_of.summary_lines(groups)) + groups_of.ras_lines(sorted(self.hang_answers.items()))
@@ -1218,7 +1227,7 @@ class Keeper:
         if self.flight:  # asked for below; each host's come back with its agent's end, after this record
             lines.append(f"flight recorder dumps: ~/.dlrun/jobs/{self.job_id}/host-<host>/attempt-{self.attempt}/"
                          "flight-recorder/ on each host (NCCL ranks)")
-        unread = [s.rank for s in stacks if not s.taken]
+        unread = [s.rank for s in stacks if not s.taken and s not in ended]
         if unread:  # faulthandler (PYTHONFAULTHANDLER) prints those ranks' stacks to their logs
             lines.append(f"no stack by py-spy for ranks {unread}: SIGABRT, faulthandler's dump is in their logs")
         if self.root_cause is None:

@@ -480,6 +480,16 @@ def test_a_hang_says_a_rank_exited_early_instead_of_no_such_rank(tmp_path: Path)
     assert "SIGABRT" not in out.stdout and "no such rank" not in out.stdout, out.stdout
     folder = tmp_path / found(r"full stacks: (dlrun-logs/\S+)", out.stdout)
     assert "it exited 0 after" in (folder / "rank-1.txt").read_text()  # the files say it too
+    # a detached job's keepers say the same
+    home = {"HOME": str(tmp_path / "home")}
+    launched = run_dlrun("launch", "--detach", "--grace", "2", "--np", "2", "--framework", "none", "--hang-timeout",
+                         "5", "early.py", cwd=tmp_path, timeout=240, env=home)
+    job = found(r"detached job ([\w-]+)", launched.stdout + launched.stderr)
+    attached = run_dlrun("attach", job, cwd=tmp_path, timeout=240, env=home)
+    assert attached.returncode == 124, attached.stdout + attached.stderr
+    assert re.search(r"rank 1 \(localhost\): no stack: it exited 0 after \d+\.\d s, before the stacks were asked",
+                     attached.stdout), attached.stdout
+    assert "SIGABRT" not in attached.stdout, attached.stdout
 
 
 # rank 0's dump is larger than a host sends back (agent.FILE_LIMIT, 16 MiB); rank 1's is small
