@@ -7,14 +7,17 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from support.cli import REPO, dlrun_argv, run_dlrun
+from support.scripts import RAISES_AND_LINGERS
 from support.ssh_jobs import hosts_toml, shared_script
 from support.sshd_cluster import SshdCluster, wait_job_processes_gone
 
@@ -490,6 +493,23 @@ def test_a_hang_says_a_rank_exited_early_instead_of_no_such_rank(tmp_path: Path)
     assert re.search(r"rank 1 \(localhost\): no stack: it exited 0 after \d+\.\d s, before the stacks were asked",
                      attached.stdout), attached.stdout
     assert "SIGABRT" not in attached.stdout, attached.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.ssh
+def test_a_follower_hosts_rank_that_raised_first_is_named_by_the_leader(cluster: SshdCluster, tmp_path: Path) -> None:
+    marks = Path(tempfile.mkdtemp(prefix="dlrun-marks-"))  # the login user writes its marker there
+    marks.chmod(0o777)
+    try:
+        job, common = detached_torch_job(cluster, tmp_path, "linger.py", RAISES_AND_LINGERS, "-e", f"MARKS={marks}")
+        attached = run_dlrun("attach", job, *common, cwd=tmp_path, timeout=240)
+    finally:
+        shutil.rmtree(marks, ignore_errors=True)
+    assert attached.returncode == 1, attached.stdout + attached.stderr
+    # rank 1 runs on host1, whose keeper tells the leader's (host0) that its last words were a traceback
+    assert re.search(r"\n  rank 1 on host1 raised first, \d+\.\d s before, and printed little since",
+                     attached.stdout), attached.stdout
+    assert wait_job_processes_gone(job, timeout=30) == []
 
 
 # rank 0's dump is larger than a host sends back (agent.FILE_LIMIT, 16 MiB); rank 1's is small
