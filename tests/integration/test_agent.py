@@ -270,10 +270,15 @@ SLEEPING_RANK = "import time\nprint('up', flush=True)\ntime.sleep(600)\n"
 def start_silent_job(script: str, host_timeout: float) -> tuple[subprocess.Popen[bytes], int]:
     """An agent (no PID namespace) whose controller sends the spec, then nothing: returns the
     agent and its rank's pid. stdin stays open, as over a connection whose far end vanished."""
-    proc = start_agent()
-    assert proc.stdin is not None and proc.stdout is not None
     spec = {"job_id": "silent", "eof_grace": 0.5, "host_timeout": host_timeout,
             "ranks": [{"rank": 0, "argv": [sys.executable, "-c", script], "env": {}}]}
+    return start_spec(spec)
+
+
+def start_spec(spec: Mapping[str, object]) -> tuple[subprocess.Popen[bytes], int]:
+    """An agent given ``spec`` (one rank), once it says the rank started: the agent, the rank's pid."""
+    proc = start_agent()
+    assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(json.dumps(spec).encode() + b"\n")
     proc.stdin.flush()
     decoder = agent.FrameDecoder()
@@ -381,14 +386,7 @@ def test_an_agent_ended_by_a_signal_leaves_no_rank_folder_behind(tmp_path: Path)
     error_file = tmp_path / "dlrun-j4" / "attempt_0" / "0" / "error.json"
     spec = {"job_id": "j4", "ranks": [{"rank": 0, "argv": [sys.executable, "-c", "import time; time.sleep(60)"],
                                        "env": {"TORCHELASTIC_ERROR_FILE": str(error_file)}}]}
-    proc = start_agent()
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(json.dumps(spec).encode() + b"\n")
-    proc.stdin.flush()
-    decoder = agent.FrameDecoder()
-    frames: list[tuple[int, int, bytes]] = []
-    while not any(k == agent.STARTED for k, _, _ in frames):
-        frames += decoder.feed(read_some(proc.stdout))
+    proc, _pid = start_spec(spec)
     assert error_file.parent.is_dir()
     proc.send_signal(signal.SIGHUP)
     assert proc.wait(timeout=30) == 128 + signal.SIGHUP

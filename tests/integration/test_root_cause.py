@@ -8,7 +8,6 @@ import io
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import dlrun
 from dlrun.run.view import PlainView, root_cause_lines
 
 from support.cli import run_dlrun
+from support.mounts import tmpfs
 from support.scripts import RAISES_AND_LINGERS
 
 
@@ -247,18 +247,10 @@ if os.environ["DLRUN_RANK"] == "1":
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs")
 def test_a_full_disk_under_the_logs_loses_the_log_not_the_job_or_its_root_cause(tmp_path: Path) -> None:
-    small = tmp_path / "small"
-    small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "small", "size=1m") as small:
         (tmp_path / "fill.py").write_text(FILLS_THE_LOG_DISK)
         out = run_dlrun("launch", "--plain", "--framework", "none", "-n", "2", "--log-dir", str(small), "fill.py",
                         cwd=tmp_path, timeout=180)
-    finally:
-        subprocess.run(["umount", "-l", str(small)], check=False)
     # before: dlrun itself died with OSError: [Errno 28] (exit 1, no root cause, no summary)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "No space left on device; its last lines and those from here on are shown only" in out.stdout, \

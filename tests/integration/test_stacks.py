@@ -411,6 +411,17 @@ def test_flight_recorder_dumps_come_back_and_name_the_rank_behind(tmp_path: Path
     assert not Path(f"/tmp/dlrun-{job}").exists()  # the host's copies went with the job
 
 
+def hang_with_dumps(tmp_path: Path, name: str, source: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``source`` as 2 torch ranks that hang (``--hang-timeout 5``, exit 124): the launch's output,
+    and the job's ``flight-recorder/`` folder in its logs."""
+    (tmp_path / name).write_text(source)
+    out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch", "--hang-timeout", "5",
+                    name, cwd=tmp_path, timeout=240)
+    assert out.returncode == 124, out.stdout + out.stderr
+    job = found(r"logs in dlrun-logs/([\w-]+)/", out.stdout)
+    return out, tmp_path / "dlrun-logs" / job / "flight-recorder"
+
+
 # what ProcessGroupNCCL does with TORCH_NCCL_DEBUG_INFO_PIPE_FILE (no NCCL here): make the pipe
 # <stem><rank>.pipe, and on a byte write the dump to TORCH_FR_DUMP_TEMP_FILE<rank> from a thread of
 # its own. Rank 0's dump takes 4 s (on a lent H100, torch's own came later than dlrun's stop);
@@ -445,12 +456,7 @@ while True:
 
 @pytest.mark.slow
 def test_a_hangs_stop_waits_for_the_flight_recorder_dumps_it_asked_for(tmp_path: Path) -> None:
-    (tmp_path / "slow_dump.py").write_text(SLOW_DUMP)
-    out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch", "--hang-timeout", "5",
-                    "slow_dump.py", cwd=tmp_path, timeout=240)
-    assert out.returncode == 124, out.stdout + out.stderr
-    job = found(r"logs in dlrun-logs/([\w-]+)/", out.stdout)
-    folder = tmp_path / "dlrun-logs" / job / "flight-recorder"
+    out, folder = hang_with_dumps(tmp_path, "slow_dump.py", SLOW_DUMP)
     # rank 1 wrote none: the stop did not wait for it for ever
     assert sorted(p.name for p in folder.iterdir()) == ["trace_rank_0"], out.stdout
     assert pickle.loads((folder / "trace_rank_0").read_bytes())["pg_status"]["0"]["last_enqueued_collective"] == 7
@@ -458,7 +464,7 @@ def test_a_hangs_stop_waits_for_the_flight_recorder_dumps_it_asked_for(tmp_path:
     # the rank that was asked and sent nothing back is named: often the one that is stuck
     assert ("  flight recorder: rank 1 sent no dump back when asked (rank 0 did): no NCCL process group there"
             " yet, or stuck where torch's dump thread cannot run\n") in out.stdout, out.stdout
-    assert not Path(f"/tmp/dlrun-{job}").exists()  # the pipes and the folder went with the job
+    assert not Path(f"/tmp/dlrun-{folder.parent.name}").exists()  # the pipes and the folder went with the job
 
 
 EXITS_EARLY = """
@@ -540,12 +546,7 @@ while True:
 
 @pytest.mark.slow
 def test_a_dump_too_large_to_send_back_is_named_where_it_stayed(tmp_path: Path) -> None:
-    (tmp_path / "big_dump.py").write_text(BIG_DUMP)
-    out = run_dlrun("launch", "--plain", "--grace", "2", "--np", "2", "--framework", "torch", "--hang-timeout", "5",
-                    "big_dump.py", cwd=tmp_path, timeout=240)
-    assert out.returncode == 124, out.stdout + out.stderr
-    job = found(r"logs in dlrun-logs/([\w-]+)/", out.stdout)
-    folder = tmp_path / "dlrun-logs" / job / "flight-recorder"
+    out, folder = hang_with_dumps(tmp_path, "big_dump.py", BIG_DUMP)
     assert sorted(p.name for p in folder.iterdir()) == ["trace_rank_1"], out.stdout
     stayed = found(r"flight recorder: rank 0's dump \(17\.0 MiB, over the 16 MiB a host sends back\) stayed on"
                    r" localhost: (\S+)\n", out.stdout)

@@ -9,25 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from dlrun.remote import boot_argv, boot_payload
+
+from support.mounts import tmpfs
 
 
 def test_a_read_only_home_is_named_in_one_line(tmp_path: Path) -> None:
-    home = tmp_path / "home"
-    home.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(home)], capture_output=True,
-                             text=True, check=False)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "home", "ro,size=1m") as home:
         config = {"job_id": "j1", "host": "h", "leader": False}
         out = subprocess.run(boot_argv([sys.executable], "keeper"), input=boot_payload("keeper")
                              + json.dumps(config).encode() + b"\n", capture_output=True, timeout=60,
                              env={**os.environ, "HOME": str(home)})
-    finally:
-        subprocess.run(["umount", "-l", str(home)], check=False)
     err = out.stderr.decode()
     assert out.returncode == 1 and "Traceback" not in err, err
     assert err.strip() == (f"dlrun-keeper: cannot make the job's folder {home}/.dlrun: the file system is read-only"

@@ -3,23 +3,14 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
-
-import pytest
 
 from dlrun.remote import push_helper
 
+from support.mounts import tmpfs
+
 
 def test_a_read_only_mount_is_named_as_such(tmp_path: Path) -> None:
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True,
-                             text=True, check=False)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
         reply, _, _ = push_helper.survey({"root": str(ro / "proj"), "paths": []})
-    finally:
-        subprocess.run(["umount", "-l", str(ro)], check=False)
     assert reply["error"] == f"read-only file system (cannot create {ro / 'proj'})"

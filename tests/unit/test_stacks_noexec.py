@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,21 +12,14 @@ import pytest
 
 from dlrun.remote import stacks
 
+from support.mounts import tmpfs
+
 
 @pytest.fixture
 def noexec_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    umount = shutil.which("umount") or "umount"  # found before a test empties PATH
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,noexec", "tmpfs", str(cache)],
-                             capture_output=True, text=True, check=False)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a noexec tmpfs here: {mounted.stderr.strip()}")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    try:
+    with tmpfs(tmp_path / "cache", "size=1m,noexec") as cache:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
         yield cache
-    finally:
-        subprocess.run([umount, "-l", str(cache)], check=False)
 
 
 def test_a_noexec_cache_moves_to_the_runtime_folder(noexec_cache: Path, tmp_path: Path,
