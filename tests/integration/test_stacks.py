@@ -422,11 +422,9 @@ def hang_with_dumps(tmp_path: Path, name: str, source: str) -> tuple[subprocess.
     return out, tmp_path / "dlrun-logs" / job / "flight-recorder"
 
 
-# what ProcessGroupNCCL does with TORCH_NCCL_DEBUG_INFO_PIPE_FILE (no NCCL here): make the pipe
-# <stem><rank>.pipe, and on a byte write the dump to TORCH_FR_DUMP_TEMP_FILE<rank> from a thread of
-# its own. Rank 0's dump takes 4 s (on a lent H100, torch's own came later than dlrun's stop);
-# rank 1 reads the byte and never writes one.
-SLOW_DUMP = """
+#: A rank that does what ProcessGroupNCCL does with TORCH_NCCL_DEBUG_INFO_PIPE_FILE (no NCCL here):
+#: make the pipe ``<stem><rank>.pipe`` and, once a byte comes, run THEN in a thread of its own.
+DUMPS_WHEN_ASKED = """
 import os, pickle, threading, time
 
 rank = int(os.environ["RANK"])
@@ -437,7 +435,25 @@ os.mkfifo(pipe)
 def monitor():
     with open(pipe, "rb") as fh:
         fh.read(1)
-    if rank == 0:
+THEN
+
+threading.Thread(target=monitor, daemon=True).start()
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def dumps_when_asked(then: str) -> str:
+    """``DUMPS_WHEN_ASKED`` with ``then`` (indented code, what the rank does once asked)."""
+    return DUMPS_WHEN_ASKED.replace("THEN", then)
+
+
+# what ProcessGroupNCCL does with TORCH_NCCL_DEBUG_INFO_PIPE_FILE (no NCCL here): make the pipe
+# <stem><rank>.pipe, and on a byte write the dump to TORCH_FR_DUMP_TEMP_FILE<rank> from a thread of
+# its own. Rank 0's dump takes 4 s (on a lent H100, torch's own came later than dlrun's stop);
+# rank 1 reads the byte and never writes one.
+SLOW_DUMP = dumps_when_asked("""    if rank == 0:
         time.sleep(4)
         data = pickle.dumps({"version": "2.10", "pg_status": {"0": {"last_enqueued_collective": 7}}, "entries": []})
         with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "wb") as out:
@@ -445,13 +461,7 @@ def monitor():
             out.flush()
             time.sleep(0.05)
             out.write(data[10:])
-
-
-threading.Thread(target=monitor, daemon=True).start()
-print("ready", flush=True)
-while True:
-    time.sleep(1)
-"""
+""")
 
 
 @pytest.mark.slow
@@ -519,29 +529,12 @@ def test_a_follower_hosts_rank_that_raised_first_is_named_by_the_leader(cluster:
 
 
 # rank 0's dump is larger than a host sends back (agent.FILE_LIMIT, 16 MiB); rank 1's is small
-BIG_DUMP = """
-import os, pickle, threading, time
-
-rank = int(os.environ["RANK"])
-pipe = os.environ["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] + str(rank) + ".pipe"
-os.mkfifo(pipe)
-
-
-def monitor():
-    with open(pipe, "rb") as fh:
-        fh.read(1)
-    pad = b"x" * (17 << 20) if rank == 0 else b""
+BIG_DUMP = dumps_when_asked("""    pad = b"x" * (17 << 20) if rank == 0 else b""
     data = pickle.dumps({"version": "2.10", "pg_status": {"0": {"last_enqueued_collective": 7}}, "entries": [],
                          "pad": pad})
     with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "wb") as out:
         out.write(data)
-
-
-threading.Thread(target=monitor, daemon=True).start()
-print("ready", flush=True)
-while True:
-    time.sleep(1)
-"""
+""")
 
 
 @pytest.mark.slow
